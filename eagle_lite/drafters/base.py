@@ -1,0 +1,50 @@
+"""The drafter protocol: anything that proposes a tree of continuations for the target to verify."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import TreeConfig
+from ..tree import DraftTree
+
+
+@dataclass
+class DraftInput:
+    """What the engine tells a drafter each round.
+
+    tokens: the whole sequence so far (prompt + generated); the last one is the root of the next tree,
+      chosen by the target but not yet in its KV cache.
+    hidden: [m, H] the target's last hidden states of the m tokens it committed since the last round
+      (the whole prompt after prefill); hidden[i] belongs to tokens[-m - 1 + i].
+    """
+
+    tokens: list[int]
+    hidden: torch.Tensor
+
+    @property
+    def root(self) -> int:
+        return self.tokens[-1]
+
+
+class Drafter(Protocol):
+    name: str
+
+    def reset(self, max_len: int) -> None:
+        """Start a new sequence of at most max_len tokens (allocate or clear any cache)."""
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        """Return a tree whose root token is inp.root."""
+
+
+class NoDrafter:
+    """Plain autoregressive decoding through the same loop: every tree is the root alone."""
+
+    name = "vanilla"
+
+    def reset(self, max_len: int) -> None:
+        pass
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        return DraftTree(torch.tensor([inp.root], device=inp.hidden.device), [-1])

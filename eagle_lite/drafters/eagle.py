@@ -1,0 +1,82 @@
+"""EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it."""
+from __future__ import annotations
+
+import torch
+
+from ..config import TreeConfig
+from ..draft import DraftHead
+from ..kv_cache import StaticKVCache
+from ..tree import DraftTree, rerank
+from .base import DraftInput
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, target, head: DraftHead) -> None:
+        self.target = target
+        self.head = head.eval()
+        weight = target.lm_head.weight  # V H, frozen and shared with the target
+        self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
+        self.cache: StaticKVCache | None = None
+
+    def reset(self, max_len: int, tree_slots: int = 256) -> None:
+        need = max_len + tree_slots
+        if self.cache is None or self.cache.max_len < need:
+            cfg = self.head.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            self.cache = StaticKVCache(1, kv_heads, head_dim, need, self.lm_weight.dtype, self.lm_weight.device)
+        self.cache.truncate(0)
+
+    def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
+        logp = torch.log_softmax((h @ self.lm_weight.T).float(), dim=-1)  # R V_draft
+        scores, ids = logp.topk(k, dim=-1)
+        return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        cache, embed, k = self.cache, self.target.embed_tokens, tree.top_k
+        dev = inp.hidden.device
+        # 1. Catch up on the real features: pair (f_t, x_{t+1}) sits at x_t's position t.
+        m = inp.hidden.shape[0]
+        n = cache.length                                     # real pairs already in the draft cache
+        if n + m + 1 != len(inp.tokens):
+            raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived with {m} new features")
+        next_tokens = torch.tensor(inp.tokens[-m:], device=dev)
+        h = self.head.step(inp.hidden, embed(next_tokens), cache, torch.arange(n, n + m, device=dev),
+                           torch.ones(m, m, dtype=torch.bool, device=dev).tril_())  # m H
+        cache.commit(m)
+        n += m                                               # = the root's position
+        # 2. The root's children, then `depth - 1` expansions of the best-k frontier.
+        scores, tokens = self._top_k(h[-1:], k)              # 1 k
+        cand_scores, cand_tokens = [scores[0]], [tokens[0]]
+        cand_parents = [torch.full((k,), -1, device=dev)]
+        front = torch.arange(k, device=dev)                  # candidate index of each frontier node
+        front_scores, front_tokens = scores[0], tokens[0]    # k
+        front_h = h[-1:].expand(k, -1)                       # k H: the feature each frontier node reads
+        front_vis_parent = torch.zeros(k, 0, dtype=torch.bool, device=dev)  # k W: parent's view of written nodes
+        written_vis = torch.zeros(0, 0, dtype=torch.bool, device=dev)       # W W
+        for depth in range(1, tree.depth):
+            vis = torch.cat([front_vis_parent, torch.eye(k, dtype=torch.bool, device=dev)], dim=1)  # k W+k
+            h = self.head.step(front_h, embed(front_tokens), cache,
+                               torch.full((k,), n + depth - 1, device=dev), vis)  # k H
+            cache.commit(k)
+            w = written_vis.shape[0]
+            written_vis = torch.cat([torch.nn.functional.pad(written_vis, (0, k)), vis], dim=0)  # W+k W+k
+            scores, tokens = self._top_k(h, k)               # k k
+            cum = (front_scores[:, None] + scores).flatten()  # k*k
+            base = sum(s.numel() for s in cand_scores)
+            cand_scores.append(cum)
+            cand_tokens.append(tokens.flatten())
+            cand_parents.append(front.repeat_interleave(k))
+            best = cum.topk(k).indices                       # k, into the k*k grid
+            parent_row = best // k                           # which frontier node each came from
+            front = base + best
+            front_scores, front_tokens = cum[best], tokens.flatten()[best]
+            front_h = h[parent_row]
+            front_vis_parent = written_vis[w + parent_row]
+        cache.truncate(n)                                    # drop the tree nodes; the real pairs stay
+        kept, parents = rerank(torch.cat(cand_scores), torch.cat(cand_parents), tree.total_tokens)
+        root = torch.tensor([inp.root], device=dev)
+        return DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)

@@ -1,0 +1,153 @@
+"""The generation loop: prefill -> draft -> verify -> accept -> cache commit -> next.
+
+One loop serves every method: plain decoding is speculative decoding whose drafter proposes the root
+alone. The path of a token:
+  1. prefill: the target reads the prompt; its last logits choose the first new token (the root).
+  2. draft:   the drafter proposes a tree of continuations under the root (drafters/).
+  3. verify:  the target reads the whole tree in one forward with the tree mask (target.py, tree.py).
+  4. accept:  the longest path the target agrees with, plus one bonus token (accept.py).
+  5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .accept import accept, target_probs
+from .config import GenerationConfig
+from .drafters.base import DraftInput, Drafter, NoDrafter
+from .kv_cache import ContextOverflowError, StaticKVCache
+from .target import Target
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0           # prefill included
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify forward (bonus included)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0        # target forward + acceptance + cache commit
+    seconds: float = 0.0               # wall time, prefill included
+    stop_reason: str = ""              # "eos" | "length" | "context"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def accept_length_mean(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards, "accept_length_mean": round(self.accept_length_mean, 4),
+            "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 3),
+            "prefill_seconds": round(self.prefill_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4), "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class Engine:
+    """Generates from one target with one drafter; caches are allocated once and reused across calls."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None) -> None:
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        self._cache: StaticKVCache | None = None
+
+    def _cache_for(self, max_len: int) -> StaticKVCache:
+        if self._cache is None or self._cache.max_len < max_len:
+            self._cache = None  # free the old buffers before allocating the new ones
+            self._cache = self.target.new_cache(max_len)
+        self._cache.truncate(0)
+        return self._cache
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
+        stats = GenerationStats()
+        tokens = [t for step in self.stream(prompt_ids, cfg, stats) for t in step]
+        return GenerationResult(tokens, stats)
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
+               stats: GenerationStats | None = None) -> Iterator[list[int]]:
+        """Yield the new tokens of each step; `stats` (if given) is filled in as it goes."""
+        stats = stats if stats is not None else GenerationStats()
+        target, sampling = self.target, cfg.sampling
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n_prompt >= target.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
+                f"{target.max_context}: shorten the prompt (or drop earlier chat turns)"
+            )
+        budget = min(cfg.max_new_tokens, target.max_context - n_prompt)
+        tree_nodes = 1 if isinstance(self.drafter, NoDrafter) else 1 + cfg.tree.total_tokens
+        cache = self._cache_for(n_prompt + budget + tree_nodes)
+        self.drafter.reset(cache.max_len)
+        eos = target.eos_token_ids if cfg.stop_at_eos else set()
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=target.device)
+            generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed()))
+        stats.prompt_tokens = n_prompt
+        start = time.perf_counter()
+
+        def emit(new: list[int]) -> list[int]:
+            """Cut `new` exactly where the target alone would stop: at EOS or the token budget."""
+            out = []
+            for tok in new:
+                out.append(tok)
+                if tok in eos:
+                    stats.stop_reason = "eos"
+                    break
+                if stats.new_tokens + len(out) == budget:
+                    stats.stop_reason = "length" if budget == cfg.max_new_tokens else "context"
+                    break
+            stats.new_tokens += len(out)
+            stats.seconds = time.perf_counter() - start
+            return out
+
+        # 1. prefill: logits for the last prompt token only
+        ids = torch.tensor(prompt_ids, device=target.device)
+        logits, hidden = target.forward(ids, cache, logits_rows=slice(-1, None))  # 1 V, T H
+        cache.commit(n_prompt)
+        if sampling.greedy:
+            first = int(logits[0].argmax())
+        else:
+            first = int(torch.multinomial(target_probs(logits[0], sampling), 1, generator=generator))
+        stats.target_forwards = 1
+        stats.prefill_seconds = time.perf_counter() - start
+        sequence = list(prompt_ids) + [first]
+        yield emit([first])
+        while not stats.stop_reason:
+            # 2. draft a tree rooted at the last chosen token
+            t0 = time.perf_counter()
+            tree = self.drafter.propose(DraftInput(sequence, hidden), cfg.tree)
+            t1 = time.perf_counter()
+            # 3. verify every node in one forward  4. accept  5. commit the accepted path
+            logits, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths,
+                                            logits_rows=slice(None))  # N V, N H
+            path, bonus = accept(tree, logits, sampling, generator)
+            cache.compact(torch.tensor(path, device=target.device))
+            hidden = hidden[path]  # the accepted nodes' features feed the drafter next round
+            new = tree.tokens[path[1:]].tolist() + [bonus]
+            sequence += new
+            stats.target_forwards += 1
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += time.perf_counter() - t1
+            out = emit(new)
+            stats.accept_lengths.append(len(out))
+            yield out

@@ -1,0 +1,86 @@
+"""A static, preallocated KV cache that a transformers model writes through `past_key_values`.
+
+The buffers are allocated once. Every forward writes its T new keys/values into the slots right after
+the committed prefix, `[length, length + T)`, and attends over `[0, length + T)`. A tree verification
+therefore writes all of its nodes; `compact(path)` then moves the accepted nodes next to the prefix and
+commits them, and whatever was rejected is simply overwritten by the next forward (no rollback code).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ContextOverflowError(ValueError):
+    """The tokens do not fit the cache (the model's context window, or the size it was built with)."""
+
+
+class StaticKVCache:
+    """Keys/values of every layer in one tensor each: [layers, B=1, H_kv, max_len, D].
+
+    It duck-types the two methods of `transformers.Cache` that decoder layers and the model call
+    (`update`, `get_seq_length`), so the library's own model classes run unchanged on top of it.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, 1, kv_heads, max_len, head_dim)  # L B H_kv T D
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0        # committed tokens: slots [0, length) hold the sequence so far
+        self._pending = 0      # tokens written by the forward in flight, at [length, length + pending)
+
+    # -- the engine's side -------------------------------------------------------------------------
+    def reserve(self, num_tokens: int) -> int:
+        """Announce the next forward's token count; returns the kv length it will attend over."""
+        end = self.length + num_tokens
+        if end > self.max_len:
+            raise ContextOverflowError(
+                f"{end} tokens do not fit the KV cache of {self.max_len} slots "
+                f"({self.length} committed + {num_tokens} new)"
+            )
+        self._pending = num_tokens
+        return end
+
+    def commit(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` written by the last forward (prefill, or a chain)."""
+        self.length += num_tokens
+        self._pending = 0
+
+    def compact(self, path: torch.Tensor) -> None:
+        """Keep the tree nodes `path` (indices into the last forward's tokens, in sequence order).
+
+        Node i was written at slot `length + i`; the kept nodes move to `length, length + 1, ...`.
+        """
+        n = int(path.numel())
+        src = path.to(self.keys.device) + self.length
+        if not torch.equal(src, torch.arange(self.length, self.length + n, device=src.device)):
+            dst = slice(self.length, self.length + n)
+            # index_select copies first, so overlapping source and destination slots are safe
+            self.keys[:, :, :, dst] = self.keys.index_select(3, src)
+            self.values[:, :, :, dst] = self.values.index_select(3, src)
+        self.commit(n)
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after `length` tokens (e.g. when a chat turn is edited or reset)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+        self._pending = 0
+
+    # -- the model's side (transformers' Cache protocol) -------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: [1, H_kv, T, D] -> all keys/values to attend over: [1, H_kv, length + T, D]."""
+        t = key_states.shape[2]
+        if t != self._pending:
+            raise RuntimeError(f"forward wrote {t} tokens but {self._pending} were reserved; call reserve() first")
+        end = self.length + t
+        self.keys[layer_idx, :, :, self.length:end] = key_states
+        self.values[layer_idx, :, :, self.length:end] = value_states
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length

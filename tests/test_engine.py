@@ -1,0 +1,133 @@
+"""Exactness: speculative greedy == the target's own greedy, token for token, whatever the draft."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.draft import DraftHead
+from eagle_lite.drafters import DraftInput, EagleDrafter, NoDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.tree import DraftTree
+
+from conftest import VOCAB, reference_greedy
+
+TREES = {
+    "chain": TreeConfig(depth=4, top_k=1, total_tokens=4),
+    "wide": TreeConfig(depth=1, top_k=6, total_tokens=6),
+    "dynamic": TreeConfig(depth=4, top_k=4, total_tokens=12),
+    "dynamic_big": TreeConfig(depth=6, top_k=5, total_tokens=40),
+}
+
+
+class OracleDrafter:
+    """Knows the target's greedy continuation and hides it among random siblings.
+
+    Every drafted level holds `width` nodes; the true token sits at a random slot, so the accepted
+    path is scattered through the tree and cache compaction really moves entries.
+    """
+
+    name = "oracle"
+
+    def __init__(self, sequence: list[int], depth: int = 4, width: int = 3, seed: int = 0) -> None:
+        self.sequence, self.depth, self.width = sequence, depth, width
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def reset(self, max_len: int) -> None:
+        pass
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        n = len(inp.tokens)
+        truth = self.sequence[n:n + self.depth]
+        tokens, parents, on_path = [inp.root], [-1], 0
+        for tok in truth:
+            slot = int(torch.randint(self.width, (1,), generator=self.rng))
+            parent, first = on_path, len(tokens)
+            for j in range(self.width):
+                wrong = int(torch.randint(VOCAB, (1,), generator=self.rng))
+                tokens.append(tok if j == slot else (wrong if wrong != tok else (wrong + 1) % VOCAB))
+                parents.append(parent)
+            on_path = first + slot
+        return DraftTree(torch.tensor(tokens), parents)
+
+
+def eagle_engine(target, seed: int = 0) -> Engine:
+    torch.manual_seed(seed)
+    return Engine(target, EagleDrafter(target, DraftHead.for_target(target)))
+
+
+@pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
+@pytest.mark.parametrize("prompt_len", [1, 9, 47])
+def test_eagle_greedy_equals_target_greedy(target, tree, prompt_len):
+    prompt = torch.randint(VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    ref = reference_greedy(target, prompt, 30)
+    result = eagle_engine(target).generate(prompt, GenerationConfig(max_new_tokens=30, tree=TREES[tree],
+                                                                    stop_at_eos=False))
+    assert result.token_ids == ref
+    assert result.stats.new_tokens == 30
+    assert result.stats.target_forwards == 1 + len(result.stats.accept_lengths)
+
+
+def test_vanilla_equals_transformers_generate(target):
+    prompt = list(range(3, 20))
+    ref = reference_greedy(target, prompt, 40)
+    result = Engine(target, NoDrafter()).generate(prompt, GenerationConfig(max_new_tokens=40, stop_at_eos=False))
+    assert result.token_ids == ref
+    assert result.stats.accept_length_mean == 1.0
+    assert result.stats.target_forwards == 40
+
+
+@pytest.mark.parametrize("prompt_len", [2, 30])
+def test_oracle_draft_accepts_everything_and_stays_exact(target, prompt_len):
+    prompt = list(range(5, 5 + prompt_len))
+    ref = reference_greedy(target, prompt, 41)
+    drafter = OracleDrafter(prompt + ref, depth=4, width=3)
+    result = Engine(target, drafter).generate(prompt, GenerationConfig(max_new_tokens=41, stop_at_eos=False))
+    assert result.token_ids == ref
+    # 1 token from prefill, then 5 per verify (4 drafted + bonus): 40 / 5 = 8 verifications
+    assert result.stats.accept_lengths == [5] * 8
+    assert result.stats.target_forwards == 9
+
+
+def test_max_new_tokens_inside_an_accepted_path(llama):
+    prompt = [7, 8, 9]
+    ref = reference_greedy(llama, prompt, 40)
+    for budget in (1, 2, 4, 7, 13):
+        result = Engine(llama, OracleDrafter(prompt + ref, depth=4)).generate(
+            prompt, GenerationConfig(max_new_tokens=budget, stop_at_eos=False))
+        assert result.token_ids == ref[:budget]
+        assert result.stats.stop_reason == "length"
+
+
+def test_eos_inside_an_accepted_path(llama):
+    prompt = [11, 12, 13, 14]
+    ref = reference_greedy(llama, prompt, 40)
+    eos = ref[6]  # a token the target emits mid-path, so it stops there
+    llama.model.generation_config.eos_token_id = eos
+    try:
+        expected = reference_greedy(llama, prompt, 40, eos=eos)
+        assert expected[-1] == eos and len(expected) < 40
+        for drafter in (OracleDrafter(prompt + ref, depth=4), NoDrafter()):
+            result = Engine(llama, drafter).generate(prompt, GenerationConfig(max_new_tokens=40))
+            assert result.token_ids == expected
+            assert result.stats.stop_reason == "eos"
+    finally:
+        llama.model.generation_config.eos_token_id = None
+
+
+def test_engine_reuses_its_cache_across_calls(llama):
+    engine = eagle_engine(llama)
+    prompts = [[1, 2, 3], list(range(10, 60)), [4]]
+    for prompt in prompts + prompts[::-1]:
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=12, stop_at_eos=False)).token_ids == \
+            reference_greedy(llama, prompt, 12)
+    # one allocation big enough for the longest prompt, not one per call
+    assert engine._cache.max_len == 50 + 12 + 1 + GenerationConfig().tree.total_tokens
+
+
+def test_streaming_yields_what_generate_returns(llama):
+    engine = eagle_engine(llama)
+    cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False)
+    steps = list(engine.stream([3, 4, 5], cfg))
+    assert [t for s in steps for t in s] == engine.generate([3, 4, 5], cfg).token_ids
+    assert all(len(s) >= 1 for s in steps)

@@ -1,0 +1,1 @@
+"""Training-side code: data -> target-generated answers -> features -> draft heads."""

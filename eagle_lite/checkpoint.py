@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -26,7 +27,8 @@ class HeadMismatchError(ValueError):
 
 
 def default_head_path(target_name: str) -> Path | None:
-    path = HEADS_DIR / target_name
+    """The head shipped for a target alias or hub id ('smollm2', 'org/model' -> heads/org--model)."""
+    path = HEADS_DIR / re.sub(r"[^A-Za-z0-9._-]+", "--", target_name).strip("-.")
     return path if (path / "config.json").exists() else None
 
 

@@ -1,0 +1,151 @@
+"""`python -m eagle_lite.generate`: chat with a model, or answer one prompt, with lossless speculative decoding.
+
+  python -m eagle_lite.generate                         # interactive chat with the embedded SmolLM2 target
+  python -m eagle_lite.generate --prompt "Hi" --json    # one answer, machine-readable
+  python -m eagle_lite.generate --method vanilla ...    # the same output without speculation
+
+This is the only module that prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import GenerationConfig, SamplingConfig, TreeConfig
+
+CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    tree, sampling = TreeConfig(), SamplingConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_lite.generate",
+        description="Generate with lossless EAGLE speculative decoding: the output is exactly the target's own "
+                    "(greedy: token for token; sampling: the same distribution). Without --prompt, starts a chat.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--prompt", help="answer this one prompt and exit (through the chat template unless --raw)")
+    p.add_argument("--target", default=None,
+                   help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id")
+    p.add_argument("--draft", default="auto",
+                   help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
+    p.add_argument("--method", default="auto", choices=["auto", "eagle", "vanilla"],
+                   help="eagle: speculative decoding; vanilla: one target forward per token; auto: eagle if a head exists")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
+    g = p.add_argument_group("sampling (temperature 0 = greedy)")
+    g.add_argument("--temperature", type=float, default=sampling.temperature)
+    g.add_argument("--top-p", type=float, default=sampling.top_p)
+    g.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible outputs)")
+    t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree)")
+    t.add_argument("--tree-depth", type=int, default=tree.depth, help="expansion steps (longest drafted path)")
+    t.add_argument("--tree-top-k", type=int, default=tree.top_k, help="children per expanded node")
+    t.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens, help="drafted nodes verified per step")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
+    p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
+    return p
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
+        tree=TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_total_tokens),
+        seed=args.seed,
+    )
+
+
+def stats_line(stats) -> str:
+    return (f"[{stats.new_tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
+            f"mean accepted length {stats.accept_length_mean:.2f}, {stats.target_forwards} target forwards]")
+
+
+def one_shot(lm, args, cfg: GenerationConfig) -> None:
+    out = lm.generate(args.prompt, cfg, chat_template=not args.raw)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "method": lm.method,
+                          "target": lm.target.name, **out.stats.as_dict()}))
+    else:
+        print(out.text)
+        print(stats_line(out.stats), file=sys.stderr)
+
+
+def chat(lm, cfg: GenerationConfig) -> None:
+    from .engine import GenerationStats
+
+    print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
+    messages: list[dict] = []
+    totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "forwards": 0}
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return
+        if line == "/reset":
+            messages.clear()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        if line == "/stats":
+            rate = totals["tokens"] / totals["seconds"] if totals["seconds"] else 0.0
+            print(f"[{totals['answers']} answers, {totals['tokens']} tokens, {rate:.1f} tokens/s, "
+                  f"{totals['forwards']} target forwards]", file=sys.stderr)
+            continue
+        if line.startswith("/"):
+            print(f"unknown command {line}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        stats, answer = GenerationStats(), []
+        print("bot> ", end="", flush=True)
+        try:
+            for piece in lm.stream(messages, cfg, stats=stats):
+                answer.append(piece)
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print()
+        messages.append({"role": "assistant", "content": "".join(answer)})
+        totals["answers"] += 1
+        totals["tokens"] += stats.new_tokens
+        totals["seconds"] += stats.seconds
+        totals["forwards"] += stats.target_forwards
+        print(stats_line(stats), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = generation_config(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not args.verbose:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from .pipeline import load
+
+    try:
+        lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype)
+        if args.prompt is not None:
+            one_shot(lm, args, cfg)
+        else:
+            chat(lm, cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The Python API: load a target (and its draft head), then generate or stream text from a prompt or chat.
+
+    from eagle_lite import load
+    lm = load()                                   # embedded SmolLM2 target + its default head
+    out = lm.generate("Why is the sky blue?")     # out.text, out.token_ids, out.stats
+    for piece in lm.stream([{"role": "user", "content": "Hi!"}]):
+        print(piece, end="")
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .checkpoint import default_head_path, load_head
+from .config import GenerationConfig
+from .draft import DraftHead
+from .drafters import EagleDrafter, NoDrafter
+from .engine import Engine, GenerationStats
+from .loading import load_target
+from .target import Target
+
+log = logging.getLogger("eagle_lite")
+
+METHODS = ("eagle", "vanilla")
+
+
+@dataclass
+class Output:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class Pipeline:
+    """A target with one drafting method; `generate`/`stream` take text or chat messages."""
+
+    def __init__(self, target: Target, method: str = "vanilla", head: DraftHead | None = None) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
+        if method == "eagle" and head is None:
+            raise ValueError("method 'eagle' needs a draft head")
+        self.target, self.method, self.head = target, method, head
+        self.engine = Engine(target, EagleDrafter(target, head) if method == "eagle" else NoDrafter())
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+        """Text (one user message) or chat messages -> prompt token ids, through the chat template."""
+        tok = self.target.tokenizer
+        if tok is None:
+            raise ValueError(f"target '{self.target.name}' has no tokenizer; pass token ids to Engine instead")
+        if chat_template and getattr(tok, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        if not isinstance(prompt, str):
+            raise ValueError(f"target '{self.target.name}' has no chat template: give the prompt as text")
+        return tok.encode(prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- generating ------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | list[dict] | list[int], chat_template: bool = True) -> list[int]:
+        """Token ids given directly are used as they are; text and messages are encoded."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        return self.encode(prompt, chat_template)
+
+    def generate(self, prompt: str | list[dict] | list[int], config: GenerationConfig = GenerationConfig(),
+                 chat_template: bool = True) -> Output:
+        result = self.engine.generate(self.prompt_ids(prompt, chat_template), config)
+        text = self.decode(result.token_ids) if self.target.tokenizer is not None else ""
+        return Output(text, result.token_ids, result.stats)
+
+    def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig = GenerationConfig(),
+               chat_template: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
+        """Yield text as tokens are accepted; `stats` (if given) is filled in as it goes."""
+        ids: list[int] = []
+        shown = ""
+        for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config, stats):
+            ids += step
+            text = self.decode(ids)
+            # hold back a trailing replacement char: the rest of a multi-byte character is still coming
+            if not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+        rest = self.decode(ids)[len(shown):]
+        if rest:
+            yield rest
+
+
+def load(target: str | None = None, draft: str | None = "auto", method: str = "auto",
+         dtype: str = "float32", device: str = "cpu") -> Pipeline:
+    """Load a target and a drafting method.
+
+    draft: "auto" (the head shipped for this target, if any), "random" (an untrained head: slow,
+    still exact, for testing), or a folder written by `save_head`. method: "auto" picks eagle when a
+    head is available, else vanilla.
+    """
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
+    tgt = load_target(target, dtype=torch_dtype, device=device)
+    head = None
+    if method in ("auto", "eagle"):
+        if draft == "random":
+            head = DraftHead.for_target(tgt)
+        elif draft in (None, "auto"):
+            path = default_head_path(tgt.name)
+            if path is not None:
+                head = load_head(path, tgt)
+            elif method == "eagle":
+                raise FileNotFoundError(
+                    f"no draft head ships for target '{tgt.name}': pass --draft PATH (a trained head), "
+                    f"--draft random (untrained: exact but slow), or --method vanilla"
+                )
+        else:
+            head = load_head(Path(draft), tgt)
+    if method == "auto":
+        method = "eagle" if head is not None else "vanilla"
+        if head is None:
+            log.warning("no draft head for target '%s': decoding without speculation", tgt.name)
+    return Pipeline(tgt, method, head)

@@ -1,0 +1,73 @@
+"""The decoding methods an evaluation compares, each behind one call: prompt ids -> tokens + stats.
+
+`hf_generate` and `hf_prompt_lookup` are transformers' own `generate()` (the baselines users know);
+`vanilla` and `eagle` are eagle_lite's engine without and with speculation.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from eagle_lite.config import GenerationConfig
+from eagle_lite.drafters import EagleDrafter, NoDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.target import Target
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float
+    target_forwards: int | None        # None where the method does not report it
+    accept_lengths: list[int]
+
+
+Method = Callable[[list[int], GenerationConfig], Run]
+
+
+def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> Method:
+    eos = sorted(target.eos_token_ids) or None
+    pad = getattr(target.tokenizer, "pad_token_id", None) if target.tokenizer is not None else None
+
+    @torch.inference_mode()
+    def run(prompt: list[int], cfg: GenerationConfig) -> Run:
+        ids = torch.tensor([prompt], device=target.device)
+        extra = {} if prompt_lookup_num_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+        start = time.perf_counter()
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=pad if pad is not None else
+                                    (eos[0] if eos else 0), **extra)
+        seconds = time.perf_counter() - start
+        new = out[0, len(prompt):].tolist()
+        forwards = len(new) if prompt_lookup_num_tokens is None else None
+        return Run(new, seconds, forwards, [])
+
+    return run
+
+
+def engine_method(engine: Engine) -> Method:
+    def run(prompt: list[int], cfg: GenerationConfig) -> Run:
+        result = engine.generate(prompt, cfg)
+        s = result.stats
+        return Run(result.token_ids, s.seconds, s.target_forwards, s.accept_lengths)
+
+    return run
+
+
+def build_methods(target: Target, names: list[str], head=None) -> dict[str, Method]:
+    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, eagle."""
+    factories = {
+        "hf_generate": lambda: hf_generate(target),
+        "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
+        "vanilla": lambda: engine_method(Engine(target, NoDrafter())),
+        "eagle": lambda: engine_method(Engine(target, EagleDrafter(target, head))),
+    }
+    unknown = [n for n in names if n not in factories]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(factories)}")
+    if "eagle" in names and head is None:
+        raise ValueError("method 'eagle' needs a draft head")
+    return {n: factories[n]() for n in names}

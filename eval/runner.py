@@ -1,0 +1,91 @@
+"""Run questions x methods, interleaved per question, and record one row per (question, method)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+from eagle_lite.config import GenerationConfig
+from eagle_lite.target import Target
+
+from .methods import Method
+from .tasks import Question
+
+
+@dataclass
+class Record:
+    question_id: str
+    category: str
+    method: str
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    target_forwards: int | None
+    accept_length_mean: float | None
+    accept_lengths: list[int] = field(default_factory=list)
+    identical_to_baseline: bool | None = None
+    first_mismatch: int | None = None   # first differing token position against the baseline
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def conversation_prompts(target: Target, question: Question, answers: list[list[int]]) -> list[int]:
+    """Chat-template ids for the next turn: earlier turns with the baseline's own answers."""
+    messages = []
+    for turn, answer in zip(question.turns, answers):
+        messages.append({"role": "user", "content": turn})
+        messages.append({"role": "assistant", "content": target.tokenizer.decode(answer, skip_special_tokens=True)})
+    messages.append({"role": "user", "content": question.turns[len(answers)]})
+    return list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def run(target: Target, questions: Iterable[Question], methods: dict[str, Method], cfg: GenerationConfig,
+        baseline: str, warmup: bool = True, on_record: Callable[[Record], None] | None = None) -> list[Record]:
+    """Every turn of every question through every method (interleaved, so machine drift hits all alike).
+
+    Multi-turn questions run in one conversation; the baseline's answers form the history so every
+    method sees the same prompt. The greedy output of each method is compared to the baseline's.
+    """
+    if baseline not in methods:
+        raise ValueError(f"baseline '{baseline}' is not among the methods {list(methods)}")
+    order = [baseline] + [m for m in methods if m != baseline]
+    if warmup:
+        warm = GenerationConfig(max_new_tokens=8, sampling=cfg.sampling, tree=cfg.tree)
+        ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}],
+                                                        add_generation_prompt=True, return_dict=False))
+        for name in order:
+            methods[name](ids, warm)
+    records: list[Record] = []
+    for q in questions:
+        answers: list[list[int]] = []
+        for turn in range(len(q.turns)):
+            prompt = conversation_prompts(target, q, answers)
+            ref = None
+            for name in order:
+                result = methods[name](prompt, cfg)
+                if name == baseline:
+                    ref = result.token_ids
+                    answers.append(ref)
+                diff = first_difference(result.token_ids, ref)
+                n = len(result.token_ids)
+                rec = Record(
+                    question_id=f"{q.question_id}#{turn}" if len(q.turns) > 1 else q.question_id,
+                    category=q.category, method=name, new_tokens=n, seconds=result.seconds,
+                    tokens_per_s=n / result.seconds if result.seconds > 0 else 0.0,
+                    target_forwards=result.target_forwards,
+                    accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
+                                        if result.accept_lengths else None),
+                    accept_lengths=result.accept_lengths,
+                    identical_to_baseline=diff is None, first_mismatch=diff,
+                )
+                records.append(rec)
+                if on_record is not None:
+                    on_record(rec)
+    return records

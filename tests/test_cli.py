@@ -1,0 +1,66 @@
+"""The CLI contract: --help, one-shot --json, eagle == vanilla, a scripted chat session, clear errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle_lite.generate import main
+
+def run_json(capsys, *args) -> dict:
+    assert main(list(args) + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_help_explains_the_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--prompt", "--method", "--draft", "--max-new-tokens", "--temperature", "--seed", "--json",
+                 "--tree-depth", "--target"):
+        assert flag in text
+
+
+def test_one_shot_json_eagle_equals_vanilla(tiny_model_dir, capsys):
+    common = ["--target", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "24"]
+    vanilla = run_json(capsys, *common, "--method", "vanilla")
+    eagle = run_json(capsys, *common, "--method", "eagle", "--draft", "random")
+    for key in ("text", "token_ids", "new_tokens", "seconds", "tokens_per_s", "target_forwards", "accept_length_mean"):
+        assert key in eagle
+    assert eagle["token_ids"] == vanilla["token_ids"] and eagle["text"] == vanilla["text"]
+    assert vanilla["target_forwards"] == vanilla["new_tokens"] and vanilla["accept_length_mean"] == 1.0
+    assert 1 <= eagle["new_tokens"] <= 24 and eagle["method"] == "eagle"
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dir, capsys):
+    common = ["--target", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "16", "--temperature", "0.9",
+              "--seed", "3", "--method", "eagle", "--draft", "random"]
+    assert run_json(capsys, *common)["token_ids"] == run_json(capsys, *common)["token_ids"]
+
+
+def test_errors_are_clear(tiny_model_dir, capsys):
+    assert main(["--target", str(tiny_model_dir), "--prompt", "x", "--method", "eagle"]) == 1
+    assert "no draft head ships" in capsys.readouterr().err
+    assert main(["--target", str(tiny_model_dir), "--prompt", "x", "--tree-total-tokens", "999"]) == 2
+    assert "total_tokens=999 exceeds" in capsys.readouterr().err
+    assert main(["--target", str(tiny_model_dir), "--prompt", "x" * 300]) == 1
+    assert "context window of 256" in capsys.readouterr().err
+
+
+def test_scripted_chat_session(tiny_model_dir):
+    script = "hello\nhow are you\n/stats\n/reset\nagain\n/quit\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle_lite.generate", "--target", str(tiny_model_dir), "--method", "eagle",
+         "--draft", "random", "--max-new-tokens", "12"],
+        input=script, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("bot> ") == 3
+    assert proc.stderr.count("mean accepted length") == 3     # one stats line per answer
+    assert "[2 answers," in proc.stderr                          # /stats after two answers
+    assert "(new conversation)" in proc.stderr

@@ -26,6 +26,7 @@ from .target import Target
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0      # prompt tokens whose KV entries were kept from the previous call
     new_tokens: int = 0
     target_forwards: int = 0           # prefill included
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify forward (bonus included)
@@ -60,19 +61,42 @@ class GenerationResult:
 
 
 class Engine:
-    """Generates from one target with one drafter; caches are allocated once and reused across calls."""
+    """Generates from one target with one drafter.
+
+    The KV caches are allocated once (grown only when a longer sequence needs it, never past the
+    context window), so memory stays bounded over a long conversation. A prompt that starts with the
+    tokens of the previous call (the next turn of a chat) reuses their cache entries instead of
+    re-reading them.
+    """
 
     def __init__(self, target: Target, drafter: Drafter | None = None) -> None:
         self.target = target
         self.drafter = drafter or NoDrafter()
         self._cache: StaticKVCache | None = None
+        self._cached_tokens: list[int] = []   # what the committed cache slots hold
 
-    def _cache_for(self, max_len: int) -> StaticKVCache:
-        if self._cache is None or self._cache.max_len < max_len:
-            self._cache = None  # free the old buffers before allocating the new ones
+    def _cache_for(self, prompt_ids: list[int], max_len: int) -> tuple[StaticKVCache, int]:
+        """A cache for this call and how many leading prompt tokens it already holds."""
+        if self._cache is None:
             self._cache = self.target.new_cache(max_len)
-        self._cache.truncate(0)
-        return self._cache
+        elif self._cache.max_len < max_len:
+            # grow geometrically (a chat grows a little every turn), keeping the committed entries
+            self._cache = self._cache.grown(max(max_len, min(2 * self._cache.max_len, self.target.max_context)))
+        common = 0
+        for a, b in zip(self._cached_tokens, prompt_ids):
+            if a != b:
+                break
+            common += 1
+        # keep < common: the drafter's pair t holds token t + 1, which must be unchanged too;
+        # keep < len(prompt): the last prompt token is always re-read for its logits
+        keep = self.drafter.reset(max_len, max(0, min(common - 1, len(prompt_ids) - 1)))
+        self._cache.truncate(keep)
+        self._cached_tokens = []  # until this call commits a consistent state
+        return self._cache, keep
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next call re-reads its whole prompt)."""
+        self._cached_tokens = []
 
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         stats = GenerationStats()
@@ -95,14 +119,13 @@ class Engine:
             )
         budget = min(cfg.max_new_tokens, target.max_context - n_prompt)
         tree_nodes = 1 if isinstance(self.drafter, NoDrafter) else 1 + cfg.tree.total_tokens
-        cache = self._cache_for(n_prompt + budget + tree_nodes)
-        self.drafter.reset(cache.max_len)
+        cache, keep = self._cache_for(prompt_ids, n_prompt + budget + tree_nodes)
         eos = target.eos_token_ids if cfg.stop_at_eos else set()
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=target.device)
             generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed()))
-        stats.prompt_tokens = n_prompt
+        stats.prompt_tokens, stats.reused_prompt_tokens = n_prompt, keep
         start = time.perf_counter()
 
         def emit(new: list[int]) -> list[int]:
@@ -120,10 +143,10 @@ class Engine:
             stats.seconds = time.perf_counter() - start
             return out
 
-        # 1. prefill: logits for the last prompt token only
-        ids = torch.tensor(prompt_ids, device=target.device)
+        # 1. prefill (what the cache does not hold yet): logits for the last prompt token only
+        ids = torch.tensor(prompt_ids[keep:], device=target.device)
         logits, hidden = target.forward(ids, cache, logits_rows=slice(-1, None))  # 1 V, T H
-        cache.commit(n_prompt)
+        cache.commit(n_prompt - keep)
         if sampling.greedy:
             first = int(logits[0].argmax())
         else:
@@ -131,6 +154,7 @@ class Engine:
         stats.target_forwards = 1
         stats.prefill_seconds = time.perf_counter() - start
         sequence = list(prompt_ids) + [first]
+        self._cached_tokens = sequence[:cache.length]
         yield emit([first])
         while not stats.stop_reason:
             # 2. draft a tree rooted at the last chosen token
@@ -141,10 +165,12 @@ class Engine:
             logits, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths,
                                             logits_rows=slice(None))  # N V, N H
             path, bonus = accept(tree, logits, sampling, generator)
+            self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))
             hidden = hidden[path]  # the accepted nodes' features feed the drafter next round
             new = tree.tokens[path[1:]].tolist() + [bonus]
             sequence += new
+            self._cached_tokens = sequence[:cache.length]
             stats.target_forwards += 1
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += time.perf_counter() - t1

@@ -22,13 +22,13 @@ class StaticKVCache:
     """
 
     is_compileable = False
-    is_sliding = False
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, 1, kv_heads, max_len, head_dim)  # L B H_kv T D
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.is_sliding = [False] * num_layers  # read by transformers' mask helpers
         self.max_len = max_len
         self.length = 0        # committed tokens: slots [0, length) hold the sequence so far
         self._pending = 0      # tokens written by the forward in flight, at [length, length + pending)
@@ -63,6 +63,15 @@ class StaticKVCache:
             self.keys[:, :, :, dst] = self.keys.index_select(3, src)
             self.values[:, :, :, dst] = self.values.index_select(3, src)
         self.commit(n)
+
+    def grown(self, max_len: int) -> "StaticKVCache":
+        """A larger cache holding the same committed tokens (the old buffers can then be dropped)."""
+        layers, _, kv_heads, _, head_dim = self.keys.shape
+        new = StaticKVCache(layers, kv_heads, head_dim, max_len, self.keys.dtype, self.keys.device)
+        new.keys[:, :, :, :self.length] = self.keys[:, :, :, :self.length]
+        new.values[:, :, :, :self.length] = self.values[:, :, :, :self.length]
+        new.length = self.length
+        return new
 
     def truncate(self, length: int) -> None:
         """Forget everything after `length` tokens (e.g. when a chat turn is edited or reset)."""

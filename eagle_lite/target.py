@@ -53,7 +53,15 @@ class Target:
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
+        """Tokens the target can attend over. A sliding attention window caps it: the tree masks here
+        give every token the whole prefix, which equals windowed attention only inside the window."""
+        cfg = self.config
+        limit = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if window and (layer_types is None or "sliding_attention" in layer_types):
+            limit = min(limit, int(window))
+        return limit
 
     @property
     def eos_token_ids(self) -> set[int]:

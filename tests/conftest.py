@@ -7,10 +7,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)  # tiny models: one thread is faster and immune to a busy machine
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,  # noqa: E402
-                          Qwen2ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,  # noqa: E402
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from eagle_lite.target import Target  # noqa: E402
 
@@ -22,12 +23,10 @@ def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos:
     common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                   eos_token_id=None, bos_token_id=None, pad_token_id=0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(family)
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = classes[family]
+    model = model_cls(config_cls(**common))
     # Sharper next-token distributions than a fresh init, so greedy paths are not all ties
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -36,6 +35,15 @@ def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos:
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def target(request) -> Target:
+    return make_target(request.param)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def any_family(request) -> Target:
+    """Every supported architecture; for the cheaper checks (the heavy matrix uses `target`)."""
     return make_target(request.param)
 
 

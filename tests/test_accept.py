@@ -119,8 +119,8 @@ class TargetTopKDrafter:
     def __init__(self, target) -> None:
         self.target = target
 
-    def reset(self, max_len: int) -> None:
-        pass
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        return 0
 
     def propose(self, inp, tree):
         def top(seq, k):

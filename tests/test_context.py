@@ -36,3 +36,11 @@ def test_config_validation_names_the_bad_value():
         TreeConfig(depth=2, top_k=3, total_tokens=100)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         GenerationConfig(max_new_tokens=0)
+
+
+def test_sliding_window_caps_the_context():
+    target = make_target("mistral", max_pos=512)
+    target.config.sliding_window = 40
+    assert target.max_context == 40
+    with pytest.raises(ContextOverflowError, match="context window of 40"):
+        Engine(target).generate(list(range(45)))

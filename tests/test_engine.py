@@ -33,8 +33,8 @@ class OracleDrafter:
         self.sequence, self.depth, self.width = sequence, depth, width
         self.rng = torch.Generator().manual_seed(seed)
 
-    def reset(self, max_len: int) -> None:
-        pass
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        return 0
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         n = len(inp.tokens)
@@ -66,6 +66,25 @@ def test_eagle_greedy_equals_target_greedy(target, tree, prompt_len):
     assert result.token_ids == ref
     assert result.stats.new_tokens == 30
     assert result.stats.target_forwards == 1 + len(result.stats.accept_lengths)
+
+
+def test_every_family_eagle_and_vanilla_equal_transformers_generate(any_family):
+    prompt = list(range(3, 20))
+    ref = reference_greedy(any_family, prompt, 24)
+    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    assert Engine(any_family, NoDrafter()).generate(prompt, cfg).token_ids == ref
+    assert eagle_engine(any_family).generate(prompt, cfg).token_ids == ref
+
+
+def test_reduced_draft_vocabulary_stays_exact(llama):
+    prompt = [9, 8, 7, 6]
+    ref = reference_greedy(llama, prompt, 30)
+    torch.manual_seed(1)
+    d2t = torch.randperm(VOCAB)[:24]          # a draft that can only propose 24 of the 96 tokens
+    engine = Engine(llama, EagleDrafter(llama, DraftHead.for_target(llama, d2t=d2t)))
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False,
+                                                      tree=TreeConfig(depth=3, top_k=4, total_tokens=10)))
+    assert result.token_ids == ref
 
 
 def test_vanilla_equals_transformers_generate(target):
@@ -121,7 +140,7 @@ def test_engine_reuses_its_cache_across_calls(llama):
     for prompt in prompts + prompts[::-1]:
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=12, stop_at_eos=False)).token_ids == \
             reference_greedy(llama, prompt, 12)
-    # one allocation big enough for the longest prompt, not one per call
+    # grown once for the longest prompt, then reused: not one allocation per call
     assert engine._cache.max_len == 50 + 12 + 1 + GenerationConfig().tree.total_tokens
 
 
@@ -131,3 +150,21 @@ def test_streaming_yields_what_generate_returns(llama):
     steps = list(engine.stream([3, 4, 5], cfg))
     assert [t for s in steps for t in s] == engine.generate([3, 4, 5], cfg).token_ids
     assert all(len(s) >= 1 for s in steps)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "eagle"])
+def test_next_turn_reuses_the_cached_prefix_and_stays_exact(llama, method):
+    engine = eagle_engine(llama) if method == "eagle" else Engine(llama, NoDrafter())
+    cfg = GenerationConfig(max_new_tokens=15, stop_at_eos=False)
+    first = [3, 4, 5, 6, 7, 8]
+    answer = engine.generate(first, cfg).token_ids
+    second = first + answer + [9, 10, 11]             # the next chat turn
+    result = engine.generate(second, cfg)
+    assert result.token_ids == reference_greedy(llama, second, 15)
+    assert result.stats.reused_prompt_tokens >= len(first) + len(answer) - 2
+    diverged = [3, 4, 60, 61]                           # shares only two tokens with the cache
+    result = engine.generate(diverged, cfg)
+    assert result.token_ids == reference_greedy(llama, diverged, 15)
+    assert result.stats.reused_prompt_tokens == 1
+    engine.reset()
+    assert engine.generate(diverged, cfg).stats.reused_prompt_tokens == 0

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,3 +54,61 @@ def test_first_difference():
 def test_unknown_method_is_refused(chat_target):
     with pytest.raises(ValueError, match="unknown method"):
         build_methods(chat_target, ["medusa"])
+
+
+def two_question_file(tmp_path):
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi", "more"]}) + "\n"
+                     + json.dumps({"question_id": "b", "category": "code", "turns": ["def f():"]}) + "\n")
+    return qfile
+
+
+def sweep_overrides(tiny_model_dir, qfile):
+    return [f"target={tiny_model_dir}", "draft=random", "methods=[hf_generate,vanilla,eagle]", "task=file",
+            f"task.tasks.0.path={qfile}", "max_new_tokens=8", "warmup=false",
+            "tree.depth=3", "tree.top_k=3", "tree.total_tokens=8"]
+
+
+def test_sweep_config_runs_end_to_end_and_writes_table_and_plots(tiny_model_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from eval.sweep import evaluate, settings_from, write_outputs
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
+        cfg = compose("sweep", overrides=sweep_overrides(tiny_model_dir, two_question_file(tmp_path)))
+    settings = settings_from(cfg)
+    records, rows, header = evaluate(settings, progress=False)
+    text = write_outputs(tmp_path / "out", records, rows, settings.baseline, header)
+    assert len(records) == 3 * 3
+    assert "| overall | eagle |" in text and "| chat | vanilla |" in text
+    for name in ("records.jsonl", "summary.md", "summary.json", "speedup.png", "accept_lengths.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    assert len((tmp_path / "out" / "records.jsonl").read_text().splitlines()) == 9
+
+
+def test_every_eval_task_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).parents[1] / "conf" / "eval"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        for task in sorted(p.stem for p in (conf / "task").glob("*.yaml")):
+            cfg = compose("sweep", overrides=[f"task={task}"])
+            assert cfg.task.tasks, task
+
+
+def test_multirun_sweep_from_the_command_line(tiny_model_dir, tmp_path):
+    args = [sys.executable, "-m", "eval.sweep", "-m", *sweep_overrides(tiny_model_dir, two_question_file(tmp_path)),
+            "tree.total_tokens=4,8", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parents[1], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = sorted((tmp_path / "sweep").glob("*/summary.md"))
+    assert len(summaries) == 2
+    assert "total_tokens 4" in summaries[0].read_text() + summaries[1].read_text()
+
+
+def test_malformed_question_file_names_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok"]}\n{"question_id": 2, "turns": ["no category"]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        load_question_file(bad)

@@ -17,7 +17,8 @@ def random_tree(n: int, seed: int) -> DraftTree:
 
 
 @pytest.mark.parametrize("n_nodes,prefix_len", [(1, 5), (7, 1), (25, 33)])
-def test_tree_logits_match_sequential_forward(target, n_nodes, prefix_len):
+def test_tree_logits_match_sequential_forward(any_family, n_nodes, prefix_len):
+    target = any_family
     prefix = torch.randint(VOCAB, (prefix_len,), generator=torch.Generator().manual_seed(1))
     tree = random_tree(n_nodes, seed=n_nodes)
     cache = target.new_cache(prefix_len + n_nodes)

@@ -31,8 +31,11 @@ class DraftInput:
 class Drafter(Protocol):
     name: str
 
-    def reset(self, max_len: int) -> None:
-        """Start a new sequence of at most max_len tokens (allocate or clear any cache)."""
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        """Start a sequence of at most max_len tokens whose first `keep` tokens are those of the last one.
+
+        Returns how many of those the drafter kept state for (<= keep); the engine re-reads the rest.
+        """
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         """Return a tree whose root token is inp.root."""
@@ -43,8 +46,8 @@ class NoDrafter:
 
     name = "vanilla"
 
-    def reset(self, max_len: int) -> None:
-        pass
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        return keep
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         return DraftTree(torch.tensor([inp.root], device=inp.hidden.device), [-1])

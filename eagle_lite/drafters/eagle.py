@@ -20,14 +20,18 @@ class EagleDrafter:
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
         self.cache: StaticKVCache | None = None
 
-    def reset(self, max_len: int, tree_slots: int = 256) -> None:
+    def reset(self, max_len: int, keep: int = 0, tree_slots: int = 256) -> int:
         need = max_len + tree_slots
-        if self.cache is None or self.cache.max_len < need:
+        if self.cache is None:
             cfg = self.head.config
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             self.cache = StaticKVCache(1, kv_heads, head_dim, need, self.lm_weight.dtype, self.lm_weight.device)
-        self.cache.truncate(0)
+        elif self.cache.max_len < need:
+            self.cache = self.cache.grown(need)
+        # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged
+        self.cache.truncate(min(keep, self.cache.length))
+        return self.cache.length
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""

@@ -1,0 +1,144 @@
+"""`python -m eval.sweep`: one evaluation runner for tasks x methods x settings, configured by Hydra.
+
+    python -m eval.sweep                                           # conf/eval/sweep.yaml defaults
+    python -m eval.sweep task=file task.tasks.0.path=mt_bench.jsonl
+    python -m eval.sweep -m tree.total_tokens=12,24,48 task=sharegpt,humaneval
+
+Each run writes records.jsonl (one row per question turn and method), summary.md / summary.json
+(per category and overall: tokens/s, speedup vs the baseline, mean accepted length, identical-output
+rate), speedup.png and accept_lengths.png into its own folder, and prints the table.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle_lite.checkpoint import default_head_path, load_head
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.draft import DraftHead
+from eagle_lite.loading import load_target
+
+from . import plots, report, runner
+from .methods import build_methods
+from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
+
+log = logging.getLogger("eagle_lite")
+
+
+@dataclass
+class EvalSettings:
+    target: str | None = None
+    draft: str = "auto"
+    dtype: str = "float32"
+    methods: list[str] = field(default_factory=lambda: ["hf_generate", "hf_prompt_lookup", "vanilla", "eagle"])
+    baseline: str = "hf_generate"
+    max_new_tokens: int = 128
+    warmup: bool = True
+    tree: TreeConfig = TreeConfig()
+    tasks: list[dict] = field(default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
+    per_category_limit: int | None = None
+
+
+def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
+    questions: list[Question] = []
+    for task in tasks:
+        name = task.get("name")
+        if name == "sharegpt":
+            questions += sharegpt_questions(limit=task.get("limit"))
+        elif name == "humaneval":
+            questions += humaneval_questions(limit=task.get("limit"))
+        elif name == "file":
+            questions += load_question_file(task["path"], per_category_limit=task.get("limit"))
+        else:
+            raise ValueError(f"unknown task '{name}': use sharegpt, humaneval or file (with a path)")
+    return limit_per_category(questions, per_category_limit)
+
+
+def head_for(target, draft: str) -> tuple[DraftHead, str]:
+    """The head to evaluate and a note for the report saying which it is."""
+    path = default_head_path(target.name) if draft == "auto" else (None if draft == "random" else Path(draft))
+    if path is None:
+        torch.manual_seed(0)
+        return DraftHead.for_target(target), "untrained random head: an exactness check, not a speed figure"
+    return load_head(path, target), f"head {path}"
+
+
+def evaluate(s: EvalSettings, progress: bool = True):
+    """Returns (records, summary rows, header line)."""
+    if s.baseline not in s.methods:
+        raise ValueError(f"baseline '{s.baseline}' must be one of the methods {s.methods}")
+    target = load_target(s.target, dtype=getattr(torch, s.dtype))
+    head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
+    questions = load_questions(s.tasks, s.per_category_limit)
+    if not questions:
+        raise ValueError("no questions to run: check the task settings")
+    methods = build_methods(target, s.methods, head)
+    cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=s.tree)
+    total = sum(len(q.turns) for q in questions) * len(methods)
+    with tqdm(total=total, desc="eval", unit="run", file=sys.stderr, disable=not progress) as bar:
+        def on_record(rec: runner.Record) -> None:
+            bar.set_postfix_str(f"{rec.category}/{rec.method} {rec.tokens_per_s:.1f} tok/s")
+            bar.update()
+
+        records = runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup,
+                             on_record=on_record)
+    header = (f"target {target.name} · {s.dtype} · {torch.get_num_threads()} threads · max_new_tokens "
+              f"{s.max_new_tokens} · tree depth {s.tree.depth}, top_k {s.tree.top_k}, total_tokens "
+              f"{s.tree.total_tokens}" + (f" · {note}" if note else ""))
+    return records, report.summarize(records, s.baseline), header
+
+
+def write_outputs(out_dir: Path, records, rows, baseline: str, header: str) -> str:
+    """Write records, summaries and plots; return the markdown summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "records.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r.as_dict()) + "\n")
+    table = report.markdown_table(rows, baseline)
+    mismatches = [f"- {r.method} on {r.question_id}: differs from {baseline} at token {r.first_mismatch}"
+                  for r in records if r.identical_to_baseline is False]
+    text = f"{header}\n\n{table}\n" + ("\nMismatches:\n" + "\n".join(mismatches) + "\n" if mismatches else "")
+    (out_dir / "summary.md").write_text(text)
+    (out_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+    plots.plot_speedups(rows, baseline, out_dir / "speedup.png")
+    plots.plot_accept_lengths(records, out_dir / "accept_lengths.png")
+    return text
+
+
+def settings_from(cfg) -> EvalSettings:
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=list(c["methods"]),
+                        baseline=c["baseline"], max_new_tokens=int(c["max_new_tokens"]), warmup=bool(c["warmup"]),
+                        tree=TreeConfig(**c["tree"]), tasks=list(c["task"]["tasks"]),
+                        per_category_limit=c["task"].get("per_category_limit"))
+
+
+def _main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(config_path="../conf/eval", config_name="sweep", version_base=None)
+    def main(cfg) -> None:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        settings = settings_from(cfg)
+        records, rows, header = evaluate(settings)
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        print(write_outputs(out_dir, records, rows, settings.baseline, header))
+        print(f"(records, summary and plots in {out_dir})")
+
+    main()
+
+
+if __name__ == "__main__":
+    _main()

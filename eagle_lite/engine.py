@@ -118,7 +118,7 @@ class Engine:
                 f"{target.max_context}: shorten the prompt (or drop earlier chat turns)"
             )
         budget = min(cfg.max_new_tokens, target.max_context - n_prompt)
-        tree_nodes = 1 if isinstance(self.drafter, NoDrafter) else 1 + cfg.tree.total_tokens
+        tree_nodes = self.drafter.max_tree_nodes(cfg.tree)
         cache, keep = self._cache_for(prompt_ids, n_prompt + budget + tree_nodes)
         eos = target.eos_token_ids if cfg.stop_at_eos else set()
         generator = None

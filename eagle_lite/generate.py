@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id")
     p.add_argument("--draft", default="auto",
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
-    p.add_argument("--method", default="auto", choices=["auto", "eagle", "vanilla"],
-                   help="eagle: speculative decoding; vanilla: one target forward per token; auto: eagle if a head exists")
+    p.add_argument("--method", default="auto", choices=["auto", "eagle", "lookup", "vanilla"],
+                   help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); "
+                        "vanilla: one target forward per token; auto: eagle if a head exists, else vanilla")
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     g = p.add_argument_group("sampling (temperature 0 = greedy)")
     g.add_argument("--temperature", type=float, default=sampling.temperature)

@@ -18,14 +18,14 @@ import torch
 from .checkpoint import default_head_path, load_head
 from .config import GenerationConfig
 from .draft import DraftHead
-from .drafters import EagleDrafter, NoDrafter
+from .drafters import EagleDrafter, NoDrafter, PromptLookupDrafter
 from .engine import Engine, GenerationStats
 from .loading import load_target
 from .target import Target
 
 log = logging.getLogger("eagle_lite")
 
-METHODS = ("eagle", "vanilla")
+METHODS = ("eagle", "lookup", "vanilla")
 
 
 @dataclass
@@ -44,7 +44,8 @@ class Pipeline:
         if method == "eagle" and head is None:
             raise ValueError("method 'eagle' needs a draft head")
         self.target, self.method, self.head = target, method, head
-        self.engine = Engine(target, EagleDrafter(target, head) if method == "eagle" else NoDrafter())
+        drafters = {"eagle": lambda: EagleDrafter(target, head), "lookup": PromptLookupDrafter, "vanilla": NoDrafter}
+        self.engine = Engine(target, drafters[method]())
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:

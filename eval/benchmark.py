@@ -19,7 +19,7 @@ from eagle_lite.config import TreeConfig
 from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
 
-ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "eagle"]
+ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

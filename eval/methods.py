@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from eagle_lite.config import GenerationConfig
-from eagle_lite.drafters import EagleDrafter, NoDrafter
+from eagle_lite.drafters import EagleDrafter, NoDrafter, PromptLookupDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.target import Target
 
@@ -58,11 +58,12 @@ def engine_method(engine: Engine) -> Method:
 
 
 def build_methods(target: Target, names: list[str], head=None) -> dict[str, Method]:
-    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, eagle."""
+    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle."""
     factories = {
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
         "vanilla": lambda: engine_method(Engine(target, NoDrafter())),
+        "lookup": lambda: engine_method(Engine(target, PromptLookupDrafter())),
         "eagle": lambda: engine_method(Engine(target, EagleDrafter(target, head))),
     }
     unknown = [n for n in names if n not in factories]

@@ -36,7 +36,7 @@ class EvalSettings:
     target: str | None = None
     draft: str = "auto"
     dtype: str = "float32"
-    methods: list[str] = field(default_factory=lambda: ["hf_generate", "hf_prompt_lookup", "vanilla", "eagle"])
+    methods: list[str] = field(default_factory=lambda: ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"])
     baseline: str = "hf_generate"
     max_new_tokens: int = 128
     warmup: bool = True

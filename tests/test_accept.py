@@ -122,6 +122,9 @@ class TargetTopKDrafter:
     def reset(self, max_len: int, keep: int = 0) -> int:
         return 0
 
+    def max_tree_nodes(self, tree) -> int:
+        return 64
+
     def propose(self, inp, tree):
         def top(seq, k):
             return self.target.model(torch.tensor([seq])).logits[0, -1].topk(k).indices.tolist()

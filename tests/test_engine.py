@@ -36,6 +36,9 @@ class OracleDrafter:
     def reset(self, max_len: int, keep: int = 0) -> int:
         return 0
 
+    def max_tree_nodes(self, tree) -> int:
+        return 64
+
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         n = len(inp.tokens)
         truth = self.sequence[n:n + self.depth]

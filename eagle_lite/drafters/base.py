@@ -37,6 +37,9 @@ class Drafter(Protocol):
         Returns how many of those the drafter kept state for (<= keep); the engine re-reads the rest.
         """
 
+    def max_tree_nodes(self, tree: TreeConfig) -> int:
+        """The most nodes (root included) a proposed tree can have: the verify slots to reserve."""
+
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         """Return a tree whose root token is inp.root."""
 
@@ -48,6 +51,9 @@ class NoDrafter:
 
     def reset(self, max_len: int, keep: int = 0) -> int:
         return keep
+
+    def max_tree_nodes(self, tree: TreeConfig) -> int:
+        return 1
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         return DraftTree(torch.tensor([inp.root], device=inp.hidden.device), [-1])

@@ -33,6 +33,9 @@ class EagleDrafter:
         self.cache.truncate(min(keep, self.cache.length))
         return self.cache.length
 
+    def max_tree_nodes(self, tree: TreeConfig) -> int:
+        return 1 + tree.total_tokens
+
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
         logp = torch.log_softmax((h @ self.lm_weight.T).float(), dim=-1)  # R V_draft

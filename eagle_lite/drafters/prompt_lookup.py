@@ -1,0 +1,66 @@
+"""Prompt lookup (n-gram) drafting: propose what followed the latest earlier occurrence of the last n-gram.
+
+Training-free and nearly free to run; it shines where the answer repeats the context (code edits,
+summaries, quoting). With no match the tree is the root alone: a plain decoding step, no loss.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import TreeConfig
+from ..tree import DraftTree
+from .base import DraftInput
+
+
+class AdaptiveLength:
+    """Speculation length for chain drafters: grow after a full acceptance, shrink after a rejection."""
+
+    def __init__(self, start: int, low: int = 1, high: int = 16) -> None:
+        self.k, self.low, self.high = start, low, high
+        self.proposed = 0
+
+    def update(self, accepted: int) -> None:
+        """accepted: how many of the last `proposed` drafted tokens the target kept."""
+        if self.proposed == 0:
+            return
+        if accepted >= self.proposed:
+            self.k = min(self.k + 2, self.high)
+        else:
+            self.k = max(self.low, min(self.k - 1, accepted + 1))
+
+
+class PromptLookupDrafter:
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, adaptive: bool = True) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.length = AdaptiveLength(num_tokens, high=num_tokens if not adaptive else max(num_tokens, 16))
+        self.adaptive = adaptive
+
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        self.length.proposed = 0
+        return keep
+
+    def max_tree_nodes(self, tree: TreeConfig) -> int:
+        return 1 + self.length.high
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The up-to-k tokens that followed the most recent earlier match of the longest suffix n-gram."""
+        n_tok = len(tokens)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n_tok - n:]
+            for start in range(n_tok - n - 1, -1, -1):   # latest match first, never the suffix itself
+                if tokens[start:start + n] == suffix:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        if self.adaptive:
+            self.length.update(inp.hidden.shape[0] - 1)   # features arrive for the root + accepted tokens
+        guess = self.lookup(inp.tokens, self.length.k)
+        self.length.proposed = len(guess)
+        return DraftTree.chain(torch.tensor([inp.root] + guess, device=inp.hidden.device))

@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: test test-slow run bench venv clean
+.PHONY: test test-slow run bench train venv clean
 
 venv: $(VENV)/.installed
 
@@ -31,6 +31,10 @@ run: venv
 
 bench: venv
 	$(PY) -m eval.benchmark
+
+# The default draft-head recipe end to end (distill -> features -> fit -> export); rerun to resume.
+train: venv
+	$(PY) -m trainers.train $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

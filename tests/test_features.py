@@ -1,0 +1,216 @@
+"""Self-distillation and the feature cache, on tiny random targets (no downloads)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from trainers.distill import DistillConfig, distill, read_records, synthetic_prompt  # noqa: E402
+from trainers.features import (FeatureCache, FeatureCacheMismatch, FeatureConfig, cache_features,  # noqa: E402
+                               loss_mask_of)
+from trainers.targets import TargetConfig, tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are dominated by OpenMP sync: on a shared 2-core machine one thread is ~100x faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))
+
+
+def make_records(n: int, seed: int = 0, vocab: int = 128) -> list[dict]:
+    """n sequences of 6..29 random tokens; the last two thirds are the 'answer' (loss-masked)."""
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        length = int(torch.randint(6, 30, (1,), generator=gen))
+        ids = torch.randint(2, vocab, (length,), generator=gen).tolist()
+        records.append({"id": f"r{i:03d}", "input_ids": ids, "spans": [[length // 3, length]]})
+    return records
+
+
+class CountingDecoder:
+    """Wraps target.decoder: counts forwards and can fail on the n-th, like a run killed mid-shard."""
+
+    def __init__(self, decoder, fail_on: int | None = None) -> None:
+        self.decoder, self.fail_on, self.calls = decoder, fail_on, 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise KeyboardInterrupt("simulated interruption")
+        return self.decoder(**kwargs)
+
+
+def test_features_equal_a_direct_target_forward(target, tmp_path):
+    records = make_records(10)
+    cfg = FeatureConfig(max_len=24, shard_size=4, batch_size=3)
+    manifest = cache_features(target, records, tmp_path, cfg, progress=False)
+    assert manifest["complete"] and manifest["total_sequences"] == 10 and len(manifest["shards"]) == 3
+    assert manifest["dtype"] == "bfloat16" and manifest["hidden_size"] == target.hidden_size
+    assert manifest["total_tokens"] == sum(min(len(r["input_ids"]), 24) for r in records)
+    cache = FeatureCache(tmp_path, expect_target=target.fingerprint())
+    index = cache.index()
+    assert index["id"] == [r["id"] for r in records]
+    for row, record in zip(index, records):
+        seq = cache.read(row["file"], row["start"], row["length"])
+        ids, mask = loss_mask_of(record, 24)
+        assert seq["input_ids"].tolist() == ids
+        assert seq["loss_mask"].tolist() == mask and row["loss_tokens"] == sum(mask)
+        assert seq["hidden"].dtype == torch.bfloat16
+        with torch.no_grad():
+            ref = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]  # T H
+        torch.testing.assert_close(seq["hidden"].float(), ref, atol=2e-2, rtol=1.6e-2)
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporary files behind
+
+
+def test_interrupted_caching_resumes_without_recomputing_done_shards(target, tmp_path):
+    records = make_records(12, seed=1)
+    cfg = FeatureConfig(max_len=32, shard_size=4, batch_size=2)  # 3 shards of 2 forwards each
+    clean = cache_features(target, records, tmp_path / "clean", cfg, progress=False)
+
+    folder = tmp_path / "resumed"
+    original = target.decoder
+    try:
+        target.decoder = CountingDecoder(original, fail_on=4)  # dies in the middle of shard 1
+        with pytest.raises(KeyboardInterrupt):
+            cache_features(target, records, folder, cfg, progress=False)
+        partial = json.loads((folder / "manifest.json").read_text())
+        assert [e["index"] for e in partial["shards"]] == [0] and not partial["complete"]
+        with pytest.raises(ValueError, match="incomplete"):
+            FeatureCache(folder)
+        done = (folder / "shard-00000.safetensors").stat()
+
+        target.decoder = counter = CountingDecoder(original)
+        resumed = cache_features(target, records, folder, cfg, progress=False)
+        assert counter.calls == 4  # shards 1 and 2 only, 2 forwards each
+        again = cache_features(target, records, folder, cfg, progress=False)
+        assert counter.calls == 4  # a finished cache is a no-op
+    finally:
+        target.decoder = original
+    after = (folder / "shard-00000.safetensors").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (done.st_ino, done.st_mtime_ns)
+    assert resumed == clean == again
+    for name in ("shard-00001.safetensors", "shard-00002.safetensors"):
+        got, want = load_file(folder / name), load_file(tmp_path / "clean" / name)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_growing_the_data_recomputes_only_the_changed_last_shard(target, tmp_path):
+    cfg = FeatureConfig(max_len=32, shard_size=4, batch_size=4)
+    records = make_records(10, seed=2)
+    cache_features(target, records[:6], tmp_path, cfg, progress=False)
+    original = target.decoder
+    try:
+        target.decoder = counter = CountingDecoder(original)
+        manifest = cache_features(target, records, tmp_path, cfg, progress=False)
+    finally:
+        target.decoder = original
+    assert counter.calls == 2  # shard 0 kept; shard 1 (2 -> 4 records) and shard 2 computed
+    assert manifest["total_sequences"] == 10 and manifest["complete"]
+
+
+def test_cache_of_another_target_is_refused(target, tmp_path):
+    cfg = FeatureConfig(max_len=32, shard_size=4)
+    cache_features(target, make_records(4), tmp_path, cfg, progress=False)
+    other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=1))
+    with pytest.raises(FeatureCacheMismatch, match="built for target"):
+        cache_features(other, make_records(4), tmp_path, cfg, progress=False)
+    with pytest.raises(FeatureCacheMismatch, match="cannot be mixed"):
+        FeatureCache(tmp_path, expect_target=other.fingerprint())
+    with pytest.raises(FeatureCacheMismatch, match="max_len=32, now max_len=16"):
+        cache_features(target, make_records(4), tmp_path, FeatureConfig(max_len=16, shard_size=4), progress=False)
+
+
+def test_not_enough_disk_is_refused_before_any_work(target, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(OSError, match="needs about .* only 100.0 B is free"):
+        cache_features(target, make_records(4), tmp_path, FeatureConfig(), progress=False)
+    assert not list(tmp_path.glob("shard-*"))
+
+
+def test_synthetic_distill_is_the_targets_greedy_answer_and_resumes(target, tmp_path):
+    cfg = DistillConfig(source="synthetic", limit=5, max_new_tokens=8, batch_size=3, shard_size=2)
+    first = distill(target, cfg, tmp_path, progress=False)
+    assert (first.generated, first.records) == (5, 5)
+    records = list(read_records(tmp_path))
+    assert [r["id"] for r in records] == [f"syn-{i:06d}" for i in range(5)]
+    for i, record in enumerate(records):
+        prompt = synthetic_prompt(i, cfg, target)
+        start, end = record["spans"][0]
+        assert record["input_ids"][:start] == prompt and end == len(record["input_ids"])
+        with torch.no_grad():  # batched, left-padded generation == one prompt alone
+            alone = target.model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert record["input_ids"][start:] == alone[0, len(prompt):].tolist()[:end - start]
+    shard0 = (tmp_path / "shard-00000.jsonl").read_bytes()
+    more = distill(target, DistillConfig(**{**cfg.__dict__, "limit": 7}), tmp_path, progress=False)
+    assert (more.generated, more.records) == (2, 7)
+    assert (tmp_path / "shard-00000.jsonl").read_bytes() == shard0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        distill(target, DistillConfig(**{**cfg.__dict__, "max_new_tokens": 9}), tmp_path, progress=False)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<pad>"])  # 256, 257, 258
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tokenizer
+
+
+def test_multi_turn_chat_distill_regenerates_every_assistant_turn(tmp_path):
+    from eagle_lite.target import Target
+    from trainers.distill import chat_records
+    from trainers.sharegpt import Conversation, Turn
+
+    tokenizer = byte_tokenizer()
+    tiny = tiny_target(TargetConfig(name="tiny-chat", kind="tiny", vocab_size=260, eos_token_id=257,
+                                    pad_token_id=258, seed=3))
+    target = Target(tiny.model, tokenizer, name="tiny-chat")
+    chats = [
+        Conversation("a_0", [Turn("system", "Be brief."), Turn("user", "Hi"), Turn("assistant", "old"),
+                             Turn("user", "And?"), Turn("assistant", "old")]),
+        Conversation("b_0", [Turn("user", "One turn"), Turn("assistant", "old")]),
+        Conversation("c_0", [Turn("user", "x" * 200), Turn("assistant", "old")]),
+    ]
+    cfg = DistillConfig(multi_turn=True, max_turns=4, max_new_tokens=6, max_prompt_tokens=120, batch_size=2)
+    a, b, c = chat_records(target, chats, cfg)
+    assert c == {"id": "c_0", "skipped": "prompt of 219 tokens > max_prompt_tokens=120"}
+    assert len(a["spans"]) == 2 and len(b["spans"]) == 1
+    assert [m["role"] for m in a["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(m["content"] != "old" for m in a["messages"] if m["role"] == "assistant")
+    ids = a["input_ids"]
+    head = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(ids[:a["spans"][0][0]]) == head
+    between = tokenizer.decode(ids[a["spans"][0][1]:a["spans"][1][0]])
+    assert between.endswith("\n<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n")
+    for record in (a, b):
+        for start, end in record["spans"]:  # each answer is the target's greedy reply to exactly its prefix
+            prefix = torch.tensor([record["input_ids"][:start]])
+            with torch.no_grad():
+                alone = target.model.generate(prefix, max_new_tokens=6, do_sample=False, pad_token_id=258)
+            assert record["input_ids"][start:end] == alone[0, start:].tolist()[:end - start]

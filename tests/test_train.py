@@ -1,0 +1,246 @@
+"""The training pipeline on tiny random targets: objective alignment, configs, fit, resume, export."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from eagle_lite.checkpoint import HeadMismatchError, load_head  # noqa: E402
+from eagle_lite.draft import DraftHead  # noqa: E402
+from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
+from trainers.datamodule import LoaderConfig, collate  # noqa: E402
+from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
+from trainers.objective import agreement, make_pairs, unroll  # noqa: E402
+from trainers.targets import TargetConfig, tiny_target  # noqa: E402
+from trainers.vocab import build_d2t, count_tokens  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are dominated by OpenMP sync: on a shared 2-core machine one thread is ~100x faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One runs/ root per module: the tiny data is distilled and cached once, then shared."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def tiny_config(runs: Path, *overrides: str):
+    return config("target=tiny", "data=tiny", f"paths.root={runs}", "progress=false",
+                  "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *overrides)
+
+
+def item(ids: list[int], hidden: torch.Tensor, mask: list[bool] | None = None) -> dict:
+    return {"input_ids": torch.tensor(ids), "hidden": hidden,
+            "loss_mask": torch.tensor(mask if mask is not None else [True] * len(ids))}
+
+
+# -- the objective ----------------------------------------------------------------------------------
+def test_unrolled_training_matches_chain_drafting_at_inference(target):
+    """Training-time-test step k at position t == the runtime drafting k steps past the real root t-k."""
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target).eval()
+    n, steps = 12, 3
+    ids = torch.randint(2, target.vocab_size, (n,)).tolist()
+    with torch.no_grad():
+        hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]  # T H
+        pairs = make_pairs(collate([item(ids, hidden)], max_len=n, pack=False), target.embed_tokens.weight)
+        preds = unroll(head, pairs, steps)  # steps x [1, T', H]
+        cfg = head.config
+        for root in (0, 4, 7):
+            cache = StaticKVCache(1, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, 64)
+            m = root + 1  # the real pairs (f_t, x_{t+1}) for t = 0..root, as the drafter catches up
+            h = head.step(hidden[:m], target.embed_tokens(torch.tensor(ids[1:m + 1])), cache,
+                          torch.arange(m), torch.ones(m, m, dtype=torch.bool).tril_())
+            cache.commit(m)
+            torch.testing.assert_close(h[-1], preds[0][0, root], atol=1e-5, rtol=1e-4)
+            for k in range(1, steps):  # drafted nodes: the head's own feature + the next sequence token
+                t = root + k
+                h = head.step(h[-1:], target.embed_tokens(torch.tensor([ids[t + 1]])), cache,
+                              torch.tensor([t]), torch.ones(1, 1, dtype=torch.bool))
+                cache.commit(1)
+                torch.testing.assert_close(h[-1], preds[k][0, t], atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rows_give_the_same_predictions_as_padded_rows(target):
+    torch.manual_seed(1)
+    head = DraftHead.for_target(target).eval()
+    seqs = [torch.randint(2, target.vocab_size, (n,)).tolist() for n in (9, 5)]
+    with torch.no_grad():
+        items = [item(s, target.decoder(input_ids=torch.tensor([s])).last_hidden_state[0]) for s in seqs]
+        packed, padded = (collate(items, max_len=16, pack=p) for p in (True, False))
+        assert packed["input_ids"].shape == (1, 14) and padded["input_ids"].shape == (2, 9)
+        emb = target.embed_tokens.weight
+        p_pack, p_pad = (unroll(head, make_pairs(b, emb), 2) for b in (packed, padded))
+        w_pack, w_pad = make_pairs(packed, emb).weight, make_pairs(padded, emb).weight
+    assert int(w_pack.sum()) == int(w_pad.sum()) == (9 - 2) + (5 - 2)
+    for k in range(2):  # sequence 0 fills columns 0..8 of the packed row, sequence 1 columns 9..13
+        torch.testing.assert_close(p_pack[k][0, :8], p_pad[k][0, :8], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(p_pack[k][0, 9 + k:13], p_pad[k][1, k:4], atol=1e-5, rtol=1e-4)
+
+
+def test_accept_length_estimate_with_oracle_and_one_step_drafters(target):
+    n, depth = 10, 4
+    ids = torch.randint(2, target.vocab_size, (n,)).tolist()
+    with torch.no_grad():
+        hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    pairs = make_pairs(collate([item(ids, hidden)], max_len=n, pack=False), target.embed_tokens.weight)
+    weight = target.lm_head.weight
+    oracle = unroll(lambda h, e, p, m, cache=None: pairs.target, pairs, depth)
+    stats = agreement(oracle, pairs, weight, weight, None)
+    roots = n - 2  # pairs t = 0..n-3 have a next-next token
+    assert stats["top1"] == stats["top3"] == stats["tokens"] == roots
+    assert stats["accept"] / roots == pytest.approx(sum(1 + min(depth, roots - r) for r in range(roots)) / roots)
+    calls = []
+
+    def first_step_only(h, e, p, m, cache=None):  # right at step 0, always wrong afterwards
+        calls.append(1)
+        return pairs.target if len(calls) == 1 else -pairs.target
+    stats = agreement(unroll(first_step_only, pairs, depth), pairs, weight, weight, None)
+    assert stats["accept"] / stats["roots"] == pytest.approx(2.0)
+
+
+# -- configs and the CLI ----------------------------------------------------------------------------
+def test_every_experiment_debug_and_trainer_config_composes():
+    from trainers.datamodule import LoaderConfig
+    from trainers.distill import DistillConfig
+    from trainers.module import OptimConfig
+    from trainers.objective import ObjectiveConfig
+    from trainers.train import _typed
+
+    experiments = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+    assert {"default", "small_vocab", "ttt"} <= set(experiments)
+    expected = {"default": (1, None), "ttt": (3, None), "small_vocab": (1, 8192)}
+    for name in experiments:
+        for extra in ([], ["target=tiny", "data=tiny"]):
+            cfg = config(f"experiment={name}", *extra)
+            assert cfg.name == name and cfg.paths.output.endswith(f"/{name}")
+            if name in expected:
+                assert (cfg.draft.objective.ttt_steps, cfg.draft.vocab_size) == expected[name]
+            for cls, node in ((TargetConfig, cfg.target), (DistillConfig, cfg.data.distill),
+                              (FeatureConfig, cfg.data.features), (LoaderConfig, cfg.data.loader),
+                              (ObjectiveConfig, cfg.draft.objective), (OptimConfig, cfg.draft.optim)):
+                _typed(cls, node)  # every key is a dataclass field
+            OmegaConf.to_yaml(cfg, resolve=True)  # every interpolation resolves
+    assert config("debug=fdr").trainer.fast_dev_run is True
+    assert config("debug=overfit").trainer.overfit_batches == 2
+    assert config("debug=limit").trainer.limit_train_batches == 10
+    assert config("trainer=ddp").trainer.strategy.broadcast_buffers is False
+    assert config("trainer=gpu").trainer.accelerator == "gpu"
+    with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
+        _typed(ObjectiveConfig, config("draft.objective.ttt_steps=0").draft.objective)
+
+
+def test_cli_answers_help():
+    out = subprocess.run([sys.executable, "-m", "trainers.train", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    for group in ("experiment:", "target:", "trainer:", "debug:"):
+        assert group in out.stdout
+
+
+# -- fit, resume, export ----------------------------------------------------------------------------
+@pytest.mark.parametrize("experiment, extra", [("default", []), ("ttt", []),
+                                               ("small_vocab", ["draft.vocab_size=32"])])
+def test_fast_dev_run_exports_a_head_that_loads(runs, target, experiment, extra):
+    from trainers.train import train
+
+    cfg = tiny_config(runs, "debug=fdr", f"experiment={experiment}", *extra)
+    result = train(cfg)
+    assert result["global_step"] == 1 and 0.0 <= result["val/top1"] <= 1.0
+    assert 1.0 <= result["val/accept_len_est"] <= cfg.draft.objective.val_depth + 1
+    export = Path(result["export"])
+    head = load_head(export, target)
+    assert json.loads((export / "config.json").read_text())["target"] == target.fingerprint()
+    assert head.draft_vocab_size == (32 if experiment == "small_vocab" else None)
+    assert OmegaConf.load(export / "train_config.yaml").name == experiment
+    assert json.loads((export / "train_log.json").read_text())["summary"]["global_step"] == 1
+    assert not (Path(cfg.paths.output) / "checkpoints").exists()  # fast_dev_run writes no checkpoints
+    with pytest.raises(HeadMismatchError, match="trained for target"):
+        load_head(export, tiny_target(TargetConfig(name="tiny", kind="tiny", seed=1)))
+
+
+def test_loss_falls_when_overfitting_a_tiny_cache(runs):
+    from trainers.train import train
+
+    result = train(tiny_config(runs, "debug=overfit", "trainer.max_epochs=20"))
+    first, last = result["epochs_log"][0], result["epochs_log"][-1]
+    assert len(result["epochs_log"]) == 20 and last["step"] == 40
+    # the soft-label cross-entropy can only fall to the target's own entropy; the regression to 0
+    assert last["train/loss_reg"] < 0.5 * first["train/loss_reg"], result["epochs_log"]
+    assert last["train/loss"] < 0.8 * first["train/loss"]
+    assert last["train/top1"] > first["train/top1"] + 0.2
+
+
+def test_interrupted_training_resumes_from_its_checkpoint(runs, monkeypatch):
+    from trainers.module import DraftLightningModule
+    from trainers.train import train
+
+    overrides = ("name=resume", "trainer.max_steps=6", "checkpoint.every_n_train_steps=2",
+                 "data.loader.batch_size=2", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=1")
+    step = DraftLightningModule.training_step
+
+    def crash_at_step_3(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("simulated crash")
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(DraftLightningModule, "training_step", crash_at_step_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(runs, *overrides))
+    cfg = tiny_config(runs, *overrides)
+    assert (Path(cfg.paths.output) / "checkpoints" / "last.ckpt").is_file()
+    monkeypatch.setattr(DraftLightningModule, "training_step", step)
+    result = train(cfg)
+    assert result["resumed_from_step"] == 3  # continued where the crash stopped it, not from 0
+    assert result["global_step"] == 6
+    assert train(cfg)["resumed_from_step"] == 6  # a finished run reruns as a no-op
+
+
+# -- the reduced vocabulary -------------------------------------------------------------------------
+def test_reduced_vocab_keeps_the_most_frequent_answer_tokens(target, tmp_path):
+    # Answers (loss-masked) use 5 most, then 6, then 7; token 9 is frequent but only in prompts.
+    records = [{"id": f"v{i}", "input_ids": [9] * 6 + [5, 5, 5, 6, 6, 7, 3 + i % 2], "spans": [[6, 13]]}
+               for i in range(8)]
+    cache_features(target, records, tmp_path, FeatureConfig(max_len=32, shard_size=3), progress=False)
+    cache = FeatureCache(tmp_path)
+    counts = count_tokens(cache, cache.index(), target.vocab_size)
+    assert counts[5] == 24 and counts[6] == 16 and counts[7] == 8 and counts[9] == 0
+    d2t = build_d2t(counts, 4, always={1})
+    assert d2t.tolist() == [1, 5, 6, 7]
+    assert build_d2t(counts, 6, always={1}).tolist() == [1, 3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match="draft.vocab_size=500 must be in"):
+        build_d2t(counts, 500)
+
+
+def test_loader_config_rejects_a_bad_value():
+    with pytest.raises(ValueError, match="val_percent must be in"):
+        LoaderConfig(val_percent=0)

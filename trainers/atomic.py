@@ -1,0 +1,36 @@
+"""Atomic file writes: a file is either absent or complete, never half-written.
+
+Every pipeline stage (distilled answers, feature shards, manifests, exported logs) writes through
+`write_atomic`, so a run killed at any moment leaves only finished files behind and can resume.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call `write(tmp_path)` on a temporary file next to `path`, then rename it onto `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are shared data files, not secrets
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: str | Path, data) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,148 @@
+"""`DraftDataModule`: batches of cached target features for the head.
+
+A sequence longer than `max_len` is cropped to a random window while training (the first window for
+validation); the window's features were computed with the full context, exactly what the target
+gives at inference. Sequences are then either packed (several per row, each its own segment with
+positions from 0 and attention that never crosses a segment) or padded one per row. Batches:
+
+  input_ids [B, T] long, hidden [B, T, H] bf16, loss_mask [B, T] bool,
+  segment [B, T] long (1, 2, ... per sequence in the row; 0 = padding), position_ids [B, T] long
+
+Validation is a held-out part of the cache chosen by a hash of each record's id (all parts of a
+ShareGPT chat on one side), so it does not change when the cache grows.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import partial
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .features import FeatureCache
+from .sharegpt import split_of
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    max_len: int = 1024        # tokens per row (a packed row, or one cropped sequence)
+    batch_size: int = 4        # sequences per batch (packing may put several in one row)
+    pack: bool = True
+    val_percent: float = 5.0   # share of cached sequences held out for validation
+    num_workers: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_len < 3:
+            raise ValueError(f"data.loader.max_len must be >= 3 (a pair and its next token), got {self.max_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"data.loader.batch_size must be >= 1, got {self.batch_size}")
+        if not 0 < self.val_percent < 100:
+            raise ValueError(f"data.loader.val_percent must be in (0, 100), got {self.val_percent}")
+
+
+class SequenceDataset(Dataset):
+    """Sequences of the cache (rows of its index), each cut to at most max_len tokens."""
+
+    def __init__(self, cache: FeatureCache, rows, max_len: int, random_crop: bool) -> None:
+        self.cache = cache
+        self.rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
+        self.max_len = max_len
+        self.random_crop = random_crop
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.rows[i]
+        length = min(row["length"], self.max_len)
+        offset = random.randint(0, row["length"] - length) if self.random_crop else 0
+        return self.cache.read(row["file"], row["start"] + offset, length)
+
+
+def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> dict[str, torch.Tensor]:
+    """Pack (first fit, longest first) or pad sequences into rows; see the module doc for the layout."""
+    rows: list[list[dict]] = []
+    if pack:
+        space: list[int] = []
+        for item in sorted(items, key=lambda it: -len(it["input_ids"])):
+            n = len(item["input_ids"])
+            fit = next((r for r, free in enumerate(space) if free >= n), None)
+            if fit is None:
+                rows.append([item])
+                space.append(max_len - n)
+            else:
+                rows[fit].append(item)
+                space[fit] -= n
+    else:
+        rows = [[item] for item in items]
+    width = max(sum(len(it["input_ids"]) for it in row) for row in rows)
+    hidden_size = items[0]["hidden"].shape[-1]
+    b = len(rows)
+    batch = {
+        "input_ids": torch.zeros(b, width, dtype=torch.long),
+        "hidden": torch.zeros(b, width, hidden_size, dtype=items[0]["hidden"].dtype),
+        "loss_mask": torch.zeros(b, width, dtype=torch.bool),
+        "segment": torch.zeros(b, width, dtype=torch.long),
+        "position_ids": torch.zeros(b, width, dtype=torch.long),
+    }
+    for r, row in enumerate(rows):
+        start = 0
+        for s, item in enumerate(row, start=1):
+            n = len(item["input_ids"])
+            span = slice(start, start + n)
+            batch["input_ids"][r, span] = item["input_ids"]
+            batch["hidden"][r, span] = item["hidden"]
+            batch["loss_mask"][r, span] = item["loss_mask"]
+            batch["segment"][r, span] = s
+            batch["position_ids"][r, span] = torch.arange(n)
+            start += n
+    return batch
+
+
+def _seed_worker(worker_id: int) -> None:
+    random.seed(torch.initial_seed() % 2**32)  # random crops differ per worker and follow Lightning's seed
+
+
+class DraftDataModule(L.LightningDataModule):
+    def __init__(self, folder: str, cfg: LoaderConfig = LoaderConfig(), expect_target: dict | None = None) -> None:
+        super().__init__()
+        self.folder = folder
+        self.cfg = cfg
+        self.expect_target = expect_target
+        self.cache: FeatureCache | None = None
+        self.train_rows = self.val_rows = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.cache is not None:
+            return
+        self.cache = FeatureCache(self.folder, self.expect_target)
+        index = self.cache.index()
+        if len(index) < 2:
+            raise ValueError(f"feature cache {self.folder} holds {len(index)} sequence(s); training needs at "
+                             f"least 2 (one for validation): raise data.distill.limit")
+        heldout = [split_of(i, self.cfg.val_percent) == "heldout" for i in index["id"]]
+        if not any(heldout):
+            heldout[-1] = True  # a tiny cache may hash nothing into validation: hold out its last sequence
+        if all(heldout):
+            heldout[0] = False
+        self.train_rows = index.select([i for i, h in enumerate(heldout) if not h])
+        self.val_rows = index.select([i for i, h in enumerate(heldout) if h])
+
+    def _loader(self, rows, train: bool) -> DataLoader:
+        cfg = self.cfg
+        generator = torch.Generator().manual_seed(cfg.seed) if train else None
+        return DataLoader(
+            SequenceDataset(self.cache, rows, cfg.max_len, random_crop=train),
+            batch_size=cfg.batch_size, shuffle=train, generator=generator, num_workers=cfg.num_workers,
+            collate_fn=partial(collate, max_len=cfg.max_len, pack=cfg.pack),
+            worker_init_fn=_seed_worker, persistent_workers=cfg.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_rows, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_rows, train=False)

@@ -1,0 +1,254 @@
+"""The feature cache: the target's last hidden states over every distilled sequence, computed once.
+
+Training the head never runs the target: it reads, per sequence, the token ids, the loss mask (1 on
+target-written tokens) and the features f_0..f_{T-1} (`last_hidden_state`, after the final norm,
+stored in bf16). Layout of a cache folder:
+
+  shard-00000.safetensors   input_ids int32 [N], loss_mask bool [N], hidden bf16 [N, H],
+                            offsets int64 [S + 1] (sequence i is rows offsets[i]:offsets[i + 1])
+  manifest.json             target fingerprint, dtype, hidden size, max_len, and per shard its file,
+                            record ids and token count; totals; `complete`
+
+Shard k always holds records k*shard_size ... (k+1)*shard_size - 1 of the distilled data, so a rerun
+keeps every shard whose recorded ids still match and computes only the rest. Shards and the manifest
+are written atomically (the manifest after every shard), so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from eagle_lite.target import Target
+
+from .atomic import write_atomic, write_json_atomic
+from .targets import pad_token_id
+
+log = logging.getLogger("trainers.features")
+
+FORMAT = "eagle_lite.features"
+MANIFEST = "manifest.json"
+_FINGERPRINT_KEYS = ("model_type", "hidden_size", "vocab_size", "embedding_sha")
+_BYTES_PER_TOKEN_EXTRA = 4 + 1  # int32 id + bool mask, next to the 2 * H bytes of bf16 features
+
+
+class FeatureCacheMismatch(ValueError):
+    """The cache was built for another target or with other settings."""
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    max_len: int = 1024       # sequences are cut to their first max_len tokens
+    shard_size: int = 256     # sequences per shard file (the unit of resumption)
+    batch_size: int = 4       # sequences per target forward
+    space_margin: float = 1.1  # refuse to start unless this times the estimate is free
+
+    def __post_init__(self) -> None:
+        for key in ("max_len", "shard_size", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.features.{key} must be >= 1, got {getattr(self, key)}")
+
+
+def loss_mask_of(record: dict, max_len: int) -> tuple[list[int], list[bool]]:
+    """(input_ids, loss_mask) of a distilled record, cut to max_len; mask is True inside its spans."""
+    ids = record["input_ids"][:max_len]
+    mask = [False] * len(ids)
+    for start, end in record["spans"]:
+        for t in range(start, min(end, len(ids))):
+            mask[t] = True
+    return ids, mask
+
+
+def estimate_bytes(tokens: int, hidden_size: int) -> int:
+    return tokens * (2 * hidden_size + _BYTES_PER_TOKEN_EXTRA)
+
+
+def describe_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def check_fingerprint(built: dict, given: dict, folder: Path | str) -> None:
+    if any(built.get(k) != given.get(k) for k in _FINGERPRINT_KEYS):
+        raise FeatureCacheMismatch(
+            f"feature cache {folder} was built for target {built}, but the target now is {given}; "
+            f"features of different targets cannot be mixed: use another folder (paths.data) or delete {folder}"
+        )
+
+
+@torch.inference_mode()
+def target_features(target: Target, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """One batched forward (right padding, no KV cache): the last hidden states [T_i, H] of each sequence."""
+    pad = pad_token_id(target)
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)  # B T
+    attention = torch.zeros_like(ids)
+    for r, seq in enumerate(sequences):
+        ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[r, :len(seq)] = 1
+    out = target.decoder(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
+                         use_cache=False)
+    hidden = out.last_hidden_state  # B T H; causal, so right padding never changes the real positions
+    return [hidden[r, :len(seq)] for r, seq in enumerate(sequences)]
+
+
+def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConfig) -> dict:
+    pairs = [loss_mask_of(r, cfg.max_len) for r in chunk]
+    hidden: list[torch.Tensor | None] = [None] * len(chunk)
+    order = sorted(range(len(chunk)), key=lambda i: len(pairs[i][0]))  # similar lengths batch together
+    for start in range(0, len(order), cfg.batch_size):
+        rows = order[start:start + cfg.batch_size]
+        for i, h in zip(rows, target_features(target, [pairs[i][0] for i in rows])):
+            hidden[i] = h.to("cpu", torch.bfloat16)
+    lengths = torch.tensor([len(ids) for ids, _ in pairs])
+    tensors = {
+        "input_ids": torch.tensor([t for ids, _ in pairs for t in ids], dtype=torch.int32),        # N
+        "loss_mask": torch.tensor([m for _, mask in pairs for m in mask], dtype=torch.bool),      # N
+        "hidden": torch.cat(hidden).contiguous(),                                                  # N H
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),             # S+1
+    }
+    ids = [r["id"] for r in chunk]
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT, "ids": json.dumps(ids)}))
+    return {"file": path.name, "ids": ids, "sequences": len(chunk), "tokens": int(lengths.sum())}
+
+
+def cache_features(target: Target, records: Sequence[dict], folder: str | Path, cfg: FeatureConfig,
+                   progress: bool = True) -> dict:
+    """Compute the shards of `records` (distilled, in order) not yet in `folder`; returns the manifest."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fingerprint = target.fingerprint()
+    manifest_path = folder / MANIFEST
+    entries: dict[int, dict] = {}
+    if manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        check_fingerprint(old["target"], fingerprint, folder)
+        for key in ("max_len", "shard_size"):
+            if old[key] != getattr(cfg, key):
+                raise FeatureCacheMismatch(
+                    f"feature cache {folder} was built with {key}={old[key]}, now {key}={getattr(cfg, key)}; "
+                    f"keep the old value, or use another folder / delete {folder} to rebuild"
+                )
+        entries = {e["index"]: e for e in old["shards"]}
+    chunks = [list(records[i:i + cfg.shard_size]) for i in range(0, len(records), cfg.shard_size)]
+    todo = [k for k, chunk in enumerate(chunks)
+            if not (k in entries and entries[k]["ids"] == [r["id"] for r in chunk]
+                    and (folder / entries[k]["file"]).is_file())]
+    need = estimate_bytes(sum(min(len(r["input_ids"]), cfg.max_len) for k in todo for r in chunks[k]),
+                          target.hidden_size)
+    free = shutil.disk_usage(folder).free
+    log.info("features: %d of %d shards to compute, about %s on disk (%s free at %s)",
+             len(todo), len(chunks), describe_bytes(need), describe_bytes(free), folder)
+    if need * cfg.space_margin > free:
+        raise OSError(f"the feature cache needs about {describe_bytes(need)} at {folder} but only "
+                      f"{describe_bytes(free)} is free: free space, lower data.distill.limit or "
+                      f"data.features.max_len, or point paths.data at a larger disk")
+
+    todo_left = list(todo)
+    started = time.perf_counter()
+
+    def manifest() -> dict:
+        kept = [entries[k] for k in sorted(entries) if k < len(chunks)]
+        return {
+            "format": FORMAT, "version": 1, "target": fingerprint, "dtype": "bfloat16",
+            "hidden_size": target.hidden_size, "max_len": cfg.max_len, "shard_size": cfg.shard_size,
+            "shards": kept, "total_sequences": sum(e["sequences"] for e in kept),
+            "total_tokens": sum(e["tokens"] for e in kept), "planned_sequences": len(records),
+            "complete": len(todo_left) == 0 and len(kept) == len(chunks),
+        }
+
+    with tqdm(total=sum(len(chunks[k]) for k in todo), desc="features", unit="seq",
+              disable=not progress or not todo) as bar:
+        for k in todo:
+            entry = _write_shard(target, folder / f"shard-{k:05d}.safetensors", chunks[k], cfg)
+            entries[k] = {"index": k, **entry}
+            todo_left.remove(k)
+            write_json_atomic(manifest_path, manifest())
+            bar.update(len(chunks[k]))
+    for k in [k for k in entries if k >= len(chunks)]:  # shards of records that no longer exist
+        (folder / entries.pop(k)["file"]).unlink(missing_ok=True)
+    final = manifest()
+    write_json_atomic(manifest_path, final)
+    if todo:
+        done_tokens = sum(entries[k]["tokens"] for k in todo)
+        spent = time.perf_counter() - started
+        log.info("features: %d sequences (%d tokens) in %.1f s, %.2f ms/token", sum(len(chunks[k]) for k in todo),
+                 done_tokens, spent, 1000 * spent / max(done_tokens, 1))
+    return final
+
+
+class FeatureCache:
+    """Read access to a complete cache folder; shard files are opened lazily (memory-mapped)."""
+
+    def __init__(self, folder: str | Path, expect_target: dict | None = None) -> None:
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"no feature cache at {self.folder} (missing {MANIFEST}); run the features stage")
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{path} is not an eagle_lite feature cache (format={self.manifest.get('format')!r})")
+        if expect_target is not None:
+            check_fingerprint(self.manifest["target"], expect_target, self.folder)
+        if not self.manifest["complete"]:
+            raise ValueError(f"feature cache {self.folder} is incomplete ({self.manifest['total_sequences']} of "
+                             f"{self.manifest['planned_sequences']} sequences); rerun the features stage to finish it")
+        self._handles: dict[str, object] = {}
+
+    def __getstate__(self) -> dict:  # DataLoader workers reopen the files themselves
+        return {**self.__dict__, "_handles": {}}
+
+    @property
+    def hidden_size(self) -> int:
+        return self.manifest["hidden_size"]
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._handles[file]
+
+    def index(self):
+        """A `datasets.Dataset` with one row per sequence: id, file, start, length, loss_tokens."""
+        import datasets
+
+        rows: dict[str, list] = {"id": [], "file": [], "start": [], "length": [], "loss_tokens": []}
+        for entry in self.manifest["shards"]:
+            handle = self._open(entry["file"])
+            offsets = handle.get_tensor("offsets")
+            mask_sums = torch.cat([torch.zeros(1, dtype=torch.long),
+                                   handle.get_tensor("loss_mask").long().cumsum(0)])
+            for i, seq_id in enumerate(entry["ids"]):
+                a, b = int(offsets[i]), int(offsets[i + 1])
+                rows["id"].append(seq_id)
+                rows["file"].append(entry["file"])
+                rows["start"].append(a)
+                rows["length"].append(b - a)
+                rows["loss_tokens"].append(int(mask_sums[b] - mask_sums[a]))
+        return datasets.Dataset.from_dict(rows)
+
+    def read(self, file: str, start: int, length: int) -> dict[str, torch.Tensor]:
+        """One sequence: input_ids long [T], loss_mask bool [T], hidden bf16 [T, H]; reads only its rows."""
+        handle = self._open(file)
+        end = start + length
+        return {
+            "input_ids": handle.get_slice("input_ids")[start:end].long(),
+            "loss_mask": handle.get_slice("loss_mask")[start:end],
+            "hidden": handle.get_slice("hidden")[start:end],
+        }
+
+    def token_ids(self, file: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """All (input_ids [N], loss_mask [N]) of one shard."""
+        handle = self._open(file)
+        return handle.get_tensor("input_ids").long(), handle.get_tensor("loss_mask")

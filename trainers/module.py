@@ -1,0 +1,118 @@
+"""`DraftLightningModule`: the trainable head plus the frozen pieces of the target it reads.
+
+It holds only the head (trained), the target's lm_head weight and token embeddings (frozen, non-
+persistent buffers: never in checkpoints, never broadcast by DDP when `broadcast_buffers` is off),
+never the whole target: the target's features come precomputed from the feature cache.
+
+Logged: train/loss, train/loss_reg, train/loss_cls, train/top1 (per step and epoch; top1 within the
+draft vocabulary, from the loss's own logits: no extra lm_head product); val/loss, val/top1, val/top3,
+val/accept_len_est (per validation epoch, against the target's argmax over its full vocabulary; see
+`objective.agreement`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import lightning.pytorch as L
+import torch
+from torchmetrics.aggregation import SumMetric
+
+from eagle_lite.draft import DraftHead
+
+from .objective import ObjectiveConfig, add_noise, agreement, make_pairs, objective, unroll
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50        # linear warm-up, capped at 10% of the run
+    min_lr_ratio: float = 0.1     # cosine decay to lr * min_lr_ratio at the last step
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"draft.optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"draft.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` of `total`: linear warm-up, then cosine decay."""
+    warmup = min(cfg.warmup_steps, max(total // 10, 1))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class DraftLightningModule(L.LightningModule):
+    def __init__(self, head: DraftHead, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
+                 objective_cfg: ObjectiveConfig = ObjectiveConfig(), optim_cfg: OptimConfig = OptimConfig()) -> None:
+        """lm_head_weight, embed_weight: [V, H], the target's (copied: the target may be freed)."""
+        super().__init__()
+        self.head = head
+        self.objective_cfg = objective_cfg
+        self.optim_cfg = optim_cfg
+        self.save_hyperparameters({"objective": asdict(objective_cfg), "optim": asdict(optim_cfg),
+                                   "draft_vocab_size": head.draft_vocab_size})
+        lm = lm_head_weight.detach().float().clone()
+        self.register_buffer("lm_weight", lm, persistent=False)                       # V H
+        self._tied = embed_weight.data_ptr() == lm_head_weight.data_ptr()
+        if not self._tied:
+            self.register_buffer("embed", embed_weight.detach().float().clone(), persistent=False)  # V H
+        if head.d2t is not None:
+            self.register_buffer("draft_lm", lm[head.d2t.to(lm.device)].clone(), persistent=False)  # V_draft H
+        self.val_sums = torch.nn.ModuleDict({k: SumMetric() for k in
+                                             ("loss", "top1", "top3", "tokens", "accept", "roots", "batches")})
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.lm_weight if self._tied else self.embed
+
+    @property
+    def draft_weight(self) -> torch.Tensor:
+        """[V_draft, H]: the lm_head rows the draft scores (all of them without a reduced vocabulary)."""
+        return self.lm_weight if self.head.d2t is None else self.draft_lm
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        cfg = self.objective_cfg
+        pairs = make_pairs(batch, self.embed_weight)
+        preds = unroll(self.head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
+        losses = objective(preds, pairs, self.draft_weight, cfg)
+        rows = int(batch["input_ids"].shape[0])
+        for key, value in losses.items():
+            self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows)
+        return losses["loss"]
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        cfg = self.objective_cfg
+        pairs = make_pairs(batch, self.embed_weight)
+        preds = unroll(self.head, pairs, max(cfg.ttt_steps, cfg.val_depth))
+        loss = objective(preds, pairs, self.draft_weight, cfg)["loss"]
+        stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t)
+        for key in ("top1", "top3", "tokens", "accept", "roots"):
+            self.val_sums[key].update(torch.tensor(stats[key], dtype=torch.float32, device=self.device))
+        self.val_sums["loss"].update(loss.detach().float())
+        self.val_sums["batches"].update(torch.ones((), device=self.device))
+
+    def on_validation_epoch_end(self) -> None:
+        sums = {k: float(m.compute()) for k, m in self.val_sums.items()}  # synced across DDP ranks
+        for m in self.val_sums.values():
+            m.reset()
+        tokens, roots = max(sums["tokens"], 1.0), max(sums["roots"], 1.0)
+        self.log_dict({
+            "val/loss": sums["loss"] / max(sums["batches"], 1.0),
+            "val/top1": sums["top1"] / tokens,
+            "val/top3": sums["top3"] / tokens,
+            "val/accept_len_est": sums["accept"] / roots,
+        }, prog_bar=True)
+
+    def configure_optimizers(self):
+        cfg = self.optim_cfg
+        optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                      weight_decay=cfg.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, cfg))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

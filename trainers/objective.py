@@ -1,0 +1,225 @@
+"""What the draft head is trained to do: the EAGLE loss, training-time test, and the metrics.
+
+Alignment (exactly what `eagle_lite.drafters.eagle` does at inference): the target read x_0..x_{T-1}
+and gave features f_0..f_{T-1}. The head's input at position t is the pair (f_t, embed(x_{t+1})) with
+position id t; it predicts f_{t+1}, and the target's lm_head on that prediction gives the draft's
+distribution over x_{t+2}. The loss at t counts when x_{t+2} is a target-written (loss-masked) token:
+
+  loss_reg = SmoothL1(f^_{t+1}, f_{t+1}), averaged over H
+  loss_cls = cross-entropy of softmax(W f^_{t+1}) against the target's softmax(W f_{t+1})
+  loss     = w_reg * loss_reg + w_cls * loss_cls
+
+W is the target's frozen lm_head, or its rows `d2t` with a reduced draft vocabulary (then the target's
+distribution is the one restricted to, and renormalised over, the draft vocabulary).
+
+Training-time test (EAGLE-3): step k >= 1 re-runs the head at every position t on its *own* step-(k-1)
+prediction made at t-1 (instead of the real f_t), attending to the real pairs up to the chain's root
+t-k and to the chain's own drafted nodes at t-k+1..t - exactly what a chain drafted k steps ahead sees
+at inference. The keys of all steps go into one concatenating cache; per-step losses are summed with
+weights ttt_decay**k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    w_reg: float = 1.0           # weight of the feature regression (EAGLE: 1.0)
+    w_cls: float = 0.1           # weight of the token cross-entropy (EAGLE: 0.1)
+    ttt_steps: int = 1           # 1: plain EAGLE; k > 1: unroll k draft steps on the head's own features
+    ttt_decay: float = 0.8       # step k's losses are weighted ttt_decay**k
+    noise: str = "uniform"       # noise on the input features while training: "uniform" | "gaussian" | "none"
+    noise_scale: float = 0.1     # uniform: U(-scale, scale); gaussian: N(0, scale^2)
+    val_depth: int = 5           # chain length unrolled by validation for val/accept_len_est
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"draft.objective.ttt_steps must be >= 1 (1 = no training-time test), got {self.ttt_steps}")
+        if self.val_depth < 1:
+            raise ValueError(f"draft.objective.val_depth must be >= 1, got {self.val_depth}")
+        if self.noise not in ("uniform", "gaussian", "none"):
+            raise ValueError(f"draft.objective.noise must be 'uniform', 'gaussian' or 'none', got {self.noise!r}")
+
+
+class ConcatKV:
+    """A cache that keeps every key/value it is given, in order (transformers' `Cache.update` protocol).
+
+    Training-time test step k writes its T' keys after those of steps 0..k-1, so its mask is over
+    (k+1) * T' key slots: block j holds step j's keys. Gradients flow through (nothing is detached).
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=2)        # B H_kv S+T' D
+            self.values = torch.cat([self.values, value_states], dim=2)
+        return self.keys, self.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+
+@dataclass
+class Pairs:
+    """The head's inputs and targets for a batch, T' = T - 1 pairs per row."""
+
+    hidden: torch.Tensor      # [B, T', H] f_t (float)
+    embeds: torch.Tensor      # [B, T', H] embed(x_{t+1})
+    positions: torch.Tensor   # [B, T'] position id of pair t
+    segment: torch.Tensor     # [B, T'] segment of the pair (0: not a pair: padding or a segment border)
+    target: torch.Tensor      # [B, T', H] f_{t+1}
+    weight: torch.Tensor      # [B, T'] bool: x_{t+2} exists in the same segment and is loss-masked
+
+
+def make_pairs(batch: dict, embed_weight: torch.Tensor) -> Pairs:
+    """batch: input_ids [B, T], hidden [B, T, H], loss_mask [B, T], segment [B, T], position_ids [B, T]."""
+    ids, hidden, seg = batch["input_ids"], batch["hidden"], batch["segment"]
+    pair_seg = torch.where(seg[:, 1:] == seg[:, :-1], seg[:, :-1], torch.zeros_like(seg[:, :-1]))  # B T'
+    weight = torch.zeros_like(pair_seg, dtype=torch.bool)                                          # B T'
+    weight[:, :-1] = batch["loss_mask"][:, 2:] & (seg[:, 2:] == pair_seg[:, :-1]) & (pair_seg[:, :-1] > 0)
+    return Pairs(
+        hidden=hidden[:, :-1].float(),
+        embeds=F.embedding(ids[:, 1:], embed_weight).float(),
+        positions=batch["position_ids"][:, :-1],
+        segment=pair_seg,
+        target=hidden[:, 1:].float(),
+        weight=weight,
+    )
+
+
+def chain_mask(segment: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, 1, T', (step+1) T'] bool: what the step-`step` node at each position may attend to.
+
+    Block 0 (real pairs): s <= t - step in the same segment. Block j = 1..step (drafted nodes of the
+    chain rooted at t - step): only s == t - step + j. Every query sees itself, so padding rows are
+    never empty (an all-False row makes SDPA return NaN).
+    """
+    b, n = segment.shape
+    idx = torch.arange(n, device=segment.device)
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] > 0)  # B T' T'
+    blocks = [same & (idx[None, :] <= idx[:, None] - step)]
+    for j in range(1, step + 1):
+        blocks.append(same & (idx[None, :] == idx[:, None] - step + j))
+    mask = torch.cat(blocks, dim=-1)                                                # B T' (step+1)T'
+    mask[:, idx, step * n + idx] = True
+    return mask[:, None]
+
+
+def step_weight(pairs: Pairs, step: int) -> torch.Tensor:
+    """[B, T'] bool: positions whose step-`step` prediction has a real chain root t - step in its segment."""
+    if step == 0:
+        return pairs.weight
+    w = torch.zeros_like(pairs.weight)
+    w[:, step:] = pairs.weight[:, step:] & (pairs.segment[:, :-step] == pairs.segment[:, step:])
+    return w
+
+
+def add_noise(hidden: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    if cfg.noise == "uniform":
+        return hidden + (torch.rand_like(hidden) * 2 - 1) * cfg.noise_scale
+    if cfg.noise == "gaussian":
+        return hidden + torch.randn_like(hidden) * cfg.noise_scale
+    return hidden
+
+
+def unroll(head, pairs: Pairs, steps: int, inputs: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Run `steps` draft steps; returns each step's predicted features [B, T', H] (see module doc)."""
+    cache = ConcatKV()
+    hidden = pairs.hidden if inputs is None else inputs
+    preds: list[torch.Tensor] = []
+    for k in range(steps):
+        if k > 0:
+            # step k at t reads step k-1's prediction made at t-1; t = 0 has none (its weight is 0)
+            hidden = F.pad(preds[-1][:, :-1], (0, 0, 1, 0))  # B T' H
+        preds.append(head(hidden, pairs.embeds, pairs.positions, chain_mask(pairs.segment, k), cache=cache))
+    return preds
+
+
+def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weight: torch.Tensor,
+                p_target: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean (reg, cls, top1) over the rows `weight` marks. p_target: [N0, V_draft] target distribution on
+    the rows of `pairs.weight`; rows: [N0] bool, which of those rows `weight` keeps. top1 (no gradient):
+    how often the draft's argmax is the target's, both within the draft vocabulary."""
+    if not bool(weight.any()):
+        zero = pred.sum() * 0.0  # keeps the graph: every parameter still gets a (zero) gradient
+        return zero, zero, zero.detach()
+    p, f = pred[weight], pairs.target[weight]                               # N H
+    reg = F.smooth_l1_loss(p, f, reduction="none").mean(-1)                  # N
+    q_logp = torch.log_softmax((p @ lm_weight.T).float(), dim=-1)           # N V_draft
+    p_rows = p_target[rows]                                                  # N V_draft
+    cls = -(p_rows * q_logp).sum(-1)                                         # N
+    top1 = (q_logp.detach().argmax(-1) == p_rows.argmax(-1)).float().mean()
+    return reg.mean(), cls.mean(), top1
+
+
+def target_distribution(pairs: Pairs, lm_weight: torch.Tensor) -> torch.Tensor:
+    """[N0, V_draft] softmax of the target's own logits (restricted to the draft vocabulary) on weighted rows."""
+    with torch.no_grad():
+        return torch.softmax((pairs.target[pairs.weight] @ lm_weight.T).float(), dim=-1)
+
+
+def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, cfg: ObjectiveConfig) -> dict:
+    """The loss over the first cfg.ttt_steps predictions: {"loss", "loss_reg", "loss_cls"} (decay-weighted
+    sums over steps) and "top1" (step 0, within the draft vocabulary, no gradient)."""
+    p_target = target_distribution(pairs, lm_weight)
+    total_reg = total_cls = preds[0].new_zeros(())
+    top1 = None
+    for k, pred in enumerate(preds[:cfg.ttt_steps]):
+        w = step_weight(pairs, k)
+        reg, cls, hits = step_losses(pred, pairs, w, lm_weight, p_target, w[pairs.weight])
+        total_reg = total_reg + cfg.ttt_decay ** k * reg
+        total_cls = total_cls + cfg.ttt_decay ** k * cls
+        top1 = hits if top1 is None else top1
+    return {"loss": cfg.w_reg * total_reg + cfg.w_cls * total_cls, "loss_reg": total_reg, "loss_cls": total_cls,
+            "top1": top1}
+
+
+@torch.no_grad()
+def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor, draft_weight: torch.Tensor,
+              d2t: torch.Tensor | None) -> dict:
+    """Token agreement of draft and target, as sums and counts (so epochs can be averaged exactly).
+
+    top1 / top3: the target's argmax over the full vocabulary is the draft's top-1 / among its top-3
+    (step 0, i.e. drafting from real features). accept: for each root r (a weighted step-0 position),
+    the chain length a greedy chain drafter would get: 1 (the bonus token) + the number of leading steps
+    k = 0, 1, ... whose top-1 at position r + k equals the target's argmax. Step k reads the head's own
+    step-(k-1) features and the sequence's tokens; on greedy self-distilled data those tokens are the
+    target's argmax, i.e. exactly the drafted tokens whenever the chain is still accepted, so the
+    estimate is the chain's true mean accepted length (bounded by len(preds) + 1). A chain also stops
+    where the sequence leaves the loss mask. Tree drafting accepts at least as much.
+    """
+    rows = pairs.weight
+    n = int(rows.sum())
+    out = {"top1": 0.0, "top3": 0.0, "tokens": n, "accept": 0.0, "roots": n}
+    if n == 0:
+        return out
+    target_top = (pairs.target[rows] @ full_weight.T).argmax(-1)   # N0 target ids
+    hits = []
+    for k, pred in enumerate(preds):
+        logits = pred[rows] @ draft_weight.T                        # N0 V_draft
+        top = logits.topk(min(3, logits.shape[-1]), dim=-1).indices
+        top = top if d2t is None else d2t[top]                      # N0 3 target ids
+        if k == 0:
+            out["top1"] = float((top[:, 0] == target_top).sum())
+            out["top3"] = float((top == target_top[:, None]).any(-1).sum())
+        hit = torch.zeros_like(rows)
+        hit[rows] = top[:, 0] == target_top
+        hits.append(hit & step_weight(pairs, k))                    # B T'
+    run = torch.ones_like(rows)
+    length = rows.float()                                            # the bonus token of every root
+    for k, hit in enumerate(hits):
+        shifted = torch.zeros_like(hit)                              # shifted[r] = hit[r + k]
+        shifted[:, :hit.shape[1] - k] = hit[:, k:]
+        run = run & shifted
+        length = length + (run & rows).float()
+    out["accept"] = float(length[rows].sum())
+    return out

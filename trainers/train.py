@@ -1,0 +1,166 @@
+"""Train an EAGLE draft head: distill -> features -> fit -> export. Every stage resumes.
+
+  python -m trainers.train                                  # the default recipe on SmolLM2 (CPU)
+  python -m trainers.train experiment=ttt                   # + training-time test (3 unrolled steps)
+  python -m trainers.train experiment=small_vocab           # + a reduced 8k draft vocabulary
+  python -m trainers.train target=tiny data=tiny debug=fdr  # the whole pipeline in seconds
+  python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP)
+  python -m trainers.train --help                           # every config group and option
+
+Stages (each a no-op when its output is complete, so rerunning the same command resumes):
+  1. distill   the target answers the training prompts (`trainers.distill`) -> paths.distill
+  2. features  the target's hidden states over those sequences (`trainers.features`) -> paths.features
+  3. fit       Lightning; a checkpoint every `checkpoint.every_n_train_steps` steps in
+               paths.output/checkpoints; with `resume=true` a run continues from its `last.ckpt`.
+               Those checkpoints are torch pickles that this same pipeline wrote; they are loaded
+               with torch's restricted `weights_only=True` unpickler, and only from our own run folder.
+               Exported heads are safetensors only.
+  4. export    `save_head` (model.safetensors + config.json with the target's fingerprint), the
+               resolved config (train_config.yaml) and train_log.json / train_log.md -> paths.export
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .atomic import write_text_atomic
+
+log = logging.getLogger("trainers.train")
+
+
+def _typed(cls, node):
+    """A dataclass from a config node; unknown keys fail loudly, naming the class."""
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    try:
+        return cls(**values)
+    except TypeError as err:
+        raise ValueError(f"config for {cls.__name__} has keys {sorted(values)}: {err}") from err
+
+
+def prepare_data(cfg: DictConfig, target):
+    """Stages 1-2: distill and cache features (each resumes); returns (stage seconds, manifest, datamodule)."""
+    from .datamodule import DraftDataModule, LoaderConfig
+    from .distill import DistillConfig, distill, read_records
+    from .features import FeatureConfig, cache_features
+
+    paths, t0 = cfg.paths, time.perf_counter()
+    distill(target, _typed(DistillConfig, cfg.data.distill), paths.distill, progress=cfg.progress)
+    t1 = time.perf_counter()
+    manifest = cache_features(target, list(read_records(paths.distill)), paths.features,
+                              _typed(FeatureConfig, cfg.data.features), progress=cfg.progress)
+    seconds = {"seconds_distill": round(t1 - t0, 1), "seconds_features": round(time.perf_counter() - t1, 1)}
+    data = DraftDataModule(paths.features, _typed(LoaderConfig, cfg.data.loader), expect_target=target.fingerprint())
+    data.setup("fit")
+    return seconds, manifest, data
+
+
+def build_module(cfg: DictConfig, target, data):
+    """The head (random, seeded; over a reduced vocabulary when draft.vocab_size is set) in its module."""
+    from eagle_lite.draft import DraftHead
+
+    from .module import DraftLightningModule, OptimConfig
+    from .objective import ObjectiveConfig
+    from .vocab import build_d2t, count_tokens, special_ids
+
+    d2t = None
+    if cfg.draft.vocab_size is not None:
+        counts = count_tokens(data.cache, data.train_rows, target.vocab_size)
+        d2t = build_d2t(counts, int(cfg.draft.vocab_size), special_ids(target))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        head = DraftHead.for_target(target, d2t).float()  # fp32 master weights whatever the target's dtype
+    return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
+                                _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
+
+
+def fit(cfg: DictConfig, module, data):
+    """Stage 3: Lightning fit, resumed from <output>/checkpoints/last.ckpt when present and cfg.resume."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from .report import History
+
+    output = Path(cfg.paths.output)
+    ckpt_dir = output / "checkpoints"
+    history = History()
+    callbacks: list = [history]
+    if not cfg.trainer.get("fast_dev_run"):
+        # last.ckpt: every N steps, when an exception stops the run, and at the end of training
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, save_on_exception=True,
+                                         every_n_train_steps=cfg.checkpoint.every_n_train_steps))
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks,
+                                      logger=CSVLogger(output, name="logs"), default_root_dir=str(output))
+    last = ckpt_dir / "last.ckpt"
+    resume_from = str(last) if cfg.resume and last.is_file() else None
+    if resume_from:
+        log.info("resuming from %s", resume_from)
+    t0 = time.perf_counter()
+    # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
+    trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
+    history.fit_seconds = round(time.perf_counter() - t0, 1)
+    return trainer, history, resume_from
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run every stage for `cfg` (the composed `conf/train.yaml`); returns the run's summary."""
+    import lightning.pytorch as L
+
+    from eagle_lite.checkpoint import save_head
+
+    from .features import describe_bytes
+    from .report import folder_bytes, write_train_log
+    from .targets import TargetConfig, build_target
+
+    start = time.perf_counter()
+    L.seed_everything(cfg.seed, workers=True)
+    target = build_target(_typed(TargetConfig, cfg.target))
+    seconds, manifest, data = prepare_data(cfg, target)
+    module = build_module(cfg, target, data)
+    trainer, history, resume_from = fit(cfg, module, data)
+
+    # 4. export
+    paths, export = cfg.paths, Path(cfg.paths.export)
+    metrics = {k: round(float(v), 5) for k, v in trainer.callback_metrics.items()
+               if k.startswith("val/") or k.endswith("_epoch")}
+    summary = {
+        "experiment": cfg.name, "target": target.name, "global_step": trainer.global_step,
+        "resumed_from_step": history.start_step, "epochs": trainer.current_epoch,
+        "sequences": manifest["total_sequences"], "tokens": manifest["total_tokens"],
+        "draft_vocab_size": module.head.draft_vocab_size, "seconds": round(time.perf_counter() - start, 1),
+        **seconds, "seconds_fit": history.fit_seconds,
+        "disk_distill": describe_bytes(folder_bytes(paths.distill)),
+        "disk_features": describe_bytes(folder_bytes(paths.features)),
+        "disk_checkpoints": describe_bytes(folder_bytes(Path(paths.output) / "checkpoints")),
+        **metrics,
+    }
+    epochs = history.epochs
+    old_log = export / "train_log.json"
+    if resume_from and old_log.is_file():  # keep the epochs of the runs this one continued
+        earlier = json.loads(old_log.read_text()).get("epochs", [])
+        epochs = [row for row in earlier if row["step"] <= (history.start_step or 0)] + epochs
+    if trainer.is_global_zero:
+        save_head(module.head, export, target, extra={"training": {k: summary[k] for k in (
+            "experiment", "global_step", "sequences", "tokens")} | metrics})
+        write_text_atomic(export / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        write_train_log(export, summary, epochs)
+        log.info("exported the head to %s", export)
+    return {**summary, "export": str(export), "epochs_log": epochs}
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    result = train(cfg)
+    print(f"head: {result['export']}  step {result['global_step']}  "
+          f"val/top1 {result.get('val/top1', float('nan')):.3f}  "
+          f"val/accept_len_est {result.get('val/accept_len_est', float('nan')):.2f}  "
+          f"({result['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()

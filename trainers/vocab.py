@@ -1,0 +1,58 @@
+"""A reduced draft vocabulary: the target tokens the head may propose (EAGLE-3's `d2t`).
+
+The draft scores only `size` rows of the target's lm_head — the tokens that are most frequent among the
+tokens it learns to predict (the loss-masked, target-written tokens of the training split) — plus every
+EOS/special token, so it can always end a turn. `d2t[i]` is the target id of draft token i (sorted).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+
+from eagle_lite.target import Target
+
+from .features import FeatureCache
+
+
+def count_tokens(cache: FeatureCache, rows, vocab_size: int) -> torch.Tensor:
+    """[V] counts of loss-masked token ids over the sequences `rows` (rows of `cache.index()`)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    by_file: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for row in rows:
+        by_file[row["file"]].append((row["start"], row["start"] + row["length"]))
+    for file, ranges in by_file.items():
+        ids, mask = cache.token_ids(file)  # N, N
+        keep = torch.zeros_like(mask)
+        for a, b in ranges:
+            keep[a:b] = mask[a:b]
+        counts += torch.bincount(ids[keep], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def special_ids(target: Target) -> set[int]:
+    """EOS ids and the tokenizer's special tokens: always in the draft vocabulary."""
+    ids = set(target.eos_token_ids)
+    if target.tokenizer is not None:
+        ids.update(getattr(target.tokenizer, "all_special_ids", []) or [])
+    return {i for i in ids if 0 <= i < target.vocab_size}
+
+
+def build_d2t(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """LongTensor [size], sorted: the ids in `always` plus the most frequent others (ties: lower id)."""
+    vocab = counts.numel()
+    if not 0 < size <= vocab:
+        raise ValueError(f"draft.vocab_size={size} must be in [1, {vocab}] (the target's vocabulary); "
+                         f"use null for the full vocabulary")
+    must = sorted(set(always))
+    if len(must) > size:
+        raise ValueError(f"draft.vocab_size={size} is smaller than the {len(must)} special tokens it must "
+                         f"contain ({must[:10]}...); raise draft.vocab_size")
+    order = torch.sort(counts, descending=True, stable=True).indices.tolist()  # stable: ties by lower id
+    chosen = set(must)
+    for token in order:
+        if len(chosen) == size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)

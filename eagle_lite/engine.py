@@ -159,7 +159,7 @@ class Engine:
         while not stats.stop_reason:
             # 2. draft a tree rooted at the last chosen token
             t0 = time.perf_counter()
-            tree = self.drafter.propose(DraftInput(sequence, hidden), cfg.tree)
+            tree = self.drafter.propose(DraftInput(sequence, hidden, sampling, generator), cfg.tree)
             t1 = time.perf_counter()
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
             logits, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths,

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from ..config import TreeConfig
+from ..config import SamplingConfig, TreeConfig
 from ..tree import DraftTree
 
 
@@ -18,10 +18,14 @@ class DraftInput:
       chosen by the target but not yet in its KV cache.
     hidden: [m, H] the target's last hidden states of the m tokens it committed since the last round
       (the whole prompt after prefill); hidden[i] belongs to tokens[-m - 1 + i].
+    sampling, generator: how the target samples; a drafter that samples its tokens from q_draft
+      (rather than choosing them deterministically) uses them and returns q_draft with the tree.
     """
 
     tokens: list[int]
     hidden: torch.Tensor
+    sampling: SamplingConfig = SamplingConfig()
+    generator: torch.Generator | None = None
 
     @property
     def root(self) -> int:

@@ -31,9 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id")
     p.add_argument("--draft", default="auto",
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
-    p.add_argument("--method", default="auto", choices=["auto", "eagle", "lookup", "vanilla"],
-                   help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); "
-                        "vanilla: one target forward per token; auto: eagle if a head exists, else vanilla")
+    p.add_argument("--method", default="auto",
+                   choices=["auto", "eagle", "lookup", "draft_model", "layer_skip", "vanilla"],
+                   help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); draft_model: a "
+                        "smaller LM drafts (needs --draft-model); layer_skip: the target's first --exit-layer "
+                        "layers draft (no extra weights); vanilla: one target forward per token; "
+                        "auto: eagle if a head exists, else vanilla")
+    p.add_argument("--draft-model", default=None, metavar="SPEC",
+                   help="--method draft_model: the smaller model (same tokenizer as the target), given like --target")
+    p.add_argument("--exit-layer", type=int, default=None, metavar="N",
+                   help="--method layer_skip: draft with the target's first N decoder layers (None: half of them)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     g = p.add_argument_group("sampling (temperature 0 = greedy)")
     g.add_argument("--temperature", type=float, default=sampling.temperature)
@@ -137,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import load
 
     try:
-        lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype)
+        lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype,
+                  draft_model=args.draft_model, exit_layer=args.exit_layer)
         if args.prompt is not None:
             one_shot(lm, args, cfg)
         else:

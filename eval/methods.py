@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from eagle_lite.config import GenerationConfig
-from eagle_lite.drafters import EagleDrafter, NoDrafter, PromptLookupDrafter
+from eagle_lite.drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, NoDrafter, PromptLookupDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.target import Target
 
@@ -57,18 +57,25 @@ def engine_method(engine: Engine) -> Method:
     return run
 
 
-def build_methods(target: Target, names: list[str], head=None) -> dict[str, Method]:
-    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle."""
+def build_methods(target: Target, names: list[str], head=None, draft_target: Target | None = None,
+                  exit_layer: int | None = None) -> dict[str, Method]:
+    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model
+    (needs draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers)."""
     factories = {
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
         "vanilla": lambda: engine_method(Engine(target, NoDrafter())),
         "lookup": lambda: engine_method(Engine(target, PromptLookupDrafter())),
         "eagle": lambda: engine_method(Engine(target, EagleDrafter(target, head))),
+        "draft_model": lambda: engine_method(Engine(target, DraftModelDrafter(target, draft_target))),
+        "layer_skip": lambda: engine_method(Engine(target, LayerSkipDrafter(target, exit_layer))),
     }
     unknown = [n for n in names if n not in factories]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(factories)}")
     if "eagle" in names and head is None:
         raise ValueError("method 'eagle' needs a draft head")
+    if "draft_model" in names and draft_target is None:
+        raise ValueError("method 'draft_model' needs a draft model: pass draft_target (a smaller LM sharing "
+                         f"the tokenizer of target '{target.name}', loaded with eagle_lite.loading.load_target)")
     return {n: factories[n]() for n in names}

@@ -12,6 +12,7 @@ import hashlib
 import torch
 from torch import nn
 
+from .attention import select_attention
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -19,13 +20,16 @@ from .tree import attention_mask
 class Target:
     """A loaded transformers causal LM (`model`) and its tokenizer, with the pieces EAGLE needs."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target") -> None:
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa") -> None:
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
         # read them as additive and silently give wrong logits).
-        if model.config._attn_implementation != "sdpa":
-            model.set_attn_implementation("sdpa")
+        # --- attention backend (eagle_lite/attention.py): sdpa | flex | lse_merge | flash | auto ---
+        implementation = select_attention(attention, model)  # "sdpa" for the default
+        if model.config._attn_implementation != implementation:
+            model.set_attn_implementation(implementation)
+        # --- end attention backend ---
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tree-top-k", type=int, default=tree.top_k, help="children per expanded node")
     t.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens, help="drafted nodes verified per step")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
+    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "flex", "lse_merge", "flash", "auto"],
+                   help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
@@ -144,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import load
 
     try:
-        lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype,
-                  draft_model=args.draft_model, exit_layer=args.exit_layer)
+        lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype, device=args.device,
+                  draft_model=args.draft_model, exit_layer=args.exit_layer, attention=args.attention)
         if args.prompt is not None:
             one_shot(lm, args, cfg)
         else:

@@ -83,8 +83,12 @@ def converted_gguf(path: Path) -> Path:
     return out
 
 
-def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-    """Load a target by alias ('smollm2'), GGUF file, local folder or hub id."""
+def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                attention: str = "sdpa") -> Target:
+    """Load a target by alias ('smollm2'), GGUF file, local folder or hub id.
+
+    attention: the tree-verification backend (eagle_lite/attention.py): sdpa | flex | lse_merge | flash | auto.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = spec or DEFAULT_TARGET
@@ -102,4 +106,4 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         raise RuntimeError(f"could not load target '{spec}' from {folder}: {err}") from err
-    return Target(model.to(device), tokenizer, name=name)
+    return Target(model.to(device), tokenizer, name=name, attention=attention)

@@ -101,7 +101,7 @@ class Pipeline:
 
 def load(target: str | None = None, draft: str | None = "auto", method: str = "auto",
          dtype: str = "float32", device: str = "cpu", draft_model: str | None = None,
-         exit_layer: int | None = None) -> Pipeline:
+         exit_layer: int | None = None, attention: str = "sdpa") -> Pipeline:
     """Load a target and a drafting method.
 
     draft: "auto" (the head shipped for this target, if any), "random" (an untrained head: slow,
@@ -114,7 +114,7 @@ def load(target: str | None = None, draft: str | None = "auto", method: str = "a
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
     if method == "draft_model" and draft_model is None:  # before the (slow) target load
         raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
-    tgt = load_target(target, dtype=torch_dtype, device=device)
+    tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     draft_tgt = load_target(draft_model, dtype=torch_dtype, device=device) if method == "draft_model" else None
     head = None
     if method in ("auto", "eagle"):

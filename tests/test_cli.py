@@ -64,3 +64,12 @@ def test_scripted_chat_session(tiny_model_dir):
     assert proc.stderr.count("mean accepted length") == 3     # one stats line per answer
     assert "[2 answers," in proc.stderr                          # /stats after two answers
     assert "(new conversation)" in proc.stderr
+
+
+def test_attention_backend_flag_keeps_the_output(tiny_model_dir, capsys):
+    common = ["--target", str(tiny_model_dir), "--prompt", "abc", "--max-new-tokens", "12", "--method", "eagle",
+              "--draft", "random"]
+    sdpa = run_json(capsys, *common)
+    assert run_json(capsys, *common, "--attention", "lse_merge")["token_ids"] == sdpa["token_ids"]
+    assert main([*common, "--attention", "flash"]) == 1
+    assert "flash" in capsys.readouterr().err

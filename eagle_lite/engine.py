@@ -32,7 +32,8 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify forward (bonus included)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0        # target forward + acceptance + cache commit
+    verify_seconds: float = 0.0        # target forward over the tree
+    accept_seconds: float = 0.0        # acceptance + cache commit
     seconds: float = 0.0               # wall time, prefill included
     stop_reason: str = ""              # "eos" | "length" | "context"
 
@@ -50,7 +51,8 @@ class GenerationStats:
             "target_forwards": self.target_forwards, "accept_length_mean": round(self.accept_length_mean, 4),
             "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 3),
             "prefill_seconds": round(self.prefill_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
-            "verify_seconds": round(self.verify_seconds, 4), "stop_reason": self.stop_reason,
+            "verify_seconds": round(self.verify_seconds, 4), "accept_seconds": round(self.accept_seconds, 4),
+            "stop_reason": self.stop_reason,
         }
 
 
@@ -164,6 +166,7 @@ class Engine:
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
             logits, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths,
                                             logits_rows=slice(None))  # N V, N H
+            t2 = time.perf_counter()
             path, bonus = accept(tree, logits, sampling, generator)
             self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))
@@ -173,7 +176,8 @@ class Engine:
             self._cached_tokens = sequence[:cache.length]
             stats.target_forwards += 1
             stats.draft_seconds += t1 - t0
-            stats.verify_seconds += time.perf_counter() - t1
+            stats.verify_seconds += t2 - t1
+            stats.accept_seconds += time.perf_counter() - t2
             out = emit(new)
             stats.accept_lengths.append(len(out))
             yield out

@@ -1,7 +1,9 @@
 """Save and load draft heads: `model.safetensors` + `config.json` recording the target they were built for.
 
 Only safetensors are ever read (never pickles), and every way a head can be wrong — missing files, a
-truncated or corrupt weights file, a head built for another target — is a clear error naming the path.
+truncated or corrupt weights file, a head built for another target, a folder of another kind of head —
+is a clear error naming the path. The folder helpers (`write_folder`, `read_config`, `read_tensors`,
+`check_target`) serve every kind of head; `format` in config.json says which kind a folder holds.
 """
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from safetensors.torch import load_file, save_file
 from .draft import DraftHead
 
 FORMAT = "eagle_lite.draft_head"
+MEDUSA_FORMAT = "eagle_lite.medusa_heads"  # eagle_lite/medusa.py
 VERSION = 1
+KINDS = {FORMAT: "an EAGLE draft head (method eagle, --draft PATH)",
+         MEDUSA_FORMAT: "Medusa heads (method medusa, --medusa PATH)"}
 HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package, one folder per target alias
 
 
@@ -32,21 +37,10 @@ def default_head_path(target_name: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
-def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = None,
-              dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the head's own weights (not the target's embeddings or lm_head) atomically to folder `path`."""
+def write_folder(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """Write model.safetensors and config.json into folder `path`, each atomically (temp file + rename)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in head.state_dict().items()}
-    config = {
-        "format": FORMAT, "version": VERSION,
-        "target": target.fingerprint(),
-        "layer_class": type(head.layer).__name__,
-        "draft_vocab_size": head.draft_vocab_size,
-        "dtype": str(dtype).removeprefix("torch."),
-        **(extra or {}),
-    }
     for name, write in (("model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"})),
                         ("config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
@@ -60,21 +54,60 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
     return path
 
 
-def read_head_config(path: str | Path) -> dict:
+def state_tensors(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The module's state dict on the CPU, floating tensors cast to `dtype` (integer buffers kept)."""
+    return {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in module.state_dict().items()}
+
+
+def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the head's own weights (not the target's embeddings or lm_head) atomically to folder `path`."""
+    config = {
+        "format": FORMAT, "version": VERSION,
+        "target": target.fingerprint(),
+        "layer_class": type(head.layer).__name__,
+        "draft_vocab_size": head.draft_vocab_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        **(extra or {}),
+    }
+    return write_folder(path, state_tensors(head, dtype), config)
+
+
+def read_config(path: str | Path, expected: str = FORMAT, what: str = "draft head") -> dict:
+    """config.json of a head folder, refusing a missing or corrupt file or a folder of another `format`."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"no draft head at {path}: expected {cfg_file} and model.safetensors")
+        raise FileNotFoundError(f"no {what} at {path}: expected {cfg_file} and model.safetensors")
     try:
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"draft head config {cfg_file} is corrupt: {err}") from err
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{cfg_file} is not an eagle_lite draft head (format={config.get('format')!r})")
+        raise ValueError(f"{what} config {cfg_file} is corrupt: {err}") from err
+    found = config.get("format") if isinstance(config, dict) else None
+    if found != expected:
+        holds = KINDS.get(found, f"no eagle_lite head (format={found!r})")
+        raise ValueError(f"{cfg_file} holds {holds}, not {KINDS[expected]}: point to a folder of the right kind")
     return config
 
 
-def check_target(config: dict, target, path: Path | str = "") -> None:
+def read_head_config(path: str | Path) -> dict:
+    return read_config(path, FORMAT, "draft head")
+
+
+def read_tensors(path: str | Path, what: str = "draft head") -> dict[str, torch.Tensor]:
+    """model.safetensors of a head folder (never a pickle), refusing a missing, truncated or corrupt file."""
+    path = Path(path)
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{what} {path} has a config but no weights file {weights}")
+    try:
+        return load_file(weights)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{what} weights {weights} are corrupt or truncated: {err}") from err
+
+
+def check_target(config: dict, target, path: Path | str = "", what: str = "draft head") -> None:
     """Refuse a head whose recorded target differs from `target` in architecture or weights."""
     built, given = config.get("target", {}), target.fingerprint()
     keys = ("model_type", "hidden_size", "vocab_size", "embedding_sha")
@@ -83,8 +116,8 @@ def check_target(config: dict, target, path: Path | str = "") -> None:
             return (f"'{fp.get('name')}' ({fp.get('model_type')}, hidden {fp.get('hidden_size')}, "
                     f"vocab {fp.get('vocab_size')}, embeddings {fp.get('embedding_sha')})")
         raise HeadMismatchError(
-            f"draft head {path} was trained for target {describe(built)}, got {describe(given)}; "
-            f"train a head for this target (make train) or pass the target it was built for"
+            f"{what} {path} was trained for target {describe(built)}, got {describe(given)}; "
+            f"train one for this target (make train) or pass the target it was built for"
         )
 
 
@@ -93,13 +126,8 @@ def load_head(path: str | Path, target) -> DraftHead:
     path = Path(path)
     config = read_head_config(path)
     check_target(config, target, path)
+    tensors = read_tensors(path)
     weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"draft head {path} has a config but no weights file {weights}")
-    try:
-        tensors = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"draft head weights {weights} are corrupt or truncated: {err}") from err
     head = DraftHead.for_target(target, d2t=tensors.get("d2t"))
     try:
         head.load_state_dict(tensors, strict=True)

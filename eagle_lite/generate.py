@@ -32,15 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="auto",
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
     p.add_argument("--method", default="auto",
-                   choices=["auto", "eagle", "lookup", "draft_model", "layer_skip", "vanilla"],
+                   choices=["auto", "eagle", "lookup", "draft_model", "layer_skip", "medusa", "vanilla"],
                    help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); draft_model: a "
                         "smaller LM drafts (needs --draft-model); layer_skip: the target's first --exit-layer "
-                        "layers draft (no extra weights); vanilla: one target forward per token; "
+                        "layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
+                        "vanilla: one target forward per token; "
                         "auto: eagle if a head exists, else vanilla")
     p.add_argument("--draft-model", default=None, metavar="SPEC",
                    help="--method draft_model: the smaller model (same tokenizer as the target), given like --target")
     p.add_argument("--exit-layer", type=int, default=None, metavar="N",
                    help="--method layer_skip: draft with the target's first N decoder layers (None: half of them)")
+    p.add_argument("--medusa", default=None, metavar="PATH",
+                   help="--method medusa: heads saved by `python -m trainers.train experiment=medusa`, or 'random'")
+    p.add_argument("--medusa-choices", default=None, metavar="JSON",
+                   help="--method medusa: the tree as rank paths, e.g. '[[0],[1],[0,0]]', or a .json file "
+                        "(default: a 12-node tree)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     g = p.add_argument_group("sampling (temperature 0 = greedy)")
     g.add_argument("--temperature", type=float, default=sampling.temperature)
@@ -148,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype, device=args.device,
-                  draft_model=args.draft_model, exit_layer=args.exit_layer, attention=args.attention)
+                  draft_model=args.draft_model, exit_layer=args.exit_layer, attention=args.attention,
+                  medusa=args.medusa, medusa_choices=args.medusa_choices)
         if args.prompt is not None:
             one_shot(lm, args, cfg)
         else:

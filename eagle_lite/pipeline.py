@@ -18,14 +18,15 @@ import torch
 from .checkpoint import default_head_path, load_head
 from .config import GenerationConfig
 from .draft import DraftHead
-from .drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, NoDrafter, PromptLookupDrafter
+from .drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter
 from .engine import Engine, GenerationStats
 from .loading import load_target
+from .medusa import MedusaHeads, load_medusa
 from .target import Target
 
 log = logging.getLogger("eagle_lite")
 
-METHODS = ("eagle", "lookup", "draft_model", "layer_skip", "vanilla")
+METHODS = ("eagle", "lookup", "draft_model", "layer_skip", "medusa", "vanilla")
 
 
 @dataclass
@@ -39,7 +40,8 @@ class Pipeline:
     """A target with one drafting method; `generate`/`stream` take text or chat messages."""
 
     def __init__(self, target: Target, method: str = "vanilla", head: DraftHead | None = None,
-                 draft_target: Target | None = None, exit_layer: int | None = None) -> None:
+                 draft_target: Target | None = None, exit_layer: int | None = None,
+                 medusa_heads: MedusaHeads | None = None, medusa_choices: list[list[int]] | str | None = None) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
         if method == "eagle" and head is None:
@@ -47,10 +49,14 @@ class Pipeline:
         if method == "draft_model" and draft_target is None:
             raise ValueError(f"method 'draft_model' needs a draft model sharing the tokenizer of target "
                              f"'{target.name}': pass --draft-model SPEC (a smaller model of the same family)")
+        if method == "medusa" and medusa_heads is None:
+            raise ValueError("method 'medusa' needs Medusa heads: pass --medusa PATH (trained with "
+                             "`python -m trainers.train experiment=medusa`) or --medusa random")
         self.target, self.method, self.head = target, method, head
         drafters = {"eagle": lambda: EagleDrafter(target, head), "lookup": PromptLookupDrafter, "vanilla": NoDrafter,
                     "draft_model": lambda: DraftModelDrafter(target, draft_target),
-                    "layer_skip": lambda: LayerSkipDrafter(target, exit_layer)}
+                    "layer_skip": lambda: LayerSkipDrafter(target, exit_layer),
+                    "medusa": lambda: MedusaDrafter(target, medusa_heads, medusa_choices)}
         self.engine = Engine(target, drafters[method]())
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -101,20 +107,29 @@ class Pipeline:
 
 def load(target: str | None = None, draft: str | None = "auto", method: str = "auto",
          dtype: str = "float32", device: str = "cpu", draft_model: str | None = None,
-         exit_layer: int | None = None, attention: str = "sdpa") -> Pipeline:
+         exit_layer: int | None = None, attention: str = "sdpa", medusa: str | None = None,
+         medusa_choices: list[list[int]] | str | None = None) -> Pipeline:
     """Load a target and a drafting method.
 
     draft: "auto" (the head shipped for this target, if any), "random" (an untrained head: slow,
     still exact, for testing), or a folder written by `save_head`. method: "auto" picks eagle when a
     head is available, else vanilla. draft_model: the smaller LM of method "draft_model" (any spec
     `load_target` takes); exit_layer: the draft depth of method "layer_skip" (default half the layers).
+    medusa: method "medusa"'s heads, a folder written by `save_medusa` or "random" (untrained: exact
+    but slow); medusa_choices: its tree as rank paths or JSON text (default: drafters.medusa.DEFAULT_CHOICES).
     """
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
     if method == "draft_model" and draft_model is None:  # before the (slow) target load
         raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
+    if method == "medusa" and medusa is None:
+        raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
+                         "experiment=medusa`) or --medusa random (untrained: exact but slow)")
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
+    medusa_heads = None
+    if method == "medusa":
+        medusa_heads = MedusaHeads.for_target(tgt) if medusa == "random" else load_medusa(medusa, tgt)
     draft_tgt = load_target(draft_model, dtype=torch_dtype, device=device) if method == "draft_model" else None
     head = None
     if method in ("auto", "eagle"):
@@ -135,4 +150,5 @@ def load(target: str | None = None, draft: str | None = "auto", method: str = "a
         method = "eagle" if head is not None else "vanilla"
         if head is None:
             log.warning("no draft head for target '%s': decoding without speculation", tgt.name)
-    return Pipeline(tgt, method, head, draft_target=draft_tgt, exit_layer=exit_layer)
+    return Pipeline(tgt, method, head, draft_target=draft_tgt, exit_layer=exit_layer, medusa_heads=medusa_heads,
+                    medusa_choices=medusa_choices)

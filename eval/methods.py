@@ -1,7 +1,8 @@
 """The decoding methods an evaluation compares, each behind one call: prompt ids -> tokens + stats.
 
 `hf_generate` and `hf_prompt_lookup` are transformers' own `generate()` (the baselines users know);
-`vanilla` and `eagle` are eagle_lite's engine without and with speculation.
+`vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
+(lookup, draft_model, layer_skip, medusa) run through the same engine and verifier.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Callable
 import torch
 
 from eagle_lite.config import GenerationConfig
-from eagle_lite.drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, NoDrafter, PromptLookupDrafter
+from eagle_lite.drafters import (DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter,
+                                 PromptLookupDrafter)
 from eagle_lite.engine import Engine
 from eagle_lite.target import Target
 
@@ -58,9 +60,10 @@ def engine_method(engine: Engine) -> Method:
 
 
 def build_methods(target: Target, names: list[str], head=None, draft_target: Target | None = None,
-                  exit_layer: int | None = None) -> dict[str, Method]:
+                  exit_layer: int | None = None, medusa_heads=None, medusa_choices=None) -> dict[str, Method]:
     """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model
-    (needs draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers)."""
+    (needs draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers),
+    medusa (needs medusa_heads, eagle_lite.medusa.MedusaHeads; medusa_choices: its tree, default DEFAULT_CHOICES)."""
     factories = {
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
@@ -69,6 +72,7 @@ def build_methods(target: Target, names: list[str], head=None, draft_target: Tar
         "eagle": lambda: engine_method(Engine(target, EagleDrafter(target, head))),
         "draft_model": lambda: engine_method(Engine(target, DraftModelDrafter(target, draft_target))),
         "layer_skip": lambda: engine_method(Engine(target, LayerSkipDrafter(target, exit_layer))),
+        "medusa": lambda: engine_method(Engine(target, MedusaDrafter(target, medusa_heads, medusa_choices))),
     }
     unknown = [n for n in names if n not in factories]
     if unknown:
@@ -78,4 +82,7 @@ def build_methods(target: Target, names: list[str], head=None, draft_target: Tar
     if "draft_model" in names and draft_target is None:
         raise ValueError("method 'draft_model' needs a draft model: pass draft_target (a smaller LM sharing "
                          f"the tokenizer of target '{target.name}', loaded with eagle_lite.loading.load_target)")
+    if "medusa" in names and medusa_heads is None:
+        raise ValueError("method 'medusa' needs Medusa heads: pass medusa_heads (eagle_lite.medusa.load_medusa of "
+                         "a folder trained with `python -m trainers.train experiment=medusa`)")
     return {n: factories[n]() for n in names}

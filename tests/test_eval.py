@@ -53,7 +53,7 @@ def test_first_difference():
 
 def test_unknown_method_is_refused(chat_target):
     with pytest.raises(ValueError, match="unknown method"):
-        build_methods(chat_target, ["medusa"])
+        build_methods(chat_target, ["no_such_method"])
 
 
 def two_question_file(tmp_path):

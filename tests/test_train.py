@@ -132,6 +132,7 @@ def test_accept_length_estimate_with_oracle_and_one_step_drafters(target):
 def test_every_experiment_debug_and_trainer_config_composes():
     from trainers.datamodule import LoaderConfig
     from trainers.distill import DistillConfig
+    from trainers.medusa_objective import MedusaObjectiveConfig
     from trainers.module import OptimConfig
     from trainers.objective import ObjectiveConfig
     from trainers.train import _typed
@@ -145,9 +146,10 @@ def test_every_experiment_debug_and_trainer_config_composes():
             assert cfg.name == name and cfg.paths.output.endswith(f"/{name}")
             if name in expected:
                 assert (cfg.draft.objective.ttt_steps, cfg.draft.vocab_size) == expected[name]
+            objective_cls = MedusaObjectiveConfig if cfg.draft.get("kind") == "medusa" else ObjectiveConfig
             for cls, node in ((TargetConfig, cfg.target), (DistillConfig, cfg.data.distill),
                               (FeatureConfig, cfg.data.features), (LoaderConfig, cfg.data.loader),
-                              (ObjectiveConfig, cfg.draft.objective), (OptimConfig, cfg.draft.optim)):
+                              (objective_cls, cfg.draft.objective), (OptimConfig, cfg.draft.optim)):
                 _typed(cls, node)  # every key is a dataclass field
             OmegaConf.to_yaml(cfg, resolve=True)  # every interpolation resolves
     assert config("debug=fdr").trainer.fast_dev_run is True

@@ -3,6 +3,7 @@
   python -m trainers.train                                  # the default recipe on SmolLM2 (CPU)
   python -m trainers.train experiment=ttt                   # + training-time test (3 unrolled steps)
   python -m trainers.train experiment=small_vocab           # + a reduced 8k draft vocabulary
+  python -m trainers.train experiment=medusa                # Medusa heads instead (draft=medusa)
   python -m trainers.train target=tiny data=tiny debug=fdr  # the whole pipeline in seconds
   python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP)
   python -m trainers.train --help                           # every config group and option
@@ -65,6 +66,17 @@ def build_module(cfg: DictConfig, target, data):
     from eagle_lite.draft import DraftHead
 
     from .module import DraftLightningModule, OptimConfig
+
+    if cfg.draft.get("kind", "eagle") == "medusa":  # Medusa heads on the same features (conf/draft/medusa.yaml)
+        from eagle_lite.medusa import MedusaHeads
+
+        from .medusa_module import MedusaLightningModule, MedusaObjectiveConfig
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            heads = MedusaHeads.for_target(target, int(cfg.draft.num_heads), int(cfg.draft.num_layers)).float()
+        return MedusaLightningModule(heads, target.lm_head.weight, _typed(MedusaObjectiveConfig, cfg.draft.objective),
+                                     _typed(OptimConfig, cfg.draft.optim))
+
     from .objective import ObjectiveConfig
     from .vocab import build_d2t, count_tokens, special_ids
 
@@ -107,16 +119,39 @@ def fit(cfg: DictConfig, module, data):
     return trainer, history, resume_from
 
 
+def check_run_folder(cfg: DictConfig) -> None:
+    """Refuse to resume into a run folder whose exported head is of the other kind (EAGLE vs Medusa).
+
+    `draft=medusa` without `experiment=medusa` keeps name=default: it must neither continue nor overwrite
+    the EAGLE head's run.
+    """
+    from eagle_lite.checkpoint import FORMAT, KINDS, MEDUSA_FORMAT
+
+    expected = MEDUSA_FORMAT if cfg.draft.get("kind", "eagle") == "medusa" else FORMAT
+    exported = Path(cfg.paths.export) / "config.json"
+    if not (cfg.resume and exported.is_file()):
+        return
+    try:
+        found = json.loads(exported.read_text()).get("format")
+    except (ValueError, AttributeError):
+        return  # unreadable: the export is rewritten anyway
+    if found != expected:
+        raise ValueError(f"run folder {cfg.paths.output} holds {KINDS.get(found, repr(found))}, but this run trains "
+                         f"{KINDS[expected]}: give it its own folder (experiment=medusa, or name=...)")
+
+
 def train(cfg: DictConfig) -> dict:
     """Run every stage for `cfg` (the composed `conf/train.yaml`); returns the run's summary."""
     import lightning.pytorch as L
 
     from eagle_lite.checkpoint import save_head
+    from eagle_lite.medusa import save_medusa
 
     from .features import describe_bytes
     from .report import folder_bytes, write_train_log
     from .targets import TargetConfig, build_target
 
+    check_run_folder(cfg)
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     target = build_target(_typed(TargetConfig, cfg.target))
@@ -132,7 +167,8 @@ def train(cfg: DictConfig) -> dict:
         "experiment": cfg.name, "target": target.name, "global_step": trainer.global_step,
         "resumed_from_step": history.start_step, "epochs": trainer.current_epoch,
         "sequences": manifest["total_sequences"], "tokens": manifest["total_tokens"],
-        "draft_vocab_size": module.head.draft_vocab_size, "seconds": round(time.perf_counter() - start, 1),
+        "draft_vocab_size": getattr(module.head, "draft_vocab_size", None),  # None for Medusa heads
+        "seconds": round(time.perf_counter() - start, 1),
         **seconds, "seconds_fit": history.fit_seconds,
         "disk_distill": describe_bytes(folder_bytes(paths.distill)),
         "disk_features": describe_bytes(folder_bytes(paths.features)),
@@ -145,7 +181,8 @@ def train(cfg: DictConfig) -> dict:
         earlier = json.loads(old_log.read_text()).get("epochs", [])
         epochs = [row for row in earlier if row["step"] <= (history.start_step or 0)] + epochs
     if trainer.is_global_zero:
-        save_head(module.head, export, target, extra={"training": {k: summary[k] for k in (
+        save = save_medusa if cfg.draft.get("kind", "eagle") == "medusa" else save_head
+        save(module.head, export, target, extra={"training": {k: summary[k] for k in (
             "experiment", "global_step", "sequences", "tokens")} | metrics})
         write_text_atomic(export / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         write_train_log(export, summary, epochs)

@@ -1,0 +1,255 @@
+"""`python -m eval.tune`: find the fastest settings of one drafting method on a few prompts of a task.
+
+    python -m eval.tune --method eagle --task humaneval            # tree depth x top_k x total_tokens
+    python -m eval.tune --method lookup --task sharegpt            # chain length K (num_tokens)
+    python -m eval.tune --method layer_skip --exit-layer 12        # K of the early-exit draft
+    python -m eval.tune --method draft_model --draft-model SPEC    # K of a smaller draft model
+    python -m eval.tune --method medusa --medusa HEADS_DIR         # Medusa tree size (nodes)
+    python -m eval.tune --method eagle --questions mt_bench.jsonl --limit 2 --depths 3,5 --totals 8,16
+
+Every candidate setting decodes the same prompts through the runner of `eval.sweep` (all candidates
+interleaved per question, so machine drift hits them alike; each greedy output is checked against
+vanilla decoding). The table gives tokens/s, the speedup over vanilla and the mean accepted length;
+the best setting whose output is identical to vanilla's is printed last, with how to select it.
+Chain drafters sweep a fixed K (adaptive off) plus their default adaptive K; eagle sweeps the tree
+grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.drafters import (DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter,
+                                 PromptLookupDrafter)
+from eagle_lite.drafters.medusa import sized_choices
+from eagle_lite.engine import Engine
+from eagle_lite.target import Target
+
+from . import report, runner
+from .methods import Method, engine_method
+from .tasks import Question
+
+METHODS = ("eagle", "lookup", "draft_model", "layer_skip", "medusa")
+BASELINE = "vanilla"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str                   # the method name the runner records, e.g. "eagle d=5 k=8 n=24"
+    setting: dict                # what it sets, e.g. {"depth": 5, "top_k": 8, "total_tokens": 24}
+    make: Callable[[], Method]   # builds its engine (each candidate has its own drafter and caches)
+
+
+def with_tree(method: Method, tree: TreeConfig) -> Method:
+    """The method run with its own tree, whatever tree the runner's GenerationConfig holds."""
+    return lambda prompt, cfg: method(prompt, replace(cfg, tree=tree))
+
+
+def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_target: Target | None = None,
+                     exit_layer: int | None = None) -> list[Candidate]:
+    """A fixed K per value (adaptive off), then the drafter's default: adaptive from its default K."""
+    def drafter(k: int | None, adaptive: bool):
+        kw = {"adaptive": adaptive} if k is None else {"num_tokens": k, "adaptive": adaptive}
+        if method == "lookup":
+            return PromptLookupDrafter(**kw)
+        if method == "draft_model":
+            return DraftModelDrafter(target, draft_target, **kw)
+        return LayerSkipDrafter(target, exit_layer, **kw)
+
+    out = [Candidate(f"{method} K={k}", {"num_tokens": k, "adaptive": False},
+                     lambda k=k: engine_method(Engine(target, drafter(k, False)))) for k in num_tokens]
+    default_k = drafter(None, True).length.k
+    out.append(Candidate(f"{method} K={default_k} adaptive", {"num_tokens": default_k, "adaptive": True},
+                         lambda: engine_method(Engine(target, drafter(None, True)))))
+    return out
+
+
+def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int]) -> list[Candidate]:
+    """Every valid (depth, top_k, total_tokens) of the grid, each with its own EagleDrafter."""
+    out = []
+    for depth in depths:
+        for top_k in top_ks:
+            for total in totals:
+                try:
+                    tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total)
+                except ValueError:
+                    continue  # more nodes than depth x top_k can draft
+                make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
+                out.append(Candidate(f"eagle d={depth} k={top_k} n={total}",
+                                     {"depth": depth, "top_k": top_k, "total_tokens": total}, make))
+    if not out:
+        raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
+                         f"must be <= top_k + (depth - 1) * top_k**2")
+    return out
+
+
+def medusa_candidates(target: Target, heads, sizes: list[int]) -> list[Candidate]:
+    """A tree of each size (drafted nodes), the likeliest paths the heads can reach (`sized_choices`)."""
+    out, seen = [], set()
+    for n in sizes:
+        choices = sized_choices(n, heads.num_heads)  # fewer than n when shallow heads cannot hold n nodes
+        if len(choices) in seen:
+            continue
+        seen.add(len(choices))
+        out.append(Candidate(f"medusa nodes={len(choices)}", {"nodes": len(choices), "choices": choices},
+                             lambda c=choices: engine_method(Engine(target, MedusaDrafter(target, heads, c)))))
+    return out
+
+
+def tune(target: Target, questions: list[Question], candidates: list[Candidate], max_new_tokens: int = 64,
+         warmup: bool = True) -> list[dict]:
+    """Run vanilla decoding and every candidate on `questions`; one 'overall' summary row per method,
+    the candidate's `setting` added (None for vanilla)."""
+    if not questions:
+        raise ValueError("no questions to tune on: check --task / --questions and --limit")
+    labels = [c.label for c in candidates]
+    if BASELINE in labels or len(set(labels)) != len(labels):
+        raise ValueError(f"candidate labels must be unique and not '{BASELINE}', got {labels}")
+    methods = {BASELINE: engine_method(Engine(target, NoDrafter()))}
+    methods.update({c.label: c.make() for c in candidates})
+    records = runner.run(target, questions, methods, GenerationConfig(max_new_tokens=max_new_tokens),
+                         baseline=BASELINE, warmup=warmup)
+    settings = {c.label: c.setting for c in candidates}
+    rows = [row for row in report.summarize(records, BASELINE) if row["category"] == "overall"]
+    return [{**row, "setting": settings.get(row["method"])} for row in rows]
+
+
+def best(rows: list[dict]) -> dict | None:
+    """The fastest candidate whose outputs all equal vanilla's (None if there is none)."""
+    exact = [r for r in rows if r["method"] != BASELINE and r["identical"] == 1.0]
+    return max(exact, key=lambda r: r["tokens_per_s"]) if exact else None
+
+
+def how_to_select(method: str, setting: dict) -> str:
+    """The flags (or constructor arguments) that pick `setting`."""
+    if method == "eagle":
+        return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
+                f"--tree-total-tokens {setting['total_tokens']}")
+    if method == "medusa":
+        return f"--medusa-choices '{json.dumps(setting['choices'], separators=(',', ':'))}'"
+    cls = {"lookup": "PromptLookupDrafter", "draft_model": "DraftModelDrafter",
+           "layer_skip": "LayerSkipDrafter"}[method]
+    return f"{cls}(..., num_tokens={setting['num_tokens']}, adaptive={setting['adaptive']})"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| setting | tokens/s | speedup vs vanilla | mean accepted length | identical output |",
+             "|---|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
+        accept = "—" if r["accept_length_mean"] is None else f"{r['accept_length_mean']:.2f}"
+        speed = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {speed} | {accept} | {100 * r['identical']:.0f}% |")
+    return "\n".join(lines)
+
+
+def ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--task", default="humaneval", choices=["humaneval", "sharegpt"], help="built-in prompt set")
+    p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
+    p.add_argument("--limit", type=int, default=3, help="questions used (per category with --questions)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
+    g = p.add_argument_group("drafts")
+    g.add_argument("--draft", default="auto", help="eagle: 'auto' (shipped head), 'random' or a head folder")
+    g.add_argument("--medusa", default=None, help="medusa: a heads folder (save_medusa) or 'random'")
+    g.add_argument("--draft-model", default=None, metavar="SPEC", help="draft_model: the smaller LM")
+    g.add_argument("--exit-layer", type=int, default=None, help="layer_skip: draft layers (default: half)")
+    g = p.add_argument_group("grids")
+    g.add_argument("--num-tokens", type=ints, default=[1, 2, 3, 4, 6, 8], help="chain drafters: K values")
+    g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
+    g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle: tree top_k values")
+    g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
+    g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
+    return p.parse_args(argv)
+
+
+def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
+    from eagle_lite.loading import load_target
+    from eagle_lite.medusa import MedusaHeads, load_medusa
+
+    from .sweep import head_for
+
+    if args.method == "eagle":
+        head, _ = head_for(target, args.draft)
+        return eagle_candidates(target, head, args.depths, args.top_ks, args.totals)
+    if args.method == "medusa":
+        if args.medusa is None:
+            raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "
+                             "experiment=medusa`) or --medusa random")
+        if args.medusa == "random":
+            torch.manual_seed(0)
+            heads = MedusaHeads.for_target(target)
+        else:
+            heads = load_medusa(args.medusa, target)
+        return medusa_candidates(target, heads, args.nodes)
+    draft_target = None
+    if args.method == "draft_model":
+        if args.draft_model is None:
+            raise ValueError("--method draft_model needs --draft-model SPEC: a smaller LM with the target's tokenizer")
+        draft_target = load_target(args.draft_model, dtype=getattr(torch, args.dtype))
+    return chain_candidates(args.method, target, args.num_tokens, draft_target, args.exit_layer)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    from eagle_lite.loading import load_target
+
+    from .sweep import load_questions
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    task = ({"name": "file", "path": args.questions, "limit": args.limit} if args.questions
+            else {"name": args.task, "limit": args.limit})
+    try:
+        questions = load_questions([task])
+        target = load_target(args.target, dtype=getattr(torch, args.dtype))
+        candidates = build_candidates(args, target)
+        rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"target {target.name} · {args.method} · {task.get('path') or task['name']}: {len(questions)} questions, "
+          f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
+          f"{torch.get_num_threads()} threads\n")
+    print(markdown(rows))
+    top = best(rows)
+    if top is None:
+        print("\nno candidate reproduced vanilla's output on every prompt: check the draft and the dtype")
+        return 1
+    speedup = "" if top["speedup"] is None else f" ({top['speedup']:.2f}x vanilla)"
+    if top["speedup"] is not None and top["speedup"] < 1:
+        print("\nno setting beats vanilla decoding on these prompts (an untrained draft, or drafting costs too much)")
+    print(f"\nbest: {top['method']} at {top['tokens_per_s']:.1f} tokens/s{speedup}; "
+          f"select it with {how_to_select(args.method, top['setting'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-top-k", type=int, default=tree.top_k)
     p.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)
 
@@ -48,6 +49,10 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:

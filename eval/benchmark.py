@@ -49,17 +49,14 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
     settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, methods=methods,
                             baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
-                            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_total_tokens))
+                            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_total_tokens),
+                            threads=args.threads)
     try:
         records, rows, header = evaluate(settings)
     except (ValueError, FileNotFoundError) as err:

@@ -43,6 +43,7 @@ class EvalSettings:
     tree: TreeConfig = TreeConfig()
     tasks: list[dict] = field(default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
     per_category_limit: int | None = None
+    threads: int | None = None   # torch CPU threads; None: torch's default (one per core)
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -73,6 +74,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
     """Returns (records, summary rows, header line)."""
     if s.baseline not in s.methods:
         raise ValueError(f"baseline '{s.baseline}' must be one of the methods {s.methods}")
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
     target = load_target(s.target, dtype=getattr(torch, s.dtype))
     head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
     questions = load_questions(s.tasks, s.per_category_limit)
@@ -118,7 +121,7 @@ def settings_from(cfg) -> EvalSettings:
     return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=list(c["methods"]),
                         baseline=c["baseline"], max_new_tokens=int(c["max_new_tokens"]), warmup=bool(c["warmup"]),
                         tree=TreeConfig(**c["tree"]), tasks=list(c["task"]["tasks"]),
-                        per_category_limit=c["task"].get("per_category_limit"))
+                        per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"))
 
 
 def _main() -> None:

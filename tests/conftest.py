@@ -52,6 +52,26 @@ def llama() -> Target:
     return make_target("llama")
 
 
+def exact_continuations(target: Target, prompt: list[int], sampling, length: int = 3) -> dict[tuple, float]:
+    """The target's exact distribution over `length`-token continuations, enumerated over the
+    support of its sampling distribution (keep top_k small so the tree stays small)."""
+    from eagle_lite.accept import target_probs
+
+    exact: dict[tuple, float] = {}
+
+    def walk(prefix: list[int], prob: float) -> None:
+        if len(prefix) == length:
+            exact[tuple(prefix)] = prob
+            return
+        p = target_probs(target.model(torch.tensor([prompt + prefix])).logits[0, -1], sampling)
+        for tok in torch.nonzero(p).flatten().tolist():
+            walk(prefix + [tok], prob * float(p[tok]))
+
+    with torch.inference_mode():
+        walk([], 1.0)
+    return exact
+
+
 def reference_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
     """transformers' own greedy generate(): the output every method must reproduce."""
     ids = torch.tensor([prompt])

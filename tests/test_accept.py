@@ -18,6 +18,8 @@ from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
 
+from conftest import exact_continuations
+
 V = 6
 P_ROOT = torch.tensor([0.05, 0.30, 0.10, 0.35, 0.15, 0.05])
 P_AFTER_1 = torch.tensor([0.40, 0.05, 0.25, 0.10, 0.10, 0.10])
@@ -154,16 +156,6 @@ def test_engine_sampling_matches_target_distribution(llama):
             lengths += result.stats.accept_lengths
         dists[name], accept[name] = counts, sum(lengths) / len(lengths)
     assert accept["speculative"] >= 1.9   # the drafted branches are really taken
-    # the exact target distribution of the 3-token continuation, by enumeration over top-4 supports
-    exact = {}
-    with torch.inference_mode():
-        def walk(prefix, prob):
-            if len(prefix) == 3:
-                exact[tuple(prefix)] = prob
-                return
-            p = target_probs(llama.model(torch.tensor([[5, 6, 7] + prefix])).logits[0, -1], sampling)
-            for tok in torch.nonzero(p).flatten().tolist():
-                walk(prefix + [tok], prob * float(p[tok]))
-        walk([], 1.0)
+    exact = exact_continuations(llama, [5, 6, 7], sampling)   # by enumeration over the top-4 supports
     for name, counts in dists.items():
         assert tv(counts, exact, draws) < 0.12, name

@@ -18,7 +18,7 @@ from eagle_lite.engine import Engine
 from eagle_lite.generate import main
 from eagle_lite.target import Target
 
-from conftest import VOCAB, make_target, reference_greedy
+from conftest import VOCAB, exact_continuations, make_target, reference_greedy
 
 
 def noisy_copy(family: str = "llama", noise: float = 0.1) -> Target:
@@ -147,16 +147,7 @@ def test_draft_model_sampling_matches_target_distribution(llama, monkeypatch):
         counts[tuple(engine.generate([5, 6, 7], cfg).token_ids)] += 1
     assert sum(a for a, _ in verified) > 200               # drafted tokens were accepted ...
     assert sum(a < k for a, k in verified) > 200           # ... and rejected (residual resampling)
-    exact = {}                                             # the target's 3-token distribution, enumerated
-    with torch.inference_mode():
-        def walk(prefix, prob):
-            if len(prefix) == 3:
-                exact[tuple(prefix)] = prob
-                return
-            p = target_probs(llama.model(torch.tensor([[5, 6, 7] + prefix])).logits[0, -1], sampling)
-            for tok in torch.nonzero(p).flatten().tolist():
-                walk(prefix + [tok], prob * float(p[tok]))
-        walk([], 1.0)
+    exact = exact_continuations(llama, [5, 6, 7], sampling)  # the target's 3-token distribution, enumerated
     keys = set(counts) | set(exact)
     assert 0.5 * sum(abs(counts.get(k, 0) / draws - exact.get(k, 0.0)) for k in keys) < 0.12
     for pos in range(2):  # the first two marginals (4 and ~16 outcomes) more tightly; the third's is too wide

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens, help="drafted nodes verified per step")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core); 1 is as fast for a small model and far "
+                        "faster when other jobs share the cores")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "flex", "lse_merge", "flash", "auto"],
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
@@ -150,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from .pipeline import load
 
     try:

@@ -21,7 +21,7 @@ def test_help_explains_the_flags(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--prompt", "--method", "--draft", "--max-new-tokens", "--temperature", "--seed", "--json",
-                 "--tree-depth", "--target"):
+                 "--tree-depth", "--target", "--threads", "--attention"):
         assert flag in text
 
 

@@ -112,3 +112,12 @@ def test_malformed_question_file_names_the_line(tmp_path):
     bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok"]}\n{"question_id": 2, "turns": ["no category"]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
         load_question_file(bad)
+
+
+def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
+    from eval.profile_step import main as profile_main
+
+    assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "2,2,3",
+                         "--max-new-tokens", "6", "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out

@@ -1,0 +1,73 @@
+"""`python -m eval.profile_step`: where the milliseconds of one decoding step go, per method and tree.
+
+    python -m eval.profile_step --draft data/heads/smollm2-small_vocab-392conv --threads 1
+    python -m eval.profile_step --draft random --trees 3,8,8 5,8,24
+
+Per step: draft, verify (the target's forward over the tree), accept + cache commit; plus tokens per step
+and tokens/s, for vanilla decoding and EAGLE at each tree (depth,top_k,total_tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.drafters import EagleDrafter, NoDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.loading import load_target
+
+from .sweep import head_for
+
+PROMPT = "Explain how a hash map works, with an example in Python."
+
+
+def profile(engine: Engine, ids: list[int], cfg: GenerationConfig) -> dict:
+    engine.generate(ids, GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
+    engine.reset()
+    s = engine.generate(ids, cfg).stats
+    steps = max(len(s.accept_lengths), 1)
+    return {"draft": 1000 * s.draft_seconds / steps, "verify": 1000 * s.verify_seconds / steps,
+            "accept": 1000 * s.accept_seconds / steps, "tokens_per_step": s.accept_length_mean,
+            "tokens_per_s": s.tokens_per_s, "prefill": 1000 * s.prefill_seconds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.profile_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default="auto", help="'auto', 'random' or a head folder")
+    p.add_argument("--trees", nargs="*", default=["3,8,8", "5,8,24"], help="depth,top_k,total_tokens ...")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    target = load_target(args.target)
+    head, note = head_for(target, args.draft)
+    ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                    add_generation_prompt=True, return_dict=False))
+    rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]
+    for spec in args.trees:
+        tree = TreeConfig(*(int(x) for x in spec.split(",")))
+        cfg = GenerationConfig(args.max_new_tokens, tree=tree)
+        rows.append((f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}",
+                     profile(Engine(target, EagleDrafter(target, head)), ids, cfg)))
+    print(f"target {target.name} · {torch.get_num_threads()} threads · {note}\n")
+    print("| method | draft ms/step | verify ms/step | accept+commit ms/step | tokens/step | tokens/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in rows:
+        draft = "—" if name == "vanilla" else f"{r['draft']:.1f}"
+        print(f"| {name} | {draft} | {r['verify']:.1f} | {r['accept']:.2f} | {r['tokens_per_step']:.2f} | "
+              f"{r['tokens_per_s']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

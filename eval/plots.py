@@ -15,7 +15,7 @@ def plot_speedups(rows: list[dict], baseline: str, path: Path) -> Path:
     categories = list(dict.fromkeys(r["category"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(categories), 3.6))
+    fig, ax = plt.subplots(figsize=(3.2 + 1.2 * len(categories), 3.6))
     for i, method in enumerate(methods):
         xs, ys = [], []
         for j, cat in enumerate(categories):
@@ -27,7 +27,7 @@ def plot_speedups(rows: list[dict], baseline: str, path: Path) -> Path:
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks(range(len(categories)), categories)
     ax.set_ylabel(f"speedup vs {baseline}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

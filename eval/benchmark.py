@@ -20,6 +20,7 @@ from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
+# also available: layer_skip (--exit-layer), draft_model (--draft-model SPEC), medusa (--medusa PATH|random)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
+    p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
+    p.add_argument("--draft-model", default=None, help="method draft_model: a smaller LM with the target's tokenizer")
+    p.add_argument("--medusa", default=None, help="method medusa: a heads folder or 'random'")
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)
 
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
     settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, methods=methods,
                             baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
                             tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_total_tokens),
-                            threads=args.threads)
+                            threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
+                            medusa=args.medusa)
     try:
         records, rows, header = evaluate(settings)
     except (ValueError, FileNotFoundError) as err:

@@ -44,6 +44,9 @@ class EvalSettings:
     tasks: list[dict] = field(default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
     per_category_limit: int | None = None
     threads: int | None = None   # torch CPU threads; None: torch's default (one per core)
+    exit_layer: int | None = None   # layer_skip's draft depth (None: half the layers)
+    draft_model: str | None = None  # draft_model's smaller LM (any load_target spec)
+    medusa: str | None = None       # medusa's heads: a folder from `experiment=medusa`, or "random"
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -81,7 +84,14 @@ def evaluate(s: EvalSettings, progress: bool = True):
     questions = load_questions(s.tasks, s.per_category_limit)
     if not questions:
         raise ValueError("no questions to run: check the task settings")
-    methods = build_methods(target, s.methods, head)
+    draft_target = load_target(s.draft_model, dtype=getattr(torch, s.dtype)) if "draft_model" in s.methods and s.draft_model else None
+    medusa_heads = None
+    if "medusa" in s.methods and s.medusa:
+        from eagle_lite.medusa import MedusaHeads, load_medusa
+
+        medusa_heads = MedusaHeads.for_target(target) if s.medusa == "random" else load_medusa(s.medusa, target)
+    methods = build_methods(target, s.methods, head, draft_target=draft_target, exit_layer=s.exit_layer,
+                            medusa_heads=medusa_heads)
     cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=s.tree)
     total = sum(len(q.turns) for q in questions) * len(methods)
     with tqdm(total=total, desc="eval", unit="run", file=sys.stderr, disable=not progress) as bar:
@@ -121,7 +131,8 @@ def settings_from(cfg) -> EvalSettings:
     return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=list(c["methods"]),
                         baseline=c["baseline"], max_new_tokens=int(c["max_new_tokens"]), warmup=bool(c["warmup"]),
                         tree=TreeConfig(**c["tree"]), tasks=list(c["task"]["tasks"]),
-                        per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"))
+                        per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"),
+                        exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"))
 
 
 def _main() -> None:

@@ -86,6 +86,23 @@ def test_sweep_config_runs_end_to_end_and_writes_table_and_plots(tiny_model_dir,
     assert len((tmp_path / "out" / "records.jsonl").read_text().splitlines()) == 9
 
 
+def test_sweep_runs_every_drafter(tiny_model_dir, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from eval.sweep import evaluate, settings_from
+
+    overrides = sweep_overrides(tiny_model_dir, two_question_file(tmp_path))
+    overrides[2] = "methods=[vanilla,lookup,eagle,layer_skip,draft_model,medusa]"
+    overrides += [f"draft_model={tiny_model_dir}", "exit_layer=1", "medusa=random"]
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
+        settings = settings_from(compose("sweep", overrides=overrides + ["baseline=vanilla"]))
+    records, rows, _ = evaluate(settings, progress=False)
+    assert {r.method for r in records} == {"vanilla", "lookup", "eagle", "layer_skip", "draft_model", "medusa"}
+    assert all(r.identical_to_baseline for r in records)
+    # the model drafting for itself is accepted in full
+    assert min(r.accept_length_mean for r in records if r.method == "draft_model" and r.new_tokens > 4) > 1.5
+
+
 def test_every_eval_task_config_composes():
     from hydra import compose, initialize_config_dir
 

@@ -17,7 +17,7 @@ from torchmetrics.aggregation import SumMetric
 from eagle_lite.medusa import MedusaHeads
 
 from .medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective
-from .module import DraftLightningModule, OptimConfig
+from .module import DraftLightningModule, OptimConfig, add_val_batch, val_epoch_metrics
 from .objective import add_noise
 
 
@@ -48,23 +48,10 @@ class MedusaLightningModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         feats = self.head(batch["hidden"].float())                                 # K B T H
         loss = medusa_objective(feats, batch, self.lm_weight, self.objective_cfg)["loss"]
-        stats = medusa_agreement(feats, batch, self.lm_weight)
-        for key, value in stats.items():
-            self.val_sums[key].update(torch.tensor(value, dtype=torch.float32, device=self.device))
-        self.val_sums["loss"].update(loss.detach().float())
-        self.val_sums["batches"].update(torch.ones((), device=self.device))
+        add_val_batch(self.val_sums, medusa_agreement(feats, batch, self.lm_weight), loss, self.device)
 
     def on_validation_epoch_end(self) -> None:
-        sums = {k: float(m.compute()) for k, m in self.val_sums.items()}  # synced across DDP ranks
-        for m in self.val_sums.values():
-            m.reset()
-        tokens, roots = max(sums["tokens"], 1.0), max(sums["roots"], 1.0)
-        metrics = {
-            "val/loss": sums["loss"] / max(sums["batches"], 1.0),
-            "val/top1": sums["top1"] / tokens,
-            "val/top3": sums["top3"] / tokens,
-            "val/accept_len_est": sums["accept"] / roots,
-        }
+        sums, metrics = val_epoch_metrics(self.val_sums)
         for k in range(self.head.num_heads):
             metrics[f"val/top1_head{k}"] = sums[f"hits{k}"] / max(sums[f"rows{k}"], 1.0)
         self.log_dict(metrics, prog_bar=False)

@@ -47,6 +47,29 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def add_val_batch(val_sums, stats: dict, loss: torch.Tensor, device) -> None:
+    """Accumulate one validation batch: the agreement counts val_sums tracks, the loss and a batch count."""
+    for key, value in stats.items():
+        if key in val_sums:
+            val_sums[key].update(torch.tensor(value, dtype=torch.float32, device=device))
+    val_sums["loss"].update(loss.detach().float())
+    val_sums["batches"].update(torch.ones((), device=device))
+
+
+def val_epoch_metrics(val_sums) -> tuple[dict, dict]:
+    """(sums, the val/* metrics every head kind logs) for the finished epoch; resets the sums."""
+    sums = {k: float(m.compute()) for k, m in val_sums.items()}  # synced across DDP ranks
+    for m in val_sums.values():
+        m.reset()
+    tokens, roots = max(sums["tokens"], 1.0), max(sums["roots"], 1.0)
+    return sums, {
+        "val/loss": sums["loss"] / max(sums["batches"], 1.0),
+        "val/top1": sums["top1"] / tokens,
+        "val/top3": sums["top3"] / tokens,
+        "val/accept_len_est": sums["accept"] / roots,
+    }
+
+
 class DraftLightningModule(L.LightningModule):
     def __init__(self, head: DraftHead, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
                  objective_cfg: ObjectiveConfig = ObjectiveConfig(), optim_cfg: OptimConfig = OptimConfig()) -> None:
@@ -92,22 +115,10 @@ class DraftLightningModule(L.LightningModule):
         preds = unroll(self.head, pairs, max(cfg.ttt_steps, cfg.val_depth))
         loss = objective(preds, pairs, self.draft_weight, cfg)["loss"]
         stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t)
-        for key in ("top1", "top3", "tokens", "accept", "roots"):
-            self.val_sums[key].update(torch.tensor(stats[key], dtype=torch.float32, device=self.device))
-        self.val_sums["loss"].update(loss.detach().float())
-        self.val_sums["batches"].update(torch.ones((), device=self.device))
+        add_val_batch(self.val_sums, stats, loss, self.device)
 
     def on_validation_epoch_end(self) -> None:
-        sums = {k: float(m.compute()) for k, m in self.val_sums.items()}  # synced across DDP ranks
-        for m in self.val_sums.values():
-            m.reset()
-        tokens, roots = max(sums["tokens"], 1.0), max(sums["roots"], 1.0)
-        self.log_dict({
-            "val/loss": sums["loss"] / max(sums["batches"], 1.0),
-            "val/top1": sums["top1"] / tokens,
-            "val/top3": sums["top3"] / tokens,
-            "val/accept_len_est": sums["accept"] / roots,
-        }, prog_bar=True)
+        self.log_dict(val_epoch_metrics(self.val_sums)[1], prog_bar=True)
 
     def configure_optimizers(self):
         cfg = self.optim_cfg

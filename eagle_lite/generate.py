@@ -96,6 +96,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> None:
 
 def chat(lm, cfg: GenerationConfig) -> None:
     from .engine import GenerationStats
+    from .kv_cache import ContextOverflowError
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
     messages: list[dict] = []
@@ -131,6 +132,11 @@ def chat(lm, cfg: GenerationConfig) -> None:
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
             print(" [stopped]", end="")
+        except ContextOverflowError as err:  # the conversation outgrew the window: keep the session
+            print()
+            print(f"error: {err}; /reset starts a new conversation", file=sys.stderr)
+            messages.pop()
+            continue
         print()
         messages.append({"role": "assistant", "content": "".join(answer)})
         totals["answers"] += 1

@@ -73,3 +73,15 @@ def test_attention_backend_flag_keeps_the_output(tiny_model_dir, capsys):
     assert run_json(capsys, *common, "--attention", "lse_merge")["token_ids"] == sdpa["token_ids"]
     assert main([*common, "--attention", "flash"]) == 1
     assert "flash" in capsys.readouterr().err
+
+
+def test_chat_survives_a_conversation_longer_than_the_context(tiny_model_dir):
+    script = ("x" * 300) + "\nhi\n/quit\n"     # the first turn cannot fit 256 tokens; the next one can
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle_lite.generate", "--target", str(tiny_model_dir), "--method", "vanilla",
+         "--max-new-tokens", "5"],
+        input=script, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "context window of 256" in proc.stderr and "/reset" in proc.stderr
+    assert proc.stderr.count("mean accepted length") == 1     # the second turn was answered

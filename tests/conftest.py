@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,23 @@ def exact_continuations(target: Target, prompt: list[int], sampling, length: int
     with torch.inference_mode():
         walk([], 1.0)
     return exact
+
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def train_config(*overrides: str):
+    """conf/train.yaml composed with Hydra's compose API, as `python -m trainers.train` would."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def tiny_train_config(runs: Path, *overrides: str):
+    """The whole training pipeline on the tiny random target, quietly, under `runs`."""
+    return train_config("target=tiny", "data=tiny", f"paths.root={runs}", "progress=false",
+                        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *overrides)
 
 
 def reference_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:

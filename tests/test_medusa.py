@@ -10,7 +10,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head  # noqa: E402
 from eagle_lite.config import GenerationConfig, SamplingConfig  # noqa: E402
@@ -23,9 +22,7 @@ from trainers.datamodule import collate  # noqa: E402
 from trainers.medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 
-from conftest import VOCAB, make_target, reference_greedy  # noqa: E402
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from conftest import VOCAB, make_target, reference_greedy, tiny_train_config, train_config  # noqa: E402
 
 
 def random_heads(target, num_heads: int = 4, seed: int = 0) -> MedusaHeads:
@@ -192,16 +189,6 @@ def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("medusa-runs")
 
 
-def train_config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def tiny_config(runs: Path, *overrides: str):
-    return train_config("target=tiny", "data=tiny", f"paths.root={runs}", "progress=false",
-                        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *overrides)
-
-
 def test_medusa_experiment_composes():
     from trainers.module import OptimConfig
     from trainers.train import _typed
@@ -220,7 +207,7 @@ def test_medusa_experiment_composes():
 def test_fast_dev_run_exports_heads_that_load_and_draft_exactly(runs):
     from trainers.train import train
 
-    result = train(tiny_config(runs, "draft=medusa", "debug=fdr", "draft.num_heads=3"))
+    result = train(tiny_train_config(runs, "draft=medusa", "debug=fdr", "draft.num_heads=3"))
     assert result["global_step"] == 1 and 0.0 <= result["val/top1"] <= 1.0
     assert 1.0 <= result["val/accept_len_est"] <= 4.0 and "val/top1_head2" in result
     target = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))
@@ -238,7 +225,7 @@ def test_loss_falls_when_overfitting_a_tiny_cache(runs):
     from trainers.train import train
 
     # hard labels: their cross-entropy can fall towards 0 (the soft labels' only to the target's entropy)
-    result = train(tiny_config(runs, "experiment=medusa", "debug=overfit", "trainer.max_epochs=20",
+    result = train(tiny_train_config(runs, "experiment=medusa", "debug=overfit", "trainer.max_epochs=20",
                                "draft.objective.labels=token", "draft.optim.lr=1e-2"))
     first, last = result["epochs_log"][0], result["epochs_log"][-1]
     assert len(result["epochs_log"]) == 20 and last["step"] == 40
@@ -249,13 +236,13 @@ def test_loss_falls_when_overfitting_a_tiny_cache(runs):
 def test_a_run_folder_holding_the_other_kind_of_head_is_refused(runs):
     from trainers.train import check_run_folder
 
-    cfg = tiny_config(runs, "draft=medusa", "name=shared")
+    cfg = tiny_train_config(runs, "draft=medusa", "name=shared")
     target = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))
     save_head(DraftHead.for_target(target), cfg.paths.export, target)
     with pytest.raises(ValueError, match="holds an EAGLE draft head.*experiment=medusa"):
         check_run_folder(cfg)
-    check_run_folder(tiny_config(runs, "name=shared"))             # the EAGLE run itself may resume
-    check_run_folder(tiny_config(runs, "draft=medusa", "name=shared", "resume=false"))
+    check_run_folder(tiny_train_config(runs, "name=shared"))             # the EAGLE run itself may resume
+    check_run_folder(tiny_train_config(runs, "draft=medusa", "name=shared", "resume=false"))
 
 
 # -- registration and tuning --------------------------------------------------------------------------

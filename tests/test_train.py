@@ -12,7 +12,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head  # noqa: E402
@@ -23,6 +22,8 @@ from trainers.features import FeatureCache, FeatureConfig, cache_features  # noq
 from trainers.objective import agreement, make_pairs, unroll  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 from trainers.vocab import build_d2t, count_tokens  # noqa: E402
+
+from conftest import tiny_train_config, train_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -37,16 +38,6 @@ def target():
 def runs(tmp_path_factory) -> Path:
     """One runs/ root per module: the tiny data is distilled and cached once, then shared."""
     return tmp_path_factory.mktemp("runs")
-
-
-def config(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def tiny_config(runs: Path, *overrides: str):
-    return config("target=tiny", "data=tiny", f"paths.root={runs}", "progress=false",
-                  "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *overrides)
 
 
 def item(ids: list[int], hidden: torch.Tensor, mask: list[bool] | None = None) -> dict:
@@ -133,7 +124,7 @@ def test_every_experiment_debug_and_trainer_config_composes():
     expected = {"default": (1, None), "ttt": (3, None), "small_vocab": (1, 8192)}
     for name in experiments:
         for extra in ([], ["target=tiny", "data=tiny"]):
-            cfg = config(f"experiment={name}", *extra)
+            cfg = train_config(f"experiment={name}", *extra)
             assert cfg.name == name and cfg.paths.output.endswith(f"/{name}")
             if name in expected:
                 assert (cfg.draft.objective.ttt_steps, cfg.draft.vocab_size) == expected[name]
@@ -143,13 +134,13 @@ def test_every_experiment_debug_and_trainer_config_composes():
                               (objective_cls, cfg.draft.objective), (OptimConfig, cfg.draft.optim)):
                 _typed(cls, node)  # every key is a dataclass field
             OmegaConf.to_yaml(cfg, resolve=True)  # every interpolation resolves
-    assert config("debug=fdr").trainer.fast_dev_run is True
-    assert config("debug=overfit").trainer.overfit_batches == 2
-    assert config("debug=limit").trainer.limit_train_batches == 10
-    assert config("trainer=ddp").trainer.strategy.broadcast_buffers is False
-    assert config("trainer=gpu").trainer.accelerator == "gpu"
+    assert train_config("debug=fdr").trainer.fast_dev_run is True
+    assert train_config("debug=overfit").trainer.overfit_batches == 2
+    assert train_config("debug=limit").trainer.limit_train_batches == 10
+    assert train_config("trainer=ddp").trainer.strategy.broadcast_buffers is False
+    assert train_config("trainer=gpu").trainer.accelerator == "gpu"
     with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
-        _typed(ObjectiveConfig, config("draft.objective.ttt_steps=0").draft.objective)
+        _typed(ObjectiveConfig, train_config("draft.objective.ttt_steps=0").draft.objective)
 
 
 def test_cli_answers_help():
@@ -166,7 +157,7 @@ def test_cli_answers_help():
 def test_fast_dev_run_exports_a_head_that_loads(runs, target, experiment, extra):
     from trainers.train import train
 
-    cfg = tiny_config(runs, "debug=fdr", f"experiment={experiment}", *extra)
+    cfg = tiny_train_config(runs, "debug=fdr", f"experiment={experiment}", *extra)
     result = train(cfg)
     assert result["global_step"] == 1 and 0.0 <= result["val/top1"] <= 1.0
     assert 1.0 <= result["val/accept_len_est"] <= cfg.draft.objective.val_depth + 1
@@ -184,7 +175,7 @@ def test_fast_dev_run_exports_a_head_that_loads(runs, target, experiment, extra)
 def test_loss_falls_when_overfitting_a_tiny_cache(runs):
     from trainers.train import train
 
-    result = train(tiny_config(runs, "debug=overfit", "trainer.max_epochs=20"))
+    result = train(tiny_train_config(runs, "debug=overfit", "trainer.max_epochs=20"))
     first, last = result["epochs_log"][0], result["epochs_log"][-1]
     assert len(result["epochs_log"]) == 20 and last["step"] == 40
     # the soft-label cross-entropy can only fall to the target's own entropy; the regression to 0
@@ -208,8 +199,8 @@ def test_interrupted_training_resumes_from_its_checkpoint(runs, monkeypatch):
 
     monkeypatch.setattr(DraftLightningModule, "training_step", crash_at_step_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(tiny_config(runs, *overrides))
-    cfg = tiny_config(runs, *overrides)
+        train(tiny_train_config(runs, *overrides))
+    cfg = tiny_train_config(runs, *overrides)
     assert (Path(cfg.paths.output) / "checkpoints" / "last.ckpt").is_file()
     monkeypatch.setattr(DraftLightningModule, "training_step", step)
     result = train(cfg)

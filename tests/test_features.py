@@ -205,3 +205,61 @@ def test_multi_turn_chat_distill_regenerates_every_assistant_turn(tmp_path):
             with torch.no_grad():
                 alone = target.model.generate(prefix, max_new_tokens=6, do_sample=False, pad_token_id=258)
             assert record["input_ids"][start:end] == alone[0, start:].tolist()[:end - start]
+
+
+def test_text_records_keep_the_conversations_own_replies(tiny_model_dir):
+    from eagle_lite.loading import load_target
+    from trainers.distill import text_records
+    from trainers.sharegpt import Conversation, Turn
+
+    target = load_target(str(tiny_model_dir))
+    tok = target.tokenizer
+    eos = tok.eos_token_id
+    chats = [
+        Conversation("a", [Turn("system", "be brief"), Turn("user", "hi"), Turn("assistant", "hello!"),
+                           Turn("user", "more"), Turn("assistant", "x" * 50), Turn("user", "again"),
+                           Turn("assistant", "never reached")]),
+        Conversation("b", [Turn("user", "only a question")]),
+        Conversation("c", [Turn("user", "q" * 40), Turn("assistant", "ok")]),
+    ]
+    cfg = DistillConfig(source="sharegpt_text", max_turns=8, max_prompt_tokens=120, max_new_tokens=20)
+    a, b, c = text_records(target, chats, cfg)
+    first = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                                    add_generation_prompt=True, tokenize=False)
+    (s0, e0), (s1, e1) = a["spans"]  # the cut second reply ends the conversation: no third span
+    assert tok.decode(a["input_ids"][:s0]) == first
+    assert a["input_ids"][s0:e0] == tok("hello!", add_special_tokens=False).input_ids + [eos]
+    assert a["input_ids"][s1:e1] == tok("x" * 20, add_special_tokens=False).input_ids and e1 == len(a["input_ids"])
+    assert "more" in tok.decode(a["input_ids"][e0:s1])
+    assert "skipped" in b                                 # no reply to learn from
+    assert c["input_ids"][c["spans"][0][0]:] == tok("ok", add_special_tokens=False).input_ids + [eos]
+    too_long = DistillConfig(source="sharegpt_text", max_prompt_tokens=30)
+    assert "skipped" in text_records(target, chats[2:], too_long)[0]
+
+
+def test_a_datamodule_reads_several_caches_as_one(target, tmp_path):
+    from trainers.datamodule import DraftDataModule, LoaderConfig
+    from trainers.vocab import count_tokens
+
+    cfg = FeatureConfig(max_len=32, shard_size=8, batch_size=4)
+    first, second = make_records(12, seed=1), make_records(9, seed=2)
+    second = [{**r, "id": "t" + r["id"]} for r in second]
+    cache_features(target, first, tmp_path / "a", cfg, progress=False)
+    cache_features(target, second, tmp_path / "b", cfg, progress=False)
+    data = DraftDataModule([str(tmp_path / "a"), str(tmp_path / "b")],
+                           LoaderConfig(max_len=32, batch_size=4, val_percent=20), expect_target=target.fingerprint())
+    data.setup("fit")
+    rows = list(data.train_rows) + list(data.val_rows)
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in first + second)
+    by_id = {r["id"]: r for r in first + second}
+    for row in rows:  # each row reads its own cache's tokens
+        item = data.caches[row["cache"]].read(row["file"], row["start"], row["length"])
+        assert item["input_ids"].tolist() == by_id[row["id"]]["input_ids"]
+    counts = count_tokens(data.caches, rows, target.vocab_size)
+    expected = torch.zeros(target.vocab_size, dtype=torch.long)
+    for record in first + second:
+        for t, m in zip(*loss_mask_of(record, 32)):
+            expected[t] += int(m)
+    assert torch.equal(counts, expected)
+    batch = next(iter(data.train_dataloader()))
+    assert batch["hidden"].shape[-1] == target.hidden_size and batch["loss_mask"].any()

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from eagle_lite.checkpoint import HeadMismatchError, load_head  # noqa: E402
 from eagle_lite.draft import DraftHead  # noqa: E402
 from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
-from trainers.datamodule import LoaderConfig, collate  # noqa: E402
+from trainers.datamodule import LoaderConfig, collate, joint_index  # noqa: E402
 from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
 from trainers.objective import agreement, make_pairs, unroll  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
@@ -120,8 +120,8 @@ def test_every_experiment_debug_and_trainer_config_composes():
     from trainers.train import _typed
 
     experiments = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-    assert {"default", "small_vocab", "ttt"} <= set(experiments)
-    expected = {"default": (1, None), "ttt": (3, None), "small_vocab": (1, 8192)}
+    assert {"default", "full_vocab", "ttt"} <= set(experiments)
+    expected = {"default": (1, 8192), "ttt": (3, 8192), "full_vocab": (1, None)}
     for name in experiments:
         for extra in ([], ["target=tiny", "data=tiny"]):
             cfg = train_config(f"experiment={name}", *extra)
@@ -152,8 +152,8 @@ def test_cli_answers_help():
 
 
 # -- fit, resume, export ----------------------------------------------------------------------------
-@pytest.mark.parametrize("experiment, extra", [("default", []), ("ttt", []),
-                                               ("small_vocab", ["draft.vocab_size=32"])])
+@pytest.mark.parametrize("experiment, extra", [("default", ["draft.vocab_size=32"]), ("ttt", []),
+                                               ("full_vocab", [])])
 def test_fast_dev_run_exports_a_head_that_loads(runs, target, experiment, extra):
     from trainers.train import train
 
@@ -164,7 +164,8 @@ def test_fast_dev_run_exports_a_head_that_loads(runs, target, experiment, extra)
     export = Path(result["export"])
     head = load_head(export, target)
     assert json.loads((export / "config.json").read_text())["target"] == target.fingerprint()
-    assert head.draft_vocab_size == (32 if experiment == "small_vocab" else None)
+    # the tiny target's 128 tokens are fewer than ttt's 8192: the head keeps the whole vocabulary
+    assert head.draft_vocab_size == (32 if experiment == "default" else None)
     assert OmegaConf.load(export / "train_config.yaml").name == experiment
     assert json.loads((export / "train_log.json").read_text())["summary"]["global_step"] == 1
     assert not (Path(cfg.paths.output) / "checkpoints").exists()  # fast_dev_run writes no checkpoints
@@ -216,7 +217,7 @@ def test_reduced_vocab_keeps_the_most_frequent_answer_tokens(target, tmp_path):
                for i in range(8)]
     cache_features(target, records, tmp_path, FeatureConfig(max_len=32, shard_size=3), progress=False)
     cache = FeatureCache(tmp_path)
-    counts = count_tokens(cache, cache.index(), target.vocab_size)
+    counts = count_tokens([cache], joint_index([cache]), target.vocab_size)
     assert counts[5] == 24 and counts[6] == 16 and counts[7] == 8 and counts[9] == 0
     d2t = build_d2t(counts, 4, always={1})
     assert d2t.tolist() == [1, 5, 6, 7]

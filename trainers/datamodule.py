@@ -10,12 +10,16 @@ positions from 0 and attention that never crosses a segment) or padded one per r
 
 Validation is a held-out part of the cache chosen by a hash of each record's id (all parts of a
 ShareGPT chat on one side), so it does not change when the cache grows.
+
+Several caches of the same target (e.g. distilled answers plus ShareGPT's own text, `data.mix`) are
+read as one: each index row names its cache.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import lightning.pytorch as L
 import torch
@@ -44,10 +48,10 @@ class LoaderConfig:
 
 
 class SequenceDataset(Dataset):
-    """Sequences of the cache (rows of its index), each cut to at most max_len tokens."""
+    """Sequences of the caches (rows of their joint index), each cut to at most max_len tokens."""
 
-    def __init__(self, cache: FeatureCache, rows, max_len: int, random_crop: bool) -> None:
-        self.cache = cache
+    def __init__(self, caches: list[FeatureCache], rows, max_len: int, random_crop: bool) -> None:
+        self.caches = caches
         self.rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
         self.max_len = max_len
         self.random_crop = random_crop
@@ -59,7 +63,7 @@ class SequenceDataset(Dataset):
         row = self.rows[i]
         length = min(row["length"], self.max_len)
         offset = random.randint(0, row["length"] - length) if self.random_crop else 0
-        return self.cache.read(row["file"], row["start"] + offset, length)
+        return self.caches[row["cache"]].read(row["file"], row["start"] + offset, length)
 
 
 def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> dict[str, torch.Tensor]:
@@ -106,23 +110,35 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(torch.initial_seed() % 2**32)  # random crops differ per worker and follow Lightning's seed
 
 
+def joint_index(caches: list[FeatureCache]):
+    """One `datasets.Dataset` over every cache's index, with a `cache` column (its position in `caches`)."""
+    import datasets
+
+    parts = [cache.index() for cache in caches]
+    parts = [part.add_column("cache", [k] * len(part)) for k, part in enumerate(parts)]
+    return datasets.concatenate_datasets(parts)
+
+
 class DraftDataModule(L.LightningDataModule):
-    def __init__(self, folder: str, cfg: LoaderConfig = LoaderConfig(), expect_target: dict | None = None) -> None:
+    """`folder`: one feature cache folder, or a list of them (all built for the same target)."""
+
+    def __init__(self, folder: str | list[str], cfg: LoaderConfig = LoaderConfig(),
+                 expect_target: dict | None = None) -> None:
         super().__init__()
-        self.folder = folder
+        self.folders = [str(folder)] if isinstance(folder, (str, Path)) else [str(f) for f in folder]
         self.cfg = cfg
         self.expect_target = expect_target
-        self.cache: FeatureCache | None = None
+        self.caches: list[FeatureCache] = []
         self.train_rows = self.val_rows = None
 
     def setup(self, stage: str | None = None) -> None:
-        if self.cache is not None:
+        if self.caches:
             return
-        self.cache = FeatureCache(self.folder, self.expect_target)
-        index = self.cache.index()
+        self.caches = [FeatureCache(folder, self.expect_target) for folder in self.folders]
+        index = joint_index(self.caches)
         if len(index) < 2:
-            raise ValueError(f"feature cache {self.folder} holds {len(index)} sequence(s); training needs at "
-                             f"least 2 (one for validation): raise data.distill.limit")
+            raise ValueError(f"feature cache {', '.join(self.folders)} holds {len(index)} sequence(s); training "
+                             f"needs at least 2 (one for validation): raise data.distill.limit")
         heldout = [split_of(i, self.cfg.val_percent) == "heldout" for i in index["id"]]
         if not any(heldout):
             heldout[-1] = True  # a tiny cache may hash nothing into validation: hold out its last sequence
@@ -135,7 +151,7 @@ class DraftDataModule(L.LightningDataModule):
         cfg = self.cfg
         generator = torch.Generator().manual_seed(cfg.seed) if train else None
         return DataLoader(
-            SequenceDataset(self.cache, rows, cfg.max_len, random_crop=train),
+            SequenceDataset(self.caches, rows, cfg.max_len, random_crop=train),
             batch_size=cfg.batch_size, shuffle=train, generator=generator, num_workers=cfg.num_workers,
             collate_fn=partial(collate, max_len=cfg.max_len, pack=cfg.pack),
             worker_init_fn=_seed_worker, persistent_workers=cfg.num_workers > 0,

@@ -1,8 +1,9 @@
 """Train an EAGLE draft head: distill -> features -> fit -> export. Every stage resumes.
 
-  python -m trainers.train                                  # the default recipe on SmolLM2 (CPU)
+  python -m trainers.train                                  # the default recipe on SmolLM2 (CPU): distilled
+                                                            # answers + ShareGPT text, an 8k draft vocabulary
   python -m trainers.train experiment=ttt                   # + training-time test (3 unrolled steps)
-  python -m trainers.train experiment=small_vocab           # + a reduced 8k draft vocabulary
+  python -m trainers.train experiment=full_vocab            # the target's whole vocabulary instead
   python -m trainers.train experiment=medusa                # Medusa heads instead (draft=medusa)
   python -m trainers.train target=tiny data=tiny debug=fdr  # the whole pipeline in seconds
   python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP)
@@ -44,19 +45,46 @@ def _typed(cls, node):
         raise ValueError(f"config for {cls.__name__} has keys {sorted(values)}: {err}") from err
 
 
+def data_sources(cfg: DictConfig) -> list[tuple[str, DictConfig | dict, str, str]]:
+    """(name, distill settings, distill folder, features folder) of the data and of each `data.mix` entry.
+
+    A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/...`.
+    """
+    paths = cfg.paths
+    sources = [("main", cfg.data.distill, paths.distill, paths.features)]
+    for name, entry in (cfg.data.get("mix") or {}).items():
+        settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True),
+                    **OmegaConf.to_container(entry.get("distill") or {}, resolve=True)}
+        folder = Path(paths.data) / str(name)
+        sources.append((str(name), settings, str(folder / "distill"), str(folder / "features")))
+    return sources
+
+
 def prepare_data(cfg: DictConfig, target):
-    """Stages 1-2: distill and cache features (each resumes); returns (stage seconds, manifest, datamodule)."""
+    """Stages 1-2: distill and cache features (each resumes); returns (stage seconds, manifest, datamodule).
+
+    With `data.mix`, every source is prepared in turn and the datamodule reads all their caches; the
+    returned manifest then sums their sequences and tokens.
+    """
     from .datamodule import DraftDataModule, LoaderConfig
     from .distill import DistillConfig, distill, read_records
     from .features import FeatureConfig, cache_features
 
-    paths, t0 = cfg.paths, time.perf_counter()
-    distill(target, _typed(DistillConfig, cfg.data.distill), paths.distill, progress=cfg.progress)
-    t1 = time.perf_counter()
-    manifest = cache_features(target, list(read_records(paths.distill)), paths.features,
-                              _typed(FeatureConfig, cfg.data.features), progress=cfg.progress)
-    seconds = {"seconds_distill": round(t1 - t0, 1), "seconds_features": round(time.perf_counter() - t1, 1)}
-    data = DraftDataModule(paths.features, _typed(LoaderConfig, cfg.data.loader), expect_target=target.fingerprint())
+    seconds = {"seconds_distill": 0.0, "seconds_features": 0.0}
+    manifests, folders = [], []
+    for name, settings, distill_dir, features_dir in data_sources(cfg):
+        if name != "main":
+            log.info("data.mix source '%s': %s", name, Path(distill_dir).parent)
+        t0 = time.perf_counter()
+        distill(target, _typed(DistillConfig, settings), distill_dir, progress=cfg.progress)
+        t1 = time.perf_counter()
+        manifests.append(cache_features(target, list(read_records(distill_dir)), features_dir,
+                                        _typed(FeatureConfig, cfg.data.features), progress=cfg.progress))
+        seconds["seconds_distill"] += round(t1 - t0, 1)
+        seconds["seconds_features"] += round(time.perf_counter() - t1, 1)
+        folders.append(features_dir)
+    manifest = {**manifests[0], **{k: sum(m[k] for m in manifests) for k in ("total_sequences", "total_tokens")}}
+    data = DraftDataModule(folders, _typed(LoaderConfig, cfg.data.loader), expect_target=target.fingerprint())
     data.setup("fit")
     return seconds, manifest, data
 
@@ -81,8 +109,11 @@ def build_module(cfg: DictConfig, target, data):
     from .vocab import build_d2t, count_tokens, special_ids
 
     d2t = None
-    if cfg.draft.vocab_size is not None:
-        counts = count_tokens(data.cache, data.train_rows, target.vocab_size)
+    if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
+        log.warning("draft.vocab_size=%s is not below the target's vocabulary (%d): the head keeps it whole",
+                    cfg.draft.vocab_size, target.vocab_size)
+    elif cfg.draft.vocab_size is not None:
+        counts = count_tokens(data.caches, data.train_rows, target.vocab_size)
         d2t = build_d2t(counts, int(cfg.draft.vocab_size), special_ids(target))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -170,8 +201,8 @@ def train(cfg: DictConfig) -> dict:
         "draft_vocab_size": getattr(module.head, "draft_vocab_size", None),  # None for Medusa heads
         "seconds": round(time.perf_counter() - start, 1),
         **seconds, "seconds_fit": history.fit_seconds,
-        "disk_distill": describe_bytes(folder_bytes(paths.distill)),
-        "disk_features": describe_bytes(folder_bytes(paths.features)),
+        "disk_distill": describe_bytes(sum(folder_bytes(d) for _, _, d, _ in data_sources(cfg))),
+        "disk_features": describe_bytes(sum(folder_bytes(f) for _, _, _, f in data_sources(cfg))),
         "disk_checkpoints": describe_bytes(folder_bytes(Path(paths.output) / "checkpoints")),
         **metrics,
     }

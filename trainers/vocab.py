@@ -16,14 +16,14 @@ from eagle_lite.target import Target
 from .features import FeatureCache
 
 
-def count_tokens(cache: FeatureCache, rows, vocab_size: int) -> torch.Tensor:
-    """[V] counts of loss-masked token ids over the sequences `rows` (rows of `cache.index()`)."""
+def count_tokens(caches: list[FeatureCache], rows, vocab_size: int) -> torch.Tensor:
+    """[V] counts of loss-masked token ids over the sequences `rows` (rows of `joint_index(caches)`)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    by_file: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    by_file: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
     for row in rows:
-        by_file[row["file"]].append((row["start"], row["start"] + row["length"]))
-    for file, ranges in by_file.items():
-        ids, mask = cache.token_ids(file)  # N, N
+        by_file[row["cache"], row["file"]].append((row["start"], row["start"] + row["length"]))
+    for (cache, file), ranges in by_file.items():
+        ids, mask = caches[cache].token_ids(file)  # N, N
         keep = torch.zeros_like(mask)
         for a, b in ranges:
             keep[a:b] = mask[a:b]

@@ -20,7 +20,14 @@ from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
-# also available: layer_skip (--exit-layer), draft_model (--draft-model SPEC), medusa (--medusa PATH|random)
+# also available: layer_skip (--exit-layer), draft_model (--draft-model SPEC), medusa (--medusa PATH|random),
+# llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added by default when importable)
+
+
+def default_methods() -> list[str]:
+    import importlib.util
+
+    return ALL_METHODS + (["llama_cpp"] if importlib.util.find_spec("llama_cpp") else [])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,7 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="auto", help="'auto' (shipped head), 'random' (untrained), or a head folder")
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated; the first is the baseline")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated; the first is the baseline (default: {','.join(ALL_METHODS)}, "
+                        f"plus llama_cpp when llama-cpp-python is installed)")
     p.add_argument("--tasks", default="sharegpt,humaneval", help="built-in tasks: sharegpt,humaneval")
     p.add_argument("--questions", type=Path, help="an MT-bench / Spec-Bench JSONL question file (adds its categories)")
     p.add_argument("--per-task", type=int, default=3, help="questions per task (and per category of --questions)")
@@ -53,7 +62,7 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in (args.methods or ",".join(default_methods())).split(",") if m.strip()]
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})

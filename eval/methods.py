@@ -2,12 +2,15 @@
 
 `hf_generate` and `hf_prompt_lookup` are transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
-(lookup, draft_model, layer_skip, medusa) run through the same engine and verifier.
+(lookup, draft_model, layer_skip, medusa) run through the same engine and verifier. `llama_cpp` is
+llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
+`llama-cpp-python`; it runs the file's quantized weights, so its tokens may differ from the fp32 target's).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -50,6 +53,44 @@ def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> 
     return run
 
 
+def gguf_of(spec: str | None) -> Path:
+    """The GGUF file behind a target spec (the embedded alias or a .gguf path), for llama.cpp."""
+    from eagle_lite.loading import _EMBEDDED, DEFAULT_TARGET, embedded_gguf
+
+    spec = spec or DEFAULT_TARGET
+    if spec in _EMBEDDED:
+        return embedded_gguf(spec)
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return Path(spec)
+    raise ValueError(f"method 'llama_cpp' runs a GGUF file; target '{spec}' is not one (use the embedded "
+                     f"alias or a .gguf path)")
+
+
+def llama_cpp(target: Target, gguf: Path, threads: int | None = None) -> Method:
+    """llama.cpp's greedy decoding of `gguf` (same token ids as the target's tokenizer), timed like the others."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as err:
+        raise ValueError("method 'llama_cpp' needs the optional package llama-cpp-python "
+                         "(pip install llama-cpp-python: it compiles llama.cpp, several minutes)") from err
+    n_ctx = min(target.max_context or 2048, 8192)
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads or torch.get_num_threads(),
+                n_threads_batch=threads or torch.get_num_threads(), verbose=False, seed=0)
+    eos = target.eos_token_ids
+
+    def run(prompt: list[int], cfg: GenerationConfig) -> Run:
+        new: list[int] = []
+        start = time.perf_counter()
+        if cfg.max_new_tokens > 0:
+            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                new.append(int(token))
+                if token in eos or len(new) >= cfg.max_new_tokens:
+                    break
+        return Run(new, time.perf_counter() - start, len(new), [])
+
+    return run
+
+
 def engine_method(engine: Engine) -> Method:
     def run(prompt: list[int], cfg: GenerationConfig) -> Run:
         result = engine.generate(prompt, cfg)
@@ -60,10 +101,12 @@ def engine_method(engine: Engine) -> Method:
 
 
 def build_methods(target: Target, names: list[str], head=None, draft_target: Target | None = None,
-                  exit_layer: int | None = None, medusa_heads=None, medusa_choices=None) -> dict[str, Method]:
+                  exit_layer: int | None = None, medusa_heads=None, medusa_choices=None,
+                  gguf: Path | None = None, threads: int | None = None) -> dict[str, Method]:
     """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model
     (needs draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers),
-    medusa (needs medusa_heads, eagle_lite.medusa.MedusaHeads; medusa_choices: its tree, default DEFAULT_CHOICES)."""
+    medusa (needs medusa_heads, eagle_lite.medusa.MedusaHeads; medusa_choices: its tree, default DEFAULT_CHOICES),
+    llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads)."""
     factories = {
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
@@ -73,6 +116,7 @@ def build_methods(target: Target, names: list[str], head=None, draft_target: Tar
         "draft_model": lambda: engine_method(Engine(target, DraftModelDrafter(target, draft_target))),
         "layer_skip": lambda: engine_method(Engine(target, LayerSkipDrafter(target, exit_layer))),
         "medusa": lambda: engine_method(Engine(target, MedusaDrafter(target, medusa_heads, medusa_choices))),
+        "llama_cpp": lambda: llama_cpp(target, gguf, threads),
     }
     unknown = [n for n in names if n not in factories]
     if unknown:
@@ -85,4 +129,6 @@ def build_methods(target: Target, names: list[str], head=None, draft_target: Tar
     if "medusa" in names and medusa_heads is None:
         raise ValueError("method 'medusa' needs Medusa heads: pass medusa_heads (eagle_lite.medusa.load_medusa of "
                          "a folder trained with `python -m trainers.train experiment=medusa`)")
+    if "llama_cpp" in names and gguf is None:
+        raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
     return {n: factories[n]() for n in names}

@@ -25,7 +25,7 @@ from eagle_lite.draft import DraftHead
 from eagle_lite.loading import load_target
 
 from . import plots, report, runner
-from .methods import build_methods
+from .methods import build_methods, gguf_of
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -90,8 +90,9 @@ def evaluate(s: EvalSettings, progress: bool = True):
         from eagle_lite.medusa import MedusaHeads, load_medusa
 
         medusa_heads = MedusaHeads.for_target(target) if s.medusa == "random" else load_medusa(s.medusa, target)
+    gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, head, draft_target=draft_target, exit_layer=s.exit_layer,
-                            medusa_heads=medusa_heads)
+                            medusa_heads=medusa_heads, gguf=gguf, threads=s.threads)
     cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=s.tree)
     total = sum(len(q.turns) for q in questions) * len(methods)
     with tqdm(total=total, desc="eval", unit="run", file=sys.stderr, disable=not progress) as bar:

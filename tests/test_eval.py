@@ -56,6 +56,18 @@ def test_unknown_method_is_refused(chat_target):
         build_methods(chat_target, ["no_such_method"])
 
 
+def test_llama_cpp_needs_a_gguf_target_and_says_what_to_install(chat_target, tiny_model_dir, monkeypatch):
+    from eval.methods import gguf_of
+
+    with pytest.raises(ValueError, match="needs the target's GGUF file"):
+        build_methods(chat_target, ["llama_cpp"])
+    with pytest.raises(ValueError, match="runs a GGUF file"):
+        gguf_of(str(tiny_model_dir))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    with pytest.raises(ValueError, match="pip install llama-cpp-python"):
+        build_methods(chat_target, ["llama_cpp"], gguf=Path("model.gguf"))
+
+
 def two_question_file(tmp_path):
     qfile = tmp_path / "questions.jsonl"
     qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi", "more"]}) + "\n"

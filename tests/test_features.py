@@ -263,3 +263,13 @@ def test_a_datamodule_reads_several_caches_as_one(target, tmp_path):
     assert torch.equal(counts, expected)
     batch = next(iter(data.train_dataloader()))
     assert batch["hidden"].shape[-1] == target.hidden_size and batch["loss_mask"].any()
+
+
+def test_distilled_text_with_unicode_line_separators_reads_back(tmp_path):
+    from trainers.distill import META
+
+    record = {"id": "x", "input_ids": [1, 2, 3], "spans": [[1, 3]],
+              "messages": [{"role": "assistant", "content": "a\u2028b\u0085c\x0cd\re"}]}
+    (tmp_path / META).write_text("{}")
+    (tmp_path / "shard-00000.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert list(read_records(tmp_path)) == [record]

@@ -270,7 +270,8 @@ def _shards(folder: Path) -> list[Path]:
 
 
 def _read_shard(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ... which JSON strings may hold raw
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def read_records(folder: str | Path) -> Iterator[dict]:

@@ -80,8 +80,8 @@ def prepare_data(cfg: DictConfig, target):
         t1 = time.perf_counter()
         manifests.append(cache_features(target, list(read_records(distill_dir)), features_dir,
                                         _typed(FeatureConfig, cfg.data.features), progress=cfg.progress))
-        seconds["seconds_distill"] += round(t1 - t0, 1)
-        seconds["seconds_features"] += round(time.perf_counter() - t1, 1)
+        seconds["seconds_distill"] = round(seconds["seconds_distill"] + t1 - t0, 1)
+        seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
         folders.append(features_dir)
     manifest = {**manifests[0], **{k: sum(m[k] for m in manifests) for k in ("total_sequences", "total_tokens")}}
     data = DraftDataModule(folders, _typed(LoaderConfig, cfg.data.loader), expect_target=target.fingerprint())

@@ -83,6 +83,18 @@ def converted_gguf(path: Path) -> Path:
     return out
 
 
+def gguf_file(spec: str | None) -> Path | None:
+    """The GGUF file behind a target spec: the embedded alias's or a `.gguf` path; None for folders and hub ids."""
+    spec = spec or DEFAULT_TARGET
+    if spec in _EMBEDDED:
+        return embedded_gguf(spec)
+    if spec.endswith(".gguf"):
+        if not Path(spec).is_file():
+            raise FileNotFoundError(f"GGUF file not found: {spec}")
+        return Path(spec)
+    return None
+
+
 def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 attention: str = "sdpa") -> Target:
     """Load a target by alias ('smollm2'), GGUF file, local folder or hub id.
@@ -92,12 +104,9 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = spec or DEFAULT_TARGET
-    if spec in _EMBEDDED:
-        folder, name = converted_gguf(embedded_gguf(spec)), spec
-    elif spec.endswith(".gguf"):
-        if not Path(spec).is_file():
-            raise FileNotFoundError(f"GGUF file not found: {spec}")
-        folder, name = converted_gguf(Path(spec)), Path(spec).stem
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        folder, name = converted_gguf(gguf), (spec if spec in _EMBEDDED else gguf.stem)
     else:
         folder, name = Path(spec) if Path(spec).is_dir() else spec, spec
     try:

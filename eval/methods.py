@@ -19,6 +19,7 @@ from eagle_lite.config import GenerationConfig
 from eagle_lite.drafters import (DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter,
                                  PromptLookupDrafter)
 from eagle_lite.engine import Engine
+from eagle_lite.loading import gguf_file
 from eagle_lite.target import Target
 
 
@@ -55,15 +56,11 @@ def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> 
 
 def gguf_of(spec: str | None) -> Path:
     """The GGUF file behind a target spec (the embedded alias or a .gguf path), for llama.cpp."""
-    from eagle_lite.loading import _EMBEDDED, DEFAULT_TARGET, embedded_gguf
-
-    spec = spec or DEFAULT_TARGET
-    if spec in _EMBEDDED:
-        return embedded_gguf(spec)
-    if spec.endswith(".gguf") and Path(spec).is_file():
-        return Path(spec)
-    raise ValueError(f"method 'llama_cpp' runs a GGUF file; target '{spec}' is not one (use the embedded "
-                     f"alias or a .gguf path)")
+    gguf = gguf_file(spec)
+    if gguf is None:
+        raise ValueError(f"method 'llama_cpp' runs a GGUF file; target '{spec}' is not one (use the embedded "
+                         f"alias or a .gguf path)")
+    return gguf
 
 
 def llama_cpp(target: Target, gguf: Path, threads: int | None = None) -> Method:
@@ -74,8 +71,8 @@ def llama_cpp(target: Target, gguf: Path, threads: int | None = None) -> Method:
         raise ValueError("method 'llama_cpp' needs the optional package llama-cpp-python "
                          "(pip install llama-cpp-python: it compiles llama.cpp, several minutes)") from err
     n_ctx = min(target.max_context or 2048, 8192)
-    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads or torch.get_num_threads(),
-                n_threads_batch=threads or torch.get_num_threads(), verbose=False, seed=0)
+    threads = threads or torch.get_num_threads()
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
     eos = target.eos_token_ids
 
     def run(prompt: list[int], cfg: GenerationConfig) -> Run:

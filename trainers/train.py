@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import hydra
 import torch
@@ -45,23 +46,31 @@ def _typed(cls, node):
         raise ValueError(f"config for {cls.__name__} has keys {sorted(values)}: {err}") from err
 
 
-def data_sources(cfg: DictConfig) -> list[tuple[str, DictConfig | dict, str, str]]:
-    """(name, distill settings, distill folder, features folder) of the data and of each `data.mix` entry.
+class DataSource(NamedTuple):
+    name: str                        # "main" (the data's own) or the `data.mix` entry's key
+    settings: DictConfig | dict      # its distill settings
+    distill: str                     # its distill folder
+    features: str                    # its feature cache folder
+
+
+def data_sources(cfg: DictConfig) -> list[DataSource]:
+    """The data's own source and one per `data.mix` entry.
 
     A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/...`.
     """
     paths = cfg.paths
-    sources = [("main", cfg.data.distill, paths.distill, paths.features)]
+    sources = [DataSource("main", cfg.data.distill, paths.distill, paths.features)]
     for name, entry in (cfg.data.get("mix") or {}).items():
         settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True),
                     **OmegaConf.to_container(entry.get("distill") or {}, resolve=True)}
         folder = Path(paths.data) / str(name)
-        sources.append((str(name), settings, str(folder / "distill"), str(folder / "features")))
+        sources.append(DataSource(str(name), settings, str(folder / "distill"), str(folder / "features")))
     return sources
 
 
-def prepare_data(cfg: DictConfig, target):
-    """Stages 1-2: distill and cache features (each resumes); returns (stage seconds, manifest, datamodule).
+def prepare_data(cfg: DictConfig, target, sources: list[DataSource]):
+    """Stages 1-2 for every source of `data_sources(cfg)`: distill and cache features (each resumes);
+    returns (stage seconds, manifest, datamodule).
 
     With `data.mix`, every source is prepared in turn and the datamodule reads all their caches; the
     returned manifest then sums their sequences and tokens.
@@ -71,20 +80,20 @@ def prepare_data(cfg: DictConfig, target):
     from .features import FeatureConfig, cache_features
 
     seconds = {"seconds_distill": 0.0, "seconds_features": 0.0}
-    manifests, folders = [], []
-    for name, settings, distill_dir, features_dir in data_sources(cfg):
-        if name != "main":
-            log.info("data.mix source '%s': %s", name, Path(distill_dir).parent)
+    manifests = []
+    for source in sources:
+        if source.name != "main":
+            log.info("data.mix source '%s': %s", source.name, Path(source.distill).parent)
         t0 = time.perf_counter()
-        distill(target, _typed(DistillConfig, settings), distill_dir, progress=cfg.progress)
+        distill(target, _typed(DistillConfig, source.settings), source.distill, progress=cfg.progress)
         t1 = time.perf_counter()
-        manifests.append(cache_features(target, list(read_records(distill_dir)), features_dir,
+        manifests.append(cache_features(target, list(read_records(source.distill)), source.features,
                                         _typed(FeatureConfig, cfg.data.features), progress=cfg.progress))
         seconds["seconds_distill"] = round(seconds["seconds_distill"] + t1 - t0, 1)
         seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
-        folders.append(features_dir)
     manifest = {**manifests[0], **{k: sum(m[k] for m in manifests) for k in ("total_sequences", "total_tokens")}}
-    data = DraftDataModule(folders, _typed(LoaderConfig, cfg.data.loader), expect_target=target.fingerprint())
+    data = DraftDataModule([s.features for s in sources], _typed(LoaderConfig, cfg.data.loader),
+                           expect_target=target.fingerprint())
     data.setup("fit")
     return seconds, manifest, data
 
@@ -186,7 +195,8 @@ def train(cfg: DictConfig) -> dict:
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     target = build_target(_typed(TargetConfig, cfg.target))
-    seconds, manifest, data = prepare_data(cfg, target)
+    sources = data_sources(cfg)
+    seconds, manifest, data = prepare_data(cfg, target, sources)
     module = build_module(cfg, target, data)
     trainer, history, resume_from = fit(cfg, module, data)
 
@@ -201,8 +211,8 @@ def train(cfg: DictConfig) -> dict:
         "draft_vocab_size": getattr(module.head, "draft_vocab_size", None),  # None for Medusa heads
         "seconds": round(time.perf_counter() - start, 1),
         **seconds, "seconds_fit": history.fit_seconds,
-        "disk_distill": describe_bytes(sum(folder_bytes(d) for _, _, d, _ in data_sources(cfg))),
-        "disk_features": describe_bytes(sum(folder_bytes(f) for _, _, _, f in data_sources(cfg))),
+        "disk_distill": describe_bytes(sum(folder_bytes(s.distill) for s in sources)),
+        "disk_features": describe_bytes(sum(folder_bytes(s.features) for s in sources)),
         "disk_checkpoints": describe_bytes(folder_bytes(Path(paths.output) / "checkpoints")),
         **metrics,
     }

@@ -38,20 +38,21 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return probs
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """logits: [N, V] for every tree node. Returns (accepted node indices from the root, bonus token)."""
-    choice = logits.argmax(-1).tolist()  # N: one host sync for the whole tree
+def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
+    """logits: node i's logits at `logits[i]` (an [N, V] tensor, or `target.NodeLogits`, which projects
+    only the nodes the walk reads). Returns (accepted node indices from the root, bonus token)."""
     tokens = tree.tokens.tolist()
     path, node = [0], 0
     while True:
-        nxt = next((c for c in tree.children[node] if tokens[c] == choice[node]), None)
+        choice = int(logits[node].argmax())
+        nxt = next((c for c in tree.children[node] if tokens[c] == choice), None)
         if nxt is None:
-            return path, choice[node]
+            return path, choice
         path.append(nxt)
         node = nxt
 
 
-def accept_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
+def accept_sampling(tree: DraftTree, logits, sampling: SamplingConfig,
                     generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Like accept_greedy, but the accepted tokens and bonus are distributed exactly as the target's samples."""
     tokens = tree.tokens.tolist()
@@ -83,7 +84,7 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, sampling: SamplingCon
         node = nxt
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
+def accept(tree: DraftTree, logits, sampling: SamplingConfig,
            generator: torch.Generator | None = None) -> tuple[list[int], int]:
     if sampling.greedy:
         return accept_greedy(tree, logits)

@@ -5,7 +5,8 @@ alone. The path of a token:
   1. prefill: the target reads the prompt; its last logits choose the first new token (the root).
   2. draft:   the drafter proposes a tree of continuations under the root (drafters/).
   3. verify:  the target reads the whole tree in one forward with the tree mask (target.py, tree.py).
-  4. accept:  the longest path the target agrees with, plus one bonus token (accept.py).
+  4. accept:  the longest path the target agrees with, plus one bonus token (accept.py); the lm_head
+              projects only the nodes that walk reads (target.NodeLogits).
   5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .accept import accept, target_probs
 from .config import GenerationConfig
 from .drafters.base import DraftInput, Drafter, NoDrafter
 from .kv_cache import ContextOverflowError, StaticKVCache
-from .target import Target
+from .target import NodeLogits, Target
 
 
 @dataclass
@@ -32,8 +33,8 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify forward (bonus included)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0        # target forward over the tree
-    accept_seconds: float = 0.0        # acceptance + cache commit
+    verify_seconds: float = 0.0        # target forward over the tree (hidden states)
+    accept_seconds: float = 0.0        # lm_head rows the acceptance walk reads, acceptance, cache commit
     seconds: float = 0.0               # wall time, prefill included
     stop_reason: str = ""              # "eos" | "length" | "context"
 
@@ -164,10 +165,9 @@ class Engine:
             tree = self.drafter.propose(DraftInput(sequence, hidden, sampling, generator), cfg.tree)
             t1 = time.perf_counter()
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
-            logits, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths,
-                                            logits_rows=slice(None))  # N V, N H
+            _, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths)  # N H
             t2 = time.perf_counter()
-            path, bonus = accept(tree, logits, sampling, generator)
+            path, bonus = accept(tree, NodeLogits(target, hidden), sampling, generator)
             self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))
             hidden = hidden[path]  # the accepted nodes' features feed the drafter next round

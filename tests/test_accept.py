@@ -159,3 +159,34 @@ def test_engine_sampling_matches_target_distribution(llama):
     exact = exact_continuations(llama, [5, 6, 7], sampling)   # by enumeration over the top-4 supports
     for name, counts in dists.items():
         assert tv(counts, exact, draws) < 0.12, name
+
+
+def test_node_logits_project_only_the_walked_nodes(llama):
+    """Acceptance reads the logits of the nodes it walks; the lazy projection computes those rows
+    alone, and they equal the lm_head's row for row."""
+    from eagle_lite.target import NodeLogits
+
+    torch.manual_seed(0)
+    hidden = torch.randn(7, llama.hidden_size)
+    with torch.inference_mode():
+        full = llama.lm_head(hidden)
+        choice = full.argmax(-1).tolist()
+        # root's argmax drafted at node 2, node 2's argmax drafted at node 4; nodes 1, 3, 5, 6 are misses
+        other = [(c + 1) % full.shape[1] for c in choice]
+        tokens = torch.tensor([0, other[0], choice[0], other[2], choice[2], other[4], other[1]])
+        tree = DraftTree(tokens, [-1, 0, 0, 2, 2, 4, 1])
+        lazy = NodeLogits(llama, hidden, lazy=True)
+        path, bonus = accept_greedy(tree, lazy)
+        assert path == [0, 2, 4] and bonus == choice[4]
+        assert lazy.projected == 3                      # the walk read nodes 0, 2 and 4 only
+        for node in path:
+            torch.testing.assert_close(lazy[node], full[node], rtol=1e-5, atol=1e-5)
+        eager = NodeLogits(llama, hidden, lazy=False)
+        assert accept_greedy(tree, eager) == (path, bonus) and eager.projected == 7
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12])
+def test_target_logits_equal_the_lm_head(llama, rows):
+    hidden = torch.randn(rows, llama.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(llama.logits(hidden), llama.lm_head(hidden), rtol=1e-5, atol=1e-5)

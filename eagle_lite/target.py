@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .attention import select_attention
+from .cpu_linear import pack_linears
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -25,7 +26,11 @@ TRANSPOSED_LM_HEAD_MAX_BYTES = 512 << 20
 class Target:
     """A loaded transformers causal LM (`model`) and its tokenizer, with the pieces EAGLE needs."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa") -> None:
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa",
+                 packed_linears: bool = True) -> None:
+        """packed_linears: on CPU in fp32, give the decoder's linears a oneDNN-packed copy of their weights
+        for tree verification (eagle_lite/cpu_linear.py; the model's layers are swapped in place, and
+        `cpu_linear.unpacked(target.model)` runs a block on the library's own layers)."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
@@ -40,6 +45,8 @@ class Target:
         self.name = name
         self.config = model.config
         self.decoder = model.get_decoder()            # the transformer stack without the lm_head
+        if packed_linears:
+            pack_linears(self.decoder)                # no-op off CPU, for non-fp32 weights or without oneDNN
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
         self.embed_tokens = model.get_input_embeddings()
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .config import TreeConfig
 from .draft import DraftHead
 
 FORMAT = "eagle_lite.draft_head"
@@ -133,4 +134,17 @@ def load_head(path: str | Path, target) -> DraftHead:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as err:
         raise ValueError(f"draft head weights {weights} do not fit this head's shape: {err}") from err
+    head.tree = recommended_tree(config, path)
     return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def recommended_tree(config: dict, path: Path | str = "") -> TreeConfig | None:
+    """The draft tree config.json recommends (`"tree": {"depth", "top_k", "total_tokens"}`, the fastest one
+    `eval.tune` found for this head), or None where it names none."""
+    tree = config.get("tree")
+    if tree is None:
+        return None
+    try:
+        return TreeConfig(**tree)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"draft head config {Path(path) / 'config.json'} has an invalid \"tree\" {tree!r}: {err}") from err

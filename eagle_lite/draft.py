@@ -31,6 +31,7 @@ class DraftHead(nn.Module):
         if d2t is not None:
             d2t = torch.as_tensor(d2t, dtype=torch.long)
         self.register_buffer("d2t", d2t, persistent=True)
+        self.tree = None  # the TreeConfig its checkpoint recommends (checkpoint.load_head), if any
 
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None) -> "DraftHead":

@@ -53,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=sampling.top_p)
     g.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible outputs)")
-    t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree)")
-    t.add_argument("--tree-depth", type=int, default=tree.depth, help="expansion steps (longest drafted path)")
-    t.add_argument("--tree-top-k", type=int, default=tree.top_k, help="children per expanded node")
-    t.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens, help="drafted nodes verified per step")
+    t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree; unset: the tree the draft head recommends, "
+                             f"else depth {tree.depth}, top_k {tree.top_k}, total_tokens {tree.total_tokens})")
+    t.add_argument("--tree-depth", type=int, default=None, help="expansion steps (longest drafted path)")
+    t.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node")
+    t.add_argument("--tree-total-tokens", type=int, default=None, help="drafted nodes verified per step")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
     p.add_argument("--threads", type=int, default=None,
@@ -70,11 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def generation_config(args: argparse.Namespace) -> GenerationConfig:
+def generation_config(args: argparse.Namespace, tree: TreeConfig = TreeConfig()) -> GenerationConfig:
+    """The flags' config; tree flags left unset take their value from `tree` (the head's recommendation)."""
+    given = {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens}
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
-        tree=TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, total_tokens=args.tree_total_tokens),
+        tree=TreeConfig(**{k: getattr(tree, k) if v is None else v for k, v in given.items()}),
         seed=args.seed,
     )
 
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype, device=args.device,
                   draft_model=args.draft_model, exit_layer=args.exit_layer, attention=args.attention,
                   medusa=args.medusa, medusa_choices=args.medusa_choices)
+        cfg = generation_config(args, lm.tree)
         if args.prompt is not None:
             one_shot(lm, args, cfg)
         else:

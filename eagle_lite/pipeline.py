@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from .checkpoint import default_head_path, load_head
-from .config import GenerationConfig
+from .config import GenerationConfig, TreeConfig
 from .draft import DraftHead
 from .drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter
 from .engine import Engine, GenerationStats
@@ -58,6 +58,12 @@ class Pipeline:
                     "layer_skip": lambda: LayerSkipDrafter(target, exit_layer),
                     "medusa": lambda: MedusaDrafter(target, medusa_heads, medusa_choices)}
         self.engine = Engine(target, drafters[method]())
+        # the tree the head recommends (tuned for it on a CPU like ours), else the library default
+        self.tree: TreeConfig = (head.tree if method == "eagle" and getattr(head, "tree", None) else TreeConfig())
+
+    def config(self, **overrides) -> GenerationConfig:
+        """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
+        return GenerationConfig(**{"tree": self.tree, **overrides})
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
@@ -82,18 +88,19 @@ class Pipeline:
             return list(prompt)
         return self.encode(prompt, chat_template)
 
-    def generate(self, prompt: str | list[dict] | list[int], config: GenerationConfig = GenerationConfig(),
+    def generate(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
                  chat_template: bool = True) -> Output:
-        result = self.engine.generate(self.prompt_ids(prompt, chat_template), config)
+        """config: None means `self.config()` (the head's recommended tree, greedy, 256 new tokens)."""
+        result = self.engine.generate(self.prompt_ids(prompt, chat_template), config or self.config())
         text = self.decode(result.token_ids) if self.target.tokenizer is not None else ""
         return Output(text, result.token_ids, result.stats)
 
-    def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig = GenerationConfig(),
+    def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
                chat_template: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
         """Yield text as tokens are accepted; `stats` (if given) is filled in as it goes."""
         ids: list[int] = []
         shown = ""
-        for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config, stats):
+        for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config or self.config(), stats):
             ids += step
             text = self.decode(ids)
             # hold back a trailing replacement char: the rest of a multi-byte character is still coming

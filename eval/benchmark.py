@@ -43,9 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=Path, help="an MT-bench / Spec-Bench JSONL question file (adds its categories)")
     p.add_argument("--per-task", type=int, default=3, help="questions per task (and per category of --questions)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree-depth", type=int, default=tree.depth)
-    p.add_argument("--tree-top-k", type=int, default=tree.top_k)
-    p.add_argument("--tree-total-tokens", type=int, default=tree.total_tokens)
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help=f"eagle's tree (unset: the head's recommended tree, else depth {tree.depth}, top_k "
+                        f"{tree.top_k}, total_tokens {tree.total_tokens})")
+    p.add_argument("--tree-top-k", type=int, default=None)
+    p.add_argument("--tree-total-tokens", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
     settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, methods=methods,
                             baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
-                            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_total_tokens),
+                            tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
+                                  "total_tokens": args.tree_total_tokens},
                             threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
                             medusa=args.medusa)
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ class EvalSettings:
     baseline: str = "hf_generate"
     max_new_tokens: int = 128
     warmup: bool = True
-    tree: TreeConfig = TreeConfig()
+    tree: dict = field(default_factory=dict)  # depth/top_k/total_tokens set over the head's recommended tree
     tasks: list[dict] = field(default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
     per_category_limit: int | None = None
     threads: int | None = None   # torch CPU threads; None: torch's default (one per core)
@@ -73,6 +73,12 @@ def head_for(target, draft: str) -> tuple[DraftHead, str]:
     return load_head(path, target), f"head {path}"
 
 
+def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
+    """The head's recommended tree (else the library default) with `overrides` set over it."""
+    base = getattr(head, "tree", None) or TreeConfig()
+    return TreeConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
+
+
 def evaluate(s: EvalSettings, progress: bool = True):
     """Returns (records, summary rows, header line)."""
     if s.baseline not in s.methods:
@@ -93,7 +99,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, head, draft_target=draft_target, exit_layer=s.exit_layer,
                             medusa_heads=medusa_heads, gguf=gguf, threads=s.threads)
-    cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=s.tree)
+    tree = tree_for(head, s.tree)
+    cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree)
     total = sum(len(q.turns) for q in questions) * len(methods)
     with tqdm(total=total, desc="eval", unit="run", file=sys.stderr, disable=not progress) as bar:
         def on_record(rec: runner.Record) -> None:
@@ -103,8 +110,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
         records = runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup,
                              on_record=on_record)
     header = (f"target {target.name} · {s.dtype} · {torch.get_num_threads()} threads · max_new_tokens "
-              f"{s.max_new_tokens} · tree depth {s.tree.depth}, top_k {s.tree.top_k}, total_tokens "
-              f"{s.tree.total_tokens}" + (f" · {note}" if note else ""))
+              f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
+              f"{tree.total_tokens}" + (f" · {note}" if note else ""))
     return records, report.summarize(records, s.baseline), header
 
 
@@ -131,7 +138,7 @@ def settings_from(cfg) -> EvalSettings:
     c = OmegaConf.to_container(cfg, resolve=True)
     return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=list(c["methods"]),
                         baseline=c["baseline"], max_new_tokens=int(c["max_new_tokens"]), warmup=bool(c["warmup"]),
-                        tree=TreeConfig(**c["tree"]), tasks=list(c["task"]["tasks"]),
+                        tree=dict(c["tree"]), tasks=list(c["task"]["tasks"]),
                         per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"),
                         exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"))
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
+from eagle_lite.config import TreeConfig
 from eagle_lite.draft import DraftHead
 from eagle_lite.tree import attention_mask
 
@@ -61,3 +62,14 @@ def test_corrupt_or_missing_config_is_a_clear_error(llama, tmp_path):
     (path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config .* is corrupt"):
         load_head(path, llama)
+
+
+def test_recommended_tree_round_trips_and_a_bad_one_is_refused(llama, tmp_path):
+    path = save_head(DraftHead.for_target(llama), tmp_path / "head", llama,
+                     extra={"tree": {"depth": 3, "top_k": 4, "total_tokens": 8}})
+    assert load_head(path, llama).tree == TreeConfig(3, 4, 8)
+    assert load_head(save_head(DraftHead.for_target(llama), tmp_path / "plain", llama), llama).tree is None
+    bad = save_head(DraftHead.for_target(llama), tmp_path / "bad", llama,
+                    extra={"tree": {"depth": 2, "top_k": 2, "total_tokens": 99}})
+    with pytest.raises(ValueError, match='invalid "tree"'):
+        load_head(bad, llama)

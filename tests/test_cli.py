@@ -85,3 +85,22 @@ def test_chat_survives_a_conversation_longer_than_the_context(tiny_model_dir):
     assert proc.returncode == 0, proc.stderr
     assert "context window of 256" in proc.stderr and "/reset" in proc.stderr
     assert proc.stderr.count("mean accepted length") == 1     # the second turn was answered
+
+
+def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_model_dir, tmp_path):
+    from eagle_lite.checkpoint import save_head
+    from eagle_lite.config import TreeConfig
+    from eagle_lite.draft import DraftHead
+    from eagle_lite.generate import build_parser, generation_config
+    from eagle_lite.pipeline import load
+
+    vanilla = load(str(tiny_model_dir), method="vanilla")
+    head = save_head(DraftHead.for_target(vanilla.target), tmp_path / "head", vanilla.target,
+                     extra={"tree": {"depth": 2, "top_k": 3, "total_tokens": 5}})
+    lm = load(str(tiny_model_dir), draft=str(head), method="eagle")
+    assert lm.tree == TreeConfig(2, 3, 5) and lm.config().tree == lm.tree and vanilla.tree == TreeConfig()
+    out = lm.generate("hello there", lm.config(max_new_tokens=12))
+    assert out.token_ids == vanilla.generate("hello there", vanilla.config(max_new_tokens=12)).token_ids
+    args = build_parser().parse_args(["--tree-total-tokens", "4"])
+    assert generation_config(args, lm.tree).tree == TreeConfig(2, 3, 4)
+    assert generation_config(build_parser().parse_args([]), lm.tree).tree == TreeConfig(2, 3, 5)

@@ -41,6 +41,15 @@ def packing_available() -> bool:
         return False
 
 
+def few_rows_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T for a tall weight (an lm_head, [V, H]) and 2-8 rows on CPU, as weight @ rows.T: MKL
+    streams the tall matrix once (measured ~2x faster than `rows @ weight.T` for 2-8 rows of SmolLM2's
+    lm_head and of an 8k-row draft vocabulary). Other shapes and devices take the plain product."""
+    if weight.device.type == "cpu" and 2 <= rows.shape[0] <= 8:
+        return torch.mm(weight, rows.t()).t()
+    return rows @ weight.t()
+
+
 def _packed_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // layer.in_features
     if rows == 1 or rows > MAX_PACKED_ROWS or torch.is_grad_enabled():  # the packed copy is for inference

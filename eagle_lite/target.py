@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .attention import select_attention
-from .cpu_linear import pack_linears
+from .cpu_linear import few_rows_product, pack_linears
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -154,7 +154,7 @@ class Target:
         if hidden.shape[0] == 1 and self._transposed_lm_head() is not None:
             out = hidden @ self._lm_head_t
         else:
-            out = torch.mm(weight, hidden.t()).t()
+            out = few_rows_product(hidden, weight)
         return out if bias is None else out + bias
 
     def _transposed_lm_head(self) -> torch.Tensor | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..config import TreeConfig
-from ..cpu_linear import pack_linears
+from ..cpu_linear import few_rows_product, pack_linears
 from ..draft import DraftHead
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, rerank
@@ -40,7 +40,7 @@ class EagleDrafter:
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
-        logp = torch.log_softmax((h @ self.lm_weight.T).float(), dim=-1)  # R V_draft
+        logp = torch.log_softmax(few_rows_product(h, self.lm_weight).float(), dim=-1)  # R V_draft
         scores, ids = logp.topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
 

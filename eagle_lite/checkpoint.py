@@ -138,6 +138,24 @@ def load_head(path: str | Path, target) -> DraftHead:
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
+def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "") -> Path:
+    """Record `tree` as the head's recommended tree in its config.json (atomically), with how it was measured."""
+    path = Path(path)
+    config = read_head_config(path)
+    config["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+    if measured:
+        config["tree_measured"] = measured
+    fd, tmp = tempfile.mkstemp(prefix=".config.json.", dir=path)
+    os.close(fd)
+    try:
+        Path(tmp).write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, path / "config.json")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
 def recommended_tree(config: dict, path: Path | str = "") -> TreeConfig | None:
     """The draft tree config.json recommends (`"tree": {"depth", "top_k", "total_tokens"}`, the fastest one
     `eval.tune` found for this head), or None where it names none."""

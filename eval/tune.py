@@ -6,11 +6,14 @@
     python -m eval.tune --method draft_model --draft-model SPEC    # K of a smaller draft model
     python -m eval.tune --method medusa --medusa HEADS_DIR         # Medusa tree size (nodes)
     python -m eval.tune --method eagle --questions mt_bench.jsonl --limit 2 --depths 3,5 --totals 8,16
+    python -m eval.tune --method eagle --task sharegpt,humaneval --draft HEAD_DIR --save-tree
 
 Every candidate setting decodes the same prompts through the runner of `eval.sweep` (all candidates
 interleaved per question, so machine drift hits them alike; each greedy output is checked against
 vanilla decoding). The table gives tokens/s, the speedup over vanilla and the mean accepted length;
-the best setting whose output is identical to vanilla's is printed last, with how to select it.
+the best setting whose output is identical to vanilla's is printed last, with how to select it;
+`--save-tree` records eagle's best tree in the head folder's config.json, where the CLI, the Python API
+and the benchmark take it as their default tree.
 Chain drafters sweep a fixed K (adaptive off) plus their default adaptive K; eagle sweeps the tree
 grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`).
 """
@@ -159,11 +162,20 @@ def ints(text: str) -> list[int]:
     return values
 
 
+def task_names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in ("humaneval", "sharegpt")]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"tasks are humaneval and/or sharegpt, got {text!r}")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", required=True, choices=METHODS)
-    p.add_argument("--task", default="humaneval", choices=["humaneval", "sharegpt"], help="built-in prompt set")
+    p.add_argument("--task", default="humaneval", type=task_names,
+                   help="built-in prompt sets, comma-separated: humaneval, sharegpt")
     p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
     p.add_argument("--limit", type=int, default=3, help="questions used (per category with --questions)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -173,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
     g.add_argument("--draft", default="auto", help="eagle: 'auto' (shipped head), 'random' or a head folder")
+    g.add_argument("--save-tree", action="store_true",
+                   help="eagle: write the best tree into the head folder's config.json as its recommended tree")
     g.add_argument("--medusa", default=None, help="medusa: a heads folder (save_medusa) or 'random'")
     g.add_argument("--draft-model", default=None, metavar="SPEC", help="draft_model: the smaller LM")
     g.add_argument("--exit-layer", type=int, default=None, help="layer_skip: draft layers (default: half)")
@@ -225,17 +239,22 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    task = ({"name": "file", "path": args.questions, "limit": args.limit} if args.questions
-            else {"name": args.task, "limit": args.limit})
+    tasks = ([{"name": "file", "path": args.questions, "limit": args.limit}] if args.questions
+             else [{"name": t, "limit": args.limit} for t in args.task])
+    task_label = args.questions or ",".join(args.task)
+    if args.save_tree and (args.method != "eagle" or args.draft == "random"):
+        print("error: --save-tree records an eagle tree in a head folder: use --method eagle with --draft "
+              "auto or a head folder", file=sys.stderr)
+        return 1
     try:
-        questions = load_questions([task])
+        questions = load_questions(tasks)
         target = load_target(args.target, dtype=getattr(torch, args.dtype))
         candidates = build_candidates(args, target)
         rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"target {target.name} · {args.method} · {task.get('path') or task['name']}: {len(questions)} questions, "
+    print(f"target {target.name} · {args.method} · {task_label}: {len(questions)} questions, "
           f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
           f"{torch.get_num_threads()} threads\n")
     print(markdown(rows))
@@ -248,6 +267,14 @@ def main(argv=None) -> int:
         print("\nno setting beats vanilla decoding on these prompts (an untrained draft, or drafting costs too much)")
     print(f"\nbest: {top['method']} at {top['tokens_per_s']:.1f} tokens/s{speedup}; "
           f"select it with {how_to_select(args.method, top['setting'])}")
+    if args.save_tree:
+        from eagle_lite.checkpoint import default_head_path, recommend_tree
+
+        folder = default_head_path(target.name) if args.draft == "auto" else args.draft
+        measured = (f"eval.tune {task_label}, {len(questions)} questions, max_new_tokens {args.max_new_tokens}, "
+                    f"{torch.get_num_threads()} threads: {top['tokens_per_s']:.1f} tokens/s{speedup}")
+        recommend_tree(folder, TreeConfig(**top["setting"]), measured)
+        print(f"saved as the recommended tree of {folder}")
     return 0
 
 

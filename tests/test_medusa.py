@@ -295,3 +295,25 @@ def test_tune_prints_a_table_and_the_best_setting(tiny_model_dir, tmp_path, caps
     best_line = next(line for line in out.splitlines() if line.startswith("best: "))
     assert any(best_line.startswith(f"best: {s} at") for s in settings)
     assert "2 questions, 3 turns" in out
+
+
+def test_tune_saves_the_best_tree_in_the_head_folder(tiny_model_dir, tmp_path, capsys):
+    from eagle_lite.checkpoint import load_head, read_head_config, save_head
+    from eagle_lite.draft import DraftHead
+    from eagle_lite.pipeline import load
+    from eval.tune import main
+
+    target = load(str(tiny_model_dir), method="vanilla").target
+    head_dir = save_head(DraftHead.for_target(target), tmp_path / "head", target)
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi"]}) + "\n")
+    common = ["--method", "eagle", "--target", str(tiny_model_dir), "--questions", str(qfile),
+              "--max-new-tokens", "8", "--no-warmup", "--depths", "2", "--top-ks", "2", "--totals", "2,4"]
+    assert main(common + ["--draft", "random", "--save-tree"]) == 1
+    assert "--save-tree records an eagle tree" in capsys.readouterr().err
+    assert main(common + ["--draft", str(head_dir), "--save-tree"]) == 0
+    out = capsys.readouterr().out
+    best = next(line for line in out.splitlines() if line.startswith("best: "))
+    tree = load_head(head_dir, target).tree
+    assert best.startswith(f"best: eagle d=2 k=2 n={tree.total_tokens} at") and tree.depth == 2
+    assert "eval.tune" in read_head_config(head_dir)["tree_measured"]

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per core); 1 is as fast for a small model and far "
                         "faster when other jobs share the cores")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "flex", "lse_merge", "flash", "auto"],
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")

@@ -96,10 +96,11 @@ def gguf_file(spec: str | None) -> Path | None:
 
 
 def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attention: str = "sdpa") -> Target:
+                attention: str = "auto") -> Target:
     """Load a target by alias ('smollm2'), GGUF file, local folder or hub id.
 
-    attention: the tree-verification backend (eagle_lite/attention.py): sdpa | flex | lse_merge | flash | auto.
+    attention: the tree-verification backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash;
+    auto picks the fastest exact one for the device (gqa on CPU).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -114,7 +114,7 @@ class Pipeline:
 
 def load(target: str | None = None, draft: str | None = "auto", method: str = "auto",
          dtype: str = "float32", device: str = "cpu", draft_model: str | None = None,
-         exit_layer: int | None = None, attention: str = "sdpa", medusa: str | None = None,
+         exit_layer: int | None = None, attention: str = "auto", medusa: str | None = None,
          medusa_choices: list[list[int]] | str | None = None) -> Pipeline:
     """Load a target and a drafting method.
 

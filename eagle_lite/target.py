@@ -8,13 +8,15 @@ verification hands acceptance a `NodeLogits` that projects a node only when the 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from .attention import select_attention
-from .cpu_linear import few_rows_product, pack_linears
+from .cpu_linear import few_rows_product, pack_linears, unpacked
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -35,7 +37,7 @@ class Target:
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
         # read them as additive and silently give wrong logits).
-        # --- attention backend (eagle_lite/attention.py): sdpa | flex | lse_merge | flash | auto ---
+        # --- attention backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash ---
         implementation = select_attention(attention, model)  # "sdpa" for the default
         if model.config._attn_implementation != implementation:
             model.set_attn_implementation(implementation)
@@ -105,6 +107,19 @@ class Target:
             "num_hidden_layers": self.config.num_hidden_layers,
             "embedding_sha": digest,
         }
+
+    @contextlib.contextmanager
+    def stock(self) -> Iterator[None]:
+        """Run a block on the model as transformers built it: its own linears and SDPA attention (baselines)."""
+        implementation = self.model.config._attn_implementation
+        with unpacked(self.model):
+            if implementation != "sdpa":
+                self.model.set_attn_implementation("sdpa")
+            try:
+                yield
+            finally:
+                if implementation != "sdpa":
+                    self.model.set_attn_implementation(implementation)
 
     # -- running it ----------------------------------------------------------------------------------
     def new_cache(self, max_len: int) -> StaticKVCache:

@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 
 from eagle_lite.config import GenerationConfig
-from eagle_lite.cpu_linear import unpacked
 from eagle_lite.drafters import (DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter,
                                  PromptLookupDrafter)
 from eagle_lite.engine import Engine
@@ -43,7 +42,7 @@ def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> 
     def run(prompt: list[int], cfg: GenerationConfig) -> Run:
         ids = torch.tensor([prompt], device=target.device)
         extra = {} if prompt_lookup_num_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
-        with unpacked(target.model):  # the baseline is stock transformers, kernels included
+        with target.stock():  # the baseline is stock transformers: its linears and attention
             start = time.perf_counter()
             out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
                                         do_sample=False, eos_token_id=eos, pad_token_id=pad if pad is not None else

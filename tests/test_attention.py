@@ -18,7 +18,7 @@ from eagle_lite.tree import DraftTree, attention_mask
 from conftest import VOCAB, make_target, reference_greedy
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
-CPU_BACKENDS = ["sdpa", "flex", "lse_merge"]  # 'flash' needs flash-attn and CUDA: see the gpu tests
+CPU_BACKENDS = ["sdpa", "gqa", "flex", "lse_merge"]  # 'flash' needs flash-attn and CUDA: see the gpu tests
 
 
 def reference_attention(q, k, v, mask, scale):
@@ -70,7 +70,7 @@ def test_backend_equals_dense_reference(backend, prefix_len, n_nodes, seed):
     torch.testing.assert_close(out, reference_attention(q, k, v, mask, scale), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["flex", "lse_merge"])
+@pytest.mark.parametrize("backend", ["gqa", "flex", "lse_merge"])
 def test_no_mask_means_causal_over_the_cache(backend):
     """Plain calls (generate()) may pass no mask: the T queries are the last T of the S keys."""
     q, k, v = random_qkv(5, 9, seed=3)
@@ -118,7 +118,7 @@ def test_split_refuses_a_mask_that_hides_prefix_keys():
 
 # -- choosing ------------------------------------------------------------------------------------------
 def test_unknown_backend_names_are_refused():
-    with pytest.raises(ValueError, match="unknown attention backend 'fast'.*auto, sdpa, flex, lse_merge, flash"):
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'.*auto, sdpa, gqa, flex, lse_merge, flash"):
         resolve_backend("fast", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):
         Target(make_target().model, attention="eager")
@@ -132,9 +132,9 @@ def test_flash_without_flash_attn_is_a_clear_error():
         Target(make_target().model, attention="flash")
 
 
-def test_auto_never_raises_and_picks_sdpa_on_cpu():
+def test_auto_never_raises_and_picks_gqa_on_cpu():
     for device in ("cpu", "meta"):
-        assert resolve_backend("auto", device) == "sdpa"
+        assert resolve_backend("auto", device) == "gqa"
         assert resolve_backend("AUTO", device, torch.float32) in attention.BACKENDS
     assert resolve_backend("lse_merge", "cpu") == "lse_merge" and resolve_backend("flex", "cpu") == "flex"
 
@@ -159,7 +159,7 @@ def verify_logits(target: Target, prefix_len: int, n_nodes: int, seed: int):
         return target.forward(tree.tokens, cache, tree.ancestors, tree.depths, logits_rows=slice(None))
 
 
-@pytest.mark.parametrize("backend", ["flex", "lse_merge"])
+@pytest.mark.parametrize("backend", ["gqa", "flex", "lse_merge"])
 @pytest.mark.parametrize("prefix_len,n_nodes", [(0, 9), (1, 5), (37, 24)])
 def test_tree_verify_logits_match_sdpa(backend, prefix_len, n_nodes):
     model = make_target("llama").model
@@ -171,7 +171,7 @@ def test_tree_verify_logits_match_sdpa(backend, prefix_len, n_nodes):
     torch.testing.assert_close(hidden, want_hidden, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["flex", "lse_merge"])
+@pytest.mark.parametrize("backend", ["gqa", "flex", "lse_merge"])
 def test_generate_through_a_registered_backend_is_unchanged(backend):
     """transformers' own generate() builds masks through the mask function registered beside the backend."""
     model = make_target("llama").model
@@ -181,7 +181,7 @@ def test_generate_through_a_registered_backend_is_unchanged(backend):
 
 # -- on a GPU (skipped on CPU; run with -m gpu) ----------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "lse_merge", "flash"])
+@pytest.mark.parametrize("backend", ["sdpa", "gqa", "flex", "lse_merge", "flash"])
 @pytest.mark.parametrize("prefix_len,n_nodes,seed", CASES)
 def test_backend_equals_dense_reference_on_cuda(backend, prefix_len, n_nodes, seed):
     if not torch.cuda.is_available():

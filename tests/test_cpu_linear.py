@@ -46,3 +46,15 @@ def test_unpacked_runs_the_library_forward_then_packs_again(monkeypatch):
             model(torch.randn(4, 48))
         assert calls == []
         assert all("forward" in m.__dict__ for m in model if isinstance(m, nn.Linear))
+
+
+def test_target_stock_runs_transformers_own_layers_and_attention():
+    from conftest import make_target
+
+    target = make_target("llama")
+    target = type(target)(target.model, attention="gqa")
+    linear = target.decoder.layers[0].mlp.up_proj
+    assert "forward" in linear.__dict__ and target.model.config._attn_implementation == "eagle_lite_gqa"
+    with target.stock():
+        assert "forward" not in linear.__dict__ and target.model.config._attn_implementation == "sdpa"
+    assert "forward" in linear.__dict__ and target.model.config._attn_implementation == "eagle_lite_gqa"

@@ -229,3 +229,14 @@ def test_reduced_vocab_keeps_the_most_frequent_answer_tokens(target, tmp_path):
 def test_loader_config_rejects_a_bad_value():
     with pytest.raises(ValueError, match="val_percent must be in"):
         LoaderConfig(val_percent=0)
+
+
+def test_data_only_prepares_the_cache_and_fits_nothing(tmp_path):
+    from trainers.features import FeatureCache
+    from trainers.train import train
+
+    cfg = tiny_train_config(tmp_path, "debug=fdr", "data_only=true")
+    result = train(cfg)
+    assert "export" not in result and result["tokens"] > 0
+    assert FeatureCache(cfg.paths.features).index() is not None
+    assert not Path(cfg.paths.output, "checkpoints").exists() and not Path(cfg.paths.export).exists()

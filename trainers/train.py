@@ -197,6 +197,11 @@ def train(cfg: DictConfig) -> dict:
     target = build_target(_typed(TargetConfig, cfg.target))
     sources = data_sources(cfg)
     seconds, manifest, data = prepare_data(cfg, target, sources)
+    if cfg.get("data_only", False):
+        log.info("data_only: %d sequences, %d tokens ready in %s; rerun without data_only to fit",
+                 manifest["total_sequences"], manifest["total_tokens"], ", ".join(str(s.features) for s in sources))
+        return {"experiment": cfg.name, "sequences": manifest["total_sequences"],
+                "tokens": manifest["total_tokens"], **seconds, "seconds": round(time.perf_counter() - start, 1)}
     module = build_module(cfg, target, data)
     trainer, history, resume_from = fit(cfg, module, data)
 
@@ -234,6 +239,9 @@ def train(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     result = train(cfg)
+    if "export" not in result:
+        print(f"data ready: {result['sequences']} sequences, {result['tokens']} tokens ({result['seconds']} s)")
+        return
     print(f"head: {result['export']}  step {result['global_step']}  "
           f"val/top1 {result.get('val/top1', float('nan')):.3f}  "
           f"val/accept_len_est {result.get('val/accept_len_est', float('nan')):.2f}  "

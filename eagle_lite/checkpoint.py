@@ -8,15 +8,14 @@ is a clear error naming the path. The folder helpers (`write_folder`, `read_conf
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .atomic import write_atomic, write_json_atomic
 from .config import TreeConfig
 from .draft import DraftHead
 
@@ -41,17 +40,8 @@ def default_head_path(target_name: str) -> Path | None:
 def write_folder(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     """Write model.safetensors and config.json into folder `path`, each atomically (temp file + rename)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for name, write in (("model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"})),
-                        ("config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path / name)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    write_atomic(path / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_json_atomic(path / "config.json", config)
     return path
 
 
@@ -145,14 +135,7 @@ def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "") -> Pa
     config["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
     if measured:
         config["tree_measured"] = measured
-    fd, tmp = tempfile.mkstemp(prefix=".config.json.", dir=path)
-    os.close(fd)
-    try:
-        Path(tmp).write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, path / "config.json")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_json_atomic(path / "config.json", config)
     return path
 
 

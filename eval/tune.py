@@ -6,7 +6,7 @@
     python -m eval.tune --method draft_model --draft-model SPEC    # K of a smaller draft model
     python -m eval.tune --method medusa --medusa HEADS_DIR         # Medusa tree size (nodes)
     python -m eval.tune --method eagle --questions mt_bench.jsonl --limit 2 --depths 3,5 --totals 8,16
-    python -m eval.tune --method eagle --task sharegpt,humaneval --draft HEAD_DIR --save-tree
+    python -m eval.tune --method eagle --task sharegpt,humaneval --skip 3 --limit 2 --draft HEAD_DIR --save-tree
 
 Every candidate setting decodes the same prompts through the runner of `eval.sweep` (all candidates
 interleaved per question, so machine drift hits them alike; each greedy output is checked against
@@ -162,6 +162,17 @@ def ints(text: str) -> list[int]:
     return values
 
 
+def skip_per_category(questions: list[Question], skip: int) -> list[Question]:
+    """Drop the first `skip` questions of each category (input order kept)."""
+    seen: dict[str, int] = {}
+    kept = []
+    for q in questions:
+        seen[q.category] = seen.get(q.category, 0) + 1
+        if seen[q.category] > skip:
+            kept.append(q)
+    return kept
+
+
 def task_names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in names if t not in ("humaneval", "sharegpt")]
@@ -177,7 +188,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--task", default="humaneval", type=task_names,
                    help="built-in prompt sets, comma-separated: humaneval, sharegpt")
     p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
-    p.add_argument("--limit", type=int, default=3, help="questions used (per category with --questions)")
+    p.add_argument("--limit", type=int, default=3, help="questions used per task (per category with --questions)")
+    p.add_argument("--skip", type=int, default=0,
+                   help="skip the first N questions of each task first (e.g. 3: prompts the benchmark does not use)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -239,15 +252,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    tasks = ([{"name": "file", "path": args.questions, "limit": args.limit}] if args.questions
-             else [{"name": t, "limit": args.limit} for t in args.task])
-    task_label = args.questions or ",".join(args.task)
+    take = args.skip + args.limit
+    tasks = ([{"name": "file", "path": args.questions, "limit": take}] if args.questions
+             else [{"name": t, "limit": take} for t in args.task])
+    task_label = (args.questions or ",".join(args.task)) + (f" after the first {args.skip}" if args.skip else "")
     if args.save_tree and (args.method != "eagle" or args.draft == "random"):
         print("error: --save-tree records an eagle tree in a head folder: use --method eagle with --draft "
               "auto or a head folder", file=sys.stderr)
         return 1
     try:
-        questions = load_questions(tasks)
+        questions = skip_per_category(load_questions(tasks), args.skip)
         target = load_target(args.target, dtype=getattr(torch, args.dtype))
         candidates = build_candidates(args, target)
         rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)

@@ -317,3 +317,12 @@ def test_tune_saves_the_best_tree_in_the_head_folder(tiny_model_dir, tmp_path, c
     tree = load_head(head_dir, target).tree
     assert best.startswith(f"best: eagle d=2 k=2 n={tree.total_tokens} at") and tree.depth == 2
     assert "eval.tune" in read_head_config(head_dir)["tree_measured"]
+
+
+def test_skip_per_category_keeps_later_questions_in_order():
+    from eval.tasks import Question
+    from eval.tune import skip_per_category
+
+    qs = [Question(f"{c}{i}", c, [f"{c} {i}"]) for c in ("chat", "code") for i in range(4)]
+    assert [q.question_id for q in skip_per_category(qs, 3)] == ["chat3", "code3"]
+    assert skip_per_category(qs, 0) == qs

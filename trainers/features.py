@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from eagle_lite.target import Target
 
-from .atomic import write_atomic, write_json_atomic
+from eagle_lite.atomic import write_atomic, write_json_atomic
 from .targets import pad_token_id
 
 log = logging.getLogger("trainers.features")

@@ -25,7 +25,7 @@ from .objective import ObjectiveConfig, add_noise, agreement, make_pairs, object
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50        # linear warm-up, capped at 10% of the run

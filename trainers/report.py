@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lightning.pytorch as L
 
-from .atomic import write_json_atomic, write_text_atomic
+from eagle_lite.atomic import write_json_atomic, write_text_atomic
 
 _KEYS = ("train/loss_epoch", "train/loss_reg_epoch", "train/loss_cls_epoch", "train/top1_epoch",
          "val/loss", "val/top1", "val/top3", "val/accept_len_est")

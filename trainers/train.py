@@ -32,7 +32,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .atomic import write_text_atomic
+from eagle_lite.atomic import write_text_atomic
 
 log = logging.getLogger("trainers.train")
 

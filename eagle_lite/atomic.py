@@ -1,7 +1,8 @@
 """Atomic file writes: a file is either absent or complete, never half-written.
 
-Every pipeline stage (distilled answers, feature shards, manifests, exported logs) writes through
-`write_atomic`, so a run killed at any moment leaves only finished files behind and can resume.
+Every pipeline stage (distilled answers, feature shards, manifests, exported logs) and every head
+folder (weights, config.json) is written through `write_atomic`, so a run killed at any moment leaves
+only finished files behind and can resume.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ is a clear error naming the path. The folder helpers (`write_folder`, `read_conf
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -132,7 +133,7 @@ def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "") -> Pa
     """Record `tree` as the head's recommended tree in its config.json (atomically), with how it was measured."""
     path = Path(path)
     config = read_head_config(path)
-    config["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+    config["tree"] = dataclasses.asdict(tree)
     if measured:
         config["tree_measured"] = measured
     write_json_atomic(path / "config.json", config)
@@ -140,7 +141,7 @@ def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "") -> Pa
 
 
 def recommended_tree(config: dict, path: Path | str = "") -> TreeConfig | None:
-    """The draft tree config.json recommends (`"tree": {"depth", "top_k", "total_tokens"}`, the fastest one
+    """The draft tree config.json recommends (`"tree": {"depth", "top_k", "total_tokens", "lookup"}`, the fastest one
     `eval.tune` found for this head), or None where it names none."""
     tree = config.get("tree")
     if tree is None:

@@ -14,17 +14,23 @@ class TreeConfig:
     depth: how many times the frontier is expanded (the longest draftable path).
     top_k: children per frontier node, and the width of the frontier.
     total_tokens: drafted nodes kept after reranking (the root is extra), i.e. the verify budget.
+    lookup: up to this many prompt-lookup tokens (what followed the latest earlier occurrence of the
+      last 2-3 tokens) grafted onto the tree as one more path; 0: off. Free to draft; it adds the nodes
+      the tree does not already hold to the verify.
     """
 
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 24
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"tree depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
             raise ValueError(f"tree top_k must be >= 1, got {self.top_k}")
+        if self.lookup < 0:
+            raise ValueError(f"tree lookup must be >= 0 (0 = off), got {self.lookup}")
         if self.total_tokens < 1:
             raise ValueError(f"tree total_tokens must be >= 1, got {self.total_tokens}")
         most = self.top_k + (self.depth - 1) * self.top_k * self.top_k

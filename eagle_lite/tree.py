@@ -60,6 +60,26 @@ class DraftTree:
         return cls(tokens, list(range(-1, tokens.numel() - 1)), q_draft)
 
 
+def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """`tree` with the path root -> chain[0] -> chain[1] ... added: existing nodes are followed where their
+    tokens match, new nodes are appended (in topological order) from the first token that differs.
+    Children stay distinct tokens, so acceptance stays exact. Only for trees chosen deterministically."""
+    if tree.q_draft is not None:
+        raise ValueError("graft_chain takes deterministic trees (q_draft is None)")
+    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    node = 0
+    for tok in chain:
+        child = next((c for c in tree.children[node] if tokens[c] == tok), None) if node < len(tree) else None
+        if child is None:
+            tokens.append(tok)
+            parents.append(node)
+            child = len(tokens) - 1
+        node = child
+    if len(tokens) == len(tree):
+        return tree
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents)
+
+
 def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[torch.Tensor, list[int]]:
     """EAGLE-2's rerank: keep the `budget` drafted nodes of highest cumulative log-probability.
 

@@ -74,19 +74,22 @@ def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_t
     return out
 
 
-def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int]) -> list[Candidate]:
-    """Every valid (depth, top_k, total_tokens) of the grid, each with its own EagleDrafter."""
+def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
+                     lookups: tuple[int, ...] = (0,)) -> list[Candidate]:
+    """Every valid (depth, top_k, total_tokens) of the grid x each lookup length, each with its own EagleDrafter."""
     out = []
     for depth in depths:
         for top_k in top_ks:
             for total in totals:
-                try:
-                    tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total)
-                except ValueError:
-                    continue  # more nodes than depth x top_k can draft
-                make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
-                out.append(Candidate(f"eagle d={depth} k={top_k} n={total}",
-                                     {"depth": depth, "top_k": top_k, "total_tokens": total}, make))
+                for lookup in lookups:
+                    try:
+                        tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup)
+                    except ValueError:
+                        continue  # more nodes than depth x top_k can draft
+                    make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
+                    label = f"eagle d={depth} k={top_k} n={total}" + (f" lookup={lookup}" if lookup else "")
+                    out.append(Candidate(label, {"depth": depth, "top_k": top_k, "total_tokens": total,
+                                                 "lookup": lookup}, make))
     if not out:
         raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
                          f"must be <= top_k + (depth - 1) * top_k**2")
@@ -134,7 +137,7 @@ def how_to_select(method: str, setting: dict) -> str:
     """The flags (or constructor arguments) that pick `setting`."""
     if method == "eagle":
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
-                f"--tree-total-tokens {setting['total_tokens']}")
+                f"--tree-total-tokens {setting['total_tokens']} --tree-lookup {setting.get('lookup', 0)}")
     if method == "medusa":
         return f"--medusa-choices '{json.dumps(setting['choices'], separators=(',', ':'))}'"
     cls = {"lookup": "PromptLookupDrafter", "draft_model": "DraftModelDrafter",
@@ -208,6 +211,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
     g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle: tree top_k values")
     g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
+    g.add_argument("--lookups", type=lambda t: [0] + ints(t) if t.strip() != "0" else [0], default=[0],
+                   help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off)")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     return p.parse_args(argv)
 
@@ -220,7 +225,7 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
 
     if args.method == "eagle":
         head, _ = head_for(target, args.draft)
-        return eagle_candidates(target, head, args.depths, args.top_ks, args.totals)
+        return eagle_candidates(target, head, args.depths, args.top_ks, args.totals, tuple(dict.fromkeys(args.lookups)))
     if args.method == "medusa":
         if args.medusa is None:
             raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "

@@ -17,6 +17,7 @@ TREES = {
     "wide": TreeConfig(depth=1, top_k=6, total_tokens=6),
     "dynamic": TreeConfig(depth=4, top_k=4, total_tokens=12),
     "dynamic_big": TreeConfig(depth=6, top_k=5, total_tokens=40),
+    "with_lookup": TreeConfig(depth=3, top_k=3, total_tokens=6, lookup=6),
 }
 
 
@@ -171,3 +172,24 @@ def test_next_turn_reuses_the_cached_prefix_and_stays_exact(llama, method):
     assert result.stats.reused_prompt_tokens == 1
     engine.reset()
     assert engine.generate(diverged, cfg).stats.reused_prompt_tokens == 0
+
+
+def test_lookup_graft_adds_the_prompt_continuation_as_a_path(llama):
+    """tokens end in the 2-gram (5, 6), which occurred before followed by 7 8 9: the tree holds that path."""
+    from eagle_lite.tree import graft_chain
+
+    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter.reset(64)
+    tokens = [5, 6, 7, 8, 9, 3, 5, 6]
+    inp = DraftInput(tokens, torch.randn(len(tokens) - 1, llama.hidden_size))
+    with torch.inference_mode():
+        tree = drafter.propose(inp, TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3))
+    walk, node = [], 0
+    for want in (7, 8, 9):
+        node = next(c for c in tree.children[node] if int(tree.tokens[c]) == want)
+        walk.append(node)
+    assert len(walk) == 3 and len(tree) <= 1 + 3 + 3
+    # grafting follows existing nodes: the same chain again adds nothing, a new branch adds only its new tail
+    assert graft_chain(tree, [7, 8, 9]) is tree
+    longer = graft_chain(tree, [7, 8, 4])
+    assert len(longer) == len(tree) + 1 and longer.parents[-1] == walk[1]

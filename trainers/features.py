@@ -104,7 +104,7 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]]) -> list[
     return [hidden[r, :len(seq)] for r, seq in enumerate(sequences)]
 
 
-def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConfig) -> dict:
+def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConfig, bar=None) -> dict:
     pairs = [loss_mask_of(r, cfg.max_len) for r in chunk]
     hidden: list[torch.Tensor | None] = [None] * len(chunk)
     order = sorted(range(len(chunk)), key=lambda i: len(pairs[i][0]))  # similar lengths batch together
@@ -112,6 +112,8 @@ def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConf
         rows = order[start:start + cfg.batch_size]
         for i, h in zip(rows, target_features(target, [pairs[i][0] for i in rows])):
             hidden[i] = h.to("cpu", torch.bfloat16)
+        if bar is not None:
+            bar.update(len(rows))
     lengths = torch.tensor([len(ids) for ids, _ in pairs])
     tensors = {
         "input_ids": torch.tensor([t for ids, _ in pairs for t in ids], dtype=torch.int32),        # N
@@ -172,11 +174,10 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
     with tqdm(total=sum(len(chunks[k]) for k in todo), desc="features", unit="seq",
               disable=not progress or not todo) as bar:
         for k in todo:
-            entry = _write_shard(target, folder / f"shard-{k:05d}.safetensors", chunks[k], cfg)
+            entry = _write_shard(target, folder / f"shard-{k:05d}.safetensors", chunks[k], cfg, bar)
             entries[k] = {"index": k, **entry}
             todo_left.remove(k)
             write_json_atomic(manifest_path, manifest())
-            bar.update(len(chunks[k]))
     for k in [k for k in entries if k >= len(chunks)]:  # shards of records that no longer exist
         (folder / entries.pop(k)["file"]).unlink(missing_ok=True)
     final = manifest()

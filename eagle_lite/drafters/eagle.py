@@ -7,8 +7,9 @@ from ..config import TreeConfig
 from ..cpu_linear import few_rows_product, pack_linears
 from ..draft import DraftHead
 from ..kv_cache import StaticKVCache
-from ..tree import DraftTree, rerank
+from ..tree import DraftTree, graft_chain, rerank
 from .base import DraftInput
+from .prompt_lookup import PromptLookupDrafter
 
 
 class EagleDrafter:
@@ -21,6 +22,7 @@ class EagleDrafter:
         weight = target.lm_head.weight  # V H, frozen and shared with the target
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
         self.cache: StaticKVCache | None = None
+        self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2, adaptive=False)  # TreeConfig.lookup's chain
 
     def reset(self, max_len: int, keep: int = 0, tree_slots: int = 256) -> int:
         need = max_len + tree_slots
@@ -36,7 +38,7 @@ class EagleDrafter:
         return self.cache.length
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
-        return 1 + tree.total_tokens
+        return 1 + tree.total_tokens + tree.lookup
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
@@ -88,4 +90,7 @@ class EagleDrafter:
         cache.truncate(n)                                    # drop the tree nodes; the real pairs stay
         kept, parents = rerank(torch.cat(cand_scores), torch.cat(cand_parents), tree.total_tokens)
         root = torch.tensor([inp.root], device=dev)
-        return DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)
+        drafted = DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)
+        if tree.lookup:
+            drafted = graft_chain(drafted, self.lookup.lookup(inp.tokens, tree.lookup))
+        return drafted

@@ -111,7 +111,7 @@ def evaluate(s: EvalSettings, progress: bool = True):
                              on_record=on_record)
     header = (f"target {target.name} · {s.dtype} · {torch.get_num_threads()} threads · max_new_tokens "
               f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
-              f"{tree.total_tokens}" + (f" · {note}" if note else ""))
+              f"{tree.total_tokens}, lookup {tree.lookup}" + (f" · {note}" if note else ""))
     return records, report.summarize(records, s.baseline), header
 
 

@@ -190,3 +190,26 @@ def test_target_logits_equal_the_lm_head(llama, rows):
     hidden = torch.randn(rows, llama.hidden_size)
     with torch.inference_mode():
         torch.testing.assert_close(llama.logits(hidden), llama.lm_head(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_sampling_with_a_grafted_lookup_path_matches_target(llama):
+    """EAGLE's tree plus a prompt-lookup path (TreeConfig.lookup): the sampled tokens keep the target's law."""
+    from eagle_lite.config import TreeConfig
+    from eagle_lite.draft import DraftHead
+    from eagle_lite.drafters import EagleDrafter
+
+    sampling = SamplingConfig(temperature=0.8, top_k=4)
+    prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes
+    torch.manual_seed(0)
+    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    sizes = []
+    propose = drafter.propose
+    drafter.propose = lambda inp, tree: sizes.append(len(t := propose(inp, tree))) or t
+    engine = Engine(llama, drafter)
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    draws, counts = 1000, Counter()
+    for seed in range(draws):
+        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, tree=tree, seed=seed, stop_at_eos=False)
+        counts[tuple(engine.generate(prompt, cfg).token_ids)] += 1
+    assert max(sizes) > 1 + tree.total_tokens          # grafted nodes were verified
+    assert tv(counts, exact_continuations(llama, prompt, sampling), draws) < 0.12

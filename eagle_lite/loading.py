@@ -96,11 +96,12 @@ def gguf_file(spec: str | None) -> Path | None:
 
 
 def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attention: str = "auto") -> Target:
+                attention: str = "auto", packed_linears: bool = True) -> Target:
     """Load a target by alias ('smollm2'), GGUF file, local folder or hub id.
 
     attention: the tree-verification backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash;
-    auto picks the fastest exact one for the device (gqa on CPU).
+    auto picks the fastest exact one for the device (gqa on CPU). packed_linears: see `Target` (False where
+    the target only reads long sequences, e.g. caching training features: the packed copy would go unused).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,4 +117,4 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         raise RuntimeError(f"could not load target '{spec}' from {folder}: {err}") from err
-    return Target(model.to(device), tokenizer, name=name, attention=attention)
+    return Target(model.to(device), tokenizer, name=name, attention=attention, packed_linears=packed_linears)

@@ -59,7 +59,7 @@ class Pipeline:
                     "medusa": lambda: MedusaDrafter(target, medusa_heads, medusa_choices)}
         self.engine = Engine(target, drafters[method]())
         # the tree the head recommends (tuned for it on a CPU like ours), else the library default
-        self.tree: TreeConfig = (head.tree if method == "eagle" and getattr(head, "tree", None) else TreeConfig())
+        self.tree: TreeConfig = head.tree if method == "eagle" and head.tree else TreeConfig()
 
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""

@@ -31,8 +31,8 @@ class Target:
     def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa",
                  packed_linears: bool = True) -> None:
         """packed_linears: on CPU in fp32, give the decoder's linears a oneDNN-packed copy of their weights
-        for tree verification (eagle_lite/cpu_linear.py; the model's layers are swapped in place, and
-        `cpu_linear.unpacked(target.model)` runs a block on the library's own layers)."""
+        for tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`;
+        `Target.stock()` runs a block on the library's own forward and attention)."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
@@ -195,9 +195,6 @@ class NodeLogits:
         self._all = None if self.lazy else target.logits(hidden)
         self._rows: dict[int, torch.Tensor] = {}
         self.projected = 0 if self.lazy else hidden.shape[0]   # lm_head rows computed so far
-
-    def __len__(self) -> int:
-        return self.hidden.shape[0]
 
     def __getitem__(self, node: int) -> torch.Tensor:
         if self._all is not None:

@@ -211,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
     g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle: tree top_k values")
     g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
-    g.add_argument("--lookups", type=lambda t: [0] + ints(t) if t.strip() != "0" else [0], default=[0],
+    g.add_argument("--lookups", type=ints, default=[],
                    help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off)")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     return p.parse_args(argv)
@@ -225,7 +225,8 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
 
     if args.method == "eagle":
         head, _ = head_for(target, args.draft)
-        return eagle_candidates(target, head, args.depths, args.top_ks, args.totals, tuple(dict.fromkeys(args.lookups)))
+        return eagle_candidates(target, head, args.depths, args.top_ks, args.totals,
+                                tuple(dict.fromkeys([0, *args.lookups])))
     if args.method == "medusa":
         if args.medusa is None:
             raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "

@@ -62,7 +62,7 @@ def tiny_target(cfg: TargetConfig = TargetConfig(kind="tiny", name="tiny")) -> T
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
     model = model.to(device=cfg.device, dtype=_DTYPES[cfg.dtype]).eval()
-    return Target(model, tokenizer=None, name=cfg.name)
+    return Target(model, tokenizer=None, name=cfg.name, packed_linears=False)
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -73,7 +73,8 @@ def build_target(cfg: TargetConfig) -> Target:
         return tiny_target(cfg)
     from eagle_lite.loading import load_target
 
-    return load_target(cfg.spec or cfg.name, dtype=_DTYPES[cfg.dtype], device=cfg.device)
+    # training reads the target in batches of whole sequences (> 32 rows), never the packed few-row path
+    return load_target(cfg.spec or cfg.name, dtype=_DTYPES[cfg.dtype], device=cfg.device, packed_linears=False)
 
 
 def pad_token_id(target: Target) -> int:

@@ -240,3 +240,23 @@ def test_data_only_prepares_the_cache_and_fits_nothing(tmp_path):
     assert "export" not in result and result["tokens"] > 0
     assert FeatureCache(cfg.paths.features).index() is not None
     assert not Path(cfg.paths.output, "checkpoints").exists() and not Path(cfg.paths.export).exists()
+
+
+def test_init_from_fine_tunes_an_exported_head_with_its_draft_vocabulary(runs, target, caplog):
+    from trainers.train import build_module, train
+
+    source = Path(train(tiny_train_config(runs, "debug=fdr", "name=warm_source", "draft.vocab_size=32"))["export"])
+    exported = load_head(source, target)
+    cfg = tiny_train_config(runs, "debug=fdr", "name=warm", "draft.vocab_size=64", f"draft.init_from={source}")
+    with caplog.at_level("WARNING", logger="trainers.train"):
+        module = build_module(cfg, target, data=None)  # the draft vocabulary is not re-chosen from the data
+    assert "draft.vocab_size=64 is ignored" in caplog.text
+    assert module.head.d2t.tolist() == exported.d2t.tolist() and module.head.tree is None
+    start = module.head.state_dict()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(start[name], tensor.float()), name
+    result = train(cfg)  # one fast_dev_run step on top of the exported weights
+    assert load_head(result["export"], target).draft_vocab_size == 32
+    other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=1))
+    with pytest.raises(HeadMismatchError, match="trained for target"):
+        build_module(cfg, other, data=None)

@@ -7,6 +7,7 @@
   python -m trainers.train experiment=medusa                # Medusa heads instead (draft=medusa)
   python -m trainers.train target=tiny data=tiny debug=fdr  # the whole pipeline in seconds
   python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP)
+  python -m trainers.train name=more draft.init_from=eagle_lite/heads/smollm2   # fine-tune the shipped head
   python -m trainers.train --help                           # every config group and option
 
 Stages (each a no-op when its output is complete, so rerunning the same command resumes):
@@ -117,6 +118,11 @@ def build_module(cfg: DictConfig, target, data):
     from .objective import ObjectiveConfig
     from .vocab import build_d2t, count_tokens, special_ids
 
+    init_from = cfg.draft.get("init_from")
+    if init_from:  # fine-tune an exported head: its weights and its draft vocabulary
+        head = warm_start_head(init_from, target, cfg.draft.vocab_size)
+        return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
+                                    _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
     d2t = None
     if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
         log.warning("draft.vocab_size=%s is not below the target's vocabulary (%d): the head keeps it whole",
@@ -129,6 +135,23 @@ def build_module(cfg: DictConfig, target, data):
         head = DraftHead.for_target(target, d2t).float()  # fp32 master weights whatever the target's dtype
     return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                 _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
+
+
+def warm_start_head(path, target, vocab_size):
+    """The exported head at `path` (checked against `target` like any head load) as fp32 weights to train on.
+
+    Its draft vocabulary comes with it: the rows of its output layer belong to those tokens, so a
+    `draft.vocab_size` that disagrees is reported and ignored rather than re-chosen from the new data.
+    """
+    from eagle_lite.checkpoint import load_head
+
+    head = load_head(path, target).float().train()
+    head.tree = None  # a tree recommended for the old weights says nothing about the new ones
+    if vocab_size is not None and head.draft_vocab_size != min(int(vocab_size), target.vocab_size):
+        log.warning("draft.init_from=%s has a draft vocabulary of %s tokens; draft.vocab_size=%s is ignored",
+                    path, head.draft_vocab_size or target.vocab_size, vocab_size)
+    log.info("draft.init_from: starting from the weights of %s", path)
+    return head
 
 
 def fit(cfg: DictConfig, module, data):

@@ -8,6 +8,15 @@ emits) took 74 ms for the same 6 tokens, and 13-18% less from 2 to 12 tokens; fo
 slower than the dense gemv, so one-row calls (plain decoding) keep the dense weight, and so do calls of
 more than 32 rows (a prompt's prefill), where MKL's GEMM is 5-10% ahead.
 
+Sibling linears that read the same input (an attention's q/k/v projections, a gated MLP's gate/up) share one
+packed matrix, their weights stacked: the first sibling called runs one product for all of them and the
+others return their slice of it. Four products a layer instead of seven: a SmolLM2 forward after a 200-token
+prefix at one thread, interleaved A/B in one process, took 55.7 -> 52.7 ms for 2 tokens, 68.9 -> 66.4 for 6
+and 92.0 -> 90.4 for 14, with bit-identical outputs. A sibling hands out its
+slice only for the very tensor the product was run on (the same object, and, outside inference mode where
+torch counts in-place changes, not modified since);
+any other call computes its own product, so a model that calls its projections differently stays correct.
+
 `pack_linears(module)` gives every fp32 `nn.Linear` under `module` the packed copy beside its dense weight,
 and `unpacked(module)` runs a block of code on the library's own forward (a baseline that must run stock
 transformers). The packed copy costs the linears' memory once more. Both products are fp32 sums
@@ -24,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
+# Children of one module that read the same input, by the names transformers' decoder layers give them
+# (Llama, Mistral, Qwen2/3, Gemma, Phi-3's MLP ...): each group shares one packed product.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @functools.cache
@@ -50,16 +62,65 @@ def few_rows_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rows @ weight.t()
 
 
-def _packed_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _use_packed(layer: nn.Linear, x: torch.Tensor) -> bool:
     rows = x.numel() // layer.in_features
-    if rows == 1 or rows > MAX_PACKED_ROWS or torch.is_grad_enabled():  # the packed copy is for inference
+    return 1 < rows <= MAX_PACKED_ROWS and not torch.is_grad_enabled()  # the packed copy is for inference
+
+
+def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _packed_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not _use_packed(layer, x):
         return F.linear(x, layer.weight, layer.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+    return _packed_product(x, layer.packed_weight, layer.bias)
+
+
+def _version(x: torch.Tensor) -> int:
+    """x's in-place version counter; inference tensors keep none (-1: only the tensor's identity is checked)."""
+    return -1 if x.is_inference() else x._version
+
+
+class _SiblingProduct:
+    """One packed product for sibling linears that read the same input; each sibling takes its slice once."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self.sizes = [layer.out_features for layer in layers]
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([layer.weight.detach() for layer in layers])
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        self.input: torch.Tensor | None = None   # the tensor the pending slices were computed from
+        self.version = -1                        # its in-place version counter then
+        self.slices: list[torch.Tensor | None] = []
+
+    def first(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not _use_packed(layer, x):
+            self.input, self.slices = None, []
+            return F.linear(x, layer.weight, layer.bias)
+        # contiguous slices: callers may .view() them like the output of their own nn.Linear
+        out = [part.contiguous() for part in _packed_product(x, self.weight, self.bias).split(self.sizes, dim=-1)]
+        self.input, self.version, self.slices = x, _version(x), out
+        return out[0]
+
+    def later(self, index: int, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.input is not x or _version(x) != self.version or self.slices[index] is None:
+            return _packed_forward(layer, x) if hasattr(layer, "packed_weight") else F.linear(x, layer.weight, layer.bias)
+        out, self.slices[index] = self.slices[index], None
+        if all(s is None for s in self.slices[1:]):
+            self.input, self.slices = None, []   # every sibling has its slice: drop the input
+        return out
 
 
 def _packable(layer: nn.Module) -> bool:
-    return (type(layer) is nn.Linear and layer.weight.device.type == "cpu"
-            and layer.weight.dtype == torch.float32 and not hasattr(layer, "packed_weight"))
+    return (type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+            and not hasattr(layer, "packed_weight") and not hasattr(layer, "sibling_product"))
+
+
+def _same_input(layers: list[nn.Linear]) -> bool:
+    return (len({layer.in_features for layer in layers}) == 1
+            and len({layer.bias is None for layer in layers}) == 1 and "forward" not in layers[0].__dict__)
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -72,6 +133,17 @@ def pack_linears(module: nn.Module) -> int:
     if not packing_available():
         return 0
     packed = 0
+    for parent in list(module.modules()):
+        for names in SIBLINGS:
+            layers = [getattr(parent, name, None) for name in names]
+            if all(_packable(layer) for layer in layers) and _same_input(layers):
+                group = _SiblingProduct(layers)
+                layers[0].forward = functools.partial(group.first, layers[0])
+                for index, layer in enumerate(layers[1:], 1):
+                    layer.forward = functools.partial(group.later, index, layer)
+                for layer in layers:
+                    layer.sibling_product = group   # marks it packed (see _packable); holds the shared weight
+                packed += len(layers)
     for layer in module.modules():
         if _packable(layer):
             with torch.inference_mode(False), torch.no_grad():

@@ -10,12 +10,12 @@ more than 32 rows (a prompt's prefill), where MKL's GEMM is 5-10% ahead.
 
 Sibling linears that read the same input (an attention's q/k/v projections, a gated MLP's gate/up) share one
 packed matrix, their weights stacked: the first sibling called runs one product for all of them and the
-others return their slice of it. Four products a layer instead of seven: a SmolLM2 forward after a 200-token
-prefix at one thread, interleaved A/B in one process, took 55.7 -> 52.7 ms for 2 tokens, 68.9 -> 66.4 for 6
-and 92.0 -> 90.4 for 14, with bit-identical outputs. A sibling hands out its
-slice only for the very tensor the product was run on (the same object, and, outside inference mode where
-torch counts in-place changes, not modified since);
-any other call computes its own product, so a model that calls its projections differently stays correct.
+others return their slice of it. Four products a layer instead of seven: a SmolLM2 forward after a
+200-token prefix at one thread, interleaved A/B in one process, took 55.7 -> 52.7 ms for 2 tokens,
+68.9 -> 66.4 for 6 and 92.0 -> 90.4 for 14, with bit-identical outputs. A sibling hands out its slice only
+for the very tensor the product was run on (the same object and, outside inference mode where torch
+counts in-place changes, unmodified since); any other call computes its own product, so a model that
+calls its projections some other way stays correct.
 
 `pack_linears(module)` gives every fp32 `nn.Linear` under `module` the packed copy beside its dense weight,
 and `unpacked(module)` runs a block of code on the library's own forward (a baseline that must run stock
@@ -34,7 +34,7 @@ from torch import nn
 
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
 # Children of one module that read the same input, by the names transformers' decoder layers give them
-# (Llama, Mistral, Qwen2/3, Gemma, Phi-3's MLP ...): each group shares one packed product.
+# (Llama, Mistral, Qwen2/3, Gemma ...): each group shares one packed product.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

@@ -12,7 +12,9 @@ Sibling linears that read the same input (an attention's q/k/v projections, a ga
 packed matrix, their weights stacked: the first sibling called runs one product for all of them and the
 others return their slice of it. Four products a layer instead of seven: a SmolLM2 forward after a
 200-token prefix at one thread, interleaved A/B in one process, took 55.7 -> 52.7 ms for 2 tokens,
-68.9 -> 66.4 for 6 and 92.0 -> 90.4 for 14, with bit-identical outputs. A sibling hands out its slice only
+68.9 -> 66.4 for 6 and 92.0 -> 90.4 for 14, with bit-identical outputs. At two threads it is mixed:
+50.8 -> 48.5 ms for 2 tokens, 59.9 -> 55.7 and 60.6 -> 59.4 for 6, but 66.2 -> 68.3 for 10 and
+72.8 -> 76.4 / 72.7 -> 75.3 for 14 (oneDNN splits the wider matrix less well over two threads). A sibling hands out its slice only
 for the very tensor the product was run on (the same object and, outside inference mode where torch
 counts in-place changes, unmodified since); any other call computes its own product, so a model that
 calls its projections some other way stays correct.

@@ -14,10 +14,10 @@ others return their slice of it. Four products a layer instead of seven: a SmolL
 200-token prefix at one thread, interleaved A/B in one process, took 55.7 -> 52.7 ms for 2 tokens,
 68.9 -> 66.4 for 6 and 92.0 -> 90.4 for 14, with bit-identical outputs. At two threads it is mixed:
 50.8 -> 48.5 ms for 2 tokens, 59.9 -> 55.7 and 60.6 -> 59.4 for 6, but 66.2 -> 68.3 for 10 and
-72.8 -> 76.4 / 72.7 -> 75.3 for 14 (oneDNN splits the wider matrix less well over two threads). A sibling hands out its slice only
-for the very tensor the product was run on (the same object and, outside inference mode where torch
-counts in-place changes, unmodified since); any other call computes its own product, so a model that
-calls its projections some other way stays correct.
+72.8 -> 76.4 / 72.7 -> 75.3 for 14 (why oneDNN does worse on the wider matrix there is not investigated).
+A sibling hands out its slice only for the very tensor the product was run on (the same object and,
+outside inference mode where torch counts in-place changes, unmodified since); any other call computes
+its own product, so a model that calls its projections some other way stays correct.
 
 `pack_linears(module)` gives every fp32 `nn.Linear` under `module` the packed copy beside its dense weight,
 and `unpacked(module)` runs a block of code on the library's own forward (a baseline that must run stock
@@ -108,7 +108,7 @@ class _SiblingProduct:
 
     def later(self, index: int, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self.input is not x or _version(x) != self.version or self.slices[index] is None:
-            return _packed_forward(layer, x) if hasattr(layer, "packed_weight") else F.linear(x, layer.weight, layer.bias)
+            return F.linear(x, layer.weight, layer.bias)
         out, self.slices[index] = self.slices[index], None
         if all(s is None for s in self.slices[1:]):
             self.input, self.slices = None, []   # every sibling has its slice: drop the input

@@ -27,9 +27,9 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from eagle_lite.atomic import write_json_atomic, write_text_atomic
 from eagle_lite.target import Target
 
-from eagle_lite.atomic import write_json_atomic, write_text_atomic
 from .targets import pad_token_id
 
 log = logging.getLogger("trainers.distill")

@@ -28,9 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from eagle_lite.atomic import write_atomic, write_json_atomic
 from eagle_lite.target import Target
 
-from eagle_lite.atomic import write_atomic, write_json_atomic
 from .targets import pad_token_id
 
 log = logging.getLogger("trainers.features")

@@ -121,18 +121,17 @@ def build_module(cfg: DictConfig, target, data):
     init_from = cfg.draft.get("init_from")
     if init_from:  # fine-tune an exported head: its weights and its draft vocabulary
         head = warm_start_head(init_from, target, cfg.draft.vocab_size)
-        return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
-                                    _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
-    d2t = None
-    if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
-        log.warning("draft.vocab_size=%s is not below the target's vocabulary (%d): the head keeps it whole",
-                    cfg.draft.vocab_size, target.vocab_size)
-    elif cfg.draft.vocab_size is not None:
-        counts = count_tokens(data.caches, data.train_rows, target.vocab_size)
-        d2t = build_d2t(counts, int(cfg.draft.vocab_size), special_ids(target))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        head = DraftHead.for_target(target, d2t).float()  # fp32 master weights whatever the target's dtype
+    else:
+        d2t = None
+        if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
+            log.warning("draft.vocab_size=%s is not below the target's vocabulary (%d): the head keeps it whole",
+                        cfg.draft.vocab_size, target.vocab_size)
+        elif cfg.draft.vocab_size is not None:
+            counts = count_tokens(data.caches, data.train_rows, target.vocab_size)
+            d2t = build_d2t(counts, int(cfg.draft.vocab_size), special_ids(target))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            head = DraftHead.for_target(target, d2t).float()  # fp32 master weights whatever the target's dtype
     return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                 _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
 
@@ -147,9 +146,10 @@ def warm_start_head(path, target, vocab_size):
 
     head = load_head(path, target).float().train()
     head.tree = None  # a tree recommended for the old weights says nothing about the new ones
-    if vocab_size is not None and head.draft_vocab_size != min(int(vocab_size), target.vocab_size):
+    kept = head.draft_vocab_size or target.vocab_size  # None: the head scores the whole vocabulary
+    if vocab_size is not None and kept != min(int(vocab_size), target.vocab_size):
         log.warning("draft.init_from=%s has a draft vocabulary of %s tokens; draft.vocab_size=%s is ignored",
-                    path, head.draft_vocab_size or target.vocab_size, vocab_size)
+                    path, kept, vocab_size)
     log.info("draft.init_from: starting from the weights of %s", path)
     return head
 

@@ -39,12 +39,13 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 
 
 def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
-    """logits: node i's logits at `logits[i]` (an [N, V] tensor, or `target.NodeLogits`, which projects
-    only the nodes the walk reads). Returns (accepted node indices from the root, bonus token)."""
+    """logits: node i's logits at `logits[i]` (an [N, V] tensor, or `target.NodeLogits`, which finds the
+    argmax of only the nodes the walk reads). Returns (accepted node indices from the root, bonus token)."""
     tokens = tree.tokens.tolist()
+    top_token = getattr(logits, "top_token", None) or (lambda node: int(logits[node].argmax()))
     path, node = [0], 0
     while True:
-        choice = int(logits[node].argmax())
+        choice = top_token(node)
         nxt = next((c for c in tree.children[node] if tokens[c] == choice), None)
         if nxt is None:
             return path, choice

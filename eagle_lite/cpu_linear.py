@@ -4,9 +4,11 @@ Verifying a tree runs the target's linears on 4-24 rows. torch's default product
 small-M GEMM) is far from the memory-bound ideal: on the 2-core box a 30-layer SmolLM2 forward of 6
 tokens took 89 ms at one thread against 46 ms for one token. oneDNN with the weight reordered once into
 its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU freezing
-emits) took 74 ms for the same 6 tokens, and 13-18% less from 2 to 12 tokens; for one row it is ~10%
-slower than the dense gemv, so one-row calls (plain decoding) keep the dense weight, and so do calls of
-more than 32 rows (a prompt's prefill), where MKL's GEMM is 5-10% ahead.
+emits) took 74 ms for the same 6 tokens, and 13-18% less from 2 to 12 tokens. One row (plain decoding)
+depends on the threads: MKL's gemv runs it on one core, oneDNN splits it, so at two threads the packed
+product takes a one-token forward from 66.9 to 56.9 ms (interleaved A/B, medians), while at one thread
+it is no faster (75.8 vs 75.1 ms): one-row calls use it only when torch has more than one thread. Calls
+of more than 32 rows (a prompt's prefill) keep the dense weight: MKL's GEMM is 5-10% ahead there.
 
 Sibling linears that read the same input (an attention's q/k/v projections, a gated MLP's gate/up) share one
 packed matrix, their weights stacked: the first sibling called runs one product for all of them and the
@@ -66,7 +68,9 @@ def few_rows_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _use_packed(layer: nn.Linear, x: torch.Tensor) -> bool:
     rows = x.numel() // layer.in_features
-    return 1 < rows <= MAX_PACKED_ROWS and not torch.is_grad_enabled()  # the packed copy is for inference
+    if rows == 1:   # MKL's gemv runs one row on one core; oneDNN splits it over the threads
+        return torch.get_num_threads() > 1 and not torch.is_grad_enabled()
+    return rows <= MAX_PACKED_ROWS and not torch.is_grad_enabled()  # the packed copy is for inference
 
 
 def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

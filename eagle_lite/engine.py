@@ -6,7 +6,7 @@ alone. The path of a token:
   2. draft:   the drafter proposes a tree of continuations under the root (drafters/).
   3. verify:  the target reads the whole tree in one forward with the tree mask (target.py, tree.py).
   4. accept:  the longest path the target agrees with, plus one bonus token (accept.py); the lm_head
-              projects only the nodes that walk reads (target.NodeLogits).
+              projects only the nodes that walk reads (target.NodeLogits; greedy: their certified argmax).
   5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
 """
 from __future__ import annotations
@@ -148,11 +148,12 @@ class Engine:
 
         # 1. prefill (what the cache does not hold yet): logits for the last prompt token only
         ids = torch.tensor(prompt_ids[keep:], device=target.device)
-        logits, hidden = target.forward(ids, cache, logits_rows=slice(-1, None))  # 1 V, T H
+        _, hidden = target.forward(ids, cache)  # T H
         cache.commit(n_prompt - keep)
         if sampling.greedy:
-            first = int(logits[0].argmax())
+            first = target.top_token(hidden[-1])
         else:
+            logits = target.logits(hidden[-1:])  # 1 V
             first = int(torch.multinomial(target_probs(logits[0], sampling), 1, generator=generator))
         stats.target_forwards = 1
         stats.prefill_seconds = time.perf_counter() - start

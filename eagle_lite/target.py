@@ -4,7 +4,9 @@
 tree (given by its ancestor mask and depths) and returns the last hidden states of every token (what
 the draft head reads) plus logits for only the rows the caller asks for: the lm_head is the single
 most expensive matrix of a small model, so prefill computes one row, not the whole prompt, and a tree
-verification hands acceptance a `NodeLogits` that projects a node only when the walk reaches it.
+verification hands acceptance a `NodeLogits` that projects a node only when the walk reaches it. Greedy
+decoding needs only each row's argmax: `top_token` finds it from a float16 copy of the lm_head on CPU,
+exactly (certified_argmax.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import torch
 from torch import nn
 
 from .attention import select_attention
+from .certified_argmax import CertifiedArgmax
 from .cpu_linear import few_rows_product, pack_linears, unpacked
+from .fused_norm import fuse_rms_norms, unfused
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -29,10 +33,11 @@ class Target:
     """A loaded transformers causal LM (`model`) and its tokenizer, with the pieces EAGLE needs."""
 
     def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa",
-                 packed_linears: bool = True) -> None:
+                 packed_linears: bool = True, fused_norms: bool = True) -> None:
         """packed_linears: on CPU in fp32, give the decoder's linears a oneDNN-packed copy of their weights
-        for tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`;
-        `Target.stock()` runs a block on the library's own forward and attention)."""
+        for tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`).
+        fused_norms: run its RMSNorms as one op where that is exact to the bit (eagle_lite/fused_norm.py).
+        `Target.stock()` runs a block on the library's own forwards and attention."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
@@ -49,9 +54,12 @@ class Target:
         self.decoder = model.get_decoder()            # the transformer stack without the lm_head
         if packed_linears:
             pack_linears(self.decoder)                # no-op off CPU, for non-fp32 weights or without oneDNN
+        if fused_norms:
+            fuse_rms_norms(self.decoder)              # no-op off CPU, for non-fp32 weights or inexact norms
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
         self.embed_tokens = model.get_input_embeddings()
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
+        self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
 
     # -- shape facts ---------------------------------------------------------------------------------
     @property
@@ -112,7 +120,7 @@ class Target:
     def stock(self) -> Iterator[None]:
         """Run a block on the model as transformers built it: its own linears and SDPA attention (baselines)."""
         implementation = self.model.config._attn_implementation
-        with unpacked(self.model):
+        with unpacked(self.model), unfused(self.model):
             if implementation != "sdpa":
                 self.model.set_attn_implementation("sdpa")
             try:
@@ -172,6 +180,16 @@ class Target:
             out = few_rows_product(hidden, weight)
         return out if bias is None else out + bias
 
+    def top_token(self, hidden: torch.Tensor) -> int:
+        """The greedy token for one final hidden state [H]: argmax of its fp32 logits. On CPU it reads a
+        float16 copy of the lm_head with an error bound that makes the answer exact (certified_argmax.py)."""
+        if self._argmax is False:
+            plain = type(self.lm_head) is nn.Linear and getattr(self.lm_head, "bias", None) is None
+            self._argmax = CertifiedArgmax.build(self.lm_head.weight, self.logits) if plain else None
+        if self._argmax is None:
+            return int(self.logits(hidden[None])[0].argmax())
+        return self._argmax(hidden)
+
     def _transposed_lm_head(self) -> torch.Tensor | None:
         weight = self.lm_head.weight
         if self._lm_head_t is None and weight.numel() * weight.element_size() <= TRANSPOSED_LM_HEAD_MAX_BYTES:
@@ -194,7 +212,19 @@ class NodeLogits:
         self.lazy = hidden.device.type == "cpu" if lazy is None else lazy
         self._all = None if self.lazy else target.logits(hidden)
         self._rows: dict[int, torch.Tensor] = {}
-        self.projected = 0 if self.lazy else hidden.shape[0]   # lm_head rows computed so far
+        self._tops: dict[int, int] = {}
+        self.projected = 0 if self.lazy else hidden.shape[0]   # nodes whose logits or argmax were computed
+
+    def top_token(self, node: int) -> int:
+        """The target's greedy token at `node` (its logits' argmax); lazily, without an fp32 row on CPU."""
+        if self._all is not None:
+            return int(self._all[node].argmax())
+        if node in self._rows:
+            return int(self._rows[node].argmax())
+        if node not in self._tops:
+            self._tops[node] = self.target.top_token(self.hidden[node])
+            self.projected += 1
+        return self._tops[node]
 
     def __getitem__(self, node: int) -> torch.Tensor:
         if self._all is not None:

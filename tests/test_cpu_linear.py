@@ -75,8 +75,8 @@ class _Block(nn.Module):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [1, 6, 40])
-def test_sibling_projections_share_one_product_with_the_same_results(bias, rows, monkeypatch):
+@pytest.mark.parametrize("rows,threads", [(1, 1), (1, 2), (6, 1), (40, 1)])
+def test_sibling_projections_share_one_product_with_the_same_results(bias, rows, threads, monkeypatch):
     torch.manual_seed(0)
     dense = _Block(bias)
     packed = _Block(bias)
@@ -87,10 +87,16 @@ def test_sibling_projections_share_one_product_with_the_same_results(bias, rows,
     product = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[1].shape) or product(*a),
                         raising=False)
-    with torch.inference_mode():
-        for got, want in zip(packed(x), dense(x)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(calls) == (2 if 1 < rows <= 32 else 0)   # one product per group, only for 2-32 rows
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for got, want in zip(packed(x), dense(x)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(saved)
+    # one product per group, for 2-32 rows, and for one row only where oneDNN can split it over threads
+    assert len(calls) == (2 if 1 < rows <= 32 or (rows == 1 and threads > 1) else 0)
 
 
 def test_a_sibling_computes_its_own_product_for_another_or_modified_input():

@@ -6,6 +6,7 @@ import torch
 from ..config import TreeConfig
 from ..cpu_linear import few_rows_product, pack_linears
 from ..draft import DraftHead
+from ..fused_norm import fuse_rms_norms
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, graft_chain, rerank
 from .base import DraftInput
@@ -19,6 +20,7 @@ class EagleDrafter:
         self.target = target
         self.head = head.eval()
         pack_linears(self.head)  # the head runs 1-8 rows a step: oneDNN's packed product on CPU (no-op elsewhere)
+        fuse_rms_norms(self.head)
         weight = target.lm_head.weight  # V H, frozen and shared with the target
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
         self.cache: StaticKVCache | None = None

@@ -1,0 +1,48 @@
+"""Fused RMSNorms: bit-identical to transformers' own, only where exact, removable for baselines."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_target
+
+from eagle_lite.fused_norm import fuse_rms_norms
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_decoder_is_bit_identical_to_the_stock_one(family):
+    stock, fused = make_target(family).model, make_target(family).model   # same seed: same weights
+    for m in fused.modules():   # Target fused them already; start from the library's forwards
+        m.__dict__.pop("forward", None)
+    norms = [m for m in fused.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert fuse_rms_norms(fused) == len(norms) > 0   # qwen3's q/k norms included
+    ids = torch.randint(0, 96, (1, 11))
+    with torch.inference_mode():
+        for m in stock.modules():
+            m.__dict__.pop("forward", None)
+        assert torch.equal(fused(ids).logits, stock(ids).logits)
+
+
+def test_a_norm_that_computes_something_else_keeps_its_forward():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm   # scales by (1 + weight)
+
+    norm = GemmaRMSNorm(32)
+    assert fuse_rms_norms(norm) == 0 and "forward" not in norm.__dict__
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert fuse_rms_norms(LlamaRMSNorm(32).to(torch.bfloat16)) == 0        # only fp32 is fused
+    assert fuse_rms_norms(LlamaRMSNorm(32)) == 1
+
+
+def test_unfused_runs_the_library_forward_then_fuses_again(monkeypatch):
+    target = make_target()
+    norm = target.decoder.norm
+    assert "forward" in norm.__dict__ and fuse_rms_norms(target.decoder) == 0   # fusing twice is a no-op
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", lambda *a, **k: calls.append(1) or a[0])
+    with torch.inference_mode():
+        with target.stock():
+            assert "forward" not in norm.__dict__
+            target.model(torch.tensor([[1, 2, 3]]))
+        assert calls == [] and "forward" in norm.__dict__
+        norm(torch.ones(1, 64))
+        assert calls == [1]

@@ -28,13 +28,13 @@ of the same terms in a different order, as any two GEMM kernels are.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .instance_forward import class_forwards
 
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
 # Children of one module that read the same input, by the names transformers' decoder layers give them
@@ -160,13 +160,6 @@ def pack_linears(module: nn.Module) -> int:
     return packed
 
 
-@contextlib.contextmanager
-def unpacked(module: nn.Module) -> Iterator[None]:
-    """Run a block with the library's own `nn.Linear.forward` on the packed layers, then pack them again."""
-    layers = [m for m in module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
-    saved = [m.__dict__.pop("forward") for m in layers]
-    try:
-        yield
-    finally:
-        for layer, forward in zip(layers, saved):
-            layer.forward = forward
+def unpacked(module: nn.Module):
+    """A context: run a block with the library's own `nn.Linear.forward` on the packed layers, then pack them again."""
+    return class_forwards(m for m in module.modules() if isinstance(m, nn.Linear))

@@ -9,13 +9,13 @@ its own forward. `unfused(module)` runs a block on the library's forward (the st
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .instance_forward import class_forwards
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -59,13 +59,6 @@ def fuse_rms_norms(module: nn.Module) -> int:
     return fused
 
 
-@contextlib.contextmanager
-def unfused(module: nn.Module) -> Iterator[None]:
-    """Run a block with the library's own forward on the fused norms, then fuse them again."""
-    norms = [m for m in module.modules() if hasattr(m, "fused_eps") and "forward" in m.__dict__]
-    saved = [m.__dict__.pop("forward") for m in norms]
-    try:
-        yield
-    finally:
-        for norm, forward in zip(norms, saved):
-            norm.forward = forward
+def unfused(module: nn.Module):
+    """A context: run a block with the library's own forward on the fused norms, then fuse them again."""
+    return class_forwards(m for m in module.modules() if hasattr(m, "fused_eps"))

@@ -17,12 +17,18 @@ class TreeConfig:
     lookup: up to this many prompt-lookup tokens (what followed the latest earlier occurrence of the
       last 2-3 tokens) grafted onto the tree as one more path; 0: off. Free to draft; it adds the nodes
       the tree does not already hold to the verify.
+    min_prob: drafted nodes whose path probability under the draft (the product of its top-k
+      probabilities from the root) is below this are not verified, and expansion stops once the whole
+      frontier is below it; 0: off. Each verified node costs the target compute, so on a CPU a node the
+      draft thinks unlikely costs more than it is expected to return: the tree then shrinks where the
+      draft is unsure and may run deep where it is sure. Exact either way (any tree is verified exactly).
     """
 
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 24
     lookup: int = 0
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -31,6 +37,8 @@ class TreeConfig:
             raise ValueError(f"tree top_k must be >= 1, got {self.top_k}")
         if self.lookup < 0:
             raise ValueError(f"tree lookup must be >= 0 (0 = off), got {self.lookup}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"tree min_prob must be in [0, 1) (0 = off), got {self.min_prob}")
         if self.total_tokens < 1:
             raise ValueError(f"tree total_tokens must be >= 1, got {self.total_tokens}")
         most = self.top_k + (self.depth - 1) * self.top_k * self.top_k

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tree-total-tokens", type=int, default=None, help="drafted nodes verified per step")
     t.add_argument("--tree-lookup", type=int, default=None,
                    help=f"graft up to N prompt-lookup tokens onto the tree as one more path (0: off; default {tree.lookup})")
+    t.add_argument("--tree-min-prob", type=float, default=None,
+                   help="verify only drafted nodes whose path probability under the draft is at least P, and stop "
+                        f"expanding below it (0: off; default {tree.min_prob})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
     p.add_argument("--threads", type=int, default=None,
@@ -76,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 def generation_config(args: argparse.Namespace, tree: TreeConfig = TreeConfig()) -> GenerationConfig:
     """The flags' config; tree flags left unset take their value from `tree` (the head's recommendation)."""
     given = {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens,
-             "lookup": args.tree_lookup}
+             "lookup": args.tree_lookup, "min_prob": args.tree_min_prob}
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),

@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-top-k", type=int, default=None)
     p.add_argument("--tree-total-tokens", type=int, default=None)
     p.add_argument("--tree-lookup", type=int, default=None, help="prompt-lookup tokens grafted onto the tree (0: off)")
+    p.add_argument("--tree-min-prob", type=float, default=None,
+                   help="verify only drafted nodes whose draft path probability is at least this (0: off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, methods=methods,
                             baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
                             tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
-                                  "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup},
+                                  "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,
+                                  "min_prob": args.tree_min_prob},
                             threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
                             medusa=args.medusa)
     try:

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default="auto", help="'auto', 'random' or a head folder")
-    p.add_argument("--trees", nargs="*", default=["3,8,8", "5,8,24"], help="depth,top_k,total_tokens ...")
+    p.add_argument("--trees", nargs="*", default=["3,8,8", "5,8,24"], help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--threads", type=int, default=None)
@@ -55,9 +55,11 @@ def main(argv=None) -> int:
                                                     add_generation_prompt=True, return_dict=False))
     rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]
     for spec in args.trees:
-        tree = TreeConfig(*(int(x) for x in spec.split(",")))
+        fields = dict(zip(("depth", "top_k", "total_tokens", "lookup", "min_prob"), spec.split(",")))
+        tree = TreeConfig(**{k: float(v) if k == "min_prob" else int(v) for k, v in fields.items()})
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
-        rows.append((f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}",
+        rows.append((f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
+                     + (f" lookup={tree.lookup}" if tree.lookup else "") + (f" p>={tree.min_prob:g}" if tree.min_prob else ""),
                      profile(Engine(target, EagleDrafter(target, head)), ids, cfg)))
     print(f"target {target.name} · {torch.get_num_threads()} threads · {note}\n")
     print("| method | draft ms/step | verify ms/step | accept+commit ms/step | tokens/step | tokens/s |")

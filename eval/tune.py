@@ -20,6 +20,8 @@ grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`s
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import logging
 import sys
@@ -75,21 +77,19 @@ def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_t
 
 
 def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
-                     lookups: tuple[int, ...] = (0,)) -> list[Candidate]:
-    """Every valid (depth, top_k, total_tokens) of the grid x each lookup length, each with its own EagleDrafter."""
+                     lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,)) -> list[Candidate]:
+    """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, each with
+    its own EagleDrafter."""
     out = []
-    for depth in depths:
-        for top_k in top_ks:
-            for total in totals:
-                for lookup in lookups:
-                    try:
-                        tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup)
-                    except ValueError:
-                        continue  # more nodes than depth x top_k can draft
-                    make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
-                    label = f"eagle d={depth} k={top_k} n={total}" + (f" lookup={lookup}" if lookup else "")
-                    out.append(Candidate(label, {"depth": depth, "top_k": top_k, "total_tokens": total,
-                                                 "lookup": lookup}, make))
+    for depth, top_k, total, lookup, min_prob in itertools.product(depths, top_ks, totals, lookups, min_probs):
+        try:
+            tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup, min_prob=min_prob)
+        except ValueError:
+            continue  # more nodes than depth x top_k can draft
+        make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
+        label = (f"eagle d={depth} k={top_k} n={total}" + (f" lookup={lookup}" if lookup else "")
+                 + (f" min_prob={min_prob:g}" if min_prob else ""))
+        out.append(Candidate(label, dataclasses.asdict(tree), make))
     if not out:
         raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
                          f"must be <= top_k + (depth - 1) * top_k**2")
@@ -137,7 +137,8 @@ def how_to_select(method: str, setting: dict) -> str:
     """The flags (or constructor arguments) that pick `setting`."""
     if method == "eagle":
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
-                f"--tree-total-tokens {setting['total_tokens']} --tree-lookup {setting.get('lookup', 0)}")
+                f"--tree-total-tokens {setting['total_tokens']} --tree-lookup {setting.get('lookup', 0)}"
+                f" --tree-min-prob {setting.get('min_prob', 0.0):g}")
     if method == "medusa":
         return f"--medusa-choices '{json.dumps(setting['choices'], separators=(',', ':'))}'"
     cls = {"lookup": "PromptLookupDrafter", "draft_model": "DraftModelDrafter",
@@ -162,6 +163,17 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def floats(text: str) -> list[float]:
+    """Probabilities in [0, 1): comma-separated, e.g. 0.02,0.05,0.1."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.02,0.05, got {text!r}") from None
+    if not values or not all(0.0 <= v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected probabilities in [0, 1), got {text!r}")
     return values
 
 
@@ -213,6 +225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
     g.add_argument("--lookups", type=ints, default=[],
                    help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off)")
+    g.add_argument("--min-probs", type=floats, default=[],
+                   help="eagle: TreeConfig.min_prob values (verify only nodes this likely under the draft), "
+                        "each tried beside 0 (off)")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     return p.parse_args(argv)
 
@@ -226,7 +241,7 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
     if args.method == "eagle":
         head, _ = head_for(target, args.draft)
         return eagle_candidates(target, head, args.depths, args.top_ks, args.totals,
-                                tuple(dict.fromkeys([0, *args.lookups])))
+                                tuple(dict.fromkeys([0, *args.lookups])), tuple(dict.fromkeys([0.0, *args.min_probs])))
     if args.method == "medusa":
         if args.medusa is None:
             raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "

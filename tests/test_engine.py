@@ -18,6 +18,7 @@ TREES = {
     "dynamic": TreeConfig(depth=4, top_k=4, total_tokens=12),
     "dynamic_big": TreeConfig(depth=6, top_k=5, total_tokens=40),
     "with_lookup": TreeConfig(depth=3, top_k=3, total_tokens=6, lookup=6),
+    "min_prob": TreeConfig(depth=5, top_k=4, total_tokens=16, min_prob=0.02),
 }
 
 
@@ -193,3 +194,25 @@ def test_lookup_graft_adds_the_prompt_continuation_as_a_path(llama):
     assert graft_chain(tree, [7, 8, 9]) is tree
     longer = graft_chain(tree, [7, 8, 4])
     assert len(longer) == len(tree) + 1 and longer.parents[-1] == walk[1]
+
+
+def test_min_prob_verifies_only_nodes_the_draft_finds_likely(llama):
+    """The tree keeps the nodes whose draft path probability reaches min_prob: all of them for a tiny
+    threshold, the root alone for one no path reaches, a subtree of the unpruned tree in between."""
+    torch.manual_seed(0)
+    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    tokens = [5, 6, 7, 8, 9, 3, 5, 6]
+    sizes = {}
+    for min_prob in (0.0, 1e-12, 0.005, 0.999):
+        drafter.reset(64)
+        inp = DraftInput(tokens, torch.randn(len(tokens) - 1, llama.hidden_size, generator=torch.Generator().manual_seed(0)))
+        with torch.inference_mode():
+            tree = drafter.propose(inp, TreeConfig(depth=3, top_k=4, total_tokens=12, min_prob=min_prob))
+        sizes[min_prob] = tree
+    full = sizes[0.0]
+    assert len(full) == 13 and torch.equal(sizes[1e-12].tokens, full.tokens)
+    assert len(sizes[0.999]) == 1
+    mid = sizes[0.005]
+    assert 1 < len(mid) < len(full)
+    paths = lambda t: {tuple(int(t.tokens[j]) for j in range(len(t)) if t.ancestors[i, j]) for i in range(len(t))}  # noqa: E731
+    assert paths(mid) <= paths(full)

@@ -1,5 +1,8 @@
-"""EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it."""
+"""EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it
+(optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`)."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -70,7 +73,10 @@ class EagleDrafter:
         front_h = h[-1:].expand(k, -1)                       # k H: the feature each frontier node reads
         front_vis_parent = torch.zeros(k, 0, dtype=torch.bool, device=dev)  # k W: parent's view of written nodes
         written_vis = torch.zeros(0, 0, dtype=torch.bool, device=dev)       # W W
+        floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf   # path log-prob worth verifying
         for depth in range(1, tree.depth):
+            if tree.min_prob > 0 and float(front_scores.max()) < floor:
+                break                                        # nothing left worth expanding
             vis = torch.cat([front_vis_parent, torch.eye(k, dtype=torch.bool, device=dev)], dim=1)  # k W+k
             h = self.head.step(front_h, embed(front_tokens), cache,
                                torch.full((k,), n + depth - 1, device=dev), vis)  # k H
@@ -90,7 +96,9 @@ class EagleDrafter:
             front_h = h[parent_row]
             front_vis_parent = written_vis[w + parent_row]
         cache.truncate(n)                                    # drop the tree nodes; the real pairs stay
-        kept, parents = rerank(torch.cat(cand_scores), torch.cat(cand_parents), tree.total_tokens)
+        scores = torch.cat(cand_scores)
+        budget = min(tree.total_tokens, int((scores >= floor).sum()))
+        kept, parents = rerank(scores, torch.cat(cand_parents), budget)
         root = torch.tensor([inp.root], device=dev)
         drafted = DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)
         if tree.lookup:

@@ -48,6 +48,18 @@ class TreeConfig:
                 f"top_k={self.top_k} can draft; lower total_tokens or raise depth/top_k"
             )
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "TreeConfig":
+        """'depth,top_k,total_tokens[,lookup[,min_prob]]', e.g. '3,4,8,8,0.1' (the form eval tools take)."""
+        parts = [p.strip() for p in spec.split(",")]
+        if not 3 <= len(parts) <= 5:
+            raise ValueError(f"a tree spec is depth,top_k,total_tokens[,lookup[,min_prob]], got {spec!r}")
+        fields = dict(zip(("depth", "top_k", "total_tokens", "lookup", "min_prob"), parts))
+        try:
+            return cls(**{k: float(v) if k == "min_prob" else int(v) for k, v in fields.items()})
+        except ValueError as err:
+            raise ValueError(f"bad tree spec {spec!r}: {err}") from None
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

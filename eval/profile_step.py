@@ -55,8 +55,7 @@ def main(argv=None) -> int:
                                                     add_generation_prompt=True, return_dict=False))
     rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]
     for spec in args.trees:
-        fields = dict(zip(("depth", "top_k", "total_tokens", "lookup", "min_prob"), spec.split(",")))
-        tree = TreeConfig(**{k: float(v) if k == "min_prob" else int(v) for k, v in fields.items()})
+        tree = TreeConfig.from_spec(spec)
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
         rows.append((f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
                      + (f" lookup={tree.lookup}" if tree.lookup else "") + (f" p>={tree.min_prob:g}" if tree.min_prob else ""),

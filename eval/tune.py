@@ -77,18 +77,24 @@ def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_t
 
 
 def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
-                     lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,)) -> list[Candidate]:
-    """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, each with
-    its own EagleDrafter."""
+                     lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,),
+                     trees: list[TreeConfig] | None = None) -> list[Candidate]:
+    """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, or the
+    given `trees` instead of the grid; each with its own EagleDrafter."""
+    if trees is None:
+        trees = []
+        for depth, top_k, total, lookup, min_prob in itertools.product(depths, top_ks, totals, lookups, min_probs):
+            try:
+                trees.append(TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup,
+                                        min_prob=min_prob))
+            except ValueError:
+                continue  # more nodes than depth x top_k can draft
     out = []
-    for depth, top_k, total, lookup, min_prob in itertools.product(depths, top_ks, totals, lookups, min_probs):
-        try:
-            tree = TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup, min_prob=min_prob)
-        except ValueError:
-            continue  # more nodes than depth x top_k can draft
+    for tree in trees:
         make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
-        label = (f"eagle d={depth} k={top_k} n={total}" + (f" lookup={lookup}" if lookup else "")
-                 + (f" min_prob={min_prob:g}" if min_prob else ""))
+        label = (f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
+                 + (f" lookup={tree.lookup}" if tree.lookup else "")
+                 + (f" min_prob={tree.min_prob:g}" if tree.min_prob else ""))
         out.append(Candidate(label, dataclasses.asdict(tree), make))
     if not out:
         raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
@@ -166,6 +172,13 @@ def ints(text: str) -> list[int]:
     return values
 
 
+def tree_spec(text: str) -> TreeConfig:
+    try:
+        return TreeConfig.from_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def floats(text: str) -> list[float]:
     """Probabilities in [0, 1): comma-separated, e.g. 0.02,0.05,0.1."""
     try:
@@ -228,6 +241,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--min-probs", type=floats, default=[],
                    help="eagle: TreeConfig.min_prob values (verify only nodes this likely under the draft), "
                         "each tried beside 0 (off)")
+    g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
+                   help="eagle: these trees instead of the grid, each depth,top_k,total_tokens[,lookup[,min_prob]]")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     return p.parse_args(argv)
 
@@ -241,7 +256,8 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
     if args.method == "eagle":
         head, _ = head_for(target, args.draft)
         return eagle_candidates(target, head, args.depths, args.top_ks, args.totals,
-                                tuple(dict.fromkeys([0, *args.lookups])), tuple(dict.fromkeys([0.0, *args.min_probs])))
+                                tuple(dict.fromkeys([0, *args.lookups])), tuple(dict.fromkeys([0.0, *args.min_probs])),
+                                args.trees)
     if args.method == "medusa":
         if args.medusa is None:
             raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "

@@ -326,3 +326,23 @@ def test_skip_per_category_keeps_later_questions_in_order():
     qs = [Question(f"{c}{i}", c, [f"{c} {i}"]) for c in ("chat", "code") for i in range(4)]
     assert [q.question_id for q in skip_per_category(qs, 3)] == ["chat3", "code3"]
     assert skip_per_category(qs, 0) == qs
+
+
+def test_tune_runs_explicit_trees_and_names_the_flags_that_select_the_best(tiny_model_dir, tmp_path, capsys):
+    from eagle_lite.config import TreeConfig
+    from eval.tune import main
+
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi"]}) + "\n")
+    rc = main(["--method", "eagle", "--target", str(tiny_model_dir), "--questions", str(qfile), "--draft", "random",
+               "--max-new-tokens", "8", "--no-warmup", "--trees", "2,2,2", "3,2,4,0,0.01"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert sorted(table[1:]) == ["eagle d=2 k=2 n=2", "eagle d=3 k=2 n=4 min_prob=0.01", "vanilla"]
+    assert "--tree-min-prob" in next(line for line in out.splitlines() if line.startswith("best: "))
+    assert TreeConfig.from_spec("3,2,4,0,0.01") == TreeConfig(3, 2, 4, 0, 0.01)
+    with pytest.raises(ValueError, match="depth,top_k,total_tokens"):
+        TreeConfig.from_spec("3,2")
+    with pytest.raises(ValueError, match="min_prob must be in"):
+        TreeConfig.from_spec("3,2,4,0,1.5")

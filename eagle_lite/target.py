@@ -185,7 +185,10 @@ class Target:
         float16 copy of the lm_head with an error bound that makes the answer exact (certified_argmax.py)."""
         if self._argmax is False:
             plain = type(self.lm_head) is nn.Linear and getattr(self.lm_head, "bias", None) is None
+            had_transposed = self._lm_head_t is not None
             self._argmax = CertifiedArgmax.build(self.lm_head.weight, self.logits) if plain else None
+            if self._argmax is not None and not had_transposed:
+                self._lm_head_t = None   # built only to time the fp32 row against: greedy no longer needs it
         if self._argmax is None:
             return int(self.logits(hidden[None])[0].argmax())
         return self._argmax(hidden)

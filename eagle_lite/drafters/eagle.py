@@ -97,7 +97,7 @@ class EagleDrafter:
             front_vis_parent = written_vis[w + parent_row]
         cache.truncate(n)                                    # drop the tree nodes; the real pairs stay
         scores = torch.cat(cand_scores)
-        budget = min(tree.total_tokens, int((scores >= floor).sum()))
+        budget = tree.total_tokens if tree.min_prob <= 0 else min(tree.total_tokens, int((scores >= floor).sum()))
         kept, parents = rerank(scores, torch.cat(cand_parents), budget)
         root = torch.tensor([inp.root], device=dev)
         drafted = DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)

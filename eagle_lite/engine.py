@@ -146,7 +146,7 @@ class Engine:
             stats.seconds = time.perf_counter() - start
             return out
 
-        # 1. prefill (what the cache does not hold yet): logits for the last prompt token only
+        # 1. prefill (what the cache does not hold yet): only the last prompt token's next token is read
         ids = torch.tensor(prompt_ids[keep:], device=target.device)
         _, hidden = target.forward(ids, cache)  # T H
         cache.commit(n_prompt - keep)

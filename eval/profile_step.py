@@ -19,6 +19,7 @@ from eagle_lite.engine import Engine
 from eagle_lite.loading import load_target
 
 from .sweep import head_for
+from .tune import tree_label
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 
@@ -57,9 +58,7 @@ def main(argv=None) -> int:
     for spec in args.trees:
         tree = TreeConfig.from_spec(spec)
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
-        rows.append((f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
-                     + (f" lookup={tree.lookup}" if tree.lookup else "") + (f" p>={tree.min_prob:g}" if tree.min_prob else ""),
-                     profile(Engine(target, EagleDrafter(target, head)), ids, cfg)))
+        rows.append((tree_label(tree), profile(Engine(target, EagleDrafter(target, head)), ids, cfg)))
     print(f"target {target.name} · {torch.get_num_threads()} threads · {note}\n")
     print("| method | draft ms/step | verify ms/step | accept+commit ms/step | tokens/step | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -76,6 +76,13 @@ def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_t
     return out
 
 
+def tree_label(tree: TreeConfig) -> str:
+    """How eval tables name an eagle tree: 'eagle d=3 k=4 n=8 lookup=8 min_prob=0.1' (unset parts left out)."""
+    return (f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
+            + (f" lookup={tree.lookup}" if tree.lookup else "")
+            + (f" min_prob={tree.min_prob:g}" if tree.min_prob else ""))
+
+
 def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
                      lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,),
                      trees: list[TreeConfig] | None = None) -> list[Candidate]:
@@ -92,10 +99,7 @@ def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int],
     out = []
     for tree in trees:
         make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
-        label = (f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
-                 + (f" lookup={tree.lookup}" if tree.lookup else "")
-                 + (f" min_prob={tree.min_prob:g}" if tree.min_prob else ""))
-        out.append(Candidate(label, dataclasses.asdict(tree), make))
+        out.append(Candidate(tree_label(tree), dataclasses.asdict(tree), make))
     if not out:
         raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
                          f"must be <= top_k + (depth - 1) * top_k**2")

@@ -260,3 +260,11 @@ def test_init_from_fine_tunes_an_exported_head_with_its_draft_vocabulary(runs, t
     other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=1))
     with pytest.raises(HeadMismatchError, match="trained for target"):
         build_module(cfg, other, data=None)
+
+
+def test_a_pretrained_training_target_reads_through_plain_sdpa(tiny_model_dir):
+    # Training never verifies a tree; 'auto' would pick gqa on CPU and a per-shape-compiled flex on CUDA.
+    from trainers.targets import build_target
+
+    target = build_target(TargetConfig(name="chat", kind="pretrained", spec=str(tiny_model_dir)))
+    assert target.model.config._attn_implementation == "sdpa"

@@ -73,8 +73,12 @@ def build_target(cfg: TargetConfig) -> Target:
         return tiny_target(cfg)
     from eagle_lite.loading import load_target
 
-    # training reads the target in batches of whole sequences (> 32 rows), never the packed few-row path
-    return load_target(cfg.spec or cfg.name, dtype=_DTYPES[cfg.dtype], device=cfg.device, packed_linears=False)
+    # Training reads the target in batches of whole sequences (> 32 rows), never the packed few-row path,
+    # and only with causal + padding masks, never a tree: plain SDPA. ('auto' means FlexAttention on CUDA,
+    # compiled per batch shape: the H100 run of experiment=gpu logged dynamo's recompile limit and distilled
+    # only ~7 prompts/s at batch 512. Not yet re-measured with SDPA there.)
+    return load_target(cfg.spec or cfg.name, dtype=_DTYPES[cfg.dtype], device=cfg.device, attention="sdpa",
+                       packed_linears=False)
 
 
 def pad_token_id(target: Target) -> int:

@@ -1,6 +1,6 @@
 """`python -m eval.profile_step`: where the milliseconds of one decoding step go, per method and tree.
 
-    python -m eval.profile_step --draft data/heads/smollm2-default-3ep --threads 1
+    python -m eval.profile_step --draft runs/train/smollm2/sharegpt/default/head --threads 1
     python -m eval.profile_step --draft random --trees 3,8,8 5,8,24
 
 Per step: draft, verify (the target's forward over the tree), accept + cache commit; plus tokens per step

@@ -268,3 +268,26 @@ def test_a_pretrained_training_target_reads_through_plain_sdpa(tiny_model_dir):
 
     target = build_target(TargetConfig(name="chat", kind="pretrained", spec=str(tiny_model_dir)))
     assert target.model.config._attn_implementation == "sdpa"
+
+
+def test_validate_scores_exported_heads_as_training_did(runs, target, tmp_path, capsys):
+    from eagle_lite.checkpoint import save_head
+    from trainers.train import train
+    from trainers.validate import main, validate_heads
+
+    cfg = tiny_train_config(runs, "name=validated", "trainer.max_epochs=20", "draft.optim.lr=3e-3")
+    result = train(cfg)
+    random_head = tmp_path / "random"
+    torch.manual_seed(0)
+    save_head(DraftHead.for_target(target), random_head, target)
+    rows = validate_heads(target, [result["export"], random_head], [cfg.paths.features],
+                          batch_size=cfg.data.loader.batch_size, val_percent=cfg.data.loader.val_percent)
+    trained, untrained = rows
+    assert trained["sequences"] == untrained["sequences"] > 0
+    # the same held-out rows and metrics as the training run's last validation
+    for key in ("val/top1", "val/top3", "val/accept_len_est"):
+        assert trained[key] == pytest.approx(result[key], abs=1e-4), key
+    assert trained["val/top1"] > untrained["val/top1"] + 0.1
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--features" in capsys.readouterr().out

@@ -1,0 +1,85 @@
+"""Score exported draft heads on a feature cache's validation split, with the metrics training logs.
+
+    python -m trainers.validate eagle_lite/heads/smollm2 path/to/other/head --features runs/data/smollm2/sharegpt/features
+    python -m trainers.validate HEAD --features DIR [DIR ...] --target smollm2 --threads 2
+
+Every head is scored on the same sequences: the cache's held-out split as training draws it (a hash of each
+record's id, `data.loader.val_percent`), so heads trained on different data or machines compare
+like for like. Printed per head: validation loss, top-1 / top-3 agreement with the target's greedy token and
+the estimated chain acceptance (`val/accept_len_est`, `val_depth` unrolled steps; see `objective.agreement`).
+Heads are loaded like any head (checked against the target); nothing is trained.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from .datamodule import DraftDataModule, LoaderConfig
+from .module import DraftLightningModule
+from .objective import ObjectiveConfig
+
+METRICS = ("val/top1", "val/top3", "val/accept_len_est", "val/loss")
+
+
+def validate_heads(target, heads: list[str | Path], features: list[str | Path], batch_size: int = 8,
+                   val_percent: float = 5.0, val_depth: int = 5) -> list[dict]:
+    """One row per head: {"head", "sequences", "tokens", and METRICS}, all on the same validation rows."""
+    import lightning.pytorch as L
+
+    from eagle_lite.checkpoint import load_head
+
+    data = DraftDataModule([str(f) for f in features], LoaderConfig(batch_size=batch_size, val_percent=val_percent),
+                           expect_target=target.fingerprint())
+    data.setup("validate")
+    rows = []
+    for path in heads:
+        head = load_head(path, target).float().eval()
+        module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
+                                      ObjectiveConfig(val_depth=val_depth))
+        trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False)
+        metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
+        rows.append({"head": str(path), "sequences": len(data.val_rows),
+                     "tokens": int(sum(data.val_rows["loss_tokens"])),
+                     **{k: float(metrics[k]) for k in METRICS}})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| head | sequences | answer tokens | top-1 | top-3 | accept_len_est | loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['head']} | {r['sequences']} | {r['tokens']} | {r['val/top1']:.3f} | {r['val/top3']:.3f} "
+                     f"| {r['val/accept_len_est']:.2f} | {r['val/loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainers.validate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("heads", nargs="+", help="exported head folders (config.json + model.safetensors)")
+    parser.add_argument("--features", nargs="+", required=True,
+                        help="feature cache folders of the heads' target (trainers.features), read as one")
+    parser.add_argument("--target", default="smollm2", help="the target: alias, .gguf file, folder or hub id")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
+    parser.add_argument("--val-percent", type=float, default=5.0,
+                        help="the held-out share the caches were trained with (data.loader.val_percent)")
+    parser.add_argument("--val-depth", type=int, default=5, help="unrolled steps for accept_len_est")
+    args = parser.parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    from .targets import TargetConfig, build_target
+
+    target = build_target(TargetConfig(spec=args.target, name=Path(args.target).stem, device=args.device,
+                                       threads=args.threads))
+    with torch.inference_mode(False):
+        rows = validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

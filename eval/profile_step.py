@@ -19,7 +19,7 @@ from eagle_lite.engine import Engine
 from eagle_lite.loading import load_target
 
 from .sweep import head_for
-from .tune import tree_label
+from .tune import tree_label, tree_spec
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default="auto", help="'auto', 'random' or a head folder")
-    p.add_argument("--trees", nargs="*", default=["3,8,8", "5,8,24"], help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
+    p.add_argument("--trees", nargs="*", type=tree_spec, default=[TreeConfig(3, 8, 8), TreeConfig(5, 8, 24)],
+                   help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--threads", type=int, default=None)
@@ -55,8 +56,7 @@ def main(argv=None) -> int:
     ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                     add_generation_prompt=True, return_dict=False))
     rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]
-    for spec in args.trees:
-        tree = TreeConfig.from_spec(spec)
+    for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
         rows.append((tree_label(tree), profile(Engine(target, EagleDrafter(target, head)), ids, cfg)))
     print(f"target {target.name} · {torch.get_num_threads()} threads · {note}\n")

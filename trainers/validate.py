@@ -15,8 +15,6 @@ import argparse
 import logging
 from pathlib import Path
 
-import torch
-
 from .datamodule import DraftDataModule, LoaderConfig
 from .module import DraftLightningModule
 from .objective import ObjectiveConfig
@@ -25,7 +23,8 @@ METRICS = ("val/top1", "val/top3", "val/accept_len_est", "val/loss")
 
 
 def validate_heads(target, heads: list[str | Path], features: list[str | Path], batch_size: int = 8,
-                   val_percent: float = 5.0, val_depth: int = 5) -> list[dict]:
+                   val_percent: float = LoaderConfig.val_percent,
+                   val_depth: int = ObjectiveConfig.val_depth) -> list[dict]:
     """One row per head: {"head", "sequences", "tokens", and METRICS}, all on the same validation rows."""
     import lightning.pytorch as L
 
@@ -34,17 +33,16 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
     data = DraftDataModule([str(f) for f in features], LoaderConfig(batch_size=batch_size, val_percent=val_percent),
                            expect_target=target.fingerprint())
     data.setup("validate")
+    split = {"sequences": len(data.val_rows), "tokens": int(sum(data.val_rows["loss_tokens"]))}
+    trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
     rows = []
     for path in heads:
         head = load_head(path, target).float().eval()
         module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                       ObjectiveConfig(val_depth=val_depth))
-        trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, enable_checkpointing=False)
         metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
-        rows.append({"head": str(path), "sequences": len(data.val_rows),
-                     "tokens": int(sum(data.val_rows["loss_tokens"])),
-                     **{k: float(metrics[k]) for k in METRICS}})
+        rows.append({"head": str(path), **split, **{k: float(metrics[k]) for k in METRICS}})
     return rows
 
 
@@ -67,18 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
-    parser.add_argument("--val-percent", type=float, default=5.0,
+    parser.add_argument("--val-percent", type=float, default=LoaderConfig.val_percent,
                         help="the held-out share the caches were trained with (data.loader.val_percent)")
-    parser.add_argument("--val-depth", type=int, default=5, help="unrolled steps for accept_len_est")
+    parser.add_argument("--val-depth", type=int, default=ObjectiveConfig.val_depth,
+                        help="unrolled steps for accept_len_est")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     from .targets import TargetConfig, build_target
 
     target = build_target(TargetConfig(spec=args.target, name=Path(args.target).stem, device=args.device,
                                        threads=args.threads))
-    with torch.inference_mode(False):
-        rows = validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth)
-    print(table(rows))
+    print(table(validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Linear layers for a few rows on CPU: oneDNN's prepacked weights for 2+ rows, the dense gemv for one.
+"""Linear layers for a few rows on CPU: the 4-bit grid kernel where the weights lie on such a grid,
+else oneDNN's prepacked weights for 2+ rows and the dense gemv for one.
+
+Weights de-quantized from a GGUF file (the embedded SmolLM2 is Q4_1) are rebuilt exactly from 4-bit codes
+by grid_linear.py's kernel, which reads 5 bits a weight instead of 32: on the 2-core box the decoder's 210
+linears took 8.9 ms for one row against 24.5 with oneDNN, 16 ms for 7 rows against 33 (synthetic Q4_1
+weights of SmolLM2's shapes, medians). Everything below is about fp32 weights off such a grid.
 
 Verifying a tree runs the target's linears on 4-24 rows. torch's default product for that shape (MKL's
 small-M GEMM) is far from the memory-bound ideal: on the 2-core box a 30-layer SmolLM2 forward of 6
@@ -21,8 +27,8 @@ A sibling hands out its slice only for the very tensor the product was run on (t
 outside inference mode where torch counts in-place changes, unmodified since); any other call computes
 its own product, so a model that calls its projections some other way stays correct.
 
-`pack_linears(module)` gives every fp32 `nn.Linear` under `module` the packed copy beside its dense weight,
-and `unpacked(module)` runs a block of code on the library's own forward (a baseline that must run stock
+`pack_linears(module)` gives every fp32 `nn.Linear` under `module` the grid or packed copy beside its dense
+weight, and `unpacked(module)` runs a block of code on the library's own forward (a baseline that must run stock
 transformers). The packed copy costs the linears' memory once more. Both products are fp32 sums
 of the same terms in a different order, as any two GEMM kernels are.
 """
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .grid_linear import MAX_GRID_ROWS, Grid4, kernel_available
 from .instance_forward import class_forwards
 
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
@@ -67,21 +74,57 @@ def few_rows_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rows @ weight.t()
 
 
-def _use_packed(layer: nn.Linear, x: torch.Tensor) -> bool:
-    rows = x.numel() // layer.in_features
-    if rows == 1:   # MKL's gemv runs one row on one core; oneDNN splits it over the threads
-        return torch.get_num_threads() > 1 and not torch.is_grad_enabled()
-    return rows <= MAX_PACKED_ROWS and not torch.is_grad_enabled()  # the packed copy is for inference
+class _PackedProduct:
+    """oneDNN's product with the weight reordered once into its blocked layout."""
+    max_rows = MAX_PACKED_ROWS
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    def usable(self, rows: int) -> bool:
+        # MKL's gemv runs one row on one core; oneDNN splits it over the threads
+        return rows > 1 or torch.get_num_threads() > 1
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
 
 
-def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+class _GridProduct:
+    """The 4-bit grid kernel (grid_linear.py) for weights it rebuilds exactly; any thread count."""
+    max_rows = MAX_GRID_ROWS
+
+    def __init__(self, grid: Grid4) -> None:
+        self.grid = grid
+
+    def usable(self, rows: int) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.grid(x)
+        return out if bias is None else out + bias
 
 
-def _packed_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not _use_packed(layer, x):
+def _product_for(weight: torch.Tensor, grid: bool) -> _PackedProduct | _GridProduct | None:
+    """The fastest exact few-row product for this fp32 weight: the grid kernel where the weight lies on a
+    4-bit grid (and the kernel builds), else oneDNN's packed product (None where oneDNN is unavailable)."""
+    if grid:
+        found = Grid4.of(weight)
+        if found is not None and kernel_available():
+            return _GridProduct(found)
+    return _PackedProduct(weight) if packing_available() else None
+
+
+def _use_product(product, x: torch.Tensor, in_features: int) -> bool:
+    rows = x.numel() // in_features
+    # the products are for inference; past max_rows (a prompt's prefill) MKL's own GEMM is as fast or faster
+    return rows <= product.max_rows and product.usable(rows) and not torch.is_grad_enabled()
+
+
+def _product_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not _use_product(layer.cpu_product, x, layer.in_features):
         return F.linear(x, layer.weight, layer.bias)
-    return _packed_product(x, layer.packed_weight, layer.bias)
+    return layer.cpu_product(x, layer.bias)
 
 
 def _version(x: torch.Tensor) -> int:
@@ -90,24 +133,23 @@ def _version(x: torch.Tensor) -> int:
 
 
 class _SiblingProduct:
-    """One packed product for sibling linears that read the same input; each sibling takes its slice once."""
+    """One product for sibling linears that read the same input; each sibling takes its slice once."""
 
-    def __init__(self, layers: list[nn.Linear]) -> None:
+    def __init__(self, layers: list[nn.Linear], product) -> None:
         self.sizes = [layer.out_features for layer in layers]
+        self.product = product                   # over the siblings' weights stacked
         with torch.inference_mode(False), torch.no_grad():
-            weight = torch.cat([layer.weight.detach() for layer in layers])
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
         self.input: torch.Tensor | None = None   # the tensor the pending slices were computed from
         self.version = -1                        # its in-place version counter then
         self.slices: list[torch.Tensor | None] = []
 
     def first(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if not _use_packed(layer, x):
+        if not _use_product(self.product, x, layer.in_features):
             self.input, self.slices = None, []
             return F.linear(x, layer.weight, layer.bias)
         # contiguous slices: callers may .view() them like the output of their own nn.Linear
-        out = [part.contiguous() for part in _packed_product(x, self.weight, self.bias).split(self.sizes, dim=-1)]
+        out = [part.contiguous() for part in self.product(x, self.bias).split(self.sizes, dim=-1)]
         self.input, self.version, self.slices = x, _version(x), out
         return out[0]
 
@@ -122,7 +164,7 @@ class _SiblingProduct:
 
 def _packable(layer: nn.Module) -> bool:
     return (type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
-            and not hasattr(layer, "packed_weight") and not hasattr(layer, "sibling_product"))
+            and not hasattr(layer, "cpu_product") and not hasattr(layer, "sibling_product"))
 
 
 def _same_input(layers: list[nn.Linear]) -> bool:
@@ -130,33 +172,37 @@ def _same_input(layers: list[nn.Linear]) -> bool:
             and len({layer.bias is None for layer in layers}) == 1 and "forward" not in layers[0].__dict__)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Give the fp32 CPU `nn.Linear`s under `module` a packed weight and the forward that uses it;
-    returns how many (0 where oneDNN's packed linear is unavailable).
+def pack_linears(module: nn.Module, grid: bool = True) -> int:
+    """Give the fp32 CPU `nn.Linear`s under `module` a few-row product and the forward that uses it;
+    returns how many. grid: use the 4-bit grid kernel for weights that lie on such a grid.
 
-    Like accelerate's hooks, this sets an instance `forward`; the packed weight is a non-persistent
-    buffer, so the module's type, its state_dict and every other caller are unchanged.
+    Like accelerate's hooks, this sets an instance `forward`; the product's weights are plain attributes,
+    so the module's type, its state_dict and every other caller are unchanged.
     """
-    if not packing_available():
-        return 0
     packed = 0
     for parent in list(module.modules()):
         for names in SIBLINGS:
             layers = [getattr(parent, name, None) for name in names]
-            if all(_packable(layer) for layer in layers) and _same_input(layers):
-                group = _SiblingProduct(layers)
-                layers[0].forward = functools.partial(group.first, layers[0])
-                for index, layer in enumerate(layers[1:], 1):
-                    layer.forward = functools.partial(group.later, index, layer)
-                for layer in layers:
-                    layer.sibling_product = group   # marks it packed (see _packable); holds the shared weight
-                packed += len(layers)
+            if not (all(_packable(layer) for layer in layers) and _same_input(layers)):
+                continue
+            with torch.inference_mode(False), torch.no_grad():
+                product = _product_for(torch.cat([layer.weight.detach() for layer in layers]), grid)
+            if product is None:
+                continue
+            group = _SiblingProduct(layers, product)
+            layers[0].forward = functools.partial(group.first, layers[0])
+            for index, layer in enumerate(layers[1:], 1):
+                layer.forward = functools.partial(group.later, index, layer)
+            for layer in layers:
+                layer.sibling_product = group   # marks it packed (see _packable); holds the shared product
+            packed += len(layers)
     for layer in module.modules():
         if _packable(layer):
-            with torch.inference_mode(False), torch.no_grad():
-                weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
-            layer.register_buffer("packed_weight", weight, persistent=False)
-            layer.forward = functools.partial(_packed_forward, layer)
+            product = _product_for(layer.weight, grid)
+            if product is None:
+                continue
+            layer.cpu_product = product
+            layer.forward = functools.partial(_product_forward, layer)
             packed += 1
     return packed
 

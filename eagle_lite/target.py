@@ -34,8 +34,9 @@ class Target:
 
     def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa",
                  packed_linears: bool = True, fused_norms: bool = True) -> None:
-        """packed_linears: on CPU in fp32, give the decoder's linears a oneDNN-packed copy of their weights
-        for tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`).
+        """packed_linears: on CPU in fp32, give the decoder's linears a faster few-row product for decoding and
+        tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`): 4-bit
+        codes where the weights lie exactly on a GGUF grid (grid_linear.py), else a oneDNN-packed copy.
         fused_norms: run its RMSNorms as one op where that is exact to the bit (eagle_lite/fused_norm.py).
         `Target.stock()` runs a block on the library's own forwards and attention."""
         if getattr(model.config, "is_encoder_decoder", False):
@@ -53,7 +54,7 @@ class Target:
         self.config = model.config
         self.decoder = model.get_decoder()            # the transformer stack without the lm_head
         if packed_linears:
-            pack_linears(self.decoder)                # no-op off CPU, for non-fp32 weights or without oneDNN
+            pack_linears(self.decoder)                # no-op off CPU and for non-fp32 weights
         if fused_norms:
             fuse_rms_norms(self.decoder)              # no-op off CPU, for non-fp32 weights or inexact norms
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits

@@ -19,7 +19,20 @@ from eagle_lite.target import Target  # noqa: E402
 VOCAB = 96
 
 
-def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos: int = 512) -> Target:
+def snap_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """What a GGUF Q4_1 round trip makes of an fp32 weight [N, K]: per 32 inputs, codes 0..15 between the
+    group's min and max with fp16 scale d and minimum m (llama.cpp's quantizer), de-quantized as q * d + m."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // 32, 32)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = (high - low) / 15
+    q = torch.round((w - low) / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, 15)
+    return ((q * d.half().float()) + low.half().float()).reshape(n, k)
+
+
+def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos: int = 512,
+                grid: bool = False) -> Target:
+    """grid: the decoder's linears as a GGUF Q4_1 file de-quantizes them (see snap_to_q4_1)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -31,7 +44,11 @@ def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos:
     # Sharper next-token distributions than a fresh init, so greedy paths are not all ties
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    return Target(model.eval(), name=f"tiny-{family}")
+        if grid:
+            for layer in model.model.layers.modules():
+                if isinstance(layer, torch.nn.Linear):
+                    layer.weight.copy_(snap_to_q4_1(layer.weight))
+    return Target(model.eval(), name=f"tiny-{family}{'-q4_1' if grid else ''}")
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

@@ -1,0 +1,131 @@
+"""The 4-bit grid path: weights found on a Q4_1 grid are rebuilt bit for bit, the kernel's products equal
+the dense ones, and a target whose linears use it still decodes exactly like transformers' generate()."""
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_lite import cpu_linear
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.cpu_linear import pack_linears
+from eagle_lite.drafters import NoDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.grid_linear import Grid4, kernel_available
+
+from conftest import make_target, reference_greedy, snap_to_q4_1
+
+CAN_BUILD = (platform.machine().lower() in ("x86_64", "amd64") and shutil.which("c++") is not None
+             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="the grid kernel needs x86-64 with AVX2 and a C++ compiler")
+
+
+def _weight(n: int = 48, k: int = 96, seed: int = 0) -> torch.Tensor:
+    return snap_to_q4_1(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_grid_rebuilds_a_q4_1_weight_bit_for_bit():
+    w = _weight()
+    grid = Grid4.of(w)
+    assert grid is not None and grid.qs.shape == (48, 48) and grid.qs.dtype == torch.uint8
+    assert grid.dm.shape == (48, 6)
+    assert torch.equal(grid.dense(), w)
+
+
+def test_grid_takes_symmetric_q4_0_weights_too():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-8, 8, (8, 2, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = -8, 7                           # the group's extremes, as the quantizer makes them
+    d = (torch.rand(8, 2, 1, generator=gen) * 0.03).half().float()
+    w = (q * d).reshape(8, 64)                             # GGUF Q4_0: d * (q - 8) with an fp16 d
+    grid = Grid4.of(w)
+    assert grid is not None and torch.equal(grid.dense(), w)
+
+
+def test_grid_rejects_weights_off_a_grid():
+    assert Grid4.of(torch.randn(16, 64)) is None                        # trained fp32 weights
+    w = _weight()
+    nudged = w.clone()
+    nudged[3, 17] = torch.nextafter(nudged[3, 17], torch.tensor(10.0))   # one ulp off in one place
+    assert Grid4.of(nudged) is None
+    assert Grid4.of(w.to(torch.bfloat16)) is None
+    assert Grid4.of(_weight(k=96)[:, :40].contiguous()) is None        # inputs not a multiple of 32
+    broken = w.clone()
+    broken[0, 0] = float("nan")
+    assert Grid4.of(broken) is None
+
+
+@needs_kernel
+def test_the_kernel_builds_on_this_machine():
+    assert kernel_available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 30])
+def test_kernel_products_equal_the_dense_products(rows):
+    w = _weight(n=80, k=192)
+    grid = Grid4.of(w)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    exact = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(grid(x), exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grid(x[None]), exact[None], rtol=1e-5, atol=1e-5)   # [..., K] inputs
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
+        self.down_proj = nn.Linear(96, 64, bias=True)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _grid_block() -> _Block:
+    torch.manual_seed(0)
+    block = _Block()
+    with torch.no_grad():
+        for layer in (block.gate_proj, block.up_proj, block.down_proj):
+            layer.weight.copy_(snap_to_q4_1(layer.weight))
+    return block
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_grid_weights_get_the_grid_product_with_the_same_results(rows):
+    dense, fast = _grid_block(), _grid_block()
+    assert pack_linears(fast) == 3
+    assert isinstance(fast.gate_proj.sibling_product.product, cpu_linear._GridProduct)
+    assert isinstance(fast.down_proj.cpu_product, cpu_linear._GridProduct)
+    x = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_grid_weights_keep_the_fp32_products(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "kernel_available", lambda: False)
+    dense, block = _grid_block(), _grid_block()
+    pack_linears(block)
+    assert not any(isinstance(getattr(m, "cpu_product", None), cpu_linear._GridProduct) for m in block.modules())
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_q4_1_target_decodes_exactly_like_generate(family):
+    from test_engine import eagle_engine
+
+    target = make_target(family, grid=True)
+    mlp = target.decoder.layers[0].mlp
+    assert isinstance(mlp.down_proj.cpu_product, cpu_linear._GridProduct)
+    prompt = list(range(3, 20))
+    ref = reference_greedy(target, prompt, 30)
+    cfg = GenerationConfig(max_new_tokens=30, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=12))
+    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
+    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref

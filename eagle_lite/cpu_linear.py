@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .grid_linear import MAX_GRID_ROWS, Grid4, kernel_available
+from .grid_linear import MAX_GRID_ROWS, GridWeight, grid_of
 from .instance_forward import class_forwards
 
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
@@ -91,10 +91,10 @@ class _PackedProduct:
 
 
 class _GridProduct:
-    """The 4-bit grid kernel (grid_linear.py) for weights it rebuilds exactly; any thread count."""
+    """The grid kernel (grid_linear.py) for weights it rebuilds exactly; any thread count."""
     max_rows = MAX_GRID_ROWS
 
-    def __init__(self, grid: Grid4) -> None:
+    def __init__(self, grid: GridWeight) -> None:
         self.grid = grid
 
     def usable(self, rows: int) -> bool:
@@ -108,10 +108,9 @@ class _GridProduct:
 def _product_for(weight: torch.Tensor, grid: bool) -> _PackedProduct | _GridProduct | None:
     """The fastest exact few-row product for this fp32 weight: the grid kernel where the weight lies on a
     4-bit grid (and the kernel builds), else oneDNN's packed product (None where oneDNN is unavailable)."""
-    if grid:
-        found = Grid4.of(weight)
-        if found is not None and kernel_available():
-            return _GridProduct(found)
+    found = grid_of(weight) if grid else None
+    if found is not None:
+        return _GridProduct(found)
     return _PackedProduct(weight) if packing_available() else None
 
 

@@ -21,6 +21,7 @@ from .attention import select_attention
 from .certified_argmax import CertifiedArgmax
 from .cpu_linear import few_rows_product, pack_linears, unpacked
 from .fused_norm import fuse_rms_norms, unfused
+from .grid_linear import MAX_GRID_ROWS, grid_of
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -59,6 +60,10 @@ class Target:
             fuse_rms_norms(self.decoder)              # no-op off CPU, for non-fp32 weights or inexact norms
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
         self.embed_tokens = model.get_input_embeddings()
+        # the lm_head as integer codes where its fp32 weight lies on a GGUF grid (SmolLM2's is Q8_0): exact
+        # fp32 logits from 9 bits a weight, for greedy's argmax and for a few rows (grid_linear.py)
+        plain_head = type(self.lm_head) is nn.Linear and self.lm_head.weight.device.type == "cpu"
+        self._lm_grid = grid_of(self.lm_head.weight) if packed_linears and plain_head else None
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
         self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
 
@@ -168,11 +173,15 @@ class Target:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits [R, V] of final hidden states [R, H], in the fastest form for R and device.
 
-        On CPU a few rows are memory-bound on the V x H weight: one row streams the transposed copy
+        On CPU a few rows are memory-bound on the V x H weight: grid codes (Q8_0) where the weight has them;
+        else one row streams the transposed copy
         (~2x faster than `F.linear`'s gemv), and 2-8 rows run as W @ h^T (~2x faster than `F.linear`'s
         small-M GEMM). Each product is the same sum of the same fp32 terms, to rounding.
         """
         weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        if self._lm_grid is not None and hidden.shape[0] <= MAX_GRID_ROWS and not torch.is_grad_enabled():
+            out = self._lm_grid(hidden)
+            return out if bias is None else out + bias
         if weight.device.type != "cpu" or type(self.lm_head) is not nn.Linear or hidden.shape[0] > 8:
             return self.lm_head(hidden)
         if hidden.shape[0] == 1 and self._transposed_lm_head() is not None:
@@ -182,8 +191,11 @@ class Target:
         return out if bias is None else out + bias
 
     def top_token(self, hidden: torch.Tensor) -> int:
-        """The greedy token for one final hidden state [H]: argmax of its fp32 logits. On CPU it reads a
-        float16 copy of the lm_head with an error bound that makes the answer exact (certified_argmax.py)."""
+        """The greedy token for one final hidden state [H]: argmax of its fp32 logits. On CPU they come from
+        the lm_head's grid codes where it has them, else from a float16 copy of the lm_head with an error
+        bound that makes the answer exact (certified_argmax.py)."""
+        if self._lm_grid is not None:
+            return int(self.logits(hidden[None])[0].argmax())
         if self._argmax is False:
             plain = type(self.lm_head) is nn.Linear and getattr(self.lm_head, "bias", None) is None
             had_transposed = self._lm_head_t is not None

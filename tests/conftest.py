@@ -30,9 +30,17 @@ def snap_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return ((q * d.half().float()) + low.half().float()).reshape(n, k)
 
 
+def snap_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A GGUF Q8_0 round trip: per 32 inputs, d = absmax / 127 in fp16 and q = round(w / d)."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // 32, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (torch.round(w / d).clamp(-127, 127) * d).reshape(n, k)
+
+
 def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos: int = 512,
                 grid: bool = False) -> Target:
-    """grid: the decoder's linears as a GGUF Q4_1 file de-quantizes them (see snap_to_q4_1)."""
+    """grid: the weights as SmolLM2's GGUF file de-quantizes them: the decoder's linears Q4_1, the lm_head Q8_0."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -48,6 +56,7 @@ def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos:
             for layer in model.model.layers.modules():
                 if isinstance(layer, torch.nn.Linear):
                     layer.weight.copy_(snap_to_q4_1(layer.weight))
+            model.lm_head.weight.copy_(snap_to_q8_0(model.lm_head.weight))
     return Target(model.eval(), name=f"tiny-{family}{'-q4_1' if grid else ''}")
 
 

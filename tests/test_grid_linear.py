@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lite import cpu_linear
+from eagle_lite import cpu_linear, grid_linear
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.cpu_linear import pack_linears
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
-from eagle_lite.grid_linear import Grid4, kernel_available
+from eagle_lite.grid_linear import Grid4, Grid8, grid_of, kernel_available
 
-from conftest import make_target, reference_greedy, snap_to_q4_1
+from conftest import make_target, reference_greedy, snap_to_q4_1, snap_to_q8_0
 
 CAN_BUILD = (platform.machine().lower() in ("x86_64", "amd64") and shutil.which("c++") is not None
              and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -31,8 +31,8 @@ def _weight(n: int = 48, k: int = 96, seed: int = 0) -> torch.Tensor:
 def test_grid_rebuilds_a_q4_1_weight_bit_for_bit():
     w = _weight()
     grid = Grid4.of(w)
-    assert grid is not None and grid.qs.shape == (48, 48) and grid.qs.dtype == torch.uint8
-    assert grid.dm.shape == (48, 6)
+    assert grid is not None and grid.codes.shape == (48, 48) and grid.codes.dtype == torch.uint8
+    assert grid.scales.shape == (48, 6)
     assert torch.equal(grid.dense(), w)
 
 
@@ -44,6 +44,15 @@ def test_grid_takes_symmetric_q4_0_weights_too():
     w = (q * d).reshape(8, 64)                             # GGUF Q4_0: d * (q - 8) with an fp16 d
     grid = Grid4.of(w)
     assert grid is not None and torch.equal(grid.dense(), w)
+
+
+def test_grid8_rebuilds_a_q8_0_weight_bit_for_bit():
+    w = snap_to_q8_0(torch.randn(40, 64, generator=torch.Generator().manual_seed(2)))
+    grid = Grid8.of(w)
+    assert grid is not None and grid.codes.dtype == torch.int8 and grid.scales.shape == (40, 2)
+    assert torch.equal(grid.dense(), w)
+    assert Grid4.of(w) is None          # 255 levels do not fit 16
+    assert Grid8.of(torch.randn(40, 64)) is None
 
 
 def test_grid_rejects_weights_off_a_grid():
@@ -66,9 +75,12 @@ def test_the_kernel_builds_on_this_machine():
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 30])
-def test_kernel_products_equal_the_dense_products(rows):
-    w = _weight(n=80, k=192)
-    grid = Grid4.of(w)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_products_equal_the_dense_products(rows, bits):
+    raw = torch.randn(80, 192, generator=torch.Generator().manual_seed(3))
+    w = snap_to_q4_1(raw) if bits == 4 else snap_to_q8_0(raw)
+    grid = grid_of(w)
+    assert isinstance(grid, Grid4 if bits == 4 else Grid8)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
     exact = (x.double() @ w.double().t()).float()
     torch.testing.assert_close(grid(x), exact, rtol=1e-5, atol=1e-5)
@@ -107,7 +119,7 @@ def test_grid_weights_get_the_grid_product_with_the_same_results(rows):
 
 
 def test_without_the_kernel_grid_weights_keep_the_fp32_products(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "kernel_available", lambda: False)
+    monkeypatch.setattr(grid_linear, "kernel_available", lambda: False)
     dense, block = _grid_block(), _grid_block()
     pack_linears(block)
     assert not any(isinstance(getattr(m, "cpu_product", None), cpu_linear._GridProduct) for m in block.modules())
@@ -124,8 +136,11 @@ def test_a_q4_1_target_decodes_exactly_like_generate(family):
     target = make_target(family, grid=True)
     mlp = target.decoder.layers[0].mlp
     assert isinstance(mlp.down_proj.cpu_product, cpu_linear._GridProduct)
+    assert isinstance(target._lm_grid, Grid8)
     prompt = list(range(3, 20))
     ref = reference_greedy(target, prompt, 30)
     cfg = GenerationConfig(max_new_tokens=30, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=12))
     assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
-    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+    engine = eagle_engine(target)
+    assert isinstance(engine.drafter.lm_grid, Grid8)
+    assert engine.generate(prompt, cfg).token_ids == ref

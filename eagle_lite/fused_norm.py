@@ -1,11 +1,15 @@
-"""RMSNorm layers as one torch op (`F.rms_norm`) instead of the six or seven small ops transformers runs.
+"""RMSNorm layers as one op instead of the six or seven small ops transformers runs.
 
 A 30-layer SmolLM2 forward calls 61 RMSNorms. transformers' `LlamaRMSNorm.forward` (cast, pow, mean,
 add, rsqrt, mul, cast, mul) costs ~50 us on 6 rows on the 2-core box where `F.rms_norm` costs ~22 us,
-with the same result to the bit. `fuse_rms_norms(module)` gives each RMSNorm under `module` an instance
-`forward` that calls `F.rms_norm`, but only after checking on a probe input that both give exactly the
-same output: a norm that computes something else (Gemma's `1 + weight`, a different cast order) keeps
-its own forward. `unfused(module)` runs a block on the library's forward (the stock baselines).
+with the same result to the bit, and eagle_lite's native kernel (csrc/rms_norm.cpp: one pass per row,
+the same fp32 operations with the sum of squares accumulated in another order, as any reduction kernel
+may) a few us: 61 norms took ~2.9 ms of a one-token forward through `F.rms_norm`.
+`fuse_rms_norms(module)` gives each RMSNorm under `module` an instance `forward` that calls the native
+kernel where it builds, else `F.rms_norm`, but only after checking on a probe input that it gives the
+module's own output (bit for bit for `F.rms_norm`; to float32 rounding, 1e-6, for the kernel): a norm
+that computes something else (Gemma's `1 + weight`, a different cast order) keeps its own forward.
+`unfused(module)` runs a block on the library's forward (the stock baselines).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .instance_forward import class_forwards
+from .native import kernel_available
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -30,6 +35,12 @@ def _fused_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.fused_eps)
 
 
+def _native_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or x.dtype != torch.float32:   # the kernel has no backward; fp32 rows only
+        return _fused_forward(norm, x)
+    return torch.ops.eagle_lite.rms_norm(x.contiguous(), norm.weight, norm.fused_eps)
+
+
 def _candidate(norm: nn.Module) -> bool:
     weight = getattr(norm, "weight", None)
     return (type(norm).__name__.endswith("RMSNorm") and "forward" not in norm.__dict__
@@ -37,25 +48,42 @@ def _candidate(norm: nn.Module) -> bool:
             and weight.device.type == "cpu" and _eps(norm) is not None)
 
 
-def _agrees(norm: nn.Module) -> bool:
-    """Whether the fused op gives exactly the module's own output on a deterministic probe (no RNG)."""
+def _agrees(norm: nn.Module, native: bool = False) -> bool:
+    """Whether the fused op gives the module's own output on a deterministic probe (no RNG): exactly for
+    `F.rms_norm`, to float32 rounding for the native kernel (its sum of squares runs in another order)."""
     size = norm.weight.shape[0]
     x = torch.linspace(-3.0, 3.0, 3 * size).view(3, size).sin() * torch.linspace(0.1, 8.0, 3)[:, None]
     with torch.no_grad():
         try:
-            return torch.equal(type(norm).forward(norm, x), F.rms_norm(x, (size,), norm.weight, _eps(norm)))
+            own = type(norm).forward(norm, x)
+            if not native:
+                return torch.equal(own, F.rms_norm(x, (size,), norm.weight, _eps(norm)))
+            fused = torch.ops.eagle_lite.rms_norm(x, norm.weight.detach().contiguous(), _eps(norm))
+            return torch.allclose(fused, own, rtol=1e-6, atol=1e-6)
         except (RuntimeError, TypeError):
             return False
 
 
-def fuse_rms_norms(module: nn.Module) -> int:
-    """Give the fp32 CPU RMSNorms under `module` the one-op forward where it is exact; returns how many."""
+def _native_ok(norm: nn.Module) -> bool:
+    return norm.weight.shape[0] % 8 == 0 and kernel_available() and _agrees(norm, native=True)
+
+
+def fuse_rms_norms(module: nn.Module, native: bool = True) -> int:
+    """Give the fp32 CPU RMSNorms under `module` a one-op forward where it computes the same norm (the
+    native kernel if `native` and it builds, else `F.rms_norm`); returns how many."""
     fused = 0
     for norm in module.modules():
-        if _candidate(norm) and _agrees(norm):
-            norm.fused_eps = _eps(norm)
-            norm.forward = functools.partial(_fused_forward, norm)
-            fused += 1
+        if not _candidate(norm):
+            continue
+        if native and _native_ok(norm):
+            forward = _native_forward
+        elif _agrees(norm):
+            forward = _fused_forward
+        else:
+            continue
+        norm.fused_eps = _eps(norm)
+        norm.forward = functools.partial(forward, norm)
+        fused += 1
     return fused
 
 

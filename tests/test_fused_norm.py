@@ -1,4 +1,5 @@
-"""Fused RMSNorms: bit-identical to transformers' own, only where exact, removable for baselines."""
+"""Fused RMSNorms: F.rms_norm bit-identical to transformers' own, the native kernel equal to float32 rounding,
+used only where they compute the same norm, removable for baselines."""
 from __future__ import annotations
 
 import pytest
@@ -14,12 +15,32 @@ def test_fused_decoder_is_bit_identical_to_the_stock_one(family):
     for m in fused.modules():   # Target fused them already; start from the library's forwards
         m.__dict__.pop("forward", None)
     norms = [m for m in fused.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert fuse_rms_norms(fused) == len(norms) > 0   # qwen3's q/k norms included
+    assert fuse_rms_norms(fused, native=False) == len(norms) > 0   # qwen3's q/k norms included
     ids = torch.randint(0, 96, (1, 11))
     with torch.inference_mode():
         for m in stock.modules():
             m.__dict__.pop("forward", None)
         assert torch.equal(fused(ids).logits, stock(ids).logits)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_the_native_norm_equals_the_library_norm_to_rounding(rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagle_lite.native import kernel_available
+
+    if not kernel_available():
+        pytest.skip("eagle_lite's native kernels do not build here")
+    stock, fused = LlamaRMSNorm(576, eps=1e-5), LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 2.0)
+    fused.load_state_dict(stock.state_dict())
+    assert fuse_rms_norms(fused) == 1 and fused.forward.func.__name__ == "_native_forward"
+    x = torch.randn(1, rows, 576) * 3
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), stock(x), rtol=1e-6, atol=1e-6)
+    out = fused(x)                                   # grad enabled: torch's differentiable path
+    assert torch.equal(out, torch.nn.functional.rms_norm(x, (576,), fused.weight, 1e-5))
 
 
 def test_a_norm_that_computes_something_else_keeps_its_forward():
@@ -34,6 +55,9 @@ def test_a_norm_that_computes_something_else_keeps_its_forward():
 
 
 def test_unfused_runs_the_library_forward_then_fuses_again(monkeypatch):
+    from eagle_lite import fused_norm
+
+    monkeypatch.setattr(fused_norm, "kernel_available", lambda: False)   # count F.rms_norm calls below
     target = make_target()
     norm = target.decoder.norm
     assert "forward" in norm.__dict__ and fuse_rms_norms(target.decoder) == 0   # fusing twice is a no-op

@@ -122,7 +122,7 @@ at::Tensor grid_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(eagle_lite, m) {
+TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
     m.def("grid4_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("grid8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
 }

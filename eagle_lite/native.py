@@ -1,0 +1,45 @@
+"""eagle_lite's native CPU kernels (csrc/), built once per machine and loaded as torch ops.
+
+`torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py) and `torch.ops.eagle_lite.rms_norm`
+(fused_norm.py) are AVX2 C++ compiled by torch's own extension builder on first use (about 40 s; cached
+under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen (no C++ compiler,
+no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False after one
+warning and every caller keeps its torch path: slower, never wrong. EAGLE_LITE_NATIVE=0 turns them off
+(for A/B timings).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("eagle_lite")
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("grid_linear.cpp", "rms_norm.cpp")]
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether the native kernels run here: x86-64 with AVX2 and a C++ compiler (built once, cached)."""
+    if os.environ.get("EAGLE_LITE_NATIVE", "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        # pip's `ninja` lands beside the interpreter, which need not be on PATH (a venv run by path)
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        log.info("building eagle_lite's native CPU kernels once (about 40 s)")
+        load(name="eagle_lite_native", sources=[str(s) for s in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        return all(hasattr(torch.ops.eagle_lite, op) for op in ("grid4_linear", "grid8_linear", "rms_norm"))
+    except Exception as err:  # a missing compiler or headers: the torch paths still work
+        log.warning("eagle_lite's native CPU kernels are unavailable (%s: %s); using torch's ops instead",
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return False

@@ -54,14 +54,23 @@ inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// Independent accumulator chains per row: an FMA waits ~4 cycles for the previous one into the same
+// register, so with few rows the 4 products of a group go to separate chains (summed at the end) to keep
+// the FMA units busy; with many rows the rows themselves are the independent chains. Registers bound it:
+// ROWS * chains accumulators + 4 weights + 2 scales fit the 16 ymm registers.
+template <int ROWS>
+constexpr int chains() { return ROWS <= 2 ? 4 : (ROWS <= 5 ? 2 : 1); }
+
 // Output columns [j0, j1) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
 template <typename Codec, int ROWS>
 void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
                int64_t j0, int64_t j1) {
+    constexpr int C = chains<ROWS>();
     const int64_t groups = K / 32;
     for (int64_t j = j0; j < j1; ++j) {
-        __m256 acc[ROWS];
-        for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+        __m256 acc[ROWS][C];
+        for (int r = 0; r < ROWS; ++r)
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
         const uint8_t* qj = codes + j * groups * Codec::kBytes;
         const float* sj = scales + j * groups * Codec::kScales;
         for (int64_t g = 0; g < groups; ++g) {
@@ -70,13 +79,15 @@ void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* sca
             const float* xg = x + g * 32;
             for (int r = 0; r < ROWS; ++r) {
                 const float* xr = xg + r * K;
-                acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]);
-                acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r]);
-                acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r]);
-                acc[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r]);
+                for (int p = 0; p < 4; ++p)
+                    acc[r][p % C] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][p % C]);
             }
         }
-        for (int r = 0; r < ROWS; ++r) y[r * N + j] = horizontal_sum(acc[r]);
+        for (int r = 0; r < ROWS; ++r) {
+            __m256 total = acc[r][0];
+            for (int c = 1; c < C; ++c) total = _mm256_add_ps(total, acc[r][c]);
+            y[r * N + j] = horizontal_sum(total);
+        }
     }
 }
 

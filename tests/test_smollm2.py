@@ -52,3 +52,23 @@ def test_shipped_head_is_the_default_and_exact(smollm2):
     out = Engine(smollm2, EagleDrafter(smollm2, head)).generate(ids, GenerationConfig(max_new_tokens=64, tree=head.tree))
     assert out.token_ids == ref
     assert out.stats.accept_length_mean > 1.5
+
+
+def test_the_gguf_weights_run_from_their_grid_codes(smollm2):
+    """SmolLM2's GGUF is Q4_1 (decoder linears) and Q8_0 (embeddings / lm_head): after de-quantization every
+    one of those fp32 weights is found on its grid, so all of them run through the native kernels."""
+    from eagle_lite.cpu_linear import _GridProduct
+    from eagle_lite.grid_linear import Grid4, Grid8
+    from eagle_lite.native import kernel_available
+
+    if not kernel_available():
+        pytest.skip("eagle_lite's native kernels do not build here")
+    linears = [m for m in smollm2.decoder.modules() if isinstance(m, torch.nn.Linear)]
+    products = []
+    for linear in linears:                                      # q/k/v and gate/up share one product per layer
+        product = linear.cpu_product if hasattr(linear, "cpu_product") else linear.sibling_product.product
+        if not any(product is seen for seen in products):
+            products.append(product)
+    assert len(linears) == 210 and len(products) == 90
+    assert all(isinstance(p, _GridProduct) and isinstance(p.grid, Grid4) for p in products)
+    assert isinstance(smollm2._lm_grid, Grid8)

@@ -8,7 +8,9 @@ that dense boolean mask [1, 1, T, P + T]). Four ways to compute the same thing:
              the k/v heads of grouped-query attention into full heads first (a copy of the cache per layer).
   gqa        the same torch SDPA kernel and mask with `enable_gqa=True`: no k/v repeat. On the 2-core CPU a
              6-node verify of SmolLM2 (3 kv heads for 9 query heads) took 4 ms less after a 200-token prefix
-             and 7 ms less after 600. 'auto' picks it on CPU.
+             and 7 ms less after 600. 'auto' picks it on CPU. There, calls of up to 8 fp32 queries (a small
+             tree, a decoding step) run eagle_lite's native loop (csrc/tree_attention.cpp) where it builds:
+             the same arithmetic without SDPA's per-call setup, [T, H, D] out with no transpose.
   flex       PyTorch FlexAttention with a BlockMask made from the dense mask: fully visible blocks (the
              prefix) run without evaluating the mask, fully hidden blocks are skipped. Compiled on CUDA; eager
              on CPU, where torch 2.13's compiled CPU kernel fails to build once the query length changes.
@@ -33,6 +35,8 @@ import warnings
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import native
 
 try:  # FlexAttention arrived in torch 2.5
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -313,12 +317,34 @@ def _scale(query: torch.Tensor, scaling: float | None) -> float:
     return scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
 
 
+# Past this many queries SDPA's blocked CPU kernel catches up: interleaved A/B on SmolLM2 (2-core box), a whole
+# forward after a 200 / 600-token prefix took 18.6 / 21.2 ms against 19.2 / 22.5 for 1 query, 26.2 / 30.3
+# against 27.7 / 32.2 for 5, but 47.4 / 55.0 against 47.6 / 53.5 for 13.
+NATIVE_MAX_QUERIES = 8
+
+
+def _native_fits(query, key, value, mask) -> bool:
+    """Whether eagle_lite's native tree attention (csrc/tree_attention.cpp) takes this call: CPU, fp32, one
+    sequence, a few queries, a boolean [1, 1, T, S] mask or none."""
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and query.shape[0] == 1 and query.shape[2] <= NATIVE_MAX_QUERIES and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 128 and not torch.is_grad_enabled()
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:2] == (1, 1)))
+            and native.kernel_available())
+
+
 def _gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     _refuse_unsupported("gqa", dropout, kwargs)
     t, s = query.shape[2], key.shape[2]
     mask, causal = attention_mask, attention_mask is None and t > 1
     if causal and t != s:                                              # causal after a cache: bottom-right
         mask, causal = _causal(t, s, query.device), False
+    if _native_fits(query, key, value, mask):                          # CPU, a few queries: one native loop
+        if causal:
+            mask = _causal(t, s, query.device)
+        visible = None if mask is None else mask[0, 0].expand(t, s)
+        out = torch.ops.eagle_lite.tree_attention(query[0], key[0], value[0], visible, _scale(query, scaling))
+        return out[None], None                                         # B T H D
     elif mask is not None and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)                                    # an additive float mask
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -1,7 +1,7 @@
 """eagle_lite's native CPU kernels (csrc/), built once per machine and loaded as torch ops.
 
-`torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py) and `torch.ops.eagle_lite.rms_norm`
-(fused_norm.py) are AVX2 C++ compiled by torch's own extension builder on first use (about 40 s; cached
+`torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py) and
+`tree_attention` (attention.py's gqa backend) are AVX2 C++ compiled by torch's own extension builder on first use (about 40 s; cached
 under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen (no C++ compiler,
 no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False after one
 warning and every caller keeps its torch path: slower, never wrong. EAGLE_LITE_NATIVE=0 turns them off
@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger("eagle_lite")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("grid_linear.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_attention.cpp")]
 
 
 @functools.cache
@@ -38,7 +38,7 @@ def kernel_available() -> bool:
         log.info("building eagle_lite's native CPU kernels once (about 40 s)")
         load(name="eagle_lite_native", sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        return all(hasattr(torch.ops.eagle_lite, op) for op in ("grid4_linear", "grid8_linear", "rms_norm"))
+        return all(hasattr(torch.ops.eagle_lite, op) for op in ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention"))
     except Exception as err:  # a missing compiler or headers: the torch paths still work
         log.warning("eagle_lite's native CPU kernels are unavailable (%s: %s); using torch's ops instead",
                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")

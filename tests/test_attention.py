@@ -70,6 +70,47 @@ def test_backend_equals_dense_reference(backend, prefix_len, n_nodes, seed):
     torch.testing.assert_close(out, reference_attention(q, k, v, mask, scale), atol=1e-5, rtol=1e-5)
 
 
+def _native_or_skip():
+    from eagle_lite.native import kernel_available
+
+    if not kernel_available():
+        pytest.skip("eagle_lite's native kernels do not build here")
+
+
+@pytest.mark.parametrize("prefix_len,n_nodes,seed", [(0, 1, 0), (1, 6, 1), (37, 8, 2), (203, 5, 4), (0, 7, 5)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_native_tree_attention_equals_dense_reference(prefix_len, n_nodes, seed, masked, monkeypatch):
+    """gqa's native loop (CPU, fp32, inference, <= 8 queries), with the cache's strided k/v views."""
+    _native_or_skip()
+    calls = []
+    kernel = torch.ops.eagle_lite.tree_attention
+    monkeypatch.setattr(torch.ops.eagle_lite, "tree_attention", lambda *a: calls.append(1) or kernel(*a), raising=False)
+    g = torch.Generator().manual_seed(seed)
+    s = prefix_len + n_nodes
+    q = torch.randn(1, 9, n_nodes, 64, generator=g)
+    cache = torch.randn(2, 1, 3, s + 50, 64, generator=g)               # StaticKVCache's layout, spare slots
+    k, v = cache[0, :, :, :s], cache[1, :, :, :s]
+    mask = random_tree_mask(prefix_len, n_nodes, seed) if masked else None
+    reference = reference_attention(q, k, v, mask if masked else torch.ones(n_nodes, s, dtype=torch.bool)
+                                    .tril_(prefix_len).view(1, 1, n_nodes, s), 0.125)
+    with torch.inference_mode():
+        out = run_registered("gqa", q, k, v, mask, 0.125)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert calls == [1]
+
+
+def test_more_queries_than_the_native_loop_takes_go_to_sdpa(monkeypatch):
+    _native_or_skip()
+    calls = []
+    monkeypatch.setattr(torch.ops.eagle_lite, "tree_attention", lambda *a: calls.append(1), raising=False)
+    q, k, v = random_qkv(attention.NATIVE_MAX_QUERIES + 1, 20, seed=6)
+    mask = random_tree_mask(20, attention.NATIVE_MAX_QUERIES + 1, seed=6)
+    with torch.inference_mode():
+        out = run_registered("gqa", q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, reference_attention(q, k, v, mask, 0.25), atol=1e-5, rtol=1e-5)
+    assert calls == []
+
+
 @pytest.mark.parametrize("backend", ["gqa", "flex", "lse_merge"])
 def test_no_mask_means_causal_over_the_cache(backend):
     """Plain calls (generate()) may pass no mask: the T queries are the last T of the S keys."""

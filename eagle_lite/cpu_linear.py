@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .grid_linear import MAX_GRID_ROWS, GridWeight, grid_of
+from .grid_linear import MAX_GRID_ROWS, Grid8, GridWeight, grid_of
+from .native import kernel_available
 from .instance_forward import class_forwards
 
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
@@ -105,10 +106,13 @@ class _GridProduct:
         return out if bias is None else out + bias
 
 
-def _product_for(weight: torch.Tensor, grid: bool) -> _PackedProduct | _GridProduct | None:
-    """The fastest exact few-row product for this fp32 weight: the grid kernel where the weight lies on a
-    4-bit grid (and the kernel builds), else oneDNN's packed product (None where oneDNN is unavailable)."""
+def _product_for(weight: torch.Tensor, grid: bool, round_to_grid: bool = False) -> _PackedProduct | _GridProduct | None:
+    """The fastest few-row product for this fp32 weight: the grid kernel where the weight lies on a GGUF grid
+    (and the kernel builds), else oneDNN's packed product (None where oneDNN is unavailable). round_to_grid:
+    a weight off any grid is rounded onto a Q8_0 grid first (draft models only: not the same weight)."""
     found = grid_of(weight) if grid else None
+    if found is None and round_to_grid and kernel_available():
+        found = Grid8.rounded(weight)
     if found is not None:
         return _GridProduct(found)
     return _PackedProduct(weight) if packing_available() else None
@@ -171,9 +175,11 @@ def _same_input(layers: list[nn.Linear]) -> bool:
             and len({layer.bias is None for layer in layers}) == 1 and "forward" not in layers[0].__dict__)
 
 
-def pack_linears(module: nn.Module, grid: bool = True) -> int:
+def pack_linears(module: nn.Module, grid: bool = True, round_to_grid: bool = False) -> int:
     """Give the fp32 CPU `nn.Linear`s under `module` a few-row product and the forward that uses it;
-    returns how many. grid: use the 4-bit grid kernel for weights that lie on such a grid.
+    returns how many. grid: use the grid kernels for weights that lie on a GGUF grid. round_to_grid: run
+    the others from Q8_0 codes rounded from their weights, which changes what they compute by up to 0.4% of
+    a group's largest weight: for a draft model only (its state_dict and training path keep the exact weights).
 
     Like accelerate's hooks, this sets an instance `forward`; the product's weights are plain attributes,
     so the module's type, its state_dict and every other caller are unchanged.
@@ -185,7 +191,7 @@ def pack_linears(module: nn.Module, grid: bool = True) -> int:
             if not (all(_packable(layer) for layer in layers) and _same_input(layers)):
                 continue
             with torch.inference_mode(False), torch.no_grad():
-                product = _product_for(torch.cat([layer.weight.detach() for layer in layers]), grid)
+                product = _product_for(torch.cat([layer.weight.detach() for layer in layers]), grid, round_to_grid)
             if product is None:
                 continue
             group = _SiblingProduct(layers, product)
@@ -197,7 +203,7 @@ def pack_linears(module: nn.Module, grid: bool = True) -> int:
             packed += len(layers)
     for layer in module.modules():
         if _packable(layer):
-            product = _product_for(layer.weight, grid)
+            product = _product_for(layer.weight, grid, round_to_grid)
             if product is None:
                 continue
             layer.cpu_product = product

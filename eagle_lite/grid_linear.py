@@ -135,6 +135,22 @@ class Grid8(GridWeight):
         n = self.codes.shape[0]
         return (self.codes.view(n, -1, GROUP).float() * self.scales.view(n, -1, 1)).reshape(n, -1)
 
+    @classmethod
+    def rounded(cls, weight: torch.Tensor) -> "Grid8 | None":
+        """`weight` rounded onto a Q8_0 grid (d = the group's largest |w| / 127): NOT the same weight, but
+        within 0.4% of each group's largest entry. Only for a draft model, whose proposals need not be exact
+        (acceptance checks every token against the target). None where `weight` cannot take a grid."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % GROUP:
+            return None
+        with torch.inference_mode(False), torch.no_grad():
+            w = weight.detach().reshape(weight.shape[0], -1, GROUP)
+            if not bool(torch.isfinite(w).all()):
+                return None
+            d = w.abs().amax(-1, keepdim=True) / 127
+            d = torch.where(d > 0, d, torch.ones_like(d))
+            q = torch.round(w / d).clamp_(-127, 127)
+            return cls.of(((q * d)).reshape(weight.shape))
+
 
 def grid_of(weight: torch.Tensor) -> GridWeight | None:
     """`weight` on the first grid that rebuilds it exactly (Q4, then Q8), where the kernels run; else None."""

@@ -144,3 +144,29 @@ def test_a_q4_1_target_decodes_exactly_like_generate(family):
     engine = eagle_engine(target)
     assert isinstance(engine.drafter.lm_grid, Grid8)
     assert engine.generate(prompt, cfg).token_ids == ref
+
+
+def test_rounding_a_weight_onto_a_q8_0_grid_stays_within_its_step():
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(7))
+    grid = Grid8.rounded(w)
+    assert isinstance(grid, Grid8) and Grid8.of(w) is None          # rounded: not the weight itself
+    step = w.view(24, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((grid.dense().view(24, 3, 32) - w.view(24, 3, 32)).abs() <= step / 2 + 1e-7).all()
+    assert Grid8.rounded(w[:, :40].contiguous()) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("round_head", [True, False])
+def test_the_draft_head_may_run_from_rounded_codes_and_stays_exact(round_head):
+    from eagle_lite.draft import DraftHead
+    from eagle_lite.drafters import EagleDrafter
+
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = EagleDrafter(target, DraftHead.for_target(target), round_head=round_head)
+    products = [m.cpu_product if hasattr(m, "cpu_product") else m.sibling_product.product
+                for m in drafter.head.modules() if isinstance(m, nn.Linear)]
+    assert all(isinstance(p, cpu_linear._GridProduct) == round_head for p in products) and products
+    prompt = list(range(3, 20))
+    cfg = GenerationConfig(max_new_tokens=30, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    assert Engine(target, drafter).generate(prompt, cfg).token_ids == reference_greedy(target, prompt, 30)

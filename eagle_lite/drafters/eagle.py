@@ -20,10 +20,13 @@ from .prompt_lookup import PromptLookupDrafter
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, target, head: DraftHead) -> None:
+    def __init__(self, target, head: DraftHead, round_head: bool = True) -> None:
+        """round_head: on CPU, run the head's linears from Q8_0 codes rounded from its fp32 weights (a
+        quarter of the bytes; proposals barely move and acceptance keeps the output exact); else oneDNN's
+        packed fp32 product. No-op elsewhere."""
         self.target = target
         self.head = head.eval()
-        pack_linears(self.head)  # the head runs 1-8 rows a step: oneDNN's packed product on CPU (no-op elsewhere)
+        pack_linears(self.head, round_to_grid=round_head)
         fuse_rms_norms(self.head)
         weight = target.lm_head.weight  # V H, frozen and shared with the target
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H

@@ -35,7 +35,7 @@ def kernel_available() -> bool:
 
         # pip's `ninja` lands beside the interpreter, which need not be on PATH (a venv run by path)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        log.info("building eagle_lite's native CPU kernels once (about 40 s)")
+        log.warning("building eagle_lite's native CPU kernels once (about 40 s; cached under ~/.cache/torch_extensions)")
         load(name="eagle_lite_native", sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return all(hasattr(torch.ops.eagle_lite, op) for op in ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention"))

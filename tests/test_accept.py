@@ -18,7 +18,7 @@ from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
 
-from conftest import exact_continuations
+from conftest import exact_continuations, make_target
 
 V = 6
 P_ROOT = torch.tensor([0.05, 0.30, 0.10, 0.35, 0.15, 0.05])
@@ -141,8 +141,12 @@ class TargetTopKDrafter:
         return DraftTree(torch.tensor(tokens), parents)
 
 
-def test_engine_sampling_matches_target_distribution(llama):
-    """End to end on a tiny target: the first three sampled tokens, speculative vs exact enumeration."""
+@pytest.mark.parametrize("weights", ["fp32", "q4_1"])
+def test_engine_sampling_matches_target_distribution(llama, weights):
+    """End to end on a tiny target: the first three sampled tokens, speculative vs exact enumeration; also
+    with GGUF-grid weights, whose lm_head logits come from the native grid kernel."""
+    if weights == "q4_1":
+        llama = make_target("llama", grid=True)
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     engines = {"vanilla": Engine(llama, NoDrafter()), "speculative": Engine(llama, TargetTopKDrafter(llama))}
     draws = 1000

@@ -20,7 +20,19 @@ import torch
 
 log = logging.getLogger("eagle_lite")
 
+NAME = "eagle_lite_native"
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_attention.cpp")]
+
+
+def _build_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _built_before() -> bool:
+    """Whether a build of the kernels is cached (then loading takes a moment; torch rebuilds if a source changed)."""
+    return any(_build_root().glob(f"*/{NAME}/{NAME}.so")) or any(_build_root().glob(f"{NAME}/{NAME}.so"))
 
 
 @functools.cache
@@ -35,8 +47,9 @@ def kernel_available() -> bool:
 
         # pip's `ninja` lands beside the interpreter, which need not be on PATH (a venv run by path)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        log.warning("building eagle_lite's native CPU kernels once (about 40 s; cached under ~/.cache/torch_extensions)")
-        load(name="eagle_lite_native", sources=[str(s) for s in SOURCES], is_python_module=False,
+        if not _built_before():
+            log.warning("building eagle_lite's native CPU kernels once (about 40 s; cached under %s)", _build_root())
+        load(name=NAME, sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return all(hasattr(torch.ops.eagle_lite, op) for op in ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention"))
     except Exception as err:  # a missing compiler or headers: the torch paths still work

@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core); 1 is as fast for a small model and far "
-                        "faster when other jobs share the cores")
+                   help="torch CPU threads (default: one per core). Use 1 when other jobs share the cores: "
+                        "threads that wait for a busy core stall every step")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")

@@ -8,14 +8,14 @@ fp32 add) gives back the weight bit for bit; anything else (a model trained in f
 is left alone. The kernel (csrc/grid_linear.cpp) rebuilds the same fp32 weights on the fly and sums the
 same fp32 products as a dense GEMM, in a different order, as any two GEMM kernels do: the model is
 unchanged, only its storage shrinks from 32 to 5 (Q4) or 9 (Q8) bits a weight. A few-row product
-(plain decoding, tree verification) is memory-bound on this CPU, so it runs 2-3x faster. Products of
+(plain decoding, tree verification) over fp32 weights is memory-bound on this CPU; from codes it runs
+2-3x faster. Products of
 more than `MAX_GRID_ROWS` rows (a prompt's prefill) are compute-bound and keep the dense weight.
 
 The kernel is part of eagle_lite's native extension (native.py: built once per machine, with an fp32
 fallback where it cannot be built).
 """
 from __future__ import annotations
-
 
 import torch
 
@@ -92,10 +92,10 @@ class Grid4(GridWeight):
     @classmethod
     def _find(cls, w: torch.Tensor) -> "Grid4 | None":
         low = w.amin(-1, keepdim=True)                                          # m: the group's code-0 value
-        span = (w.amax(-1, keepdim=True).double() - low.double()) / 15
+        span = (w.amax(-1, keepdim=True).double() - low.double()) / (LEVELS - 1)
 
         def rebuild(d):
-            q = torch.round((w - low) / d).clamp_(0, 15)
+            q = torch.round((w - low) / d).clamp_(0, LEVELS - 1)
             return q, (q * d) + low == w                                       # the kernel's two roundings
         found = cls._fitting((span.float(), span.half().float()), rebuild)     # d in fp32, or GGUF's fp16 d
         if found is None:

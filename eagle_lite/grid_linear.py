@@ -77,6 +77,11 @@ class GridWeight:
                 return step, codes
         return None
 
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `x` [..., K] is a product the kernel is for: at most MAX_GRID_ROWS rows, inference only
+        (no backward)."""
+        return x.numel() // x.shape[-1] <= MAX_GRID_ROWS and not torch.is_grad_enabled()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 -> x @ w.T [..., N], by the kernel (`kernel_available()` must be true)."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()

@@ -21,7 +21,7 @@ from .attention import select_attention
 from .certified_argmax import CertifiedArgmax
 from .cpu_linear import few_rows_product, pack_linears, unpacked
 from .fused_norm import fuse_rms_norms, unfused
-from .grid_linear import MAX_GRID_ROWS, grid_of
+from .grid_linear import GridWeight, grid_of
 from .kv_cache import StaticKVCache
 from .tree import attention_mask
 
@@ -179,7 +179,7 @@ class Target:
         small-M GEMM). Each product is the same sum of the same fp32 terms, to rounding.
         """
         weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
-        if self._lm_grid is not None and hidden.shape[0] <= MAX_GRID_ROWS and not torch.is_grad_enabled():
+        if self._lm_grid is not None and self._lm_grid.takes(hidden):
             out = self._lm_grid(hidden)
             return out if bias is None else out + bias
         if weight.device.type != "cpu" or type(self.lm_head) is not nn.Linear or hidden.shape[0] > 8:
@@ -189,6 +189,11 @@ class Target:
         else:
             out = few_rows_product(hidden, weight)
         return out if bias is None else out + bias
+
+    @property
+    def lm_grid(self) -> GridWeight | None:
+        """The lm_head's grid codes (None where its weight lies on no GGUF grid or the kernels do not run)."""
+        return self._lm_grid
 
     def top_token(self, hidden: torch.Tensor) -> int:
         """The greedy token for one final hidden state [H]: argmax of its fp32 logits. On CPU they come from

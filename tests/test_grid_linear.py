@@ -136,7 +136,7 @@ def test_a_q4_1_target_decodes_exactly_like_generate(family):
     target = make_target(family, grid=True)
     mlp = target.decoder.layers[0].mlp
     assert isinstance(mlp.down_proj.cpu_product, cpu_linear._GridProduct)
-    assert isinstance(target._lm_grid, Grid8)
+    assert isinstance(target.lm_grid, Grid8)
     prompt = list(range(3, 20))
     ref = reference_greedy(target, prompt, 30)
     cfg = GenerationConfig(max_new_tokens=30, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=12))

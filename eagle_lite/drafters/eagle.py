@@ -10,7 +10,7 @@ from ..config import TreeConfig
 from ..cpu_linear import few_rows_product, pack_linears
 from ..draft import DraftHead
 from ..fused_norm import fuse_rms_norms
-from ..grid_linear import MAX_GRID_ROWS, grid_of
+from ..grid_linear import grid_of
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, graft_chain, rerank
 from .base import DraftInput
@@ -30,7 +30,8 @@ class EagleDrafter:
         fuse_rms_norms(self.head)
         weight = target.lm_head.weight  # V H, frozen and shared with the target
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
-        self.lm_grid = grid_of(self.lm_weight)  # its integer codes where it lies on a GGUF grid (grid_linear.py)
+        # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own
+        self.lm_grid = target.lm_grid if head.d2t is None else grid_of(self.lm_weight)
         self.cache: StaticKVCache | None = None
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2, adaptive=False)  # TreeConfig.lookup's chain
 
@@ -52,11 +53,7 @@ class EagleDrafter:
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
-        if self.lm_grid is not None and h.shape[0] <= MAX_GRID_ROWS:
-            logits = self.lm_grid(h)
-        else:
-            logits = few_rows_product(h, self.lm_weight)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # R V_draft
+        logp = torch.log_softmax(few_rows_product(h, self.lm_weight, self.lm_grid).float(), dim=-1)  # R V_draft
         scores, ids = logp.topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
 

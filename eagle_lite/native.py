@@ -1,8 +1,9 @@
 """eagle_lite's native CPU kernels (csrc/), built once per machine and loaded as torch ops.
 
-`torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py) and
-`tree_attention` (attention.py's gqa backend) are AVX2 C++ compiled by torch's own extension builder on first use (about 40 s; cached
-under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen (no C++ compiler,
+`torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py),
+`tree_attention` (attention.py's gqa backend) and `decoder_layer` (fused_layer.py) are AVX2 C++
+(csrc/, their shared pieces in csrc/kernels.h) compiled by torch's own extension builder on first use
+(about a minute; cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen (no C++ compiler,
 no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False after one
 warning and every caller keeps its torch path: slower, never wrong. EAGLE_LITE_NATIVE=0 turns them off
 (for A/B timings).
@@ -21,7 +22,9 @@ import torch
 log = logging.getLogger("eagle_lite")
 
 NAME = "eagle_lite_native"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_attention.cpp", "decoder_layer.cpp")]
+OPS = ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention", "decoder_layer")
 
 
 def _build_root() -> Path:
@@ -48,10 +51,10 @@ def kernel_available() -> bool:
         # pip's `ninja` lands beside the interpreter, which need not be on PATH (a venv run by path)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         if not _built_before():
-            log.warning("building eagle_lite's native CPU kernels once (about 40 s; cached under %s)", _build_root())
+            log.warning("building eagle_lite's native CPU kernels once (about a minute; cached under %s)", _build_root())
         load(name=NAME, sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        return all(hasattr(torch.ops.eagle_lite, op) for op in ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention"))
+        return all(hasattr(torch.ops.eagle_lite, op) for op in OPS)
     except Exception as err:  # a missing compiler or headers: the torch paths still work
         log.warning("eagle_lite's native CPU kernels are unavailable (%s: %s); using torch's ops instead",
                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")

@@ -54,6 +54,14 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def likely_path(self) -> list[int]:
+        """Root, then each node's first child: the drafter's likeliest path where children come best first
+        (EAGLE's top-k expansion and rerank keep that order)."""
+        path = [0]
+        while self.children[path[-1]]:
+            path.append(self.children[path[-1]][0])
+        return path
+
     @classmethod
     def chain(cls, tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> "DraftTree":
         """A single path: root, then each token the child of the one before."""

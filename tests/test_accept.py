@@ -19,6 +19,7 @@ from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
 
 from conftest import exact_continuations, make_target
+from test_grid_linear import needs_kernel
 
 V = 6
 P_ROOT = torch.tensor([0.05, 0.30, 0.10, 0.35, 0.15, 0.05])
@@ -187,6 +188,37 @@ def test_node_logits_project_only_the_walked_nodes(llama):
             torch.testing.assert_close(lazy[node], full[node], rtol=1e-5, atol=1e-5)
         eager = NodeLogits(llama, hidden, lazy=False)
         assert accept_greedy(tree, eager) == (path, bonus) and eager.projected == 7
+
+
+@needs_kernel
+def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
+    """With the lm_head on grid codes, greedy computes the draft's likeliest path (root, first child, ...)
+    at once; a walk that leaves it projects the rest node by node; every argmax is the lm_head's."""
+    from eagle_lite.target import NodeLogits
+
+    target = make_target("llama", grid=True)
+    torch.manual_seed(0)
+    hidden = torch.randn(7, target.hidden_size)
+    with torch.inference_mode():
+        full = target.lm_head(hidden)
+        choice = full.argmax(-1).tolist()
+        other = [(c + 1) % full.shape[1] for c in choice]
+        # the root's first child (node 1) is a miss: the walk goes to node 2, then node 4 (node 2's first child)
+        tokens = torch.tensor([0, other[0], choice[0], other[1], choice[2], other[4], other[2]])
+        tree = DraftTree(tokens, [-1, 0, 0, 1, 2, 4, 2])
+        assert tree.likely_path() == [0, 1, 3]
+        calls = []
+        logits = target.logits
+        target.logits = lambda h: calls.append(h.shape[0]) or logits(h)
+        try:
+            nodes = NodeLogits(target, hidden, lazy=True, likely=tree.likely_path())
+            path, bonus = accept_greedy(tree, nodes)
+        finally:
+            del target.logits
+        assert path == [0, 2, 4] and bonus == choice[4]
+        assert calls == [3, 1, 1]            # root, 1, 3 at once; then 2 and 4, which the walk also read
+        assert nodes.projected == 5
+        assert all(nodes.top_token(n) == choice[n] for n in (0, 1, 2, 3, 4))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12])

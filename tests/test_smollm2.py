@@ -56,7 +56,8 @@ def test_shipped_head_is_the_default_and_exact(smollm2):
 
 def test_the_gguf_weights_run_from_their_grid_codes(smollm2):
     """SmolLM2's GGUF is Q4_1 (decoder linears) and Q8_0 (embeddings / lm_head): after de-quantization every
-    one of those fp32 weights is found on its grid, so all of them run through the native kernels."""
+    one of those fp32 weights is found on its grid, so all of them run through the native kernels, and every
+decoder layer as one op (fused_layer.py)."""
     from eagle_lite.cpu_linear import _GridProduct
     from eagle_lite.grid_linear import Grid4, Grid8
     from eagle_lite.native import kernel_available
@@ -72,3 +73,4 @@ def test_the_gguf_weights_run_from_their_grid_codes(smollm2):
     assert len(linears) == 210 and len(products) == 4 * 30
     assert all(isinstance(p, _GridProduct) and isinstance(p.grid, Grid4) for p in products)
     assert isinstance(smollm2.lm_grid, Grid8)
+    assert all(hasattr(layer, "fused_parts") for layer in smollm2.decoder.layers)   # each layer one native op

@@ -9,6 +9,7 @@ import torch
 from ..config import TreeConfig
 from ..cpu_linear import few_rows_product, pack_linears
 from ..draft import DraftHead
+from ..fused_layer import fuse_decoder_layers
 from ..fused_norm import fuse_rms_norms
 from ..grid_linear import grid_of
 from ..kv_cache import StaticKVCache
@@ -28,6 +29,7 @@ class EagleDrafter:
         self.head = head.eval()
         pack_linears(self.head, round_to_grid=round_head)
         fuse_rms_norms(self.head)
+        fuse_decoder_layers([self.head.layer], self.head.rotary)   # one native op where its linears run from codes
         weight = target.lm_head.weight  # V H, frozen and shared with the target
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
         # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own

@@ -1,0 +1,172 @@
+// One Llama decoder layer of a few new tokens over a KV cache, in one call:
+//   h   = x + o_proj(attention(rope(q), rope(k) -> cache, v -> cache))      q, k, v = qkv_proj(rms_norm_1(x))
+//   out = h + down_proj(silu(gate) * up)                                     gate, up = gate_up_proj(rms_norm_2(h))
+// with every projection from GGUF grid codes (kernels.h). transformers' LlamaDecoderLayer runs ~125 torch
+// ops a layer for this (views, splits, the rotary's cat/neg/mul/add, the cache write, the residual adds),
+// about 12 ms of Python and op dispatch in a one-token SmolLM2 forward on the 2-core box; here each
+// layer is one op. The arithmetic is transformers': the rotary `(q * cos) + (rotate_half(q) * sin)` and the
+// residual adds to the bit (separate roundings, -ffp-contract=off), the norms, products and attention as
+// the kernels of kernels.h compute them (fp32, sums in another order), silu as x / (1 + exp(-x)) with the
+// polynomial exponential. eagle_lite/fused_layer.py checks the result against the layer's own forward
+// before it uses this op.
+#include "kernels.h"
+#include <vector>
+
+namespace {
+
+using namespace eagle_lite;
+
+void product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::Tensor& y,
+             const char* what) {
+    const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+    TORCH_CHECK(y.size(0) == M && y.size(1) == N, what, ": output of the wrong shape");
+    if (codes.scalar_type() == at::kByte) {
+        check_grid<Q4>(codes, scales, K, what);
+        grid_product<Q4>(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                         y.data_ptr<float>(), N);
+    } else {
+        check_grid<Q8>(codes, scales, K, what);
+        grid_product<Q8>(x.data_ptr<float>(), M, K, static_cast<const uint8_t*>(codes.data_ptr()),
+                         scales.data_ptr<float>(), y.data_ptr<float>(), N);
+    }
+}
+
+void norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y) {
+    const int64_t H = x.size(1);
+    for (int64_t r = 0; r < x.size(0); ++r)
+        rms_norm_row(x.data_ptr<float>() + r * H, w.data_ptr<float>(), H, static_cast<float>(eps),
+                     y.data_ptr<float>() + r * H);
+}
+
+// transformers' apply_rotary_pos_emb on one head row: (x * cos) + (rotate_half(x) * sin), rotate_half(x) =
+// cat(-x2, x1); two roundings then an add, as torch computes it elementwise.
+inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* y) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i] * c[i];
+        const float b = (-x[i + half]) * s[i];
+        y[i] = a + b;
+    }
+    for (int64_t i = half; i < D; ++i) {
+        const float a = x[i] * c[i];
+        const float b = x[i - half] * s[i];
+        y[i] = a + b;
+    }
+}
+
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                         at::Tensor& values, int64_t start, const c10::optional<at::Tensor>& mask,
+                         const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
+                         at::TensorList codes, at::TensorList scales, int64_t heads, double scale) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+                "decoder_layer: x must be a contiguous float32 CPU tensor [T, hidden]");
+    const int64_t T = x.size(0), H = x.size(1);
+    TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
+                values.scalar_type() == at::kFloat && keys.stride(2) == 1 && values.stride(2) == 1,
+                "decoder_layer: keys/values must be float32 [kv_heads, slots, head_dim] with head_dim contiguous");
+    const int64_t Hkv = keys.size(0), L = keys.size(1), D = keys.size(2);
+    TORCH_CHECK(heads > 0 && heads % Hkv == 0 && D % 8 == 0 && D <= kMaxHeadDim && H % 8 == 0,
+                "decoder_layer: unsupported head layout");
+    TORCH_CHECK(start >= 0 && start + T <= L, "decoder_layer: ", start + T, " tokens do not fit ", L, " cache slots");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+                "decoder_layer: cos/sin must be contiguous float32 [T, head_dim]");
+    TORCH_CHECK(norm1.is_contiguous() && norm2.is_contiguous() && norm1.numel() == H && norm2.numel() == H &&
+                norm1.scalar_type() == at::kFloat && norm2.scalar_type() == at::kFloat,
+                "decoder_layer: norm weights must be contiguous float32 [hidden]");
+    TORCH_CHECK(codes.size() == 4 && scales.size() == 4, "decoder_layer: codes/scales of qkv, o, gate_up, down");
+    const int64_t S = start + T;
+    at::Tensor held;
+    const bool* visible = eagle_lite::visible_flags(mask, T, S, held, "decoder_layer");
+    const int64_t qn = heads * D, kn = Hkv * D, inter = codes[2].size(0) / 2;
+    TORCH_CHECK(codes[0].size(0) == qn + 2 * kn && codes[1].size(0) == H && codes[2].size(0) == 2 * inter &&
+                codes[3].size(0) == H, "decoder_layer: projection sizes do not match the head layout");
+    const auto opts = x.options();
+
+    // attention block
+    at::Tensor normed = at::empty({T, H}, opts);
+    norm_rows(x, norm1, eps1, normed);
+    at::Tensor qkv = at::empty({T, qn + 2 * kn}, opts);
+    product(normed, codes[0], scales[0], qkv, "decoder_layer qkv");
+    at::Tensor q = at::empty({T, heads, D}, opts);
+    float* qp = q.data_ptr<float>();
+    const float* qkvp = qkv.data_ptr<float>();
+    const float* cosp = cos.data_ptr<float>();
+    const float* sinp = sin.data_ptr<float>();
+    float* kp = keys.data_ptr<float>();
+    float* vp = values.data_ptr<float>();
+    const int64_t ks = keys.stride(1), vs = values.stride(1);
+    for (int64_t t = 0; t < T; ++t) {
+        const float* row = qkvp + t * (qn + 2 * kn);
+        const float* c = cosp + t * D;
+        const float* s = sinp + t * D;
+        for (int64_t h = 0; h < heads; ++h) rope_row(row + h * D, c, s, D, qp + (t * heads + h) * D);
+        for (int64_t h = 0; h < Hkv; ++h) {
+            rope_row(row + qn + h * D, c, s, D, kp + h * keys.stride(0) + (start + t) * ks);
+            std::copy(row + qn + kn + h * D, row + qn + kn + (h + 1) * D, vp + h * values.stride(0) + (start + t) * vs);
+        }
+    }
+    at::Tensor attn = at::empty({T, heads * D}, opts);
+    float* ap = attn.data_ptr<float>();
+    const int64_t group = heads / Hkv;
+    const float sc = static_cast<float>(scale);
+    at::parallel_for(0, heads * T, 1, [&](int64_t r0, int64_t r1) {
+        std::vector<float> p(S + 4);
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t h = r / T, t = r % T, hk = h / group;
+            // no mask: causal, token t sees the prefix and the new tokens up to itself
+            const int64_t seen = visible ? S : start + t + 1;
+            attend_row(qp + (t * heads + h) * D, kp + hk * keys.stride(0), ks,
+                       vp + hk * values.stride(0), vs, seen, D, visible ? visible + t * S : nullptr, sc, p.data(),
+                       ap + (t * heads + h) * D);
+        }
+    });
+    at::Tensor o = at::empty({T, H}, opts);
+    product(attn, codes[1], scales[1], o, "decoder_layer o");
+    at::Tensor h = at::empty({T, H}, opts);
+    const float* xp = x.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    const float* op = o.data_ptr<float>();
+    for (int64_t i = 0; i < T * H; ++i) hp[i] = xp[i] + op[i];
+
+    // MLP block
+    norm_rows(h, norm2, eps2, normed);
+    at::Tensor gate_up = at::empty({T, 2 * inter}, opts);
+    product(normed, codes[2], scales[2], gate_up, "decoder_layer gate_up");
+    at::Tensor act = at::empty({T, inter}, opts);
+    const float* gup = gate_up.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+        const float* g = gup + t * 2 * inter;
+        const float* u = g + inter;
+        float* a = actp + t * inter;
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    }
+    at::Tensor down = at::empty({T, H}, opts);
+    product(act, codes[3], scales[3], down, "decoder_layer down");
+    at::Tensor out = at::empty({T, H}, opts);
+    float* outp = out.data_ptr<float>();
+    const float* dp = down.data_ptr<float>();
+    for (int64_t i = 0; i < T * H; ++i) outp[i] = hp[i] + dp[i];
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
+    m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, "
+          "Tensor? mask, Tensor norm1, Tensor norm2, float eps1, float eps2, Tensor[] codes, Tensor[] scales, "
+          "int heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle_lite, CPU, m) {
+    m.impl("decoder_layer", &decoder_layer);
+}

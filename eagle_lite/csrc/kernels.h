@@ -1,0 +1,242 @@
+// The building blocks of eagle_lite's native CPU ops, shared by the op files (grid_linear.cpp, rms_norm.cpp,
+// tree_attention.cpp, decoder_layer.cpp). Every function here does the fp32 arithmetic of the torch code
+// it replaces; where the order of a sum differs, the comment says so. Compiled with -mavx2 -mfma
+// -ffp-contract=off: a multiply followed by an add is never fused into one rounding unless written as an FMA.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace eagle_lite {
+
+inline float horizontal_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, 2^n
+// put into the exponent bits); within ~2 ulp of the exact value, and exactly 0 for x = -inf (hidden keys).
+inline __m256 exp8(__m256 x) {
+    const __m256 hidden = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447505f)), _mm256_set1_ps(88.3762626647949f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// ---- RMSNorm of one row, as transformers' Llama-family norms compute it: w * (x * rsqrt(mean(x^2) + eps)).
+// The same fp32 operations, except that the sum of squares is accumulated in another order (8 lanes, then
+// across them), as any reduction kernel may.
+inline void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* y) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < H; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    const float variance = horizontal_sum(acc) / static_cast<float>(H);
+    const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(variance + eps));
+    for (int64_t i = 0; i < H; i += 8) {
+        const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), normed));
+    }
+}
+
+// ---- Products with weights stored as integer codes on a per-group grid (one scale, or scale and offset,
+// per 32 inputs), the layouts GGUF files use:
+//   Q4: W[j, 32g + i] = (q * d) + m, q in 0..15          (Q4_1; Q4_0 is m = -8 d)
+//   Q8: W[j, 32g + i] = q * d,       q in -128..127      (Q8_0)
+// Each weight is rebuilt in fp32 exactly as the stored fp32 weight was made (a multiply, then an add, never
+// fused), then multiplied into fp32 accumulators: the products of a dense fp32 GEMM, summed in another order.
+// Q4 codes: codes[j, 16g + b] holds element 32g + b in its low nibble and 32g + 16 + b in its high one;
+// scales[j, 2g] = d, scales[j, 2g + 1] = m. Q8 codes: codes[j, 32g + i] (int8); scales[j, g] = d.
+struct Q4 {
+    static constexpr int64_t kBytes = 16;   // code bytes per group of 32
+    static constexpr int64_t kScales = 2;   // fp32 scales per group
+    static constexpr at::ScalarType kType = at::kByte;
+    static inline void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        const __m256 d = _mm256_set1_ps(s[0]), m = _mm256_set1_ps(s[1]);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int p = 0; p < 4; ++p) {
+            const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+            w[p] = _mm256_add_ps(_mm256_mul_ps(code, d), m);
+        }
+    }
+};
+
+struct Q8 {
+    static constexpr int64_t kBytes = 32;
+    static constexpr int64_t kScales = 1;
+    static constexpr at::ScalarType kType = at::kChar;
+    static inline void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
+        const __m256 d = _mm256_set1_ps(s[0]);
+        for (int p = 0; p < 4; ++p) {
+            const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
+            w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d);
+        }
+    }
+};
+
+// Independent accumulator chains per row: an FMA waits ~4 cycles for the previous one into the same
+// register, so with few rows the 4 products of a group go to separate chains (summed at the end) to keep
+// the FMA units busy; with many rows the rows themselves are the independent chains. Registers bound it:
+// ROWS * chains accumulators + 4 weights + 2 scales fit the 16 ymm registers.
+template <int ROWS>
+constexpr int chains() { return ROWS <= 2 ? 4 : (ROWS <= 5 ? 2 : 1); }
+
+// Output columns [j0, j1) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
+template <typename Codec, int ROWS>
+void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
+               int64_t j0, int64_t j1) {
+    constexpr int C = chains<ROWS>();
+    const int64_t groups = K / 32;
+    for (int64_t j = j0; j < j1; ++j) {
+        __m256 acc[ROWS][C];
+        for (int r = 0; r < ROWS; ++r)
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+        const uint8_t* qj = codes + j * groups * Codec::kBytes;
+        const float* sj = scales + j * groups * Codec::kScales;
+        for (int64_t g = 0; g < groups; ++g) {
+            __m256 w[4];
+            Codec::rebuild(qj + g * Codec::kBytes, sj + g * Codec::kScales, w);
+            const float* xg = x + g * 32;
+            for (int r = 0; r < ROWS; ++r) {
+                const float* xr = xg + r * K;
+                for (int p = 0; p < 4; ++p)
+                    acc[r][p % C] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][p % C]);
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            __m256 total = acc[r][0];
+            for (int c = 1; c < C; ++c) total = _mm256_add_ps(total, acc[r][c]);
+            y[r * N + j] = horizontal_sum(total);
+        }
+    }
+}
+
+// Rows are split into near-equal tiles of at most 12 (measured on the 2-core box: 9-12 rows in one
+// tile instead of 8 + the rest save ~15%; past 12 the accumulators no longer fit the 16 registers).
+constexpr int64_t kMaxTileRows = 12;
+
+template <typename Codec, int ROWS>
+void run_tile(int64_t rows, const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y,
+              int64_t N, int64_t j0, int64_t j1) {
+    if constexpr (ROWS > 1) {
+        if (rows < ROWS) return run_tile<Codec, ROWS - 1>(rows, x, K, codes, scales, y, N, j0, j1);
+    }
+    rows_tile<Codec, ROWS>(x, K, codes, scales, y, N, j0, j1);
+}
+
+// y [M, N] = x [M, K] W^T over the threads (columns split between them).
+template <typename Codec>
+void grid_product(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales, float* y,
+                  int64_t N) {
+    at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
+        const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows;
+        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+            const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
+            run_tile<Codec, kMaxTileRows>(rows, x + r0 * K, K, codes, scales, y + r0 * N, N, j0, j1);
+            r0 += rows;
+        }
+    });
+}
+
+template <typename Codec>
+void check_grid(const at::Tensor& codes, const at::Tensor& scales, int64_t K, const char* what) {
+    TORCH_CHECK(K % 32 == 0, what, ": the input size (", K, ") must be a multiple of 32");
+    TORCH_CHECK(codes.scalar_type() == Codec::kType && codes.is_contiguous() && codes.dim() == 2 &&
+                codes.size(1) == K / 32 * Codec::kBytes, what, ": codes of the wrong type or shape");
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                scales.size(0) == codes.size(0) && scales.size(1) == K / 32 * Codec::kScales,
+                what, ": scales must be contiguous float32 [N, groups * ", Codec::kScales, "]");
+}
+
+// ---- Attention of one query row over S keys: out = sum_s p[s] v[s], p = softmax over visible s of
+// scale * q . k[s]. The fp32 arithmetic of SDPA (dot products, max-subtracted exponentials, weighted sum)
+// in another order, the exponential from a polynomial as torch's own vectorized kernels do.
+// q . k over D = 8 * n floats, four keys at a time so the FMA chains run side by side.
+inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t D,
+                 float out[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    out[0] = horizontal_sum(a0); out[1] = horizontal_sum(a1); out[2] = horizontal_sum(a2); out[3] = horizontal_sum(a3);
+}
+
+constexpr int64_t kMaxHeadDim = 128;
+
+// The optional [T, S] boolean mask of an attention op, contiguous (held in `held`); nullptr for none.
+inline const bool* visible_flags(const c10::optional<at::Tensor>& mask, int64_t T, int64_t S, at::Tensor& held,
+                                 const char* what) {
+    if (!mask.has_value()) return nullptr;
+    held = mask->contiguous();
+    TORCH_CHECK(held.scalar_type() == at::kBool && held.dim() == 2 && held.size(0) == T && held.size(1) == S,
+                what, ": mask must be bool [", T, ", ", S, "]");
+    return held.data_ptr<bool>();
+}
+
+// k/v rows s at kh + s * ks, vh + s * vs (D contiguous); visible: S flags or nullptr (all visible);
+// p: scratch of at least S + 4 floats; out: D floats.
+inline void attend_row(const float* qr, const float* kh, int64_t ks, const float* vh, int64_t vs, int64_t S,
+                       int64_t D, const bool* visible, float scale, float* p, float* out) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < S; s += 4) {
+        float d4[4];
+        const int64_t s1 = std::min(s + 1, S - 1), s2 = std::min(s + 2, S - 1), s3 = std::min(s + 3, S - 1);
+        dot4(qr, kh + s * ks, kh + s1 * ks, kh + s2 * ks, kh + s3 * ks, D, d4);
+        for (int i = 0; i < 4 && s + i < S; ++i) {
+            const float x = (visible && !visible[s + i]) ? -std::numeric_limits<float>::infinity() : d4[i] * scale;
+            p[s + i] = x;
+            best = std::max(best, x);
+        }
+    }
+    const __m256 shift = _mm256_set1_ps(best);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= S; s += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), shift));
+        _mm256_storeu_ps(p + s, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = horizontal_sum(sum8);
+    for (; s < S; ++s) {
+        p[s] = std::exp(p[s] - best);           // exp(-inf) = 0 for hidden keys
+        total += p[s];
+    }
+    __m256 acc[kMaxHeadDim / 8];
+    const int64_t chunks = D / 8;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+        if (p[s] == 0.0f) continue;
+        const __m256 w = _mm256_set1_ps(p[s]);
+        const float* vr = vh + s * vs;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+}  // namespace eagle_lite

@@ -1,0 +1,170 @@
+"""Decoder layers run as one native op each (csrc/decoder_layer.cpp) for few-token forwards on CPU.
+
+transformers' Llama decoder layer is ~125 torch ops: the norms, the projections, the views and splits, the
+rotary embedding's cat/neg/mul/add, the cache write, the residual adds. A one-token SmolLM2 forward on
+the 2-core box spent ~22 ms, of which the projections (4-bit grid codes, grid_linear.py) are ~10: the
+rest is op dispatch and Python. Where a layer's projections all run from grid codes and its norms from the
+native kernel, `fuse_decoder_layers` gives it an instance `forward` that runs the whole layer as
+`torch.ops.eagle_lite.decoder_layer`: the same fp32 arithmetic (the rotary and residual adds to the bit,
+the products, norms and attention as the native kernels compute them) in one call.
+
+The model class stays in charge: transformers' `LlamaModel.forward` embeds, builds the mask and the
+rotary cos/sin and calls each layer; only the layer's body changes. A layer is fused only after it
+computed the same output and the same cache keys/values as its own forward on a probe (a short prefix,
+then a small tree), so an architecture that differs (biases, q/k norms, another rotary layout, another
+activation) keeps its own forward. Calls the op cannot take (a batch, more than `MAX_FUSED_ROWS` tokens,
+another cache class, gradients) run the layer's own forward.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .grid_linear import MAX_GRID_ROWS, GridWeight
+from .instance_forward import class_forwards
+from .kv_cache import StaticKVCache
+from .native import kernel_available
+from .tree import attention_mask
+
+MAX_FUSED_ROWS = MAX_GRID_ROWS   # past this many tokens (a prompt's prefill) the layer's own forward is as fast
+
+
+def _grid(linear: nn.Module, siblings: tuple[str, ...], parent: nn.Module) -> GridWeight | None:
+    """The grid codes `linear` runs from: its own product, or the product it shares with `siblings`
+    (in that order, all of them, no bias)."""
+    if len(siblings) > 1:
+        group = getattr(linear, "sibling_product", None)
+        members = [getattr(parent, name, None) for name in siblings]
+        if group is None or any(getattr(m, "sibling_product", None) is not group for m in members):
+            return None
+        product, bias = group.product, group.bias
+    else:
+        product, bias = getattr(linear, "cpu_product", None), getattr(linear, "bias", None)
+    grid = getattr(product, "grid", None)
+    return grid if isinstance(grid, GridWeight) and bias is None else None
+
+
+class _LayerParts:
+    """What the op reads of one layer: norm weights and eps, grid codes/scales of qkv, o, gate_up, down."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = attn.layer_idx
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.scale = float(attn.scaling)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.norms = [n.weight.detach() for n in norms]
+        self.eps = [float(n.fused_eps) for n in norms]
+        grids = [_grid(attn.q_proj, ("q_proj", "k_proj", "v_proj"), attn), _grid(attn.o_proj, ("o_proj",), attn),
+                 _grid(mlp.gate_proj, ("gate_proj", "up_proj"), mlp), _grid(mlp.down_proj, ("down_proj",), mlp)]
+        self.complete = all(g is not None for g in grids)
+        self.codes = [g.codes for g in grids] if self.complete else []
+        self.scales = [g.scales for g in grids] if self.complete else []
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, hidden]; cos/sin [T, head_dim]; mask [T, length + T] bool or None (causal)."""
+        return torch.ops.eagle_lite.decoder_layer(
+            x, cos, sin, cache.keys[self.index, 0], cache.values[self.index, 0], cache.length, mask,
+            self.norms[0], self.norms[1], self.eps[0], self.eps[1], self.codes, self.scales, self.heads, self.scale)
+
+
+def _structured(layer: nn.Module) -> bool:
+    """Whether `layer` has the Llama layout the op computes (the probe then checks the arithmetic)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"),
+             (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return (all(isinstance(getattr(m, n, None), nn.Linear) for m, n in names)
+            and all(n is not None and getattr(n, "fused_eps", None) is not None for n in norms)
+            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation") and isinstance(getattr(attn, "layer_idx", None), int)
+            and isinstance(getattr(attn, "head_dim", None), int) and isinstance(getattr(attn, "scaling", None), float)
+            and "forward" not in layer.__dict__)
+
+
+def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+    t = hidden_states.shape[1] if hidden_states.dim() == 3 else 0
+    cache = past_key_values
+    mask = attention_mask
+    fits = (hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and 0 < t <= MAX_FUSED_ROWS
+            and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
+            and isinstance(cache, StaticKVCache) and cache._pending == t and position_embeddings is not None
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
+                                  and tuple(mask.shape) == (1, 1, t, cache.length + t))))
+    if not fits:
+        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
+    cos, sin = position_embeddings
+    out = layer.fused_parts(hidden_states[0].contiguous(), cos.reshape(t, -1).contiguous(),
+                            sin.reshape(t, -1).contiguous(), cache, None if mask is None else mask[0, 0])
+    return out[None]
+
+
+def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
+    """Whether the op gives the layer's own output and cache entries on a probe: 3 tokens after a
+    2-token prefix, then a 3-node tree (root, two children), to float32 rounding."""
+    hidden = parts.norms[0].numel()
+    kv_heads = layer.self_attn.k_proj.out_features // layer.self_attn.head_dim
+    cache = StaticKVCache(parts.index + 1, kv_heads, layer.self_attn.head_dim, 8)
+    x = (torch.linspace(-3.0, 3.0, 5 * hidden).view(1, 5, hidden).sin()
+         * torch.linspace(0.5, 4.0, 5)[None, :, None])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+
+    def run(forward, prefix: torch.Tensor, block: torch.Tensor):
+        cache.truncate(0)
+        outs = []
+        for ids, positions, visible in ((prefix, torch.arange(2), None), (block, torch.tensor([2, 3, 3]), tree)):
+            n = ids.shape[1]
+            cache.reserve(n)
+            mask = None if visible is None else attention_mask(cache.length, visible)
+            cos_sin = rotary(ids, positions.view(1, n))
+            outs.append(forward(layer, ids, attention_mask=mask, position_ids=positions.view(1, n),
+                                past_key_values=cache, use_cache=True, position_embeddings=cos_sin))
+            cache.commit(n)
+        kv = (cache.keys[parts.index, 0, :, :5].clone(), cache.values[parts.index, 0, :, :5].clone())
+        return torch.cat(outs, dim=1), kv
+
+    try:
+        with torch.inference_mode():
+            own, own_kv = run(type(layer).forward, x[:, :2], x[:, 2:])
+            fused, fused_kv = run(_fused_forward, x[:, :2], x[:, 2:])
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        return False
+    scale = float(own.abs().max())
+    return (bool(torch.isfinite(own).all()) and torch.allclose(fused, own, rtol=1e-4, atol=1e-5 * scale)
+            and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max() + 1)) for a, b in zip(fused_kv, own_kv)))
+
+
+def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -> int:
+    """Run each of `layers` (decoder layers whose linears run from grid codes and whose norms are native:
+    cpu_linear.pack_linears, fused_norm.fuse_rms_norms) as one native op where it computes the same thing;
+    `rotary` is the module that makes their cos/sin. Returns how many."""
+    if rotary is None or not kernel_available():
+        return 0
+    fused = 0
+    for layer in layers:
+        if not _structured(layer):
+            continue
+        parts = _LayerParts(layer)
+        if not parts.complete:
+            continue
+        layer.fused_parts = parts
+        if not _agrees(layer, parts, rotary):
+            del layer.fused_parts
+            continue
+        layer.forward = functools.partial(_fused_forward, layer)
+        fused += 1
+    return fused
+
+
+def unfused_layers(module: nn.Module):
+    """A context: run a block with the library's own forward on the fused layers, then fuse them again."""
+    return class_forwards(m for m in module.modules() if hasattr(m, "fused_parts"))

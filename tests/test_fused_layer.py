@@ -1,0 +1,87 @@
+"""Whole decoder layers as one native op (fused_layer.py): taken only where they compute what the layer
+computes, equal to the library's own forward on chains, trees and the cache, and exact end to end."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_lite import fused_layer
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.drafters import NoDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.tree import DraftTree
+
+from conftest import VOCAB, make_target, reference_greedy
+from test_grid_linear import needs_kernel
+
+pytestmark = needs_kernel
+
+
+def _fused(target) -> list[bool]:
+    return ["forward" in layer.__dict__ and hasattr(layer, "fused_parts") for layer in target.decoder.layers]
+
+
+def _run(target, blocks):
+    """Hidden states of each block (ids, tree or None) run one after another, and the cache they leave."""
+    cache = target.new_cache(128)
+    outs = []
+    with torch.inference_mode():
+        for ids, tree in blocks:
+            if tree is None:
+                _, hidden = target.forward(ids, cache)
+                cache.commit(ids.numel())
+            else:
+                _, hidden = target.forward(tree.tokens, cache, ancestors=tree.ancestors, depths=tree.depths)
+                cache.compact(torch.tensor([0, 2]))
+            outs.append(hidden)
+    return outs, cache
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_layers_on_a_grid_run_as_one_op_and_match_their_own_forward(family):
+    target = make_target(family, grid=True)
+    assert all(_fused(target))
+    gen = torch.Generator().manual_seed(3)
+    tree = DraftTree(tokens=torch.randint(1, VOCAB, (6,), generator=gen), parents=[-1, 0, 0, 1, 1, 2])
+    blocks = [(torch.randint(1, VOCAB, (40,), generator=gen), None),   # prefill: past MAX_FUSED_ROWS, own forward
+              (torch.randint(1, VOCAB, (5,), generator=gen), None),    # a chain: the op
+              (torch.tensor([7]), None),                             # one decoding step: the op
+              (None, tree)]                                          # a tree verification: the op with its mask
+    fused, fused_cache = _run(target, blocks)
+    with target.stock():
+        assert not any(_fused(target))
+        own, own_cache = _run(target, blocks)
+    assert all(_fused(target))                                       # stock() gives them back
+    for a, b in zip(fused, own):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    n = own_cache.length
+    assert fused_cache.length == n == 40 + 5 + 1 + 2
+    torch.testing.assert_close(fused_cache.keys[..., :n, :], own_cache.keys[..., :n, :], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused_cache.values[..., :n, :], own_cache.values[..., :n, :], rtol=1e-4, atol=1e-5)
+
+
+def test_layers_that_compute_something_else_keep_their_own_forward():
+    qwen2 = make_target("qwen2", grid=True)      # q/k/v biases: the op has none
+    assert not any(_fused(qwen2))
+    qwen3 = make_target("qwen3", grid=True)      # q/k norms: same projections, other arithmetic
+    layer = qwen3.decoder.layers[0]
+    assert fused_layer._structured(layer) and fused_layer._LayerParts(layer).complete
+    assert not any(_fused(qwen3))                # refused by the probe, not by the layout check
+    assert not any(_fused(make_target("llama")))  # fp32 weights off any grid: no codes to run from
+
+
+def test_without_the_kernel_nothing_is_fused(monkeypatch):
+    monkeypatch.setattr(fused_layer, "kernel_available", lambda: False)
+    assert not any(_fused(make_target("llama", grid=True)))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_fused_targets_decode_exactly_like_generate(family):
+    from test_engine import eagle_engine
+
+    target = make_target(family, grid=True)
+    prompt = list(range(3, 20))
+    ref = reference_greedy(target, prompt, 40)
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
+    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref

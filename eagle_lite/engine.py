@@ -168,8 +168,8 @@ class Engine:
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
             _, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths)  # N H
             t2 = time.perf_counter()
-            likely = tree.likely_path() if sampling.greedy else None   # greedy: their argmaxes in one product
-            path, bonus = accept(tree, NodeLogits(target, hidden, likely=likely), sampling, generator)
+            nodes = NodeLogits(target, hidden, likely=tree.likely_path())   # the likeliest path in one product
+            path, bonus = accept(tree, nodes, sampling, generator)
             self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))
             hidden = hidden[path]  # the accepted nodes' features feed the drafter next round

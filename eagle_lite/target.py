@@ -232,8 +232,8 @@ class NodeLogits:
     stops), a few of the tree's nodes; on CPU each lm_head row costs as much as a decoder layer, so
     `lazy` projects a node when it is first read. Otherwise (GPU) all rows are projected in one product.
     `likely`: nodes the walk will probably read (the draft's likeliest path): where the lm_head runs from
-    grid codes, greedy finds their argmaxes in one product, which reads the weight once for all of them
-    (SmolLM2: 2.0 ms for 3 rows against 1.6 for one). `nodes[i]` is node i's logits [V].
+    grid codes, the first read of one of them projects them all in one product, which reads the weight
+    once for all of them (SmolLM2: 2.0 ms for 3 rows against 1.6 for one). `nodes[i]` is node i's logits [V].
     """
 
     def __init__(self, target: Target, hidden: torch.Tensor, lazy: bool | None = None,
@@ -243,20 +243,23 @@ class NodeLogits:
         self._all = None if self.lazy else target.logits(hidden)
         self._rows: dict[int, torch.Tensor] = {}
         self._tops: dict[int, int] = {}
-        self._likely = likely if likely and len(likely) > 1 and target.lm_grid is not None else None
+        self._likely = likely if self.lazy and likely and len(likely) > 1 and target.lm_grid is not None else None
         self.projected = 0 if self.lazy else hidden.shape[0]   # nodes whose logits or argmax were computed
+
+    def _project_likely(self, node: int) -> None:
+        if self._likely is not None and node in self._likely:
+            rows, self._likely = self._likely, None
+            self._rows.update(zip(rows, self.target.logits(self.hidden[rows])))
+            self.projected += len(rows)
 
     def top_token(self, node: int) -> int:
         """The target's greedy token at `node` (its logits' argmax); lazily, without an fp32 row on CPU."""
         if self._all is not None:
             return int(self._all[node].argmax())
+        if node not in self._tops:
+            self._project_likely(node)
         if node in self._rows:
             return int(self._rows[node].argmax())
-        if node not in self._tops and self._likely is not None and node in self._likely:
-            rows, self._likely = self._likely, None
-            tops = self.target.logits(self.hidden[rows]).argmax(dim=-1).tolist()
-            self._tops.update(zip(rows, tops))
-            self.projected += len(rows)
         if node not in self._tops:
             self._tops[node] = self.target.top_token(self.hidden[node])
             self.projected += 1
@@ -265,6 +268,7 @@ class NodeLogits:
     def __getitem__(self, node: int) -> torch.Tensor:
         if self._all is not None:
             return self._all[node]
+        self._project_likely(node)
         row = self._rows.get(node)
         if row is None:
             row = self._rows[node] = self.target.logits(self.hidden[node:node + 1])[0]

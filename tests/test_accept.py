@@ -192,8 +192,9 @@ def test_node_logits_project_only_the_walked_nodes(llama):
 
 @needs_kernel
 def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
-    """With the lm_head on grid codes, greedy computes the draft's likeliest path (root, first child, ...)
-    at once; a walk that leaves it projects the rest node by node; every argmax is the lm_head's."""
+    """With the lm_head on grid codes, the first read of the draft's likeliest path (root, first child, ...)
+    projects all of it at once; a walk that leaves it projects the rest node by node; every argmax and row
+    is the lm_head's."""
     from eagle_lite.target import NodeLogits
 
     target = make_target("llama", grid=True)
@@ -213,12 +214,18 @@ def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
         try:
             nodes = NodeLogits(target, hidden, lazy=True, likely=tree.likely_path())
             path, bonus = accept_greedy(tree, nodes)
+            assert path == [0, 2, 4] and bonus == choice[4]
+            assert calls == [3, 1, 1]        # root, 1, 3 at once; then 2 and 4, which the walk also read
+            assert nodes.projected == 5
+            assert all(nodes.top_token(n) == choice[n] for n in (0, 1, 2, 3, 4))
+            calls.clear()
+            sampled = NodeLogits(target, hidden, lazy=True, likely=tree.likely_path())   # sampling reads rows
+            torch.testing.assert_close(sampled[1], full[1], rtol=1e-5, atol=1e-5)
+            assert calls == [3] and sampled.projected == 3
+            torch.testing.assert_close(sampled[0], full[0], rtol=1e-5, atol=1e-5)
+            assert calls == [3]              # already projected with node 1
         finally:
             del target.logits
-        assert path == [0, 2, 4] and bonus == choice[4]
-        assert calls == [3, 1, 1]            # root, 1, 3 at once; then 2 and 4, which the walk also read
-        assert nodes.projected == 5
-        assert all(nodes.top_token(n) == choice[n] for n in (0, 1, 2, 3, 4))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12])

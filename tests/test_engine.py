@@ -196,6 +196,56 @@ def test_lookup_graft_adds_the_prompt_continuation_as_a_path(llama):
     assert len(longer) == len(tree) + 1 and longer.parents[-1] == walk[1]
 
 
+@pytest.mark.parametrize("seed", [0, 2])
+def test_copy_mode_verifies_lookup_chains_alone_and_stays_exact(llama, seed):
+    """Once a whole prompt-lookup chain was accepted, the next tree is the lookup chain alone (these prompts
+    make the tiny target loop, so its answer copies itself); the head sits those steps out and reads the
+    features it missed later. The output stays the target's."""
+    prompt = torch.randint(VOCAB, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ref = reference_greedy(llama, prompt, 60)
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    cfg = GenerationConfig(max_new_tokens=60, stop_at_eos=False, tree=tree)
+    engine = eagle_engine(llama)
+    sizes = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda inp, t: sizes.append(len(out := propose(inp, t))) or out
+    assert engine.generate(prompt, cfg).token_ids == ref
+    assert engine.drafter.copy_steps > 0 and max(sizes) <= engine.drafter.max_tree_nodes(tree)
+    torch.manual_seed(0)
+    plain = Engine(llama, EagleDrafter(llama, DraftHead.for_target(llama), copy_mode=False))
+    assert plain.generate(prompt, cfg).token_ids == ref and plain.drafter.copy_steps == 0
+
+
+def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
+    """A passage of the prompt being copied: the lookup chain grafted on the first tree is accepted whole, so
+    the next trees are lookup chains alone, 6 then 12 tokens (total_tokens + lookup, then doubled); when the
+    answer leaves the passage the head drafts again, first reading the features of every token it skipped."""
+    from eagle_lite.drafters.eagle import COPY_MAX
+
+    torch.manual_seed(0)
+    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter.reset(128)
+    passage = list(range(10, 40))                       # 30 distinct tokens
+    tree_cfg = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    tokens = passage + [90] + passage[:4]
+    hidden = lambda n: torch.randn(n, llama.hidden_size)
+    with torch.inference_mode():
+        first = drafter.propose(DraftInput(tokens, hidden(len(tokens) - 1)), tree_cfg)
+        assert drafter.copy_steps == 0 and len(first) > 1 + tree_cfg.lookup
+        sizes = []
+        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]), (passage[15:27], passage[27])):
+            tokens = tokens + accepted + [bonus]            # the last chain accepted whole, then the target's token
+            tree = drafter.propose(DraftInput(tokens, hidden(len(accepted) + 1)), tree_cfg)
+            follow = (passage + [90] + passage)[bonus - 10 + 1:]
+            assert tree.tokens.tolist() == [bonus] + follow[:len(tree) - 1] and tree.parents == list(range(-1, len(tree) - 1))
+            sizes.append(len(tree) - 1)
+        assert sizes[:2] == [6, 12] and 12 < sizes[2] <= COPY_MAX and drafter.copy_steps == 3
+        assert drafter.cache.length == len(passage) + 5 - 1    # the head has not read the copied stretch yet
+        tokens = tokens + [91]                              # the answer leaves the passage: nothing accepted
+        drafter.propose(DraftInput(tokens, hidden(1)), tree_cfg)
+        assert drafter.copy_steps == 3 and drafter.cache.length == len(tokens) - 1
+
+
 def test_min_prob_verifies_only_nodes_the_draft_finds_likely(llama):
     """The tree keeps the nodes whose draft path probability reaches min_prob: all of them for a tiny
     threshold, the root alone for one no path reaches, a subtree of the unpruned tree in between."""

@@ -1,5 +1,6 @@
 """EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it
-(optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`)."""
+(optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`), and grafts on a
+prompt-lookup path (`TreeConfig.lookup`); while the answer copies its context, lookup chains alone."""
 from __future__ import annotations
 
 import math
@@ -18,13 +19,20 @@ from .base import DraftInput
 from .prompt_lookup import PromptLookupDrafter
 
 
+COPY_MAX = 16   # the longest lookup chain verified alone while the answer copies its context
+
+
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, target, head: DraftHead, round_head: bool = True) -> None:
+    def __init__(self, target, head: DraftHead, round_head: bool = True, copy_mode: bool = True) -> None:
         """round_head: on CPU, run the head's linears from Q8_0 codes rounded from its fp32 weights (a
         quarter of the bytes; proposals barely move and acceptance keeps the output exact); else oneDNN's
-        packed fp32 product. No-op elsewhere."""
+        packed fp32 product. No-op elsewhere.
+        copy_mode: once the target accepted a whole prompt-lookup chain (TreeConfig.lookup), the next tree is
+        the lookup chain alone, longer (doubling to COPY_MAX while accepted whole), without running the head:
+        an answer that copies its context costs no draft time. The head reads the features it missed when
+        it drafts again."""
         self.target = target
         self.head = head.eval()
         pack_linears(self.head, round_to_grid=round_head)
@@ -36,6 +44,10 @@ class EagleDrafter:
         self.lm_grid = target.lm_grid if head.d2t is None else grid_of(self.lm_weight)
         self.cache: StaticKVCache | None = None
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2, adaptive=False)  # TreeConfig.lookup's chain
+        self.copy_mode = copy_mode
+        self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
+        self._graft: tuple[int, list[int]] = (0, [])   # (sequence length, lookup chain) of the last proposal
+        self.copy_steps = 0                        # proposals that were the lookup chain alone
 
     def reset(self, max_len: int, keep: int = 0, tree_slots: int = 256) -> int:
         need = max_len + tree_slots
@@ -48,10 +60,12 @@ class EagleDrafter:
             self.cache = self.cache.grown(need)
         # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged
         self.cache.truncate(min(keep, self.cache.length))
+        self._queued, self._graft = [], (0, [])
         return self.cache.length
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
-        return 1 + tree.total_tokens + tree.lookup
+        copy = COPY_MAX if self.copy_mode and tree.lookup else 0
+        return 1 + max(tree.total_tokens + tree.lookup, copy)
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
@@ -59,7 +73,24 @@ class EagleDrafter:
         scores, ids = logp.topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
 
+    def _copying(self, tokens: list[int]) -> bool:
+        """Whether the last proposal's lookup chain was accepted whole: the answer copies its context."""
+        start, chain = self._graft
+        return len(chain) >= 2 and tokens[start:start + len(chain)] == chain
+
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        if self.copy_mode and tree.lookup and self._copying(inp.tokens):
+            # each whole acceptance of a chain verified alone doubles the next one, up to COPY_MAX
+            grow = 2 * len(self._graft[1]) if len(self._graft[1]) > tree.lookup else 0
+            chain = self.lookup.lookup(inp.tokens, min(COPY_MAX, max(tree.total_tokens + tree.lookup, grow)))
+            if chain:
+                self._queued.append(inp.hidden)
+                self._graft = (len(inp.tokens), chain)
+                self.copy_steps += 1
+                return DraftTree.chain(torch.tensor([inp.root] + chain, device=inp.hidden.device))
+        if self._queued:
+            inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
+            self._queued = []
         cache, embed, k = self.cache, self.target.embed_tokens, tree.top_k
         dev = inp.hidden.device
         # 1. Catch up on the real features: pair (f_t, x_{t+1}) sits at x_t's position t.
@@ -110,5 +141,7 @@ class EagleDrafter:
         root = torch.tensor([inp.root], device=dev)
         drafted = DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)
         if tree.lookup:
-            drafted = graft_chain(drafted, self.lookup.lookup(inp.tokens, tree.lookup))
+            chain = self.lookup.lookup(inp.tokens, tree.lookup)
+            self._graft = (len(inp.tokens), chain)
+            drafted = graft_chain(drafted, chain)
         return drafted

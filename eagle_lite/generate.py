@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tree-lookup", type=int, default=None,
                    help=f"graft up to N prompt-lookup tokens onto the tree as one more path; once one is accepted "
                         f"whole, the next trees are lookup chains alone while they keep being accepted (0: off; "
-                        f"default {tree.lookup})")
+                        f"without a head's tree: {tree.lookup})")
     t.add_argument("--tree-min-prob", type=float, default=None,
                    help="verify only drafted nodes whose path probability under the draft is at least P, and stop "
                         f"expanding below it (0: off; default {tree.min_prob})")

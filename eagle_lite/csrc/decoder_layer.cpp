@@ -10,7 +10,6 @@
 // polynomial exponential. eagle_lite/fused_layer.py checks the result against the layer's own forward
 // before it uses this op.
 #include "kernels.h"
-#include <vector>
 
 namespace {
 
@@ -108,19 +107,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     }
     at::Tensor attn = at::empty({T, heads * D}, opts);
     float* ap = attn.data_ptr<float>();
-    const int64_t group = heads / Hkv;
-    const float sc = static_cast<float>(scale);
-    at::parallel_for(0, heads * T, 1, [&](int64_t r0, int64_t r1) {
-        std::vector<float> p(S + 4);
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t h = r / T, t = r % T, hk = h / group;
-            // no mask: causal, token t sees the prefix and the new tokens up to itself
-            const int64_t seen = visible ? S : start + t + 1;
-            attend_row(qp + (t * heads + h) * D, kp + hk * keys.stride(0), ks,
-                       vp + hk * values.stride(0), vs, seen, D, visible ? visible + t * S : nullptr, sc, p.data(),
-                       ap + (t * heads + h) * D);
-        }
-    });
+    // no mask: causal, token t sees the prefix and the new tokens up to itself
+    attend_heads(qp, D, heads * D, kp, keys.stride(0), ks, vp, values.stride(0), vs, heads, Hkv, T, S, D, visible,
+                 start, static_cast<float>(scale), ap);
     at::Tensor o = at::empty({T, H}, opts);
     product(attn, codes[1], scales[1], o, "decoder_layer o");
     at::Tensor h = at::empty({T, H}, opts);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace eagle_lite {
 
@@ -237,6 +238,24 @@ inline void attend_row(const float* qr, const float* kh, int64_t ks, const float
     }
     const __m256 inv = _mm256_set1_ps(1.0f / total);
     for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+// out [T, H, D] for T queries of H heads sharing Hkv = H / G key/value heads: query (h, t) at q + h * qh + t * qt,
+// keys of kv head hk at k + hk * kh + s * ks (values likewise). visible: [T, S] flags, or nullptr: then token t
+// sees keys [0, causal_from + t] where causal_from >= 0 (a chain after a prefix), else all S keys.
+inline void attend_heads(const float* q, int64_t qh, int64_t qt, const float* k, int64_t kh, int64_t ks,
+                         const float* v, int64_t vh, int64_t vs, int64_t H, int64_t Hkv, int64_t T, int64_t S,
+                         int64_t D, const bool* visible, int64_t causal_from, float scale, float* out) {
+    const int64_t group = H / Hkv;
+    at::parallel_for(0, H * T, 1, [&](int64_t r0, int64_t r1) {
+        std::vector<float> p(S + 4);
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t h = r / T, t = r % T, hk = h / group;
+            const int64_t seen = (visible || causal_from < 0) ? S : causal_from + t + 1;
+            attend_row(q + h * qh + t * qt, k + hk * kh, ks, v + hk * vh, vs, seen, D,
+                       visible ? visible + t * S : nullptr, scale, p.data(), out + (t * H + h) * D);
+        }
+    });
 }
 
 }  // namespace eagle_lite

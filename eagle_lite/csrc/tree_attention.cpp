@@ -6,7 +6,6 @@
 // attend_row) does the same fp32 arithmetic in another order.
 // The output is [T, H, D], the layout transformers' attention interface returns, so no transpose follows.
 #include "kernels.h"
-#include <vector>
 
 namespace {
 
@@ -23,21 +22,9 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     at::Tensor held;
     const bool* visible = eagle_lite::visible_flags(mask, T, S, held, "tree_attention");
     at::Tensor out = at::empty({T, H, D}, q.options());
-    const float* qp = q.data_ptr<float>();
-    const float* kp = k.data_ptr<float>();
-    const float* vp = v.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t group = H / Hkv;
-    const float sc = static_cast<float>(scale);
-    at::parallel_for(0, H * T, 1, [&](int64_t r0, int64_t r1) {
-        std::vector<float> p(S + 4);
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t h = r / T, t = r % T, hk = h / group;
-            eagle_lite::attend_row(qp + h * q.stride(0) + t * q.stride(1), kp + hk * k.stride(0), k.stride(1),
-                                   vp + hk * v.stride(0), v.stride(1), S, D, visible ? visible + t * S : nullptr,
-                                   sc, p.data(), op + (t * H + h) * D);
-        }
-    });
+    eagle_lite::attend_heads(q.data_ptr<float>(), q.stride(0), q.stride(1), k.data_ptr<float>(), k.stride(0), k.stride(1),
+                             v.data_ptr<float>(), v.stride(0), v.stride(1), H, Hkv, T, S, D, visible, -1,
+                             static_cast<float>(scale), out.data_ptr<float>());
     return out;
 }
 

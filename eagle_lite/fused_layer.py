@@ -61,14 +61,17 @@ class _LayerParts:
         grids = [_grid(attn.q_proj, ("q_proj", "k_proj", "v_proj"), attn), _grid(attn.o_proj, ("o_proj",), attn),
                  _grid(mlp.gate_proj, ("gate_proj", "up_proj"), mlp), _grid(mlp.down_proj, ("down_proj",), mlp)]
         self.complete = all(g is not None for g in grids)
+        self._kv: tuple = (None, None, None)   # (cache.keys, this layer's key view, value view)
         self.codes = [g.codes for g in grids] if self.complete else []
         self.scales = [g.scales for g in grids] if self.complete else []
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
                  mask: torch.Tensor | None) -> torch.Tensor:
         """x [T, hidden]; cos/sin [T, head_dim]; mask [T, length + T] bool or None (causal)."""
+        if self._kv[0] is not cache.keys:      # views of this layer's slots, made once per cache
+            self._kv = (cache.keys, cache.keys[self.index, 0], cache.values[self.index, 0])
         return torch.ops.eagle_lite.decoder_layer(
-            x, cos, sin, cache.keys[self.index, 0], cache.values[self.index, 0], cache.length, mask,
+            x, cos, sin, self._kv[1], self._kv[2], cache.length, mask,
             self.norms[0], self.norms[1], self.eps[0], self.eps[1], self.codes, self.scales, self.heads, self.scale)
 
 
@@ -87,6 +90,21 @@ def _structured(layer: nn.Module) -> bool:
             and "forward" not in layer.__dict__)
 
 
+# What every layer of one forward reads the same way, prepared by the first: the model passes each layer the same
+# position_embeddings and mask objects. ((position_embeddings, mask), (cos [T, D], sin [T, D], mask [T, S] or None))
+_SHARED: list = [(None, None), None]
+
+
+def _shared(position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, t: int) -> tuple:
+    seen = _SHARED[0]
+    if seen[0] is not position_embeddings or seen[1] is not mask:
+        cos, sin = position_embeddings
+        _SHARED[0] = (position_embeddings, mask)
+        _SHARED[1] = (cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous(),
+                      None if mask is None else mask[0, 0])
+    return _SHARED[1]
+
+
 def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
@@ -102,10 +120,8 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
-    cos, sin = position_embeddings
-    out = layer.fused_parts(hidden_states[0].contiguous(), cos.reshape(t, -1).contiguous(),
-                            sin.reshape(t, -1).contiguous(), cache, None if mask is None else mask[0, 0])
-    return out[None]
+    cos, sin, visible = _shared(position_embeddings, mask, t)
+    return layer.fused_parts(hidden_states[0].contiguous(), cos, sin, cache, visible)[None]
 
 
 def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:

@@ -15,7 +15,7 @@ class TreeConfig:
     top_k: children per frontier node, and the width of the frontier.
     total_tokens: drafted nodes kept after reranking (the root is extra), i.e. the verify budget.
     lookup: up to this many prompt-lookup tokens (what followed the latest earlier occurrence of the
-      last 2-3 tokens) grafted onto the tree as one more path; 0: off. Free to draft; it adds the nodes
+      last 2-5 tokens) grafted onto the tree as one more path; 0: off. Free to draft; it adds the nodes
       the tree does not already hold to the verify. After such a path is accepted whole, the eagle
       drafter verifies the lookup continuation alone, longer, until it is not (EagleDrafter's copy_mode).
     min_prob: drafted nodes whose path probability under the draft (the product of its top-k

@@ -32,7 +32,9 @@ class AdaptiveLength:
 class PromptLookupDrafter:
     name = "lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, adaptive: bool = True) -> None:
+    def __init__(self, max_ngram: int = 5, min_ngram: int = 1, num_tokens: int = 10, adaptive: bool = True) -> None:
+        """max_ngram: the longest context suffix matched (5 rather than 3: +2.5% tokens/s on the benchmark's
+        prompts and on the next ones, interleaved A/B, session 8); shorter ones are tried in turn down to min_ngram."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

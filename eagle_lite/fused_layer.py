@@ -134,10 +134,10 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
          * torch.linspace(0.5, 4.0, 5)[None, :, None])
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
 
-    def run(forward, prefix: torch.Tensor, block: torch.Tensor):
+    def run(forward):
         cache.truncate(0)
         outs = []
-        for ids, positions, visible in ((prefix, torch.arange(2), None), (block, torch.tensor([2, 3, 3]), tree)):
+        for ids, positions, visible in ((x[:, :2], torch.arange(2), None), (x[:, 2:], torch.tensor([2, 3, 3]), tree)):
             n = ids.shape[1]
             cache.reserve(n)
             mask = None if visible is None else attention_mask(cache.length, visible)
@@ -150,8 +150,8 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
 
     try:
         with torch.inference_mode():
-            own, own_kv = run(type(layer).forward, x[:, :2], x[:, 2:])
-            fused, fused_kv = run(_fused_forward, x[:, :2], x[:, 2:])
+            own, own_kv = run(type(layer).forward)
+            fused, fused_kv = run(_fused_forward)
     except (RuntimeError, TypeError, ValueError, AttributeError):
         return False
     scale = float(own.abs().max())

@@ -166,18 +166,23 @@ def test_engine_sampling_matches_target_distribution(llama, weights):
         assert tv(counts, exact, draws) < 0.12, name
 
 
+def _node_logits_case(target):
+    """7 random final hidden states, their lm_head logits, each row's argmax and a token that is not it."""
+    torch.manual_seed(0)
+    hidden = torch.randn(7, target.hidden_size)
+    full = target.lm_head(hidden)
+    choice = full.argmax(-1).tolist()
+    return hidden, full, choice, [(c + 1) % full.shape[1] for c in choice]
+
+
 def test_node_logits_project_only_the_walked_nodes(llama):
     """Acceptance reads the logits of the nodes it walks; the lazy projection computes those rows
     alone, and they equal the lm_head's row for row."""
     from eagle_lite.target import NodeLogits
 
-    torch.manual_seed(0)
-    hidden = torch.randn(7, llama.hidden_size)
     with torch.inference_mode():
-        full = llama.lm_head(hidden)
-        choice = full.argmax(-1).tolist()
+        hidden, full, choice, other = _node_logits_case(llama)
         # root's argmax drafted at node 2, node 2's argmax drafted at node 4; nodes 1, 3, 5, 6 are misses
-        other = [(c + 1) % full.shape[1] for c in choice]
         tokens = torch.tensor([0, other[0], choice[0], other[2], choice[2], other[4], other[1]])
         tree = DraftTree(tokens, [-1, 0, 0, 2, 2, 4, 1])
         lazy = NodeLogits(llama, hidden, lazy=True)
@@ -198,12 +203,8 @@ def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
     from eagle_lite.target import NodeLogits
 
     target = make_target("llama", grid=True)
-    torch.manual_seed(0)
-    hidden = torch.randn(7, target.hidden_size)
     with torch.inference_mode():
-        full = target.lm_head(hidden)
-        choice = full.argmax(-1).tolist()
-        other = [(c + 1) % full.shape[1] for c in choice]
+        hidden, full, choice, other = _node_logits_case(target)
         # the root's first child (node 1) is a miss: the walk goes to node 2, then node 4 (node 2's first child)
         tokens = torch.tensor([0, other[0], choice[0], other[1], choice[2], other[4], other[2]])
         tree = DraftTree(tokens, [-1, 0, 0, 1, 2, 4, 2])

@@ -14,6 +14,12 @@ computed the same output and the same cache keys/values as its own forward on a 
 then a small tree), so an architecture that differs (biases, q/k norms, another rotary layout, another
 activation) keeps its own forward. Calls the op cannot take (a batch, more than `MAX_FUSED_ROWS` tokens,
 another cache class, gradients) run the layer's own forward.
+
+Where every layer of a stack is fused, `fuse_stack` goes one step further for `Target.forward`: a
+`FusedStack` runs the model's few-token forward itself (embed, cos/sin, the layers' ops, final norm), the
+same ops in the same order as `LlamaModel.forward` without its ~1 ms of Python around them (decorators,
+mask building, the layer slice and calls: ~10% of a one-token SmolLM2 forward). It too is taken only after
+it gave the model's own output on a probe; anything else goes through the model.
 """
 from __future__ import annotations
 
@@ -184,3 +190,79 @@ def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -
 def unfused_layers(module: nn.Module):
     """A context: run a block with the library's own forward on the fused layers, then fuse them again."""
     return class_forwards(m for m in module.modules() if hasattr(m, "fused_parts"))
+
+
+class FusedStack:
+    """A decoder stack whose layers are all fused, run as embed -> rotary cos/sin -> each layer's op -> final
+    norm for few-token forwards over a `StaticKVCache` (what `LlamaModel.forward` does for them, minus its
+    Python); `Target.forward` calls it where `takes` says so and the model otherwise."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.parts = [layer.fused_parts for layer in decoder.layers]
+
+    def takes(self, t: int, cache) -> bool:
+        return (0 < t <= MAX_FUSED_ROWS and isinstance(cache, StaticKVCache) and cache._pending == t
+                and not torch.is_grad_enabled())
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                 visible: torch.Tensor | None) -> torch.Tensor:
+        """input_ids, positions: [T]; visible: [T, cache.length + T] bool, or None for a causal chain.
+        Returns the final hidden states [T, H]; the T keys/values are written after the committed slots."""
+        x = self.embed(input_ids)                                  # T H
+        cos, sin = self.rotary(x[None], positions[None])           # 1 T D each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        for parts in self.parts:
+            x = parts(x, cos, sin, cache, visible)
+        return self.norm(x)
+
+
+def _stack_agrees(decoder: nn.Module, stack: FusedStack) -> bool:
+    """Whether the stack gives the model's own final hidden states and cache on a probe: 2 tokens, then a
+    3-node tree (root, two children), to float32 rounding."""
+    config = decoder.config
+    layers = len(stack.parts)
+    attn = decoder.layers[0].self_attn
+    kv_heads = attn.k_proj.out_features // attn.head_dim
+    cache = StaticKVCache(layers, kv_heads, attn.head_dim, 8)
+    vocab = int(getattr(config, "vocab_size", 0) or stack.embed.weight.shape[0])
+    ids = torch.tensor([1, 2, 3, 4, 5]) % vocab
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    blocks = ((ids[:2], torch.arange(2), None), (ids[2:], torch.tensor([2, 3, 3]), tree))
+
+    def run(own: bool):
+        cache.truncate(0)
+        outs = []
+        for block, positions, visible in blocks:
+            n = block.numel()
+            cache.reserve(n)
+            full = None if visible is None else attention_mask(cache.length, visible)
+            if own:
+                mask = full if full is not None else attention_mask(
+                    cache.length, torch.ones(n, n, dtype=torch.bool).tril_())
+                outs.append(decoder(input_ids=block[None], attention_mask=mask, position_ids=(positions)[None],
+                                    past_key_values=cache, use_cache=True).last_hidden_state[0])
+            else:
+                outs.append(stack(block, positions, cache, None if full is None else full[0, 0]))
+            cache.commit(n)
+        return torch.cat(outs), cache.keys[:, 0, :, :5].clone(), cache.values[:, 0, :, :5].clone()
+
+    try:
+        with torch.inference_mode():
+            own, fused = run(True), run(False)
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        return False
+    return bool(torch.isfinite(own[0]).all()) and all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max() + 1)) for a, b in zip(fused, own))
+
+
+def fuse_stack(decoder: nn.Module) -> FusedStack | None:
+    """The `FusedStack` of `decoder` (a transformers decoder stack, e.g. `LlamaModel`) where all its layers are
+    fused (`fuse_decoder_layers`) and the stack computes what the model does; else None."""
+    layers = getattr(decoder, "layers", None)
+    if not layers or not all(hasattr(layer, "fused_parts") and "forward" in layer.__dict__ for layer in layers):
+        return None
+    if any(getattr(decoder, name, None) is None for name in ("embed_tokens", "rotary_emb", "norm", "config")):
+        return None
+    stack = FusedStack(decoder)
+    return stack if _stack_agrees(decoder, stack) else None

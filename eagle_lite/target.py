@@ -20,7 +20,7 @@ from torch import nn
 from .attention import select_attention
 from .certified_argmax import CertifiedArgmax
 from .cpu_linear import few_rows_product, pack_linears, unpacked
-from .fused_layer import fuse_decoder_layers, unfused_layers
+from .fused_layer import FusedStack, fuse_decoder_layers, fuse_stack, unfused_layers
 from .fused_norm import fuse_rms_norms, unfused
 from .grid_linear import GridWeight, grid_of
 from .kv_cache import StaticKVCache
@@ -40,8 +40,8 @@ class Target:
         tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`): 4-bit
         codes where the weights lie exactly on a GGUF grid (grid_linear.py), else a oneDNN-packed copy.
         fused_norms: run its RMSNorms as one op where that is exact to the bit (eagle_lite/fused_norm.py).
-        Both: a decoder layer whose projections run from grid codes runs as one native op
-        (eagle_lite/fused_layer.py).
+        Both: a decoder layer whose projections run from grid codes runs as one native op, and a stack of
+        such layers runs few-token forwards without the model's forward around them (eagle_lite/fused_layer.py).
         `Target.stock()` runs a block on the library's own forwards and attention."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
@@ -61,9 +61,11 @@ class Target:
             pack_linears(self.decoder)                # no-op off CPU and for non-fp32 weights
         if fused_norms:
             fuse_rms_norms(self.decoder)              # no-op off CPU, for non-fp32 weights or inexact norms
+        self._stack: FusedStack | None = None
         if packed_linears and fused_norms:
-            # whole layers as one native op where they run from grid codes
+            # whole layers as one native op where they run from grid codes, and then the stack of them
             fuse_decoder_layers(getattr(self.decoder, "layers", []), getattr(self.decoder, "rotary_emb", None))
+            self._stack = fuse_stack(self.decoder)
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
         self.embed_tokens = model.get_input_embeddings()
         # the lm_head as integer codes where its fp32 weight lies on a GGUF grid (SmolLM2's is Q8_0): exact
@@ -132,12 +134,14 @@ class Target:
     def stock(self) -> Iterator[None]:
         """Run a block on the model as transformers built it: its own linears and SDPA attention (baselines)."""
         implementation = self.model.config._attn_implementation
+        stack, self._stack = self._stack, None
         with unpacked(self.model), unfused(self.model), unfused_layers(self.model):
             if implementation != "sdpa":
                 self.model.set_attn_implementation("sdpa")
             try:
                 yield
             finally:
+                self._stack = stack
                 if implementation != "sdpa":
                     self.model.set_attn_implementation(implementation)
 
@@ -163,16 +167,20 @@ class Target:
         start = cache.length
         cache.reserve(t)
         steps = torch.arange(t, device=input_ids.device) if depths is None else depths
-        if ancestors is None:
-            ancestors = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()
-        out = self.decoder(
-            input_ids=input_ids.view(1, t),
-            attention_mask=attention_mask(start, ancestors),
-            position_ids=(steps + start).view(1, t),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state[0]  # T H
+        if self._stack is not None and self._stack.takes(t, cache):
+            visible = None if ancestors is None else attention_mask(start, ancestors)[0, 0]   # T start+T
+            hidden = self._stack(input_ids, steps + start, cache, visible)                   # T H
+        else:
+            if ancestors is None:
+                ancestors = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()
+            out = self.decoder(
+                input_ids=input_ids.view(1, t),
+                attention_mask=attention_mask(start, ancestors),
+                position_ids=(steps + start).view(1, t),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            hidden = out.last_hidden_state[0]  # T H
         logits = None if logits_rows is None else self.logits(hidden[logits_rows])
         return logits, hidden
 

@@ -47,11 +47,12 @@ def test_layers_on_a_grid_run_as_one_op_and_match_their_own_forward(family):
               (torch.randint(1, VOCAB, (5,), generator=gen), None),    # a chain: the op
               (torch.tensor([7]), None),                             # one decoding step: the op
               (None, tree)]                                          # a tree verification: the op with its mask
+    assert target._stack is not None                                 # all layers fused: the stack runs them
     fused, fused_cache = _run(target, blocks)
     with target.stock():
-        assert not any(_fused(target))
+        assert not any(_fused(target)) and target._stack is None
         own, own_cache = _run(target, blocks)
-    assert all(_fused(target))                                       # stock() gives them back
+    assert all(_fused(target)) and target._stack is not None         # stock() gives them back
     for a, b in zip(fused, own):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     n = own_cache.length
@@ -67,7 +68,29 @@ def test_layers_that_compute_something_else_keep_their_own_forward():
     layer = qwen3.decoder.layers[0]
     assert fused_layer._structured(layer) and fused_layer._LayerParts(layer).complete
     assert not any(_fused(qwen3))                # refused by the probe, not by the layout check
+    assert qwen2._stack is None and qwen3._stack is None
     assert not any(_fused(make_target("llama")))  # fp32 weights off any grid: no codes to run from
+
+
+def test_a_stack_that_computes_something_else_is_refused(monkeypatch):
+    target = make_target("llama", grid=True)
+    assert fused_layer.fuse_stack(target.decoder) is not None
+    call = fused_layer.FusedStack.__call__
+    monkeypatch.setattr(fused_layer.FusedStack, "__call__", lambda self, *a: call(self, *a) * (1 + 1e-3))
+    assert fused_layer.fuse_stack(target.decoder) is None
+
+
+def test_the_stack_runs_few_token_forwards_and_the_model_the_rest(monkeypatch):
+    target = make_target("llama", grid=True)
+    calls = []
+    call = fused_layer.FusedStack.__call__
+    monkeypatch.setattr(fused_layer.FusedStack, "__call__", lambda self, *a: calls.append(a[0].numel()) or call(self, *a))
+    cache = target.new_cache(128)
+    with torch.inference_mode():
+        for n in (40, 5, 1):              # a prefill past MAX_FUSED_ROWS, a chain, a step
+            target.forward(torch.arange(1, n + 1), cache)
+            cache.commit(n)
+    assert calls == [5, 1]
 
 
 def test_without_the_kernel_nothing_is_fused(monkeypatch):

@@ -125,28 +125,41 @@ def load_head(path: str | Path, target) -> DraftHead:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as err:
         raise ValueError(f"draft head weights {weights} do not fit this head's shape: {err}") from err
-    head.tree = recommended_tree(config, path)
+    head.tree = recommended_tree(config, path, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "") -> Path:
-    """Record `tree` as the head's recommended tree in its config.json (atomically), with how it was measured."""
+def _tree_key(device: str) -> str:
+    """config.json's key for the tree recommended on `device` ('cpu', 'cuda', ...): "tree" for the CPU (where
+    the shipped trees are tuned), "tree_<device>" elsewhere: verifying a node costs ~1 ms on this CPU but next to
+    nothing on a GPU, so the fastest trees differ by an order of magnitude in size."""
+    return "tree" if device == "cpu" else f"tree_{device}"
+
+
+def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "", device: str = "cpu") -> Path:
+    """Record `tree` as the head's recommended tree on `device` in its config.json (atomically), with how it was
+    measured."""
     path = Path(path)
     config = read_head_config(path)
-    config["tree"] = dataclasses.asdict(tree)
+    key = _tree_key(device)
+    config[key] = dataclasses.asdict(tree)
     if measured:
-        config["tree_measured"] = measured
+        config[f"{key}_measured"] = measured
     write_json_atomic(path / "config.json", config)
     return path
 
 
-def recommended_tree(config: dict, path: Path | str = "") -> TreeConfig | None:
-    """The draft tree config.json recommends (`"tree": {"depth", "top_k", "total_tokens", "lookup"}`, the fastest one
-    `eval.tune` found for this head), or None where it names none."""
-    tree = config.get("tree")
+def recommended_tree(config: dict, path: Path | str = "", device: str = "cpu") -> TreeConfig | None:
+    """The draft tree config.json recommends on `device` (`"tree"` on the CPU, `"tree_cuda"` on CUDA: `{"depth",
+    "top_k", "total_tokens", "lookup", "min_prob"}`, the fastest one `eval.tune` found for this head there); off the
+    CPU without a tree of its own, the CPU's; None where it names none."""
+    key = _tree_key(device)
+    if key not in config:
+        key = "tree"
+    tree = config.get(key)
     if tree is None:
         return None
     try:
         return TreeConfig(**tree)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"draft head config {Path(path) / 'config.json'} has an invalid \"tree\" {tree!r}: {err}") from err
+        raise ValueError(f"draft head config {Path(path) / 'config.json'} has an invalid \"{key}\" {tree!r}: {err}") from err

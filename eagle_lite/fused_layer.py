@@ -187,6 +187,11 @@ def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -
     return fused
 
 
+def running_fused(layer: nn.Module) -> _LayerParts | None:
+    """The op's parts of `layer` while it runs as one op (fused, and not inside `unfused_layers`); else None."""
+    return getattr(layer, "fused_parts", None) if "forward" in layer.__dict__ else None
+
+
 def unfused_layers(module: nn.Module):
     """A context: run a block with the library's own forward on the fused layers, then fuse them again."""
     return class_forwards(m for m in module.modules() if hasattr(m, "fused_parts"))
@@ -260,7 +265,7 @@ def fuse_stack(decoder: nn.Module) -> FusedStack | None:
     """The `FusedStack` of `decoder` (a transformers decoder stack, e.g. `LlamaModel`) where all its layers are
     fused (`fuse_decoder_layers`) and the stack computes what the model does; else None."""
     layers = getattr(decoder, "layers", None)
-    if not layers or not all(hasattr(layer, "fused_parts") and "forward" in layer.__dict__ for layer in layers):
+    if not layers or not all(running_fused(layer) is not None for layer in layers):
         return None
     if any(getattr(decoder, name, None) is None for name in ("embed_tokens", "rotary_emb", "norm", "config")):
         return None

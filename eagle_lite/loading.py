@@ -95,6 +95,22 @@ def gguf_file(spec: str | None) -> Path | None:
     return None
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, or a ValueError saying why it cannot run here (before minutes of loading)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {device!r} ({err}); use cpu, cuda, cuda:N or mps") from err
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here; use --device cpu")
+    return dev
+
+
 def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 attention: str = "auto", packed_linears: bool = True) -> Target:
     """Load a target by alias ('smollm2'), GGUF file, local folder or hub id.
@@ -105,6 +121,7 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     spec = spec or DEFAULT_TARGET
     gguf = gguf_file(spec)
     if gguf is not None:

@@ -52,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-min-prob", type=float, default=None,
                    help="verify only drafted nodes whose draft path probability is at least this (0: off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
     p.add_argument("--draft-model", default=None, help="method draft_model: a smaller LM with the target's tokenizer")
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
-    settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, methods=methods,
+    settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, methods=methods,
                             baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
                             tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
                                   "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,

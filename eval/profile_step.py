@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -51,8 +52,12 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    target = load_target(args.target)
-    head, note = head_for(target, args.draft)
+    try:
+        target = load_target(args.target, device=args.device)
+        head, note = head_for(target, args.draft)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                     add_generation_prompt=True, return_dict=False))
     rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]

@@ -36,6 +36,7 @@ class EvalSettings:
     target: str | None = None
     draft: str = "auto"
     dtype: str = "float32"
+    device: str = "cpu"          # torch device of the target (and of the drafts that run on it)
     methods: list[str] = field(default_factory=lambda: ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"])
     baseline: str = "hf_generate"
     max_new_tokens: int = 128
@@ -85,12 +86,12 @@ def evaluate(s: EvalSettings, progress: bool = True):
         raise ValueError(f"baseline '{s.baseline}' must be one of the methods {s.methods}")
     if s.threads is not None:
         torch.set_num_threads(s.threads)
-    target = load_target(s.target, dtype=getattr(torch, s.dtype))
+    target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device)
     head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
     questions = load_questions(s.tasks, s.per_category_limit)
     if not questions:
         raise ValueError("no questions to run: check the task settings")
-    draft_target = load_target(s.draft_model, dtype=getattr(torch, s.dtype)) if "draft_model" in s.methods and s.draft_model else None
+    draft_target = load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device) if "draft_model" in s.methods and s.draft_model else None
     medusa_heads = None
     if "medusa" in s.methods and s.medusa:
         from eagle_lite.medusa import MedusaHeads, load_medusa

@@ -226,6 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...; --save-tree records the tree for this kind of device (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
@@ -276,7 +277,7 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
     if args.method == "draft_model":
         if args.draft_model is None:
             raise ValueError("--method draft_model needs --draft-model SPEC: a smaller LM with the target's tokenizer")
-        draft_target = load_target(args.draft_model, dtype=getattr(torch, args.dtype))
+        draft_target = load_target(args.draft_model, dtype=getattr(torch, args.dtype), device=args.device)
     return chain_candidates(args.method, target, args.num_tokens, draft_target, args.exit_layer)
 
 
@@ -303,7 +304,7 @@ def main(argv=None) -> int:
         return 1
     try:
         questions = skip_per_category(load_questions(tasks), args.skip)
-        target = load_target(args.target, dtype=getattr(torch, args.dtype))
+        target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
         candidates = build_candidates(args, target)
         rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
     except (ValueError, FileNotFoundError) as err:
@@ -328,8 +329,9 @@ def main(argv=None) -> int:
         folder = default_head_path(target.name) if args.draft == "auto" else args.draft
         measured = (f"eval.tune {task_label}, {len(questions)} questions, max_new_tokens {args.max_new_tokens}, "
                     f"{torch.get_num_threads()} threads: {top['tokens_per_s']:.1f} tokens/s{speedup}")
-        recommend_tree(folder, TreeConfig(**top["setting"]), measured)
-        print(f"saved as the recommended tree of {folder}")
+        device = target.device.type
+        recommend_tree(folder, TreeConfig(**top["setting"]), measured, device)
+        print(f"saved as the recommended tree of {folder} on {device}")
     return 0
 
 

@@ -73,3 +73,28 @@ def test_recommended_tree_round_trips_and_a_bad_one_is_refused(llama, tmp_path):
                     extra={"tree": {"depth": 2, "top_k": 2, "total_tokens": 99}})
     with pytest.raises(ValueError, match='invalid "tree"'):
         load_head(bad, llama)
+
+
+def test_each_device_gets_its_own_recommended_tree(llama, tmp_path):
+    from eagle_lite.checkpoint import read_head_config, recommend_tree, recommended_tree
+
+    path = save_head(DraftHead.for_target(llama), tmp_path / "head", llama,
+                     extra={"tree": {"depth": 2, "top_k": 2, "total_tokens": 2, "lookup": 4}})
+    config = read_head_config(path)
+    assert recommended_tree(config, path, "cuda") == TreeConfig(2, 2, 2, 4)   # no GPU tree yet: the CPU's
+    recommend_tree(path, TreeConfig(6, 10, 60, 8), "measured on a GPU", device="cuda")
+    config = read_head_config(path)
+    assert recommended_tree(config, path, "cuda") == TreeConfig(6, 10, 60, 8)
+    assert recommended_tree(config, path, "cpu") == TreeConfig(2, 2, 2, 4)    # the CPU's tree is untouched
+    assert config["tree_cuda_measured"] == "measured on a GPU" and "tree_measured" not in config
+    assert load_head(path, llama).tree == TreeConfig(2, 2, 2, 4)              # a CPU target reads "tree"
+
+
+def test_the_shipped_head_recommends_a_valid_tree_on_each_device():
+    from eagle_lite.checkpoint import default_head_path, read_head_config, recommended_tree
+
+    path = default_head_path("smollm2")
+    config = read_head_config(path)
+    cpu, cuda = recommended_tree(config, path, "cpu"), recommended_tree(config, path, "cuda")
+    assert cpu is not None and cuda is not None
+    assert cuda.total_tokens > cpu.total_tokens   # a GPU verifies a big tree for about the price of one token

@@ -49,6 +49,19 @@ def test_errors_are_clear(tiny_model_dir, capsys):
     assert "total_tokens=999 exceeds" in capsys.readouterr().err
     assert main(["--target", str(tiny_model_dir), "--prompt", "x" * 300]) == 1
     assert "context window of 256" in capsys.readouterr().err
+    assert main(["--target", str(tiny_model_dir), "--prompt", "x", "--device", "gpu0"]) == 1
+    assert "unknown device 'gpu0'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_asking_for_a_gpu_that_is_not_there_says_so_before_loading(tiny_model_dir, capsys):
+    from eval import benchmark, profile_step, tune
+
+    assert main(["--target", str(tiny_model_dir), "--prompt", "x", "--device", "cuda"]) == 1
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+    for tool, args in ((benchmark, ["--methods", "vanilla"]), (tune, ["--method", "lookup"]), (profile_step, [])):
+        assert tool.main(["--target", str(tiny_model_dir), "--device", "cuda", *args]) == 1
+        assert "sees no CUDA GPU" in capsys.readouterr().err
 
 
 def test_scripted_chat_session(tiny_model_dir):

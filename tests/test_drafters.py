@@ -22,6 +22,32 @@ def test_lookup_finds_the_latest_longest_match():
     assert tree.tokens.tolist() == [3, 7, 8, 0, 5] and tree.parents == [-1, 0, 1, 2, 3]
 
 
+def _scan(tokens, k, max_ngram, min_ngram):
+    """The lookup by brute force: every earlier start of each suffix n-gram, latest first."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:] and tokens[start + n:start + n + k]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_the_ngram_index_answers_like_a_scan_as_the_sequence_grows_and_is_edited():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(100):
+        max_ngram = rng.randint(1, 6)
+        min_ngram = rng.randint(1, max_ngram)
+        d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+        seq = [rng.randint(0, 6) for _ in range(rng.randint(0, 5))]
+        for _ in range(40):
+            if rng.random() < 0.1:             # a new prompt or an edited turn: not an extension
+                seq = seq[:rng.randint(0, len(seq))]
+            seq = seq + [rng.randint(0, 6) for _ in range(rng.randint(1, 4))]
+            k = rng.randint(1, 8)
+            assert d.lookup(list(seq), k) == _scan(seq, k, max_ngram, min_ngram)
+
+
 def test_adaptive_length_grows_and_shrinks():
     length = AdaptiveLength(start=4, low=1, high=8)
     length.proposed = 4

@@ -29,6 +29,33 @@ class AdaptiveLength:
             self.k = max(self.low, min(self.k - 1, accepted + 1))
 
 
+class NgramIndex:
+    """The latest start of every n-gram (min_ngram <= n <= max_ngram) of a growing sequence that some token
+    follows, kept up to date as tokens are appended, so a lookup costs O(1) rather than a scan of the
+    whole context (a 3,000-token prompt: ~3 ms a step in Python). A sequence that does not extend the one
+    indexed (a new prompt, an edited turn) is indexed afresh."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self._seq: list[int] = []
+        self._starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+
+    def update(self, tokens: list[int]) -> None:
+        done = len(self._seq)
+        if len(tokens) < done or tokens[:done] != self._seq:
+            self._seq, done = [], 0
+            self._starts = {n: {} for n in self.sizes}
+        for n, starts in self._starts.items():
+            # n-grams that now have a following token: starts s with s + n <= len(tokens) - 1
+            for s in range(max(0, done - n), len(tokens) - n):
+                starts[tuple(tokens[s:s + n])] = s
+        self._seq = list(tokens)
+
+    def latest(self, ngram: tuple[int, ...]) -> int | None:
+        """The latest start of `ngram` that a token follows (never the sequence's own suffix), or None."""
+        return self._starts[len(ngram)].get(ngram)
+
+
 class PromptLookupDrafter:
     name = "lookup"
 
@@ -40,6 +67,7 @@ class PromptLookupDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.length = AdaptiveLength(num_tokens, high=num_tokens if not adaptive else max(num_tokens, 16))
         self.adaptive = adaptive
+        self.index = NgramIndex(min_ngram, max_ngram)
 
     def reset(self, max_len: int, keep: int = 0) -> int:
         self.length.proposed = 0
@@ -50,14 +78,12 @@ class PromptLookupDrafter:
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the most recent earlier match of the longest suffix n-gram."""
+        self.index.update(tokens)
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            suffix = tokens[n_tok - n:]
-            for start in range(n_tok - n - 1, -1, -1):   # latest match first, never the suffix itself
-                if tokens[start:start + n] == suffix:
-                    follow = tokens[start + n:start + n + k]
-                    if follow:
-                        return follow
+            start = self.index.latest(tuple(tokens[n_tok - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
         return []
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .accept import accept, target_probs
+from .accept import accept, sample, target_probs
 from .config import GenerationConfig
 from .drafters.base import DraftInput, Drafter, NoDrafter
 from .kv_cache import ContextOverflowError, StaticKVCache
@@ -154,7 +154,7 @@ class Engine:
             first = target.top_token(hidden[-1])
         else:
             logits = target.logits(hidden[-1:])  # 1 V
-            first = int(torch.multinomial(target_probs(logits[0], sampling), 1, generator=generator))
+            first = sample(target_probs(logits[0], sampling), generator)
         stats.target_forwards = 1
         stats.prefill_seconds = time.perf_counter() - start
         sequence = list(prompt_ids) + [first]

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle_lite.accept import accept_greedy, accept_sampling, target_probs
+from eagle_lite.accept import _top_p_sorted, accept_greedy, accept_sampling, sample, target_probs
 from eagle_lite.config import GenerationConfig, SamplingConfig
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
@@ -108,6 +108,25 @@ def test_target_probs_applies_temperature_top_k_top_p():
     full = torch.softmax(logits, -1)   # 0.61, 0.22, ...: the first two reach 0.7
     assert (p[2:] == 0).all()
     torch.testing.assert_close(p[:2], full[:2] / full[:2].sum())
+
+
+@pytest.mark.parametrize("scale,top_p", [(8.0, 0.9), (3.0, 0.9), (3.0, 0.95), (0.5, 0.9)])
+def test_top_p_over_a_large_vocabulary_equals_sorting_all_of_it(scale, top_p):
+    """Few candidates (peaked), hundreds, thousands past the first floor, and a flat distribution (the sort)."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(1)) * scale
+    p = target_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))
+    assert torch.equal(p, _top_p_sorted(torch.softmax(logits, -1), top_p))
+
+
+def test_sample_draws_from_the_distribution_and_never_a_zero():
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    draws = 20000
+    counts = Counter(sample(probs, gen) for _ in range(draws))
+    assert set(counts) <= {1, 3, 4, 5}
+    for token, p in enumerate(probs.tolist()):   # each share within ~4 standard errors
+        assert abs(counts[token] / draws - p) <= 4 * (p * (1 - p) / draws) ** 0.5 + 1e-9
+    assert sample(torch.tensor([0.0, 0.0, 2.0, 0.0]), gen) == 2      # unnormalized, one possible token
 
 
 class TargetTopKDrafter:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..accept import target_probs
+from ..accept import sample, target_probs
 from ..config import TreeConfig
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree
@@ -127,7 +127,7 @@ class DraftModelDrafter:
                 tok = int(logits.argmax())
             else:
                 q_draft = target_probs(logits, sampling).to(dev)  # V: the draft's own sampling distribution
-                tok = int(torch.multinomial(q_draft, 1, generator=inp.generator))
+                tok = sample(q_draft, inp.generator)
                 rows.append(q_draft)
             drafted.append(tok)
             if i + 1 < k:                                  # the last token's successor is not needed

@@ -52,6 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-min-prob", type=float, default=None,
                    help="verify only drafted nodes whose draft path probability is at least this (0: off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, every output checked against the baseline's; > 0: sampled (speed only)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
@@ -78,7 +83,8 @@ def main(argv=None) -> int:
                                   "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,
                                   "min_prob": args.tree_min_prob},
                             threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
-                            medusa=args.medusa)
+                            medusa=args.medusa, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
     try:
         records, rows, header = evaluate(settings)
     except (ValueError, FileNotFoundError) as err:

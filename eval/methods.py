@@ -45,14 +45,24 @@ def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> 
         with target.stock():  # the baseline is stock transformers: its linears and attention
             start = time.perf_counter()
             out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-                                        do_sample=False, eos_token_id=eos, pad_token_id=pad if pad is not None else
-                                        (eos[0] if eos else 0), **extra)
+                                        eos_token_id=eos, pad_token_id=pad if pad is not None else
+                                        (eos[0] if eos else 0), **_hf_sampling(cfg), **extra)
             seconds = time.perf_counter() - start
         new = out[0, len(prompt):].tolist()
         forwards = len(new) if prompt_lookup_num_tokens is None else None
         return Run(new, seconds, forwards, [])
 
     return run
+
+
+def _hf_sampling(cfg: GenerationConfig) -> dict:
+    """generate()'s arguments for the engine's sampling settings (its own defaults, e.g. top_k 50, switched off)."""
+    s = cfg.sampling
+    if s.greedy:
+        return {"do_sample": False}
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)          # generate() draws from the global generator
+    return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or None}
 
 
 def gguf_of(spec: str | None) -> Path:
@@ -65,7 +75,8 @@ def gguf_of(spec: str | None) -> Path:
 
 
 def llama_cpp(target: Target, gguf: Path, threads: int | None = None) -> Method:
-    """llama.cpp's greedy decoding of `gguf` (same token ids as the target's tokenizer), timed like the others."""
+    """llama.cpp's decoding of `gguf` (same token ids as the target's tokenizer), timed like the others: greedy, or
+    sampled with the same temperature / top-p / top-k (its min-p and penalties off)."""
     try:
         from llama_cpp import Llama
     except ImportError as err:
@@ -80,7 +91,13 @@ def llama_cpp(target: Target, gguf: Path, threads: int | None = None) -> Method:
         new: list[int] = []
         start = time.perf_counter()
         if cfg.max_new_tokens > 0:
-            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            s = cfg.sampling
+            if s.greedy:
+                settings = dict(top_k=1, temp=0.0)
+            else:
+                llm.set_seed(cfg.seed if cfg.seed is not None else 0)
+                settings = dict(top_k=s.top_k, top_p=s.top_p, min_p=0.0, temp=s.temperature)
+            for token in llm.generate(prompt, reset=True, **settings):
                 new.append(int(token))
                 if token in eos or len(new) >= cfg.max_new_tokens:
                     break

@@ -20,7 +20,8 @@ def summarize(records: list[Record], baseline: str) -> list[dict]:
             "category": category, "method": method, "turns": len(rs), "new_tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "accept_length_mean": sum(accepted) / len(accepted) if accepted else None,
-            "identical": sum(bool(r.identical_to_baseline) for r in rs) / len(rs),
+            "identical": (None if any(r.identical_to_baseline is None for r in rs)       # sampled: not compared
+                          else sum(bool(r.identical_to_baseline) for r in rs) / len(rs)),
         })
     base = {row["category"]: row["tokens_per_s"] for row in rows if row["method"] == baseline}
     for row in rows:
@@ -37,6 +38,7 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
     for r in rows:
         accept = "—" if r["accept_length_mean"] is None else f"{r['accept_length_mean']:.2f}"
         speed = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        same = "—" if r["identical"] is None else f"{100 * r['identical']:.0f}%"
         lines.append(f"| {r['category']} | {r['method']} | {r['turns']} | {r['new_tokens']} | "
-                     f"{r['tokens_per_s']:.1f} | {speed} | {accept} | {100 * r['identical']:.0f}% |")
+                     f"{r['tokens_per_s']:.1f} | {speed} | {accept} | {same} |")
     return "\n".join(lines)

@@ -51,7 +51,8 @@ def run(target: Target, questions: Iterable[Question], methods: dict[str, Method
     """Every turn of every question through every method (interleaved, so machine drift hits all alike).
 
     Multi-turn questions run in one conversation; the baseline's answers form the history so every
-    method sees the same prompt. The greedy output of each method is compared to the baseline's.
+    method sees the same prompt. The greedy output of each method is compared to the baseline's (a sampled
+    one is not: two exact samplers draw different tokens; `identical_to_baseline` stays None).
     """
     if baseline not in methods:
         raise ValueError(f"baseline '{baseline}' is not among the methods {list(methods)}")
@@ -73,7 +74,7 @@ def run(target: Target, questions: Iterable[Question], methods: dict[str, Method
                 if name == baseline:
                     ref = result.token_ids
                     answers.append(ref)
-                diff = first_difference(result.token_ids, ref)
+                diff = first_difference(result.token_ids, ref) if cfg.sampling.greedy else None
                 n = len(result.token_ids)
                 rec = Record(
                     question_id=f"{q.question_id}#{turn}" if len(q.turns) > 1 else q.question_id,
@@ -83,7 +84,7 @@ def run(target: Target, questions: Iterable[Question], methods: dict[str, Method
                     accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
                                         if result.accept_lengths else None),
                     accept_lengths=result.accept_lengths,
-                    identical_to_baseline=diff is None, first_mismatch=diff,
+                    identical_to_baseline=(diff is None) if cfg.sampling.greedy else None, first_mismatch=diff,
                 )
                 records.append(rec)
                 if on_record is not None:

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from eagle_lite.checkpoint import default_head_path, load_head
-from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.draft import DraftHead
 from eagle_lite.loading import load_target
 
@@ -48,6 +48,10 @@ class EvalSettings:
     exit_layer: int | None = None   # layer_skip's draft depth (None: half the layers)
     draft_model: str | None = None  # draft_model's smaller LM (any load_target spec)
     medusa: str | None = None       # medusa's heads: a folder from `experiment=medusa`, or "random"
+    temperature: float = 0.0        # 0: greedy, and outputs are checked against the baseline's; else sampled
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0                   # sampling: each method draws with this seed on every prompt
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -101,7 +105,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
     methods = build_methods(target, s.methods, head, draft_target=draft_target, exit_layer=s.exit_layer,
                             medusa_heads=medusa_heads, gguf=gguf, threads=s.threads)
     tree = tree_for(head, s.tree)
-    cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree)
+    sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree, sampling=sampling, seed=s.seed)
     total = sum(len(q.turns) for q in questions) * len(methods)
     with tqdm(total=total, desc="eval", unit="run", file=sys.stderr, disable=not progress) as bar:
         def on_record(rec: runner.Record) -> None:
@@ -112,7 +117,10 @@ def evaluate(s: EvalSettings, progress: bool = True):
                              on_record=on_record)
     header = (f"target {target.name} · {s.dtype} · {torch.get_num_threads()} threads · max_new_tokens "
               f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
-              f"{tree.total_tokens}, lookup {tree.lookup}" + (f" · {note}" if note else ""))
+              f"{tree.total_tokens}, lookup {tree.lookup}"
+              + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
+                 f"top_k {sampling.top_k}, seed {s.seed} (outputs differ by draw: no identity check)")
+              + (f" · {note}" if note else ""))
     return records, report.summarize(records, s.baseline), header
 
 
@@ -141,7 +149,9 @@ def settings_from(cfg) -> EvalSettings:
                         baseline=c["baseline"], max_new_tokens=int(c["max_new_tokens"]), warmup=bool(c["warmup"]),
                         tree=dict(c["tree"]), tasks=list(c["task"]["tasks"]),
                         per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"),
-                        exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"))
+                        exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"),
+                        device=c.get("device", "cpu"), temperature=float(c.get("temperature", 0.0)),
+                        top_p=float(c.get("top_p", 1.0)), top_k=int(c.get("top_k", 0)), seed=int(c.get("seed", 0)))
 
 
 def _main() -> None:

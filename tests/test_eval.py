@@ -45,6 +45,38 @@ def test_runner_compares_every_method_to_the_baseline(chat_target, tmp_path):
     assert "| overall | eagle |" in table and "100%" in table
 
 
+def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_identity(tiny_model_dir, tmp_path, capsys):
+    from eval import benchmark
+
+    args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,eagle", "--draft", "random",
+            "--tasks", "", "--questions", str(two_question_file(tmp_path)), "--per-task", "1", "--max-new-tokens", "12", "--temperature", "0.8",
+            "--top-p", "0.9", "--seed", "3"]
+    assert benchmark.main(args) == 0
+    out = capsys.readouterr().out
+    assert "sampling: temperature 0.8, top_p 0.9, top_k 0, seed 3" in out
+    rows = [line for line in out.splitlines() if line.startswith("| overall |")]
+    assert len(rows) == 3 and all(line.rstrip().endswith("| — |") for line in rows)   # identity not claimed
+
+
+def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(chat_target):
+    from eagle_lite.config import SamplingConfig
+
+    torch.manual_seed(0)
+    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], DraftHead.for_target(chat_target))
+    cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=1.0), seed=5,
+                           tree=TreeConfig(depth=2, top_k=2, total_tokens=2))
+    prompt = [3, 4, 5, 6]
+    for name, method in methods.items():
+        first, again = method(prompt, cfg).token_ids, method(prompt, cfg).token_ids
+        assert first == again and len(first) > 0, name
+    other = GenerationConfig(max_new_tokens=16, sampling=cfg.sampling, seed=6, tree=cfg.tree)
+    assert any(m(prompt, other).token_ids != m(prompt, cfg).token_ids for m in methods.values())
+    records = runner.run(chat_target, [runner.Question("q", "chat", ["hello"])], methods, cfg,
+                         baseline="hf_generate", warmup=False)
+    assert len(records) == 3 and all(r.identical_to_baseline is None for r in records)
+    assert "| overall | eagle |" in report.markdown_table(report.summarize(records, "hf_generate"), "hf_generate")
+
+
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 5, 3], [1, 2, 3]) == 1

@@ -217,6 +217,23 @@ struct AttendRow {
     float* out;         // D floats
 };
 
+// acc[0, 8 * C) += sum over keys s in [b, end) of p[s] v[s], the keys in ascending order. C: the head size / 8 when
+// it is one of the common ones (the compiler then keeps the C accumulators in registers; with a size known only
+// at run time it loaded and stored each of them for every key, half the attention's time), else 0 and `chunks`.
+template <int C>
+inline void weigh_values(const float* p, int64_t b, int64_t end, const float* vh, int64_t vs, float* acc,
+                         int64_t chunks = C) {
+    __m256 a[C > 0 ? C : kMaxHeadDim / 8];
+    for (int64_t c = 0; c < chunks; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+    for (int64_t s = b; s < end; ++s) {
+        if (p[s] == 0.0f) continue;
+        const __m256 w = _mm256_set1_ps(p[s]);
+        const float* vr = vh + s * vs;
+        for (int64_t c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), a[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
 // p: scratch of R * (S + 4) floats; acc: scratch of R * D floats.
 inline void attend_rows(const AttendRow* rows, int64_t R, const float* kh, int64_t ks, const float* vh, int64_t vs,
                         int64_t S, int64_t D, float scale, float* p, float* acc) {
@@ -269,15 +286,13 @@ inline void attend_rows(const AttendRow* rows, int64_t R, const float* kh, int64
             if (end <= b) continue;
             const float* pr = p + r * (S + 4);
             float* ar = acc + r * D;
-            __m256 a[kMaxHeadDim / 8];
-            for (int64_t c = 0; c < chunks; ++c) a[c] = _mm256_loadu_ps(ar + 8 * c);
-            for (int64_t s = b; s < end; ++s) {
-                if (pr[s] == 0.0f) continue;
-                const __m256 w = _mm256_set1_ps(pr[s]);
-                const float* vr = vh + s * vs;
-                for (int64_t c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), a[c]);
+            switch (chunks) {   // a head size known when compiled keeps the accumulators in registers
+                case 4: weigh_values<4>(pr, b, end, vh, vs, ar); break;
+                case 8: weigh_values<8>(pr, b, end, vh, vs, ar); break;
+                case 12: weigh_values<12>(pr, b, end, vh, vs, ar); break;
+                case 16: weigh_values<16>(pr, b, end, vh, vs, ar); break;
+                default: weigh_values<0>(pr, b, end, vh, vs, ar, chunks);
             }
-            for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(ar + 8 * c, a[c]);
         }
     }
     for (int64_t r = 0; r < R; ++r) {

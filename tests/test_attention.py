@@ -111,6 +111,28 @@ def test_more_queries_than_the_native_loop_takes_go_to_sdpa(monkeypatch):
     assert calls == []
 
 
+def test_a_prompt_from_an_empty_cache_runs_sdpas_causal_kernel(monkeypatch):
+    """gqa turns the plain causal mask of a fresh prompt into is_causal (skipping the hidden half); any other
+    mask of the same shape (a tree, padding) keeps the mask."""
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    n = attention.NATIVE_MAX_QUERIES + 12
+    q, k, v = random_qkv(n, 0, seed=7)
+    causal = attention_mask(0, torch.ones(n, n, dtype=torch.bool).tril_())
+    tree = random_tree_mask(0, n, seed=7)
+    with torch.inference_mode():
+        for mask, fast in ((causal, True), (tree, False)):
+            calls.clear()
+            out = run_registered("gqa", q, k, v, mask, 0.25)
+            torch.testing.assert_close(out, reference_attention(q, k, v, mask, 0.25), atol=1e-5, rtol=1e-5)
+            assert calls == [(True, True)] if fast else calls == [(False, False)]
+
+
 @pytest.mark.parametrize("backend", ["gqa", "flex", "lse_merge"])
 def test_no_mask_means_causal_over_the_cache(backend):
     """Plain calls (generate()) may pass no mask: the T queries are the last T of the S keys."""

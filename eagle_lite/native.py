@@ -38,6 +38,26 @@ def _built_before() -> bool:
     return any(_build_root().glob(f"*/{NAME}/{NAME}.so")) or any(_build_root().glob(f"{NAME}/{NAME}.so"))
 
 
+STALE_LOCK_SECONDS = 600   # a build takes ~1.5 min; a lock this old was left by a build that was killed
+
+
+def _clear_stale_lock() -> None:
+    """torch's builder waits, silently and forever, while its lock file exists; a build that was killed (Ctrl-C
+    during the first run) leaves it behind. Remove one that is old, say so for a recent one."""
+    import time
+
+    for lock in [_build_root() / NAME / "lock", *_build_root().glob(f"*/{NAME}/lock")]:
+        if not lock.exists():
+            continue
+        age = time.time() - lock.stat().st_mtime
+        if age > STALE_LOCK_SECONDS:
+            log.warning("removing %s, left %d min ago by an interrupted build of the native kernels", lock, age // 60)
+            lock.unlink(missing_ok=True)
+        else:
+            log.warning("waiting for another build of the native kernels (lock file %s); if no other eagle_lite "
+                        "process is building, delete that file", lock)
+
+
 @functools.cache
 def kernel_available() -> bool:
     """Whether the native kernels run here: x86-64 with AVX2 and a C++ compiler (built once, cached)."""
@@ -50,6 +70,7 @@ def kernel_available() -> bool:
 
         # pip's `ninja` lands beside the interpreter, which need not be on PATH (a venv run by path)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        _clear_stale_lock()
         if not _built_before():
             log.warning("building eagle_lite's native CPU kernels once (about a minute; cached under %s)", _build_root())
         load(name=NAME, sources=[str(s) for s in SOURCES], is_python_module=False,

@@ -170,3 +170,21 @@ def test_the_draft_head_may_run_from_rounded_codes_and_stays_exact(round_head):
     prompt = list(range(3, 20))
     cfg = GenerationConfig(max_new_tokens=30, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
     assert Engine(target, drafter).generate(prompt, cfg).token_ids == reference_greedy(target, prompt, 30)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
+    import os
+    import time
+
+    from eagle_lite import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / native.NAME / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    native._clear_stale_lock()                     # a build may be running: keep it, and say what to do
+    assert lock.exists() and "delete that file" in caplog.text
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    native._clear_stale_lock()                     # no build runs this long: torch would wait forever
+    assert not lock.exists() and "interrupted build" in caplog.text

@@ -172,8 +172,9 @@ def _register() -> None:
 
 # -- the kernels: q [B, H, T, D], k/v [B, Hkv, S, D], H a multiple of Hkv (GQA) -------------------------
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale, masked) v in plain torch, at least fp32 (float64 stays float64).
+                    scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale, masked) v in plain torch, at least fp32 (float64 stays float64). softcap: the
+    scores pass through softcap * tanh(score / softcap) first (Gemma 2's attention), as transformers' eager does.
 
     visible: [B|1, 1, T, S] bool, or None for all keys; every row must see at least one key.
     Returns (out [B, H, T, D], lse [B, H, T]) in the compute dtype.
@@ -183,6 +184,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     dtype = torch.promote_types(q.dtype, torch.float32)
     q5 = q.to(dtype).reshape(b, kv_heads, h // kv_heads, t, d)             # B Hkv R T D: head h reads kv h // R
     scores = q5 @ k.to(dtype).unsqueeze(2).transpose(-1, -2) * scale       # B Hkv R T S
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if visible is not None:
         scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))  # mask [B 1 1 T S] spans all heads
     lse = torch.logsumexp(scores, dim=-1)                                  # B Hkv R T
@@ -311,8 +314,8 @@ def _refuse_unsupported(backend: str, dropout: float, kwargs: dict) -> None:
         raise ValueError(f"attention backend {backend!r} is for inference; got dropout={dropout}")
     for feature in ("softcap", "s_aux"):
         if kwargs.get(feature) is not None:
-            raise ValueError(f"attention backend {backend!r} does not support {feature} (this model uses it); "
-                             "use attention='sdpa'")
+            hint = "use attention='gqa' (or 'auto')" if feature == "softcap" else "use attention='sdpa'"
+            raise ValueError(f"attention backend {backend!r} does not support {feature} (this model uses it); {hint}")
 
 
 def _scale(query: torch.Tensor, scaling: float | None) -> float:
@@ -341,9 +344,12 @@ def _is_plain_causal(mask: torch.Tensor, t: int, s: int, device) -> bool:
             and torch.equal(mask[0, 0], torch.ones(t, s, dtype=torch.bool, device=device).tril_()))
 
 
-def _gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+def _gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, softcap=None,
+                 **kwargs):
     _refuse_unsupported("gqa", dropout, kwargs)
     t, s = query.shape[2], key.shape[2]
+    if softcap is not None:                        # Gemma 2: no SDPA kernel soft-caps scores; plain torch does
+        return _softcapped(query, key, value, attention_mask, _scale(query, scaling), softcap)
     mask, causal = attention_mask, attention_mask is None and t > 1
     if (t == s and t > NATIVE_MAX_QUERIES and isinstance(mask, torch.Tensor)
             and _per_forward("causal", mask, t, s, query.device, _is_plain_causal)):
@@ -364,6 +370,18 @@ def _gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0
         query, key, value, attn_mask=mask, scale=_scale(query, scaling), is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])                     # B H T D
     return out.transpose(1, 2).contiguous(), None                     # B T H D
+
+
+def _softcapped(query, key, value, attention_mask, scale: float, softcap: float):
+    t, s = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        visible = _causal(t, s, query.device) if t > 1 else None
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask
+    else:                                          # an additive float mask: 0 where visible, very negative where not
+        visible = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    out, _ = dense_attention(query, key, value, visible, scale, softcap)   # B H T D
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None           # B T H D
 
 
 def _flex_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

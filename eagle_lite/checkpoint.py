@@ -120,7 +120,7 @@ def load_head(path: str | Path, target) -> DraftHead:
     check_target(config, target, path)
     tensors = read_tensors(path)
     weights = path / "model.safetensors"
-    head = DraftHead.for_target(target, d2t=tensors.get("d2t"))
+    head = DraftHead.for_target(target, d2t=tensors.get("d2t"), layer_class=config.get("layer_class"))
     try:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as err:

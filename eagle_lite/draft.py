@@ -1,4 +1,6 @@
-"""The EAGLE draft head: fc([embed(token); hidden]) -> one decoder layer of the target's own architecture.
+"""The EAGLE draft head: fc([embed(token); hidden]) -> one decoder layer, of the target's own architecture
+where its layers follow Llama's interface (`Target.llama_layers`: Llama, Qwen, Mistral, Phi, Gemma, ...), else a Llama layer of the
+target's sizes (GPT-2, GPT-NeoX, Falcon, Gemma 3, ...: `head_layer_classes`).
 
 At sequence position t it reads the target's last hidden state f_t and the embedding of the token that
 followed, x_{t+1}, and predicts f_{t+1}; the target's frozen lm_head turns that into a distribution over
@@ -22,6 +24,8 @@ class DraftHead(nn.Module):
         config = copy.deepcopy(target_config)
         config.num_hidden_layers = 1
         config._attn_implementation = "sdpa"
+        if getattr(config, "attn_logit_softcapping", None):
+            config.attn_logit_softcapping = None   # a Gemma 2 layer without its soft cap, which SDPA cannot do
         config.use_cache = True
         hidden = config.hidden_size
         self.config = config
@@ -34,9 +38,11 @@ class DraftHead(nn.Module):
         self.tree = None  # the TreeConfig its checkpoint recommends (checkpoint.load_head), if any
 
     @classmethod
-    def for_target(cls, target, d2t: torch.Tensor | None = None) -> "DraftHead":
-        """A fresh (randomly initialised) head shaped for `target`, in its dtype and device."""
-        head = cls(target.config, type(target.decoder.layers[0]), type(target.decoder.rotary_emb), d2t)
+    def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None) -> "DraftHead":
+        """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
+        decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`."""
+        config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
+        head = cls(config, layer_cls, rotary_cls, d2t)
         return head.to(device=target.device, dtype=target.dtype)
 
     @property
@@ -67,3 +73,47 @@ class DraftHead(nn.Module):
         out = self.forward(hidden[None], token_embeds[None], positions[None],
                            attention_mask(kv_len - s, visible), cache)
         return out[0]
+
+
+def llama_config_for(config) -> "LlamaConfig":  # noqa: F821
+    """A Llama config of the target's sizes, for a head over a target whose own layer cannot serve."""
+    from transformers import LlamaConfig
+
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    intermediate = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                    or getattr(config, "ffn_hidden_size", None) or 4 * hidden)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads if heads % kv_heads == 0 else heads,
+                       head_dim=head_dim, num_hidden_layers=1,
+                       max_position_embeddings=getattr(config, "max_position_embeddings", None) or 4096,
+                       rms_norm_eps=getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None)
+                       or 1e-6)
+
+
+def head_layer_classes(target, layer_class: str | None = None) -> tuple[object, type[nn.Module], type[nn.Module]]:
+    """(config, decoder layer class, rotary class) of the head for `target`.
+
+    The target's own layer where it follows Llama's interface (the head then shares its architecture, as in
+    EAGLE), else `LlamaDecoderLayer` over `llama_config_for` (the head is only trained, never copied from the
+    target, so any layer of the right width serves). layer_class names a saved head's layer: it must be one of
+    the two."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    decoder = target.decoder
+    own = target.llama_layers
+    own_name = type(decoder.layers[0]).__name__ if own else None
+    if layer_class is None:
+        use_own = own
+    elif layer_class == own_name:
+        use_own = True
+    elif layer_class == LlamaDecoderLayer.__name__:
+        use_own = False
+    else:
+        raise ValueError(f"the draft head was built with a {layer_class}; for target '{target.name}' eagle_lite "
+                         f"builds heads of {own_name or 'no layer of its own'} or LlamaDecoderLayer")
+    if use_own:
+        return target.config, type(decoder.layers[0]), type(decoder.rotary_emb)
+    return llama_config_for(target.config), LlamaDecoderLayer, LlamaRotaryEmbedding

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -48,6 +49,8 @@ class Target:
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
         # read them as additive and silently give wrong logits).
         # --- attention backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash ---
+        if getattr(model.config, "attn_logit_softcapping", None) and attention in ("auto", "sdpa"):
+            attention = "gqa"   # Gemma 2 soft-caps attention scores: no SDPA kernel does, gqa's torch path does
         implementation = select_attention(attention, model)  # "sdpa" for the default
         if model.config._attn_implementation != implementation:
             model.set_attn_implementation(implementation)
@@ -73,6 +76,7 @@ class Target:
         plain_head = type(self.lm_head) is nn.Linear and self.lm_head.weight.device.type == "cpu"
         self._lm_grid = grid_of(self.lm_head.weight) if packed_linears and plain_head else None
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
+        self._finish = logits_transform(model, self.decoder, self.lm_head, name)  # what the model does after it
         self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
 
     # -- shape facts ---------------------------------------------------------------------------------
@@ -103,6 +107,21 @@ class Target:
         if window and (layer_types is None or "sliding_attention" in layer_types):
             limit = min(limit, int(window))
         return limit
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether the decoder's `layers` are called as Llama's are (the cache in `past_key_values`, cos/sin in
+        `position_embeddings` from a `rotary_emb` that needs only (x, position_ids)): Llama, Qwen, Mistral, Phi,
+        Gemma 1/2, ... A draft head may then be one of its layers. Not GPT-2, GPT-NeoX, Falcon or Gemma 3."""
+        decoder = self.decoder
+        layers, rotary = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
+        if not layers or rotary is None:
+            return False
+        takes = inspect.signature(type(layers[0]).forward).parameters
+        rotary_needs = [n for n, p in inspect.signature(type(rotary).forward).parameters.items()
+                        if n != "self" and p.default is inspect.Parameter.empty
+                        and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        return {"past_key_values", "position_embeddings"} <= set(takes) and rotary_needs == ["x", "position_ids"]
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -192,6 +211,10 @@ class Target:
         (~2x faster than `F.linear`'s gemv), and 2-8 rows run as W @ h^T (~2x faster than `F.linear`'s
         small-M GEMM). Each product is the same sum of the same fp32 terms, to rounding.
         """
+        out = self._lm_head_product(hidden)
+        return out if self._finish is None else self._finish(out)
+
+    def _lm_head_product(self, hidden: torch.Tensor) -> torch.Tensor:
         weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         if self._lm_grid is not None and self._lm_grid.takes(hidden):
             out = self._lm_grid(hidden)
@@ -218,7 +241,7 @@ class Target:
         if self._argmax is False:
             plain = type(self.lm_head) is nn.Linear and getattr(self.lm_head, "bias", None) is None
             had_transposed = self._lm_head_t is not None
-            self._argmax = CertifiedArgmax.build(self.lm_head.weight, self.logits) if plain else None
+            self._argmax = CertifiedArgmax.build(self.lm_head.weight, self._lm_head_product) if plain else None
             if self._argmax is not None and not had_transposed:
                 self._lm_head_t = None   # built only to time the fp32 row against: greedy no longer needs it
         if self._argmax is None:
@@ -231,6 +254,35 @@ class Target:
             with torch.inference_mode(False):  # a normal tensor: callers may run outside inference mode
                 self._lm_head_t = weight.detach().t().contiguous()
         return self._lm_head_t
+
+
+def logits_transform(model: nn.Module, decoder: nn.Module, lm_head: nn.Module, name: str = "target"):
+    """What `model` does to lm_head(last hidden state) to make its logits: None (nothing, most models), or the
+    function that does it. Some models scale (Granite divides by `logits_scaling`, Cohere multiplies by
+    `logit_scale`) or soft-cap them (Gemma 2/3: `final_logit_softcapping`); all keep the argmax, but sampling
+    from unscaled logits would not sample the target. Found by one probe forward against the model's own logits,
+    so a model that does something else is refused instead of sampled wrong."""
+    cfg = model.config
+    candidates: list = [None]
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        candidates.append(lambda x: torch.tanh(x / cap) * cap)
+    for key in ("logits_scaling", "logit_scale"):
+        scale = getattr(cfg, key, None)
+        if isinstance(scale, (int, float)) and scale not in (0, 1):
+            candidates += [lambda x, s=scale: x / s, lambda x, s=scale: x * s]
+    vocab = lm_head.weight.shape[0]
+    ids = (torch.arange(6, device=lm_head.weight.device) * 7919 + 3) % vocab     # any few tokens
+    with torch.inference_mode():
+        expected = model(input_ids=ids[None]).logits[0].float()                  # T V
+        raw = lm_head(decoder(input_ids=ids[None]).last_hidden_state)[0].float()  # T V
+        errors = [float(((raw if f is None else f(raw)) - expected).norm()) for f in candidates]
+        best = min(range(len(candidates)), key=errors.__getitem__)   # the closest: a soft cap barely moves small logits
+        if errors[best] <= 1e-2 * float(expected.norm()) + 1e-6:       # bf16 rounding passes, a wrong form does not
+            return candidates[best]
+    raise ValueError(f"target '{name}' ({type(model).__name__}) computes its logits as something other than its "
+                     f"lm_head of the last hidden state (or a scaling or soft-capping of it): eagle_lite cannot "
+                     f"verify drafts against it exactly")
 
 
 class NodeLogits:

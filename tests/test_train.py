@@ -48,6 +48,16 @@ def item(ids: list[int], hidden: torch.Tensor, mask: list[bool] | None = None) -
 # -- the objective ----------------------------------------------------------------------------------
 def test_unrolled_training_matches_chain_drafting_at_inference(target):
     """Training-time-test step k at position t == the runtime drafting k steps past the real root t-k."""
+    check_unrolled_training_matches_chain_drafting(target)
+
+
+def test_a_head_of_a_target_without_llama_layers_trains_as_it_drafts():
+    from test_architectures import build
+
+    check_unrolled_training_matches_chain_drafting(build("gpt2"))   # its head is a Llama layer of GPT-2's sizes
+
+
+def check_unrolled_training_matches_chain_drafting(target) -> None:
     torch.manual_seed(0)
     head = DraftHead.for_target(target).eval()
     n, steps = 12, 3

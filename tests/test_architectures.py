@@ -1,0 +1,115 @@
+"""Causal LMs beyond the Llama family run through the same code path: exact greedy output for every method
+that applies, logits as the model makes them (scaled or soft-capped), and clear refusals where a method cannot run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as T
+from conftest import VOCAB, reference_greedy
+
+from eagle_lite.checkpoint import load_head, save_head
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.draft import DraftHead
+from eagle_lite.drafters import EagleDrafter
+from eagle_lite.drafters.base import NoDrafter
+from eagle_lite.drafters.layer_skip import LayerSkipDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.target import Target
+
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0)
+LLAMA_LIKE = dict(SIZES, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=512)
+
+# family -> (config class, model class, config kwargs)
+FAMILIES = {
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, SIZES),                           # learned positions, no rotary
+    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, SIZES),                 # layer_past, partial rotary
+    "falcon": (T.FalconConfig, T.FalconForCausalLM, SIZES),
+    "phi": (T.PhiConfig, T.PhiForCausalLM, dict(LLAMA_LIKE, num_key_value_heads=4)),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(LLAMA_LIKE, head_dim=16)),   # soft-capped attention
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,                          # per-layer-type rotary
+               dict(LLAMA_LIKE, head_dim=16, final_logit_softcapping=3.0)),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(LLAMA_LIKE, logits_scaling=4.0)),
+}
+
+
+def build(family: str) -> Target:
+    config_cls, model_cls, sizes = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**sizes)).eval()
+    if not model.config.tie_word_embeddings:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(8.0)   # sharper distributions: greedy paths are not ties
+    return Target(model, name=f"tiny-{family}")
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_target(request) -> Target:
+    return build(request.param)
+
+
+def test_eagle_and_vanilla_reproduce_the_targets_greedy_output(family_target):
+    prompt = list(range(3, 20))
+    expected = reference_greedy(family_target, prompt, 24)
+    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    head = DraftHead.for_target(family_target)
+    assert Engine(family_target, EagleDrafter(family_target, head)).generate(prompt, cfg).token_ids == expected
+    assert Engine(family_target, NoDrafter()).generate(prompt, cfg).token_ids == expected
+
+
+def test_the_targets_logits_are_the_models_own_scaled_or_capped_ones(family_target):
+    ids = torch.tensor([5, 9, 13, 2, 40])
+    with torch.inference_mode():
+        expected = family_target.model(ids[None]).logits[0]
+        _, hidden = family_target.forward(ids, family_target.new_cache(16))
+        got = family_target.logits(hidden)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)   # what sampling draws from
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "granite"])
+def test_a_scaled_or_capped_head_is_found(family):
+    target = build(family)
+    assert target._finish is not None            # raw lm_head logits would sample at the wrong temperature
+
+
+def test_a_model_whose_logits_are_something_else_is_refused():
+    class Squared(T.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits ** 2
+            return out
+
+    torch.manual_seed(0)
+    model = Squared(T.LlamaConfig(**LLAMA_LIKE)).eval()
+    with pytest.raises(ValueError, match="cannot verify drafts against it exactly"):
+        Target(model, name="squared")
+
+
+def test_the_head_is_a_llama_layer_where_the_targets_layers_cannot_serve(tmp_path):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    gpt2, gemma2 = build("gpt2"), build("gemma2")
+    assert not gpt2.llama_layers and gemma2.llama_layers
+    assert type(DraftHead.for_target(gpt2).layer) is LlamaDecoderLayer
+    assert type(DraftHead.for_target(gemma2).layer) is type(gemma2.decoder.layers[0])
+
+    head = DraftHead.for_target(gpt2)
+    save_head(head, tmp_path / "head", gpt2, dtype=torch.float32)
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["layer_class"] == "LlamaDecoderLayer"
+    loaded = load_head(tmp_path / "head", gpt2)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config["layer_class"] = "MambaBlock"
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="built with a MambaBlock"):
+        load_head(tmp_path / "head", gpt2)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_layer_skip_refuses_a_target_without_a_llama_style_stack(family):
+    with pytest.raises(ValueError, match="layer_skip runs the first layers"):
+        LayerSkipDrafter(build(family))

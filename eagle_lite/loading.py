@@ -126,12 +126,19 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     gguf = gguf_file(spec)
     if gguf is not None:
         folder, name = converted_gguf(gguf), (spec if spec in _EMBEDDED else gguf.stem)
+    elif Path(spec).is_dir():
+        folder, name = Path(spec), spec
+    elif spec.startswith(("/", "./", "../", "~")) or Path(spec).exists():
+        raise FileNotFoundError(f"target '{spec}': no model folder there (a target is 'smollm2', a .gguf file, a "
+                                f"folder saved by save_pretrained, or a hub id such as HuggingFaceTB/SmolLM2-135M)")
     else:
-        folder, name = Path(spec) if Path(spec).is_dir() else spec, spec
+        folder, name = spec, spec
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                                     trust_remote_code=False)
+        # transformers' default attention (SDPA where the model supports it; Gemma 2 does not): Target then
+        # sets the tree-verification backend
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
-        raise RuntimeError(f"could not load target '{spec}' from {folder}: {err}") from err
+        where = "folder" if isinstance(folder, Path) else "hub id (no such local folder)"
+        raise RuntimeError(f"could not load target '{spec}' as a {where}: {err}") from err
     return Target(model.to(device), tokenizer, name=name, attention=attention, packed_linears=packed_linears)

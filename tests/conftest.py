@@ -129,10 +129,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}|
                  "{% if add_generation_prompt %}<a>{% endif %}")
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random Llama with a character-level tokenizer and a chat template, saved like a hub model."""
-    path = tmp_path_factory.mktemp("tiny-chat-model")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer of 96 ids (3 specials + 93 printable characters) with a chat template."""
     specials = ["<unk>", "<pad>", "<eos>"]
     chars = [chr(c) for c in range(32, 127)][:93]
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
@@ -141,9 +139,17 @@ def tiny_model_dir(tmp_path_factory):
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a character-level tokenizer and a chat template, saved like a hub model."""
+    path = tmp_path_factory.mktemp("tiny-chat-model")
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          eos_token_id=2, pad_token_id=1, bos_token_id=None)
     model = LlamaForCausalLM(config)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import transformers as T
-from conftest import VOCAB, reference_greedy
+from conftest import VOCAB, reference_greedy, tiny_tokenizer
 
 from eagle_lite.checkpoint import load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
@@ -113,3 +113,25 @@ def test_the_head_is_a_llama_layer_where_the_targets_layers_cannot_serve(tmp_pat
 def test_layer_skip_refuses_a_target_without_a_llama_style_stack(family):
     with pytest.raises(ValueError, match="layer_skip runs the first layers"):
         LayerSkipDrafter(build(family))
+
+
+def test_a_saved_gemma2_folder_loads_and_decodes_exactly(tmp_path):
+    """from_pretrained with SDPA forced would refuse Gemma 2 (it soft-caps attention scores)."""
+    from eagle_lite.loading import load_target
+
+    built = build("gemma2")
+    built.model.save_pretrained(tmp_path / "gemma2")
+    tiny_tokenizer().save_pretrained(tmp_path / "gemma2")
+    target = load_target(str(tmp_path / "gemma2"))
+    prompt = list(range(3, 20))
+    cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False, tree=TreeConfig(depth=2, top_k=2, total_tokens=3))
+    head = DraftHead.for_target(target)
+    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == \
+        reference_greedy(built, prompt, 16)
+
+
+def test_a_target_path_that_does_not_exist_is_named(tmp_path):
+    from eagle_lite.loading import load_target
+
+    with pytest.raises(FileNotFoundError, match="no model folder there"):
+        load_target(str(tmp_path / "missing"))

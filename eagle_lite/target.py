@@ -78,6 +78,43 @@ class Target:
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
         self._finish = logits_transform(model, self.decoder, self.lm_head, name)  # what the model does after it
         self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
+        self._check_tree_forward()
+
+    def _check_tree_forward(self) -> None:
+        """Refuse a model that the cached tree forward would run wrong, before it answers anything.
+
+        A prompt, then two sibling nodes after it (each may see the prompt and itself only, at the same position),
+        then the chain that continues the prompt: their logits must be the model's own full forwards'. Models whose
+        attention ignores a boolean mask or computes ALiBi positions itself (GPT-J, CodeGen, MPT, Bloom) fail here;
+        recurrent ones (Mamba, RWKV, Jamba) cannot run on a cache of keys and values at all."""
+        vocab = self.vocab_size
+        ids = (torch.arange(6, device=self.device) * 7919 + 3) % vocab       # any few tokens
+        sibling = (ids[4:5] + 1) % vocab
+        problem = None
+        try:
+            with torch.inference_mode():
+                expected = self.model(input_ids=ids[None]).logits[0].float()                               # T V
+                expected_sibling = self.model(input_ids=torch.cat([ids[:4], sibling])[None]).logits[0, -1].float()
+                cache = self.new_cache(8)
+                self.forward(ids[:4], cache)
+                cache.commit(4)
+                nodes = torch.cat([ids[4:5], sibling])
+                _, hidden = self.forward(nodes, cache, torch.eye(2, dtype=torch.bool, device=self.device),
+                                         torch.zeros(2, dtype=torch.long, device=self.device))
+                tree = self.logits(hidden).float()                                                      # 2 V
+                _, hidden = self.forward(ids[4:], cache)
+                chain = self.logits(hidden).float()                                                     # 2 V
+            want, got = torch.stack([expected[4], expected_sibling, expected[4], expected[5]]), torch.cat([tree, chain])
+            tolerance = 1e-3 if self.dtype == torch.float32 else 3e-2
+            if float((got - want).norm()) > tolerance * float(want.norm()) + 1e-5:
+                problem = "its logits over a draft tree after a cached prompt differ from its own full forward"
+        except Exception as err:  # noqa: BLE001 (any failure here means the model cannot run this way)
+            problem = f"a cached tree forward fails ({type(err).__name__}: {err})"
+        if problem:
+            raise ValueError(f"target '{self.name}' ({type(self.model).__name__}) cannot be verified exactly by "
+                             f"eagle_lite: {problem}. It needs attention through transformers' attention interface "
+                             f"with boolean masks and a key/value cache (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, "
+                             f"GPT-NeoX, Falcon, OPT, ... do)")
 
     # -- shape facts ---------------------------------------------------------------------------------
     @property

@@ -6,6 +6,7 @@ node's depth is its distance from the root (its position is prefix_len + depth).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,7 @@ def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[to
     Returns (kept candidate indices in topological order [K], parent of each kept node as a tree index
     where 0 is the root and kept node j is tree node j + 1).
     """
+    scores = scores.nan_to_num(nan=-math.inf)   # a broken draft's NaN would sort anywhere (its tree stays exact)
     order = torch.sort(scores, descending=True, stable=True).indices[:budget]
     kept = torch.sort(order).values  # candidate order is topological, so sorting indices keeps it
     slot = {int(c): j + 1 for j, c in enumerate(kept.tolist())}

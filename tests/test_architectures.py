@@ -31,6 +31,14 @@ FAMILIES = {
     "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,                          # per-layer-type rotary
                dict(LLAMA_LIKE, head_dim=16, final_logit_softcapping=3.0)),
     "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(LLAMA_LIKE, logits_scaling=4.0)),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,                      # experts: the head is a dense layer
+                  dict(LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+}
+# models whose attention does not take transformers' boolean masks through its attention interface
+UNVERIFIABLE = {
+    "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)),
+    "mpt": lambda: T.MptForCausalLM(T.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4)),
+    "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)),
 }
 
 
@@ -135,3 +143,23 @@ def test_a_target_path_that_does_not_exist_is_named(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no model folder there"):
         load_target(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("family", list(UNVERIFIABLE))
+def test_a_model_the_tree_forward_would_run_wrong_is_refused_at_load(family):
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="cannot be verified exactly"):
+        Target(UNVERIFIABLE[family]().eval(), name=family)
+
+
+def test_the_head_of_a_mixture_of_experts_target_is_dense_and_deterministic():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    target = build("qwen3_moe")
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        heads.append(DraftHead.for_target(target))
+    assert type(heads[0].layer) is LlamaDecoderLayer     # an MoE layer built outside its model kept torch.empty experts
+    for name, tensor in heads[0].state_dict().items():
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, heads[1].state_dict()[name]), name

@@ -85,3 +85,12 @@ def test_rerank_keeps_a_connected_tree_of_the_best_nodes():
     assert tree_parents == [0, 1, 1, 2]           # tree node j+1 for kept[j]
     with pytest.raises(ValueError, match="parent"):
         DraftTree(torch.tensor([1, 2]), [-1, 1])
+
+
+def test_rerank_keeps_a_connected_tree_when_a_broken_draft_scores_nan():
+    nan = float("nan")
+    scores = torch.tensor([-3.4, -3.5, -3.6, nan, nan, nan, nan, nan, nan])   # the root's children, then theirs
+    parents = torch.tensor([-1, -1, -1, 0, 0, 0, 1, 1, 1])
+    kept, tree_parents = rerank(scores, parents, 5)
+    assert all(p <= j for j, p in enumerate(tree_parents))                   # every kept node's parent is kept first
+    assert kept[:3].tolist() == [0, 1, 2]

@@ -246,6 +246,32 @@ def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
         assert drafter.copy_steps == 3 and drafter.cache.length == len(tokens) - 1
 
 
+def test_copy_chains_stop_shorter_after_a_long_context(llama, monkeypatch):
+    """Past LONG_CONTEXT tokens every verified row attends over the whole context: chains double only to
+    COPY_MAX_LONG, and the output stays the target's."""
+    from eagle_lite.drafters import eagle
+
+    monkeypatch.setattr(eagle, "LONG_CONTEXT", 20)      # the tiny passage below counts as a long context
+    torch.manual_seed(0)
+    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter.reset(128)
+    passage = list(range(10, 40))
+    tree_cfg = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    tokens = passage + [90] + passage[:4]
+    hidden = lambda n: torch.randn(n, llama.hidden_size)
+    with torch.inference_mode():
+        drafter.propose(DraftInput(tokens, hidden(len(tokens) - 1)), tree_cfg)
+        sizes = []
+        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]), (passage[15:23], passage[23])):
+            tokens = tokens + accepted + [bonus]
+            sizes.append(len(drafter.propose(DraftInput(tokens, hidden(len(accepted) + 1)), tree_cfg)) - 1)
+    assert sizes == [6, eagle.COPY_MAX_LONG, eagle.COPY_MAX_LONG]
+    prompt = passage + [90] + passage[:4]
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=tree_cfg)
+    assert Engine(llama, EagleDrafter(llama, DraftHead.for_target(llama))).generate(prompt, cfg).token_ids == \
+        reference_greedy(llama, prompt, 40)
+
+
 def test_min_prob_verifies_only_nodes_the_draft_finds_likely(llama):
     """The tree keeps the nodes whose draft path probability reaches min_prob: all of them for a tiny
     threshold, the root alone for one no path reaches, a subtree of the unpruned tree in between."""

@@ -163,3 +163,25 @@ def test_the_head_of_a_mixture_of_experts_target_is_dense_and_deterministic():
     assert type(heads[0].layer) is LlamaDecoderLayer     # an MoE layer built outside its model kept torch.empty experts
     for name, tensor in heads[0].state_dict().items():
         assert torch.isfinite(tensor).all() and torch.equal(tensor, heads[1].state_dict()[name]), name
+
+
+def test_sampling_follows_the_logits_the_model_scales():
+    """Granite divides its logits by 4: sampled answers (plain and speculative) follow the model's own law,
+    not the unscaled lm_head's (which samples as if at a quarter of the temperature)."""
+    from collections import Counter
+
+    from conftest import exact_continuations
+    from test_accept import TargetTopKDrafter, tv
+
+    from eagle_lite.config import SamplingConfig
+
+    target = build("granite")
+    sampling = SamplingConfig(temperature=0.8, top_k=4)
+    exact = exact_continuations(target, [5, 6, 7], sampling)
+    draws = 1000
+    for drafter in (NoDrafter(), TargetTopKDrafter(target)):
+        engine, counts = Engine(target, drafter), Counter()
+        for seed in range(draws):
+            cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, seed=seed, stop_at_eos=False)
+            counts[tuple(engine.generate([5, 6, 7], cfg).token_ids)] += 1
+        assert tv(counts, exact, draws) < 0.12, type(drafter).__name__

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from .chat_format import chat_ids
 from .checkpoint import default_head_path, load_head
 from .config import GenerationConfig, TreeConfig
 from .draft import DraftHead
@@ -67,15 +68,16 @@ class Pipeline:
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
-        """Text (one user message) or chat messages -> prompt token ids, through the chat template."""
+        """Text (one user message) or chat messages -> prompt token ids, through the chat template (a base model
+        without one: its plain layout, chat_format.py); chat_template=False: the text as it is."""
         tok = self.target.tokenizer
         if tok is None:
             raise ValueError(f"target '{self.target.name}' has no tokenizer; pass token ids to Engine instead")
-        if chat_template and getattr(tok, "chat_template", None):
+        if chat_template:   # the tokenizer's template, or for a base model the plain layout (chat_format.py)
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            return list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+            return chat_ids(tok, messages)
         if not isinstance(prompt, str):
-            raise ValueError(f"target '{self.target.name}' has no chat template: give the prompt as text")
+            raise ValueError("chat_template=False takes the prompt as text, not as messages")
         return tok.encode(prompt)
 
     def decode(self, token_ids: list[int]) -> str:

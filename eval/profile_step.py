@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from eagle_lite.chat_format import chat_ids
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.drafters import EagleDrafter, NoDrafter
 from eagle_lite.engine import Engine
@@ -58,8 +59,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                    add_generation_prompt=True, return_dict=False))
+    ids = chat_ids(target.tokenizer, [{"role": "user", "content": args.prompt}])
     rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]
     for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)

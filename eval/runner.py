@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
+from eagle_lite.chat_format import chat_ids
 from eagle_lite.config import GenerationConfig
 from eagle_lite.target import Target
 
@@ -37,13 +38,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def conversation_prompts(target: Target, question: Question, answers: list[list[int]]) -> list[int]:
-    """Chat-template ids for the next turn: earlier turns with the baseline's own answers."""
+    """Chat-template ids for the next turn (a base model: the plain layout): earlier turns with the baseline's
+    own answers."""
     messages = []
     for turn, answer in zip(question.turns, answers):
         messages.append({"role": "user", "content": turn})
         messages.append({"role": "assistant", "content": target.tokenizer.decode(answer, skip_special_tokens=True)})
     messages.append({"role": "user", "content": question.turns[len(answers)]})
-    return list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    return chat_ids(target.tokenizer, messages)
 
 
 def run(target: Target, questions: Iterable[Question], methods: dict[str, Method], cfg: GenerationConfig,
@@ -59,8 +61,7 @@ def run(target: Target, questions: Iterable[Question], methods: dict[str, Method
     order = [baseline] + [m for m in methods if m != baseline]
     if warmup:
         warm = GenerationConfig(max_new_tokens=8, sampling=cfg.sampling, tree=cfg.tree)
-        ids = list(target.tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}],
-                                                        add_generation_prompt=True, return_dict=False))
+        ids = chat_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}])
         for name in order:
             methods[name](ids, warm)
     records: list[Record] = []

@@ -45,6 +45,50 @@ def test_runner_compares_every_method_to_the_baseline(chat_target, tmp_path):
     assert "| overall | eagle |" in table and "100%" in table
 
 
+def base_model_dir(tiny_model_dir, tmp_path):
+    """The tiny chat model saved without its chat template, as a base model (GPT-2, Pythia) is."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    for template in base.glob("chat_template.*"):
+        template.unlink()
+    return base
+
+
+def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_prompts(tiny_model_dir, tmp_path):
+    """No chat template (GPT-2, Pythia): prompts and earlier turns in the plain layout (chat_format.py)."""
+    from eagle_lite.chat_format import chat_text
+
+    target = load_target(str(base_model_dir(tiny_model_dir, tmp_path)))
+    assert not getattr(target.tokenizer, "chat_template", None)
+    questions = load_question_file(two_question_file(tmp_path))
+    methods = build_methods(target, ["hf_generate", "vanilla", "eagle"], DraftHead.for_target(target))
+    cfg = GenerationConfig(max_new_tokens=8, tree=TreeConfig(depth=2, top_k=2, total_tokens=3))
+    records = runner.run(target, questions, methods, cfg, baseline="hf_generate")
+    assert records and all(r.identical_to_baseline for r in records)
+    first = questions[0]
+    ids = runner.conversation_prompts(target, first, [])
+    text = chat_text(target.tokenizer, [{"role": "user", "content": first.turns[0]}])
+    assert text == first.turns[0] + "\n\n"
+    assert ids == target.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_a_base_model_takes_text_and_messages_in_the_plain_layout(tiny_model_dir, tmp_path):
+    from eagle_lite import load
+
+    lm = load(str(base_model_dir(tiny_model_dir, tmp_path)), method="vanilla")
+    tok = lm.target.tokenizer
+    assert lm.prompt_ids("hi") == tok("hi\n\n", add_special_tokens=False).input_ids
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    assert lm.prompt_ids(messages) == tok("hi\n\nyo" + tok.eos_token + "\n\n?\n\n", add_special_tokens=False).input_ids
+    assert lm.prompt_ids("hi", chat_template=False) == tok.encode("hi")          # --raw: the text as it is
+    assert lm.generate(messages, lm.config(max_new_tokens=4)).token_ids
+
+
 def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_identity(tiny_model_dir, tmp_path, capsys):
     from eval import benchmark
 

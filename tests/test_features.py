@@ -273,3 +273,31 @@ def test_distilled_text_with_unicode_line_separators_reads_back(tmp_path):
     (tmp_path / META).write_text("{}")
     (tmp_path / "shard-00000.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
     assert list(read_records(tmp_path)) == [record]
+
+
+def test_a_base_model_without_a_chat_template_distills_in_the_plain_layout():
+    """GPT-2, Pythia and other base models ship no chat template: their turns are laid out as plain text, each
+    followed by a blank line (an answer closed by EOS), and the target's answer is its continuation."""
+    from eagle_lite.target import Target
+    from trainers.distill import chat_records
+    from trainers.sharegpt import Conversation, Turn
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = None
+    tiny = tiny_target(TargetConfig(name="tiny-base", kind="tiny", vocab_size=260, eos_token_id=257,
+                                    pad_token_id=258, seed=3))
+    target = Target(tiny.model, tokenizer, name="tiny-base")
+    chats = [Conversation("a_0", [Turn("user", "Hi"), Turn("assistant", "old"), Turn("user", "And?"),
+                                  Turn("assistant", "old")])]
+    cfg = DistillConfig(multi_turn=True, max_turns=4, max_new_tokens=6, max_prompt_tokens=120, batch_size=2)
+    (a,) = chat_records(target, chats, cfg)
+    (s0, e0), (s1, e1) = a["spans"]
+    ids = a["input_ids"]
+    assert tokenizer.decode(ids[:s0]) == "Hi\n\n"
+    between = tokenizer.decode(ids[e0:s1])
+    assert between.endswith("\n\nAnd?\n\n")
+    for start, end in a["spans"]:   # each answer is the target's greedy continuation of exactly its prefix
+        with torch.no_grad():
+            alone = target.model.generate(torch.tensor([ids[:start]]), max_new_tokens=6, do_sample=False,
+                                          pad_token_id=258)
+        assert ids[start:end] == alone[0, start:].tolist()[:end - start]

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle_lite.atomic import write_json_atomic, write_text_atomic
+from eagle_lite.chat_format import chat_text
 from eagle_lite.target import Target
 
 from .targets import pad_token_id
@@ -158,7 +159,7 @@ class _Chat:
             self.done = True
             return None
         messages = self.messages + [{"role": "user", "content": self.users[turn]}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = chat_text(tokenizer, messages)
         if not text.startswith(self.rendered):
             # The template re-renders earlier turns differently (e.g. trims them); appending would
             # make ids that no longer match the text, so this conversation ends here.
@@ -247,10 +248,12 @@ def text_records(target: Target, conversations: list, cfg: DistillConfig,
 
 
 def _chat_tokenizer(target: Target):
+    """The target's tokenizer (a base model's, without a chat template, lays turns out as plain text:
+    eagle_lite/chat_format.py)."""
     tokenizer = target.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"target '{target.name}' has no tokenizer with a chat template; "
-                         f"use data.distill.source=synthetic for tokenizer-free targets")
+    if tokenizer is None:
+        raise ValueError(f"target '{target.name}' has no tokenizer; use data.distill.source=synthetic for "
+                         f"tokenizer-free targets")
     return tokenizer
 
 

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "smaller LM drafts (needs --draft-model); layer_skip: the target's first --exit-layer "
                         "layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
                         "vanilla: one target forward per token; "
-                        "auto: eagle if a head exists, else vanilla")
+                        "auto: eagle if a head exists, else lookup (training-free)")
     p.add_argument("--draft-model", default=None, metavar="SPEC",
                    help="--method draft_model: the smaller model (same tokenizer as the target), given like --target")
     p.add_argument("--exit-layer", type=int, default=None, metavar="N",

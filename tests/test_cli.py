@@ -117,3 +117,14 @@ def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_mo
     args = build_parser().parse_args(["--tree-total-tokens", "4"])
     assert generation_config(args, lm.tree).tree == TreeConfig(2, 3, 4)
     assert generation_config(build_parser().parse_args([]), lm.tree).tree == TreeConfig(2, 3, 5)
+
+
+def test_a_target_without_a_head_drafts_by_prompt_lookup_by_default(tiny_model_dir, caplog):
+    from eagle_lite import load
+
+    lm = load(str(tiny_model_dir))                      # no head ships for it
+    assert lm.method == "lookup" and "prompt lookup" in caplog.text
+    prompt = "abcabcabcabc"                             # repeats: lookup drafts from the prompt
+    vanilla = load(str(tiny_model_dir), method="vanilla")
+    cfg = vanilla.config(max_new_tokens=24, stop_at_eos=False)
+    assert lm.generate(prompt, cfg).token_ids == vanilla.generate(prompt, cfg).token_ids

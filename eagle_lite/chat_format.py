@@ -14,18 +14,19 @@ PLAIN_TEMPLATE = (
 )
 
 
-def template_of(tokenizer) -> str:
-    """The tokenizer's chat template, else PLAIN_TEMPLATE."""
-    return getattr(tokenizer, "chat_template", None) or PLAIN_TEMPLATE
+def _template(tokenizer) -> dict:
+    """apply_chat_template's template argument: none where the tokenizer has its own (transformers then picks
+    it, or its "default" one among several), PLAIN_TEMPLATE where it has none."""
+    return {} if getattr(tokenizer, "chat_template", None) else {"chat_template": PLAIN_TEMPLATE}
 
 
 def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The text of `messages` (ready for the assistant's next turn with add_generation_prompt)."""
-    return tokenizer.apply_chat_template(messages, chat_template=template_of(tokenizer), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **_template(tokenizer))
 
 
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """The token ids of `messages`, as the template renders them."""
-    return list(tokenizer.apply_chat_template(messages, chat_template=template_of(tokenizer), tokenize=True,
-                                              add_generation_prompt=add_generation_prompt, return_dict=False))
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                              return_dict=False, **_template(tokenizer)))

@@ -97,9 +97,9 @@ def head_layer_classes(target, layer_class: str | None = None) -> tuple[object, 
     """(config, decoder layer class, rotary class) of the head for `target`.
 
     The target's own layer where it follows Llama's interface and is dense (the head then shares its
-    architecture, as in EAGLE), else `LlamaDecoderLayer` over `llama_config_for` (the head is only trained, never copied from the
-    target, so any layer of the right width serves). layer_class names a saved head's layer: it must be one of
-    the two."""
+    architecture, as in EAGLE), else `LlamaDecoderLayer` over `llama_config_for` (the head is only trained, never
+    copied from the target, so any layer of the right width serves). layer_class names a saved head's layer: the
+    target's own (heads saved before session 10 may hold an MoE one) or Llama's."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     decoder = target.decoder
@@ -107,10 +107,9 @@ def head_layer_classes(target, layer_class: str | None = None) -> tuple[object, 
     experts = any(getattr(cfg, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     # a mixture-of-experts layer is no draft head: its expert weights are left to the model's own init
     # (uninitialised memory in a head built outside it) and a head gains nothing from routing
-    own = target.llama_layers and not experts
-    own_name = type(decoder.layers[0]).__name__ if own else None
+    own_name = type(decoder.layers[0]).__name__ if target.llama_layers else None
     if layer_class is None:
-        use_own = own
+        use_own = own_name is not None and not experts
     elif layer_class == own_name:
         use_own = True
     elif layer_class == LlamaDecoderLayer.__name__:

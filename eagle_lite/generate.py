@@ -26,9 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(greedy: token for token; sampling: the same distribution). Without --prompt, starts a chat.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--prompt", help="answer this one prompt and exit (through the chat template unless --raw)")
+    p.add_argument("--prompt", help="answer this one prompt and exit (through the chat template, or a base "
+                                    "model's plain layout, unless --raw)")
     p.add_argument("--target", default=None,
-                   help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id")
+                   help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any "
+                        "transformers causal LM whose cached tree forward matches its own (checked at load)")
     p.add_argument("--draft", default="auto",
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
     p.add_argument("--method", default="auto",

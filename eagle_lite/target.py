@@ -49,6 +49,9 @@ class Target:
         # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
         # read them as additive and silently give wrong logits).
         # --- attention backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash ---
+        if not (getattr(model, "_supports_attention_backend", False) or getattr(model, "_supports_sdpa", False)):
+            raise unverifiable(name, model, "its attention takes neither transformers' attention interface nor SDPA "
+                                            "(state-space and recurrent models such as Mamba have no attention to mask)")
         if getattr(model.config, "attn_logit_softcapping", None) and attention in ("auto", "sdpa"):
             attention = "gqa"   # Gemma 2 soft-caps attention scores: no SDPA kernel does, gqa's torch path does
         implementation = select_attention(attention, model)  # "sdpa" for the default
@@ -76,7 +79,12 @@ class Target:
         plain_head = type(self.lm_head) is nn.Linear and self.lm_head.weight.device.type == "cpu"
         self._lm_grid = grid_of(self.lm_head.weight) if packed_linears and plain_head else None
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
-        self._finish = logits_transform(model, self.decoder, self.lm_head, name)  # what the model does after it
+        try:
+            self._finish = logits_transform(model, self.decoder, self.lm_head, name)  # what the model does after it
+        except (RuntimeError, ValueError, AttributeError, TypeError) as err:
+            if "lm_head of the last hidden state" in str(err):
+                raise
+            raise unverifiable(name, model, f"its own forward fails on a few tokens ({type(err).__name__}: {err})") from err
         self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
         self._check_tree_forward()
 
@@ -111,10 +119,7 @@ class Target:
         except Exception as err:  # noqa: BLE001 (any failure here means the model cannot run this way)
             problem = f"a cached tree forward fails ({type(err).__name__}: {err})"
         if problem:
-            raise ValueError(f"target '{self.name}' ({type(self.model).__name__}) cannot be verified exactly by "
-                             f"eagle_lite: {problem}. It needs attention through transformers' attention interface "
-                             f"with boolean masks and a key/value cache (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, "
-                             f"GPT-NeoX, Falcon, OPT, ... do)")
+            raise unverifiable(self.name, self.model, problem)
 
     # -- shape facts ---------------------------------------------------------------------------------
     @property
@@ -291,6 +296,13 @@ class Target:
             with torch.inference_mode(False):  # a normal tensor: callers may run outside inference mode
                 self._lm_head_t = weight.detach().t().contiguous()
         return self._lm_head_t
+
+
+def unverifiable(name: str, model: nn.Module, problem: str) -> ValueError:
+    """The error for a model eagle_lite cannot verify draft trees on, saying why and what would work."""
+    return ValueError(f"target '{name}' ({type(model).__name__}) cannot be verified exactly by eagle_lite: {problem}. "
+                      f"It needs attention through transformers' attention interface with boolean masks and a "
+                      f"key/value cache (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, Falcon, OPT, ... do)")
 
 
 def logits_transform(model: nn.Module, decoder: nn.Module, lm_head: nn.Module, name: str = "target"):

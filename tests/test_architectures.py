@@ -34,11 +34,13 @@ FAMILIES = {
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,                      # experts: the head is a dense layer
                   dict(LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
 }
-# models whose attention does not take transformers' boolean masks through its attention interface
+# models whose attention does not take transformers' boolean masks through its attention interface (or that
+# have none: Mamba)
 UNVERIFIABLE = {
     "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)),
     "mpt": lambda: T.MptForCausalLM(T.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4)),
     "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)),
+    "mamba": lambda: T.MambaForCausalLM(T.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)),
 }
 
 

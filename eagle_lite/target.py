@@ -7,6 +7,10 @@ most expensive matrix of a small model, so prefill computes one row, not the who
 verification hands acceptance a `NodeLogits` that projects a node only when the walk reaches it. Greedy
 decoding needs only each row's argmax: `top_token` finds it from a float16 copy of the lm_head on CPU,
 exactly (certified_argmax.py).
+
+A model is taken only after it proves it runs this way: at load, a few tokens through the cached tree forward
+must give its own full forward's logits (`_check_tree_forward`), and `logits` applies whatever scaling or
+soft cap the model puts on its lm_head output (`logits_transform`), so sampling draws from the model's own law.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
-# also available: layer_skip (--exit-layer), draft_model (--draft-model SPEC), medusa (--medusa PATH|random),
+# also available: layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both
+# --draft-model SPEC), medusa (--medusa PATH|random),
 # llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added by default when importable)
 
 
@@ -60,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
-    p.add_argument("--draft-model", default=None, help="method draft_model: a smaller LM with the target's tokenizer")
+    p.add_argument("--draft-model", default=None, help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
     p.add_argument("--medusa", default=None, help="method medusa: a heads folder or 'random'")
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)

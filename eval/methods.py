@@ -1,6 +1,7 @@
 """The decoding methods an evaluation compares, each behind one call: prompt ids -> tokens + stats.
 
-`hf_generate` and `hf_prompt_lookup` are transformers' own `generate()` (the baselines users know);
+`hf_generate`, `hf_prompt_lookup` and `hf_assisted` (assisted generation with the draft_model's smaller LM) are
+transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
 (lookup, draft_model, layer_skip, medusa) run through the same engine and verifier. `llama_cpp` is
 llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
@@ -8,6 +9,7 @@ llama.cpp's own greedy decoding of the target's GGUF file (an optional compariso
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,9 @@ class Run:
 Method = Callable[[list[int], GenerationConfig], Run]
 
 
-def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> Method:
+def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None, assistant: Target | None = None) -> Method:
+    """transformers' generate() on the stock model; prompt_lookup_num_tokens: its prompt lookup; assistant: its
+    assisted generation with that smaller model drafting (both stock)."""
     eos = sorted(target.eos_token_ids) or None
     pad = getattr(target.tokenizer, "pad_token_id", None) if target.tokenizer is not None else None
 
@@ -42,14 +46,17 @@ def hf_generate(target: Target, prompt_lookup_num_tokens: int | None = None) -> 
     def run(prompt: list[int], cfg: GenerationConfig) -> Run:
         ids = torch.tensor([prompt], device=target.device)
         extra = {} if prompt_lookup_num_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
-        with target.stock():  # the baseline is stock transformers: its linears and attention
+        if assistant is not None:
+            extra["assistant_model"] = assistant.model
+        with target.stock(), (assistant.stock() if assistant is not None else contextlib.nullcontext()):
+            # the baseline is stock transformers: its linears and attention
             start = time.perf_counter()
             out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
                                         eos_token_id=eos, pad_token_id=pad if pad is not None else
                                         (eos[0] if eos else 0), **_hf_sampling(cfg), **extra)
             seconds = time.perf_counter() - start
         new = out[0, len(prompt):].tolist()
-        forwards = len(new) if prompt_lookup_num_tokens is None else None
+        forwards = len(new) if prompt_lookup_num_tokens is None and assistant is None else None
         return Run(new, seconds, forwards, [])
 
     return run
@@ -118,13 +125,14 @@ def engine_method(engine: Engine) -> Method:
 def build_methods(target: Target, names: list[str], head=None, draft_target: Target | None = None,
                   exit_layer: int | None = None, medusa_heads=None, medusa_choices=None,
                   gguf: Path | None = None, threads: int | None = None) -> dict[str, Method]:
-    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model
-    (needs draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers),
+    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model and
+    hf_assisted (transformers' assisted generation; both need draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers),
     medusa (needs medusa_heads, eagle_lite.medusa.MedusaHeads; medusa_choices: its tree, default DEFAULT_CHOICES),
     llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads)."""
     factories = {
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
+        "hf_assisted": lambda: hf_generate(target, assistant=draft_target),
         "vanilla": lambda: engine_method(Engine(target, NoDrafter())),
         "lookup": lambda: engine_method(Engine(target, PromptLookupDrafter())),
         "eagle": lambda: engine_method(Engine(target, EagleDrafter(target, head))),
@@ -138,9 +146,10 @@ def build_methods(target: Target, names: list[str], head=None, draft_target: Tar
         raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(factories)}")
     if "eagle" in names and head is None:
         raise ValueError("method 'eagle' needs a draft head")
-    if "draft_model" in names and draft_target is None:
-        raise ValueError("method 'draft_model' needs a draft model: pass draft_target (a smaller LM sharing "
-                         f"the tokenizer of target '{target.name}', loaded with eagle_lite.loading.load_target)")
+    for name in ("draft_model", "hf_assisted"):
+        if name in names and draft_target is None:
+            raise ValueError(f"method '{name}' needs a draft model: pass draft_target (a smaller LM sharing "
+                             f"the tokenizer of target '{target.name}', loaded with eagle_lite.loading.load_target)")
     if "medusa" in names and medusa_heads is None:
         raise ValueError("method 'medusa' needs Medusa heads: pass medusa_heads (eagle_lite.medusa.load_medusa of "
                          "a folder trained with `python -m trainers.train experiment=medusa`)")

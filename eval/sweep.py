@@ -95,7 +95,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
     questions = load_questions(s.tasks, s.per_category_limit)
     if not questions:
         raise ValueError("no questions to run: check the task settings")
-    draft_target = load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device) if "draft_model" in s.methods and s.draft_model else None
+    wants_draft = {"draft_model", "hf_assisted"} & set(s.methods)
+    draft_target = load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device) if wants_draft and s.draft_model else None
     medusa_heads = None
     if "medusa" in s.methods and s.medusa:
         from eagle_lite.medusa import MedusaHeads, load_medusa

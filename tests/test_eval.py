@@ -130,6 +130,8 @@ def test_first_difference():
 def test_unknown_method_is_refused(chat_target):
     with pytest.raises(ValueError, match="unknown method"):
         build_methods(chat_target, ["no_such_method"])
+    with pytest.raises(ValueError, match="method 'hf_assisted' needs a draft model"):
+        build_methods(chat_target, ["hf_assisted"])
 
 
 def test_llama_cpp_needs_a_gguf_target_and_says_what_to_install(chat_target, tiny_model_dir, monkeypatch):
@@ -180,12 +182,13 @@ def test_sweep_runs_every_drafter(tiny_model_dir, tmp_path):
     from eval.sweep import evaluate, settings_from
 
     overrides = sweep_overrides(tiny_model_dir, two_question_file(tmp_path))
-    overrides[2] = "methods=[vanilla,lookup,eagle,layer_skip,draft_model,medusa]"
+    overrides[2] = "methods=[vanilla,lookup,eagle,layer_skip,draft_model,medusa,hf_assisted]"
     overrides += [f"draft_model={tiny_model_dir}", "exit_layer=1", "medusa=random"]
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
         settings = settings_from(compose("sweep", overrides=overrides + ["baseline=vanilla"]))
     records, rows, _ = evaluate(settings, progress=False)
-    assert {r.method for r in records} == {"vanilla", "lookup", "eagle", "layer_skip", "draft_model", "medusa"}
+    assert {r.method for r in records} == {"vanilla", "lookup", "eagle", "layer_skip", "draft_model", "medusa",
+                                           "hf_assisted"}   # transformers' own assisted generation, same draft model
     assert all(r.identical_to_baseline for r in records)
     # the model drafting for itself is accepted in full
     assert min(r.accept_length_mean for r in records if r.method == "draft_model" and r.new_tokens > 4) > 1.5

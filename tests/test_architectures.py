@@ -93,7 +93,7 @@ def test_a_model_whose_logits_are_something_else_is_refused():
 
     torch.manual_seed(0)
     model = Squared(T.LlamaConfig(**LLAMA_LIKE)).eval()
-    with pytest.raises(ValueError, match="cannot verify drafts against it exactly"):
+    with pytest.raises(ValueError, match="as something other than its lm_head"):
         Target(model, name="squared")
 
 

@@ -83,24 +83,25 @@ class Target:
         plain_head = type(self.lm_head) is nn.Linear and self.lm_head.weight.device.type == "cpu"
         self._lm_grid = grid_of(self.lm_head.weight) if packed_linears and plain_head else None
         self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
-        self._finish = logits_transform(model, self.decoder, self.lm_head, name)  # what the model does after it
+        # one forward of the model's own on a few tokens serves both load-time checks
+        ids, expected = probe_logits(model, self.lm_head, name)
+        # what the model does to lm_head's output (a scale, a soft cap; None: nothing)
+        self._finish = logits_transform(model, self.decoder, self.lm_head, ids, expected, name)
         self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
-        self._check_tree_forward()
+        self._check_tree_forward(ids, expected)
 
-    def _check_tree_forward(self) -> None:
+    def _check_tree_forward(self, ids: torch.Tensor, expected: torch.Tensor) -> None:
         """Refuse a model that the cached tree forward would run wrong, before it answers anything.
 
         A prompt, then two sibling nodes after it (each may see the prompt and itself only, at the same position),
         then the chain that continues the prompt: their logits must be the model's own full forwards'. Models whose
         attention ignores a boolean mask or computes ALiBi positions itself (GPT-J, CodeGen, MPT, Bloom) fail here;
-        recurrent ones (Mamba, RWKV, Jamba) cannot run on a cache of keys and values at all."""
-        vocab = self.vocab_size
-        ids = (torch.arange(6, device=self.device) * 7919 + 3) % vocab       # any few tokens
-        sibling = (ids[4:5] + 1) % vocab
+        recurrent ones (Mamba, RWKV, Jamba) cannot run on a cache of keys and values at all.
+        ids [6], expected [6, V]: `probe_logits`."""
+        sibling = (ids[4:5] + 1) % self.vocab_size
         problem = None
         try:
             with torch.inference_mode():
-                expected = self.model(input_ids=ids[None]).logits[0].float()                               # T V
                 expected_sibling = self.model(input_ids=torch.cat([ids[:4], sibling])[None]).logits[0, -1].float()
                 cache = self.new_cache(8)
                 self.forward(ids[:4], cache)
@@ -304,12 +305,23 @@ def unverifiable(name: str, model: nn.Module, problem: str) -> ValueError:
                       f"key/value cache (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, Falcon, OPT, ... do)")
 
 
-def logits_transform(model: nn.Module, decoder: nn.Module, lm_head: nn.Module, name: str = "target"):
+def probe_logits(model: nn.Module, lm_head: nn.Module, name: str = "target") -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [6], the model's own fp32 logits of them [6, V]): any few tokens, for the load-time checks."""
+    ids = (torch.arange(6, device=lm_head.weight.device) * 7919 + 3) % lm_head.weight.shape[0]
+    try:
+        with torch.inference_mode():
+            return ids, model(input_ids=ids[None]).logits[0].float()
+    except Exception as err:  # noqa: BLE001 (whatever fails, the model cannot be run this way)
+        raise unverifiable(name, model, f"its own forward fails on a few tokens ({type(err).__name__}: {err})") from err
+
+
+def logits_transform(model: nn.Module, decoder: nn.Module, lm_head: nn.Module, ids: torch.Tensor,
+                     expected: torch.Tensor, name: str = "target"):
     """What `model` does to lm_head(last hidden state) to make its logits: None (nothing, most models), or the
     function that does it. Some models scale (Granite divides by `logits_scaling`, Cohere multiplies by
     `logit_scale`) or soft-cap them (Gemma 2/3: `final_logit_softcapping`); all keep the argmax, but sampling
-    from unscaled logits would not sample the target. Found by one probe forward against the model's own logits,
-    so a model that does something else is refused instead of sampled wrong."""
+    from unscaled logits would not sample the target. Found against the model's own logits `expected` of `ids`
+    (`probe_logits`), so a model that does something else is refused instead of sampled wrong."""
     cfg = model.config
     candidates: list = [None]
     cap = getattr(cfg, "final_logit_softcapping", None)
@@ -319,15 +331,8 @@ def logits_transform(model: nn.Module, decoder: nn.Module, lm_head: nn.Module, n
         scale = getattr(cfg, key, None)
         if isinstance(scale, (int, float)) and scale not in (0, 1):
             candidates += [lambda x, s=scale: x / s, lambda x, s=scale: x * s]
-    vocab = lm_head.weight.shape[0]
-    ids = (torch.arange(6, device=lm_head.weight.device) * 7919 + 3) % vocab     # any few tokens
     with torch.inference_mode():
-        try:
-            expected = model(input_ids=ids[None]).logits[0].float()                  # T V
-            raw = lm_head(decoder(input_ids=ids[None]).last_hidden_state)[0].float()  # T V
-        except Exception as err:  # noqa: BLE001 (whatever fails, the model cannot be run this way)
-            raise unverifiable(name, model, f"its own forward fails on a few tokens ({type(err).__name__}: "
-                                            f"{err})") from err
+        raw = lm_head(decoder(input_ids=ids[None]).last_hidden_state)[0].float()  # T V
         errors = [float(((raw if f is None else f(raw)) - expected).norm()) for f in candidates]
         best = min(range(len(candidates)), key=errors.__getitem__)   # the closest: a soft cap barely moves small logits
         if errors[best] <= 1e-2 * float(expected.norm()) + 1e-6:       # bf16 rounding passes, a wrong form does not

@@ -21,12 +21,15 @@ class EarlyExit:
     output stays exact, since the target verifies every token.
     """
 
-    def __init__(self, target, exit_layer: int) -> None:
+    def __init__(self, target, exit_layer: int | None = None) -> None:
+        """exit_layer: 1 <= exit_layer < layers; None: half the layers."""
         if not (target.llama_layers and all(hasattr(target.decoder, a) for a in ("embed_tokens", "norm"))):
             raise ValueError(f"layer_skip runs the first layers of a Llama-style decoder stack; target "
                              f"'{target.name}' ({type(target.model).__name__}) has none: use eagle, lookup or "
                              f"draft_model")
         num_layers = len(target.decoder.layers)
+        if exit_layer is None:
+            exit_layer = max(1, num_layers // 2)
         if not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
             raise ValueError(f"exit_layer must be an int in [1, {num_layers - 1}] for target '{target.name}' "
                              f"({num_layers} decoder layers), got {exit_layer!r}")
@@ -78,6 +81,4 @@ class LayerSkipDrafter(DraftModelDrafter):
     name = "layer_skip"
 
     def __init__(self, target, exit_layer: int | None = None, num_tokens: int = 4, adaptive: bool = True) -> None:
-        if exit_layer is None:
-            exit_layer = max(1, len(target.decoder.layers) // 2) if target.llama_layers else 1  # else refused below
         super().__init__(target, EarlyExit(target, exit_layer), num_tokens, adaptive)

@@ -1,6 +1,6 @@
 """The EAGLE draft head: fc([embed(token); hidden]) -> one decoder layer, of the target's own architecture
-where its layers follow Llama's interface (`Target.llama_layers`: Llama, Qwen, Mistral, Phi, Gemma, ...), else a Llama layer of the
-target's sizes (GPT-2, GPT-NeoX, Falcon, Gemma 3, ...: `head_layer_classes`).
+where its layers follow Llama's interface (`Target.llama_layers`: Llama, Qwen, Mistral, Phi, Gemma, ...), else
+a Llama layer of the target's sizes (GPT-2, GPT-NeoX, Falcon, Gemma 3, MoE models: `head_layer_classes`).
 
 At sequence position t it reads the target's last hidden state f_t and the embedding of the token that
 followed, x_{t+1}, and predicts f_{t+1}; the target's frozen lm_head turns that into a distribution over

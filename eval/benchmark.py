@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
-    p.add_argument("--draft-model", default=None, help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
+    p.add_argument("--draft-model", default=None,
+                   help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
     p.add_argument("--medusa", default=None, help="method medusa: a heads folder or 'random'")
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)

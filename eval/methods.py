@@ -126,7 +126,8 @@ def build_methods(target: Target, names: list[str], head=None, draft_target: Tar
                   exit_layer: int | None = None, medusa_heads=None, medusa_choices=None,
                   gguf: Path | None = None, threads: int | None = None) -> dict[str, Method]:
     """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model and
-    hf_assisted (transformers' assisted generation; both need draft_target, a smaller LM with the target's tokenizer), layer_skip (exit_layer: default half the layers),
+    hf_assisted (transformers' assisted generation; both need draft_target, a smaller LM with the target's
+    tokenizer), layer_skip (exit_layer: default half the layers),
     medusa (needs medusa_heads, eagle_lite.medusa.MedusaHeads; medusa_choices: its tree, default DEFAULT_CHOICES),
     llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads)."""
     factories = {

@@ -96,7 +96,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
     if not questions:
         raise ValueError("no questions to run: check the task settings")
     wants_draft = {"draft_model", "hf_assisted"} & set(s.methods)
-    draft_target = load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device) if wants_draft and s.draft_model else None
+    draft_target = (load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device)
+                    if wants_draft and s.draft_model else None)
     medusa_heads = None
     if "medusa" in s.methods and s.medusa:
         from eagle_lite.medusa import MedusaHeads, load_medusa

@@ -33,11 +33,10 @@ bench: venv
 	$(PY) -m eval.benchmark
 
 # The default draft-head recipe end to end (distill -> features -> fit -> export); rerun to resume.
-# The committed self-distillation shards (data/distill/) seed the run folder, so distilling is skipped.
+# The committed self-distillation shards (data/distill/) seed the run folder (data.distill.start_from), so
+# distilling is skipped.
 RUNS ?= $(or $(EAGLE_LITE_RUNS),runs)
 train: venv
-	test -e $(RUNS)/data/smollm2/sharegpt/distill || { mkdir -p $(RUNS)/data/smollm2/sharegpt && \
-		cp -r data/distill/smollm2-sharegpt $(RUNS)/data/smollm2/sharegpt/distill; }
 	EAGLE_LITE_RUNS=$(RUNS) $(PY) -m trainers.train $(ARGS)
 
 clean:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trainers.distill import DistillConfig, distill, read_records, synthetic_prompt  # noqa: E402
+from trainers.distill import DistillConfig, distill, pack, read_records, synthetic_prompt  # noqa: E402
 from trainers.features import (FeatureCache, FeatureCacheMismatch, FeatureConfig, cache_features,  # noqa: E402
                                loss_mask_of)
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
@@ -136,8 +136,9 @@ def test_not_enough_disk_is_refused_before_any_work(target, tmp_path, monkeypatc
     assert not list(tmp_path.glob("shard-*"))
 
 
-def test_synthetic_distill_is_the_targets_greedy_answer_and_resumes(target, tmp_path):
-    cfg = DistillConfig(source="synthetic", limit=5, max_new_tokens=8, batch_size=3, shard_size=2)
+@pytest.mark.parametrize("backend", ["engine", "generate"])
+def test_synthetic_distill_is_the_targets_greedy_answer_and_resumes(target, tmp_path, backend):
+    cfg = DistillConfig(source="synthetic", limit=5, max_new_tokens=8, batch_size=3, shard_size=2, backend=backend)
     first = distill(target, cfg, tmp_path, progress=False)
     assert (first.generated, first.records) == (5, 5)
     records = list(read_records(tmp_path))
@@ -155,6 +156,87 @@ def test_synthetic_distill_is_the_targets_greedy_answer_and_resumes(target, tmp_
     assert (tmp_path / "shard-00000.jsonl").read_bytes() == shard0
     with pytest.raises(ValueError, match="max_new_tokens"):
         distill(target, DistillConfig(**{**cfg.__dict__, "max_new_tokens": 9}), tmp_path, progress=False)
+
+
+def test_engine_answers_with_the_shipped_head_are_the_targets_greedy_answers(target, tmp_path, monkeypatch):
+    """distill's engine backend drafts with the head shipped for the target (here a random one): speculative
+    decoding is lossless, so the records equal transformers' greedy generate() token for token."""
+    from eagle_lite.checkpoint import save_head
+    from eagle_lite.draft import DraftHead
+    from trainers import answering
+
+    other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))  # its own engine (built once per target)
+    torch.manual_seed(0)
+    heads = tmp_path / "heads"
+    save_head(DraftHead.for_target(other), heads / "tiny", other)
+    monkeypatch.setattr("eagle_lite.checkpoint.default_head_path", lambda name: heads / name)
+    cfg = DistillConfig(source="synthetic", limit=6, max_new_tokens=24, shard_size=3, backend="engine")
+    distill(other, cfg, tmp_path / "answers", progress=False)
+    engine, _ = answering._engine_for(other)
+    assert engine.drafter.name == "eagle"
+    assert engine.target.model is not other.model  # the features stage reads the target as it was built
+    for i, record in enumerate(read_records(tmp_path / "answers")):
+        prompt = synthetic_prompt(i, cfg, other)
+        with torch.no_grad():
+            alone = other.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                         max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=1)
+        expected = alone[0, len(prompt):].tolist()
+        if 1 in expected:
+            expected = expected[:expected.index(1) + 1]
+        assert record["input_ids"] == prompt + expected, i
+
+
+def test_sampled_engine_answers_are_reproducible_per_shard(target, tmp_path):
+    cfg = DistillConfig(source="synthetic", limit=4, max_new_tokens=12, shard_size=2, backend="engine",
+                        do_sample=True, temperature=1.0, seed=3)
+    distill(target, cfg, tmp_path / "a", progress=False)
+    distill(target, DistillConfig(**{**cfg.__dict__, "limit": 2}), tmp_path / "b", progress=False)
+    distill(target, cfg, tmp_path / "b", progress=False)  # resumed after its first shard
+    a, b = list(read_records(tmp_path / "a")), list(read_records(tmp_path / "b"))
+    assert a == b and len(a) == 4
+    greedy = DistillConfig(**{**cfg.__dict__, "do_sample": False})
+    distill(target, greedy, tmp_path / "g", progress=False)
+    assert [r["input_ids"] for r in read_records(tmp_path / "g")] != [r["input_ids"] for r in a]
+
+
+def test_distill_starts_from_committed_compressed_shards(target, tmp_path):
+    import lzma
+    import shutil
+
+    cfg = DistillConfig(source="synthetic", limit=4, max_new_tokens=6, shard_size=2)
+    distill(target, cfg, tmp_path / "made", progress=False)
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    shutil.copy(tmp_path / "made" / "distill.json", committed)
+    for shard in sorted((tmp_path / "made").glob("shard-*.jsonl")):
+        (committed / f"{shard.name}.xz").write_bytes(lzma.compress(shard.read_bytes()))
+    run = tmp_path / "run"
+    more = distill(target, DistillConfig(**{**cfg.__dict__, "limit": 6, "start_from": str(committed)}), run,
+                   progress=False)
+    assert (more.generated, more.records) == (2, 6)  # the 4 committed answers were not generated again
+    assert sorted(p.name for p in run.glob("shard-*")) == ["shard-00000.jsonl.xz", "shard-00001.jsonl.xz",
+                                                          "shard-00002.jsonl"]
+    assert list(read_records(run))[:4] == list(read_records(tmp_path / "made"))
+    with pytest.raises(ValueError, match="max_new_tokens"):  # committed answers made with other settings
+        distill(target, DistillConfig(**{**cfg.__dict__, "max_new_tokens": 7, "start_from": str(committed)}),
+                tmp_path / "other", progress=False)
+    with pytest.raises(FileNotFoundError, match="no distilled data there"):  # a folder without a meta
+        distill(target, DistillConfig(**{**cfg.__dict__, "start_from": str(tmp_path)}), tmp_path / "x", progress=False)
+    nowhere = distill(target, DistillConfig(**{**cfg.__dict__, "start_from": str(tmp_path / "nowhere")}),
+                      tmp_path / "y", progress=False)  # nobody committed answers: all are generated, with a warning
+    assert nowhere.generated == 4
+    packed = pack(run, tmp_path / "packed")  # the committed form: every shard xz-compressed, the meta beside them
+    assert sorted(p.name for p in packed.iterdir()) == ["distill.json", "shard-00000.jsonl.xz", "shard-00001.jsonl.xz",
+                                                       "shard-00002.jsonl.xz"]
+    assert list(read_records(packed)) == list(read_records(run))
+    (run / "shard-00001.jsonl.xz").write_bytes(b"\xfd7zXZ\x00 cut off")
+    with pytest.raises(ValueError, match="shard-00001.jsonl.xz is damaged"):
+        list(read_records(run))
+
+
+def test_distill_config_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        DistillConfig(backend="vllm")
 
 
 def byte_tokenizer():

@@ -252,6 +252,18 @@ def test_data_only_prepares_the_cache_and_fits_nothing(tmp_path):
     assert not Path(cfg.paths.output, "checkpoints").exists() and not Path(cfg.paths.export).exists()
 
 
+def test_stop_after_distill_answers_the_prompts_and_caches_nothing(tmp_path):
+    from trainers.distill import read_records
+    from trainers.train import train
+
+    cfg = tiny_train_config(tmp_path, "debug=fdr", "stop_after=distill")
+    result = train(cfg)
+    assert result["stage"] == "distill" and result["sequences"] == len(list(read_records(cfg.paths.distill))) > 0
+    assert not Path(cfg.paths.features).exists() and not Path(cfg.paths.output, "checkpoints").exists()
+    with pytest.raises(ValueError, match="stop_after must be distill, features or null"):
+        train(tiny_train_config(tmp_path, "debug=fdr", "stop_after=fit"))
+
+
 def test_init_from_fine_tunes_an_exported_head_with_its_draft_vocabulary(runs, target, caplog):
     from trainers.train import build_module, train
 

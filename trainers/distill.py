@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import json
 import logging
+import lzma
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-from eagle_lite.atomic import write_json_atomic, write_text_atomic
+from eagle_lite.atomic import write_atomic, write_json_atomic, write_text_atomic
 from eagle_lite.chat_format import chat_text
 from eagle_lite.target import Target
 
+from .answering import BACKENDS, generate_answers
 from .targets import pad_token_id
 
 log = logging.getLogger("trainers.distill")
@@ -57,6 +60,9 @@ class DistillConfig:
     batch_size: int = 8
     shard_size: int = 64          # items per JSONL shard (the unit of resumption)
     seed: int = 0
+    backend: str = "auto"         # "engine" (eagle_lite's decoding, one prompt at a time) | "generate" (batched
+                                  # model.generate) | "auto" (engine on a CPU): trainers/answering.py
+    start_from: str | None = None  # a folder of finished shards (the committed data/distill/...) to start from
     prompt_len_min: int = 4       # synthetic only
     prompt_len_max: int = 16
 
@@ -66,6 +72,9 @@ class DistillConfig:
         for key in ("limit", "max_new_tokens", "batch_size", "shard_size", "max_turns"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.distill.{key} must be >= 1, got {getattr(self, key)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"data.distill.backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                             f"got {self.backend!r}")
         if self.offset < 0:
             raise ValueError(f"data.distill.offset must be >= 0, got {self.offset}")
         if not 1 <= self.prompt_len_min <= self.prompt_len_max:
@@ -82,41 +91,7 @@ class DistillSummary:
     tokens: int = 0         # tokens over all usable records
 
 
-# -- generation -------------------------------------------------------------------------------------
-def generate_answers(target: Target, prompts: Sequence[Sequence[int]], cfg: DistillConfig,
-                     progress: tqdm | None = None) -> list[list[int]]:
-    """The target's answers to `prompts` (token ids), each cut after its first EOS (kept).
-
-    Batched `model.generate` with left padding; prompts are grouped by length to waste little padding.
-    """
-    pad = pad_token_id(target)
-    eos = sorted(target.eos_token_ids)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    answers: list[list[int]] = [[] for _ in prompts]
-    sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample \
-        else dict(do_sample=False)
-    for start in range(0, len(order), cfg.batch_size):
-        rows = order[start:start + cfg.batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # B T, left-padded
-        attention = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            n = len(prompts[i])
-            ids[r, width - n:] = torch.tensor(prompts[i], dtype=torch.long)
-            attention[r, width - n:] = 1
-        with torch.inference_mode():
-            out = target.model.generate(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
-                                        max_new_tokens=cfg.max_new_tokens, pad_token_id=pad,
-                                        eos_token_id=eos or None, **sampling)
-        for r, i in enumerate(rows):
-            new = out[r, width:].tolist()
-            cut = next((k + 1 for k, tok in enumerate(new) if tok in eos), len(new))
-            answers[i] = new[:cut]  # after EOS generate() pads; those are not the target's tokens
-        if progress is not None:
-            progress.update(len(rows))
-    return answers
-
-
+# -- generation (trainers/answering.py: the engine or batched generate()) ---------------------------
 def synthetic_prompt(index: int, cfg: DistillConfig, target: Target) -> list[int]:
     """Random prompt number `index`: the same ids for the same (seed, index), resumed or not."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
@@ -269,12 +244,51 @@ def _turn_end_id(target: Target) -> int:
 
 # -- the resumable stage ----------------------------------------------------------------------------
 def _shards(folder: Path) -> list[Path]:
-    return sorted(folder.glob("shard-*.jsonl"))
+    """The folder's shards in order: `shard-00000.jsonl`, or xz-compressed `.jsonl.xz` (as committed)."""
+    return sorted([*folder.glob("shard-*.jsonl"), *folder.glob("shard-*.jsonl.xz")], key=_shard_index)
+
+
+def _shard_index(path: Path) -> int:
+    return int(path.name.split(".", 1)[0].removeprefix("shard-"))
 
 
 def _read_shard(path: Path) -> list[dict]:
-    # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ... which JSON strings may hold raw
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    raw = path.read_bytes()
+    try:
+        text = (lzma.decompress(raw) if path.suffix == ".xz" else raw).decode("utf-8")
+        # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ... which JSON strings may hold raw
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
+    except (lzma.LZMAError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"distill shard {path} is damaged ({err}); delete it and rerun to regenerate its "
+                         f"items") from err
+
+
+def start_from(folder: Path, source: str | Path) -> int:
+    """Copy the finished shards of `source` (e.g. the committed data/distill/<target>-<data>) into `folder` when
+    `folder` holds no distilled data yet; returns how many shards were copied.
+
+    A relative `source` is looked up from the working directory, then from the repository root; one that does
+    not exist is skipped with a warning (a target or data set nobody committed answers for). The copied meta is
+    checked against this run's target and settings like any resumed folder.
+    """
+    source = Path(source)
+    if not source.is_absolute() and not source.exists():
+        source = Path(__file__).resolve().parents[1] / source
+    if (folder / META).is_file():
+        log.info("distill: %s already holds distilled data; start_from=%s is not copied", folder, source)
+        return 0
+    if not source.exists():
+        log.warning("distill: data.distill.start_from=%s does not exist; every prompt is answered here", source)
+        return 0
+    if not (source / META).is_file():
+        raise FileNotFoundError(f"data.distill.start_from={source}: no distilled data there (missing {META})")
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = _shards(source)
+    for shard in shards:
+        shutil.copyfile(shard, folder / shard.name)
+    shutil.copyfile(source / META, folder / META)  # last: a folder with a meta is complete
+    log.info("distill: started %s from %d shards of %s", folder, len(shards), source)
+    return len(shards)
 
 
 def read_records(folder: str | Path) -> Iterator[dict]:
@@ -311,6 +325,8 @@ def check_meta(folder: Path, fingerprint: dict, cfg: DistillConfig) -> dict:
 def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True) -> DistillSummary:
     """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time."""
     folder = Path(folder)
+    if cfg.start_from:
+        start_from(folder, cfg.start_from)
     folder.mkdir(parents=True, exist_ok=True)
     check_meta(folder, target.fingerprint(), cfg)
     done = {r["id"] for shard in _shards(folder) for r in _read_shard(shard)}
@@ -325,7 +341,7 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
         make = synthetic_records
     summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)
-    next_index = int(shards[-1].stem.removeprefix("shard-")) + 1 if shards else 0
+    next_index = _shard_index(shards[-1]) + 1 if shards else 0
     with tqdm(total=len(items), desc="distill", unit="item", disable=not progress or not items) as bar:
         for start in range(0, len(items), cfg.shard_size):
             if cfg.do_sample:
@@ -344,3 +360,41 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
     log.info("distill: %d records (%d tokens) in %s, %d new, %d skipped", summary.records, summary.tokens,
              folder, summary.generated, summary.skipped)
     return summary
+
+
+def pack(folder: str | Path, dest: str | Path) -> Path:
+    """Write `folder`'s shards xz-compressed into `dest` (with its meta): the form committed under data/distill/,
+    which `start_from` copies and `read_records` reads as they are. Shards already in `dest` are kept."""
+    folder, dest = Path(folder), Path(dest)
+    if not (folder / META).is_file():
+        raise FileNotFoundError(f"no distilled data in {folder} (missing {META})")
+    dest.mkdir(parents=True, exist_ok=True)
+    for shard in _shards(folder):
+        out = dest / (shard.name if shard.suffix == ".xz" else f"{shard.name}.xz")
+        if not out.exists():
+            data = shard.read_bytes()
+            write_atomic(out, lambda tmp: Path(tmp).write_bytes(data if shard.suffix == ".xz"
+                                                                 else lzma.compress(data, preset=9)))
+    shutil.copyfile(folder / META, dest / META)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainers.distill", description=(
+        "Pack a distill folder's shards xz-compressed for committing (data/distill/<target>-<data>), from where "
+        "data.distill.start_from seeds a fresh run. Answering prompts is the train command's first stage: "
+        "python -m trainers.train stop_after=distill ..."))
+    parser.add_argument("folder", help="a distill folder, e.g. runs/data/smollm2/sharegpt_all/distill")
+    parser.add_argument("dest", help="where to write the packed copy, e.g. data/distill/smollm2-sharegpt_all")
+    args = parser.parse_args(argv)
+    dest = pack(args.folder, args.dest)
+    records = list(read_records(dest))
+    size = sum(p.stat().st_size for p in dest.iterdir())
+    print(f"{dest}: {len(records)} records, {sum(len(r['input_ids']) for r in records)} tokens, "
+          f"{size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -57,16 +57,31 @@ class DataSource(NamedTuple):
 def data_sources(cfg: DictConfig) -> list[DataSource]:
     """The data's own source and one per `data.mix` entry.
 
-    A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/...`.
+    A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/...`. It does
+    not inherit `start_from` (the main source's committed answers are not its own).
     """
     paths = cfg.paths
     sources = [DataSource("main", cfg.data.distill, paths.distill, paths.features)]
     for name, entry in (cfg.data.get("mix") or {}).items():
-        settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True),
+        settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True), "start_from": None,
                     **OmegaConf.to_container(entry.get("distill") or {}, resolve=True)}
         folder = Path(paths.data) / str(name)
         sources.append(DataSource(str(name), settings, str(folder / "distill"), str(folder / "features")))
     return sources
+
+
+def distill_only(cfg: DictConfig, target, sources: list[DataSource]) -> dict:
+    """Stage 1 alone for every source (stop_after=distill): e.g. answer the prompts on a CPU now, cache features
+    and fit on a GPU later from the same folders."""
+    from .distill import DistillConfig, distill
+
+    t0 = time.perf_counter()
+    summaries = [distill(target, _typed(DistillConfig, s.settings), s.distill, progress=cfg.progress) for s in sources]
+    records, tokens = sum(x.records for x in summaries), sum(x.tokens for x in summaries)
+    log.info("stop_after=distill: %d answered sequences (%d tokens) in %s", records, tokens,
+             ", ".join(str(s.distill) for s in sources))
+    return {"experiment": cfg.name, "sequences": records, "tokens": tokens,
+            "seconds_distill": round(time.perf_counter() - t0, 1), "stage": "distill"}
 
 
 def prepare_data(cfg: DictConfig, target, sources: list[DataSource]):
@@ -214,16 +229,21 @@ def train(cfg: DictConfig) -> dict:
     from .report import folder_bytes, write_train_log
     from .targets import TargetConfig, build_target
 
+    stop_after = cfg.get("stop_after") or ("features" if cfg.get("data_only", False) else None)
+    if stop_after not in (None, "distill", "features"):
+        raise ValueError(f"stop_after must be distill, features or null (every stage), got {stop_after!r}")
     check_run_folder(cfg)
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     target = build_target(_typed(TargetConfig, cfg.target))
     sources = data_sources(cfg)
+    if stop_after == "distill":
+        return {**distill_only(cfg, target, sources), "seconds": round(time.perf_counter() - start, 1)}
     seconds, manifest, data = prepare_data(cfg, target, sources)
-    if cfg.get("data_only", False):
-        log.info("data_only: %d sequences, %d tokens ready in %s; rerun without data_only to fit",
+    if stop_after == "features":
+        log.info("stop_after=features: %d sequences, %d tokens ready in %s; rerun without it to fit",
                  manifest["total_sequences"], manifest["total_tokens"], ", ".join(str(s.features) for s in sources))
-        return {"experiment": cfg.name, "sequences": manifest["total_sequences"],
+        return {"experiment": cfg.name, "sequences": manifest["total_sequences"], "stage": "features",
                 "tokens": manifest["total_tokens"], **seconds, "seconds": round(time.perf_counter() - start, 1)}
     module = build_module(cfg, target, data)
     trainer, history, resume_from = fit(cfg, module, data)
@@ -263,7 +283,8 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     result = train(cfg)
     if "export" not in result:
-        print(f"data ready: {result['sequences']} sequences, {result['tokens']} tokens ({result['seconds']} s)")
+        ready = "answers" if result["stage"] == "distill" else "features"
+        print(f"{ready} ready: {result['sequences']} sequences, {result['tokens']} tokens ({result['seconds']} s)")
         return
     print(f"head: {result['export']}  step {result['global_step']}  "
           f"val/top1 {result.get('val/top1', float('nan')):.3f}  "

@@ -229,6 +229,16 @@ def test_distill_starts_from_committed_compressed_shards(target, tmp_path):
     assert sorted(p.name for p in packed.iterdir()) == ["distill.json", "shard-00000.jsonl.xz", "shard-00001.jsonl.xz",
                                                        "shard-00002.jsonl.xz"]
     assert list(read_records(packed)) == list(read_records(run))
+    later = tmp_path / "later"  # a second run over later prompts, started from the same committed answers
+    distill(target, DistillConfig(**{**cfg.__dict__, "offset": 6, "limit": 2, "start_from": str(committed)}), later,
+            progress=False)
+    merged = pack([run, later], tmp_path / "packed")
+    assert len(list(merged.glob("shard-*"))) == 4  # the committed two once, then one of each run
+    assert [r["id"] for r in read_records(merged)] == [f"syn-{i:06d}" for i in range(8)]
+    assert list(read_records(merged))[6:] == list(read_records(later))[4:]
+    distill(target, DistillConfig(**{**cfg.__dict__, "max_new_tokens": 3}), tmp_path / "short", progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        pack([run, tmp_path / "short"], tmp_path / "bad")
     (run / "shard-00001.jsonl.xz").write_bytes(b"\xfd7zXZ\x00 cut off")
     with pytest.raises(ValueError, match="shard-00001.jsonl.xz is damaged"):
         list(read_records(run))

@@ -49,7 +49,7 @@ _RECORD_KEYS = ("source", "multi_turn", "max_turns", "max_prompt_tokens", "max_n
 class DistillConfig:
     source: str = "sharegpt"      # "sharegpt" | "sharegpt_text" | "synthetic"
     limit: int = 2000             # conversations (sharegpt*) or sequences (synthetic) to answer
-    offset: int = 0               # sharegpt*: skip the first `offset` training conversations
+    offset: int = 0               # skip the first `offset` training conversations (or synthetic sequences)
     multi_turn: bool = False      # regenerate every assistant turn, not just the first
     max_turns: int = 4            # user turns answered per conversation when multi_turn
     max_prompt_tokens: int = 512  # longer prompts are skipped (first turn) or end the conversation
@@ -337,7 +337,7 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
         items: list = [c for c in chosen if c.id not in done]
         make = chat_records if cfg.source == "sharegpt" else text_records
     else:
-        items = [(f"syn-{i:06d}", i) for i in range(cfg.limit) if f"syn-{i:06d}" not in done]
+        items = [(f"syn-{i:06d}", i) for i in range(cfg.offset, cfg.offset + cfg.limit) if f"syn-{i:06d}" not in done]
         make = synthetic_records
     summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)
@@ -362,20 +362,45 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
     return summary
 
 
-def pack(folder: str | Path, dest: str | Path) -> Path:
-    """Write `folder`'s shards xz-compressed into `dest` (with its meta): the form committed under data/distill/,
-    which `start_from` copies and `read_records` reads as they are. Shards already in `dest` are kept."""
-    folder, dest = Path(folder), Path(dest)
-    if not (folder / META).is_file():
-        raise FileNotFoundError(f"no distilled data in {folder} (missing {META})")
+def pack(folders: str | Path | list, dest: str | Path) -> Path:
+    """Write the shards of one or more distill folders xz-compressed into `dest`, numbered in order, with their
+    meta: the form committed under data/distill/, which `start_from` copies and `read_records` reads as it is.
+
+    Several folders (e.g. two single-thread runs over other `offset`s, each in its own data folder) merge into
+    one; they must hold answers of the same target with the same settings. A shard whose items another folder
+    already holds (both started from the same committed answers) is taken once. `dest` is rewritten whole.
+    """
+    folders = [Path(f) for f in (folders if isinstance(folders, (list, tuple)) else [folders])]
+    metas = []
+    for folder in folders:
+        if not (folder / META).is_file():
+            raise FileNotFoundError(f"no distilled data in {folder} (missing {META})")
+        metas.append(json.loads((folder / META).read_text()))
+    for folder, meta in zip(folders[1:], metas[1:]):
+        if (meta["target"], meta["settings"]) != (metas[0]["target"], metas[0]["settings"]):
+            raise ValueError(f"{folder} holds answers of another target or with other settings than {folders[0]}: "
+                             f"{meta} against {metas[0]}")
+    dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for shard in _shards(folder):
-        out = dest / (shard.name if shard.suffix == ".xz" else f"{shard.name}.xz")
-        if not out.exists():
+    seen: set[str] = set()
+    written = []
+    for folder in folders:
+        for shard in _shards(folder):
+            ids = {r["id"] for r in _read_shard(shard)}
+            if ids <= seen:
+                continue
+            if ids & seen:
+                raise ValueError(f"{shard} holds some of the items of an earlier shard: pack its folder alone")
+            seen |= ids
+            out = dest / f"shard-{len(written):05d}.jsonl.xz"
             data = shard.read_bytes()
-            write_atomic(out, lambda tmp: Path(tmp).write_bytes(data if shard.suffix == ".xz"
-                                                                 else lzma.compress(data, preset=9)))
-    shutil.copyfile(folder / META, dest / META)
+            packed = data if shard.suffix == ".xz" else lzma.compress(data, preset=9)
+            if not (out.is_file() and out.read_bytes() == packed):
+                write_atomic(out, lambda tmp: Path(tmp).write_bytes(packed))
+            written.append(out)
+    for stale in set(_shards(dest)) - set(written):
+        stale.unlink()
+    write_json_atomic(dest / META, metas[0])
     return dest
 
 
@@ -383,17 +408,18 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m trainers.distill", description=(
-        "Pack a distill folder's shards xz-compressed for committing (data/distill/<target>-<data>), from where "
-        "data.distill.start_from seeds a fresh run. Answering prompts is the train command's first stage: "
-        "python -m trainers.train stop_after=distill ..."))
-    parser.add_argument("folder", help="a distill folder, e.g. runs/data/smollm2/sharegpt_all/distill")
+        "Pack distill folders' shards xz-compressed into one folder for committing (data/distill/<target>-<data>), "
+        "from where data.distill.start_from seeds a fresh run. Answering prompts is the train command's first "
+        "stage: python -m trainers.train stop_after=distill ..."))
+    parser.add_argument("folders", nargs="+", metavar="FOLDER",
+                        help="distill folders, e.g. runs/data/smollm2/sharegpt_all/distill (several are merged)")
     parser.add_argument("dest", help="where to write the packed copy, e.g. data/distill/smollm2-sharegpt_all")
     args = parser.parse_args(argv)
-    dest = pack(args.folder, args.dest)
+    dest = pack(args.folders, args.dest)
     records = list(read_records(dest))
     size = sum(p.stat().st_size for p in dest.iterdir())
-    print(f"{dest}: {len(records)} records, {sum(len(r['input_ids']) for r in records)} tokens, "
-          f"{size / 2**20:.1f} MiB")
+    print(f"{dest}: {len(records)} answered sequences, {sum(len(r['input_ids']) for r in records)} tokens, "
+          f"{len(_shards(dest))} shards, {size / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

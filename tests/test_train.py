@@ -259,6 +259,9 @@ def test_stop_after_distill_answers_the_prompts_and_caches_nothing(tmp_path):
     cfg = tiny_train_config(tmp_path, "debug=fdr", "stop_after=distill")
     result = train(cfg)
     assert result["stage"] == "distill" and result["sequences"] == len(list(read_records(cfg.paths.distill))) > 0
+    written = sum(end - start for r in read_records(cfg.paths.distill) for start, end in r["spans"])
+    assert result["new_tokens"] == written > 0 and result["new_tokens_per_s"] > 0
+    assert train(cfg)["new_tokens"] == 0  # resumed: nothing left to answer
     assert not Path(cfg.paths.features).exists() and not Path(cfg.paths.output, "checkpoints").exists()
     with pytest.raises(ValueError, match="stop_after must be distill, features or null"):
         train(tiny_train_config(tmp_path, "debug=fdr", "stop_after=fit"))

@@ -80,7 +80,9 @@ def distill_only(cfg: DictConfig, target, sources: list[DataSource]) -> dict:
     records, tokens = sum(x.records for x in summaries), sum(x.tokens for x in summaries)
     log.info("stop_after=distill: %d answered sequences (%d tokens) in %s", records, tokens,
              ", ".join(str(s.distill) for s in sources))
-    return {"experiment": cfg.name, "sequences": records, "tokens": tokens,
+    new_tokens, seconds = sum(x.new_tokens for x in summaries), sum(x.seconds for x in summaries)
+    return {"experiment": cfg.name, "sequences": records, "tokens": tokens, "new_tokens": new_tokens,
+            "new_tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else 0.0,
             "seconds_distill": round(time.perf_counter() - t0, 1), "stage": "distill"}
 
 
@@ -284,7 +286,9 @@ def main(cfg: DictConfig) -> None:
     result = train(cfg)
     if "export" not in result:
         ready = "answers" if result["stage"] == "distill" else "features"
-        print(f"{ready} ready: {result['sequences']} sequences, {result['tokens']} tokens ({result['seconds']} s)")
+        made = (f"; {result['new_tokens']} answer tokens written now at {result['new_tokens_per_s']} tokens/s"
+                if result.get("new_tokens") else "")
+        print(f"{ready} ready: {result['sequences']} sequences, {result['tokens']} tokens ({result['seconds']} s){made}")
         return
     print(f"head: {result['export']}  step {result['global_step']}  "
           f"val/top1 {result.get('val/top1', float('nan')):.3f}  "

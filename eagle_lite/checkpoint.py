@@ -60,6 +60,7 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
         "target": target.fingerprint(),
         "layer_class": type(head.layer).__name__,
         "draft_vocab_size": head.draft_vocab_size,
+        **({"feature_layers": list(head.feature_layers)} if head.feature_layers else {}),
         "dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }
@@ -120,7 +121,16 @@ def load_head(path: str | Path, target) -> DraftHead:
     check_target(config, target, path)
     tensors = read_tensors(path)
     weights = path / "model.safetensors"
-    head = DraftHead.for_target(target, d2t=tensors.get("d2t"), layer_class=config.get("layer_class"))
+    layers = config.get("feature_layers") or []
+    if not (isinstance(layers, list) and all(isinstance(i, int) for i in layers)):
+        raise ValueError(f"draft head config {path / 'config.json'} has feature_layers={layers!r}: expected a list of "
+                         f"decoder layer numbers")
+    try:
+        target.check_taps(tuple(layers), f"draft head {path}")
+    except ValueError as err:
+        raise HeadMismatchError(str(err)) from err
+    head = DraftHead.for_target(target, d2t=tensors.get("d2t"), layer_class=config.get("layer_class"),
+                                feature_layers=tuple(layers))
     try:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as err:

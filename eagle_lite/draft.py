@@ -6,6 +6,10 @@ At sequence position t it reads the target's last hidden state f_t and the embed
 followed, x_{t+1}, and predicts f_{t+1}; the target's frozen lm_head turns that into a distribution over
 x_{t+2}. The embeddings and lm_head are the target's (not stored with the head); the head may be
 restricted to a reduced draft vocabulary, `d2t[i]` being the target id of draft token i.
+
+With `feature_layers` (EAGLE-3), the feature it reads from the target is not the last hidden state but the
+outputs of several decoder layers (low, middle, high), concatenated and projected to H by `fuse`; where it
+drafts further on its own predictions it reads those as they are (they are H wide), as in training-time test.
 """
 from __future__ import annotations
 
@@ -19,8 +23,11 @@ from .tree import attention_mask
 
 class DraftHead(nn.Module):
     def __init__(self, target_config, layer_cls: type[nn.Module], rotary_cls: type[nn.Module],
-                 d2t: torch.Tensor | None = None) -> None:
+                 d2t: torch.Tensor | None = None, feature_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
+        if len(feature_layers) == 1:
+            raise ValueError("feature_layers takes two or more decoder layers (EAGLE-3: low, middle, high), or none "
+                             "for the target's last hidden state")
         config = copy.deepcopy(target_config)
         config.num_hidden_layers = 1
         config._attn_implementation = "sdpa"
@@ -30,6 +37,9 @@ class DraftHead(nn.Module):
         hidden = config.hidden_size
         self.config = config
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        # the target's tapped layers, concatenated, down to one feature; None: the head reads the last hidden state
+        self.fuse = nn.Linear(len(feature_layers) * hidden, hidden, bias=False) if feature_layers else None
         self.layer = layer_cls(config, layer_idx=0)
         self.rotary = rotary_cls(config=config)
         if d2t is not None:
@@ -38,11 +48,16 @@ class DraftHead(nn.Module):
         self.tree = None  # the TreeConfig its checkpoint recommends (checkpoint.load_head), if any
 
     @classmethod
-    def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None) -> "DraftHead":
+    def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,
+                   feature_layers: tuple[int, ...] = ()) -> "DraftHead":
         """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
-        decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`."""
+        decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`.
+        feature_layers: the target's decoder layers it reads (EAGLE-3; `auto_feature_layers`), () for the last
+        hidden state."""
+        if feature_layers:
+            target.check_taps(tuple(feature_layers))
         config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
-        head = cls(config, layer_cls, rotary_cls, d2t)
+        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers))
         return head.to(device=target.device, dtype=target.dtype)
 
     @property
@@ -53,9 +68,13 @@ class DraftHead(nn.Module):
                 mask: torch.Tensor, cache=None) -> torch.Tensor:
         """hidden, token_embeds: [B, T, H]; position_ids: [B, T]; mask: [B|1, 1, T, kv_len] bool.
 
-        Returns the predicted next hidden states [B, T, H].
+        Returns the predicted next hidden states [B, T, H]. `hidden` may instead be the target's tapped layers
+        [B, T, len(feature_layers) * H] (EAGLE-3 heads), which `fuse` projects to H first.
         """
-        x = self.fc(torch.cat([token_embeds, hidden.to(token_embeds.dtype)], dim=-1))  # B T H
+        hidden = hidden.to(token_embeds.dtype)
+        if self.fuse is not None and hidden.shape[-1] != token_embeds.shape[-1]:
+            hidden = self.fuse(hidden)
+        x = self.fc(torch.cat([token_embeds, hidden], dim=-1))  # B T H
         cos_sin = self.rotary(x, position_ids=position_ids)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                          use_cache=cache is not None, position_embeddings=cos_sin)
@@ -120,3 +139,11 @@ def head_layer_classes(target, layer_class: str | None = None) -> tuple[object, 
     if use_own:
         return target.config, type(decoder.layers[0]), type(decoder.rotary_emb)
     return llama_config_for(target.config), LlamaDecoderLayer, LlamaRotaryEmbedding
+
+
+def auto_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers for a stack of `num_layers` (SmolLM2's 30: 2, 15, 27)."""
+    if num_layers < 3:
+        raise ValueError(f"a target of {num_layers} decoder layers has too few to tap (EAGLE-3 needs 3 or more)")
+    low, mid, high = (2 if num_layers >= 8 else 0), num_layers // 2, max(num_layers - 3, 1)
+    return tuple(sorted({min(low, num_layers - 2), min(mid, num_layers - 2), min(high, num_layers - 2)}))

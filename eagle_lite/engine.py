@@ -146,9 +146,16 @@ class Engine:
             stats.seconds = time.perf_counter() - start
             return out
 
+        taps = getattr(self.drafter, "feature_layers", ())  # EAGLE-3 heads read several layers' outputs
+
+        def read(tokens: torch.Tensor, *tree) -> tuple[torch.Tensor, torch.Tensor]:
+            """(final hidden states for the lm_head, the features the drafter reads) of a target forward."""
+            out = target.forward(tokens, cache, *tree, taps=taps)
+            return (out[1], out[2]) if taps else (out[1], out[1])
+
         # 1. prefill (what the cache does not hold yet): only the last prompt token's next token is read
         ids = torch.tensor(prompt_ids[keep:], device=target.device)
-        _, hidden = target.forward(ids, cache)  # T H
+        hidden, features = read(ids)  # T H, T H' (H' = H but for EAGLE-3 heads)
         cache.commit(n_prompt - keep)
         if sampling.greedy:
             first = target.top_token(hidden[-1])
@@ -163,16 +170,16 @@ class Engine:
         while not stats.stop_reason:
             # 2. draft a tree rooted at the last chosen token
             t0 = time.perf_counter()
-            tree = self.drafter.propose(DraftInput(sequence, hidden, sampling, generator), cfg.tree)
+            tree = self.drafter.propose(DraftInput(sequence, features, sampling, generator), cfg.tree)
             t1 = time.perf_counter()
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
-            _, hidden = target.forward(tree.tokens, cache, tree.ancestors, tree.depths)  # N H
+            hidden, features = read(tree.tokens, tree.ancestors, tree.depths)  # N H, N H'
             t2 = time.perf_counter()
             nodes = NodeLogits(target, hidden, likely=tree.likely_path())   # the likeliest path in one product
             path, bonus = accept(tree, nodes, sampling, generator)
             self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))
-            hidden = hidden[path]  # the accepted nodes' features feed the drafter next round
+            features = features[path]  # the accepted nodes' features feed the drafter next round
             new = tree.tokens[path[1:]].tolist() + [bonus]
             sequence += new
             self._cached_tokens = sequence[:cache.length]

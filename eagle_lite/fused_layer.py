@@ -211,15 +211,19 @@ class FusedStack:
                 and not torch.is_grad_enabled())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
-                 visible: torch.Tensor | None) -> torch.Tensor:
+                 visible: torch.Tensor | None, taps: tuple[int, ...] = ()):
         """input_ids, positions: [T]; visible: [T, cache.length + T] bool, or None for a causal chain.
-        Returns the final hidden states [T, H]; the T keys/values are written after the committed slots."""
+        Returns the final hidden states [T, H]; the T keys/values are written after the committed slots.
+        taps: decoder layers whose outputs are also returned, concatenated: (hidden [T, H], taps [T, len*H])."""
         x = self.embed(input_ids)                                  # T H
         cos, sin = self.rotary(x[None], positions[None])           # 1 T D each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        for parts in self.parts:
+        tapped = []
+        for i, parts in enumerate(self.parts):
             x = parts(x, cos, sin, cache, visible)
-        return self.norm(x)
+            if i in taps:
+                tapped.append(x)
+        return (self.norm(x), torch.cat(tapped, dim=-1)) if taps else self.norm(x)
 
 
 def _stack_agrees(decoder: nn.Module, stack: FusedStack) -> bool:

@@ -216,21 +216,28 @@ class Target:
         return StaticKVCache(cfg.num_hidden_layers, kv_heads, head_dim, max_len, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, ancestors: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None, logits_rows: torch.Tensor | slice | None = None):
+                depths: torch.Tensor | None = None, logits_rows: torch.Tensor | slice | None = None,
+                taps: tuple[int, ...] = ()):
         """Run T new tokens after the cache's committed prefix.
 
         input_ids: [T]. ancestors: [T, T] bool, row i marks the tokens node i may see (itself included);
         None means a causal chain. depths: [T] distance from the block's first token (positions are
         prefix_len + depth); None means 0..T-1. logits_rows: which rows get lm_head logits (None: none).
         Returns (logits [R, V] or None, hidden [T, H]). The caller commits or compacts the cache.
+        taps: decoder layers (0-based, not the last) whose outputs a draft head reads besides the final hidden
+        states (EAGLE-3's low/mid/high features, `DraftHead.feature_layers`); then the return value is
+        (logits, hidden, features [T, len(taps) * H]), the layers' outputs concatenated in the order given.
         """
         t = input_ids.numel()
         start = cache.length
         cache.reserve(t)
         steps = torch.arange(t, device=input_ids.device) if depths is None else depths
+        features = None
         if self._stack is not None and self._stack.takes(t, cache):
             visible = None if ancestors is None else attention_mask(start, ancestors)[0, 0]   # T start+T
-            hidden = self._stack(input_ids, steps + start, cache, visible)                   # T H
+            hidden = self._stack(input_ids, steps + start, cache, visible, taps)             # T H
+            if taps:
+                hidden, features = hidden
         else:
             if ancestors is None:
                 ancestors = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()
@@ -240,10 +247,21 @@ class Target:
                 position_ids=(steps + start).view(1, t),
                 past_key_values=cache,
                 use_cache=True,
+                output_hidden_states=bool(taps),
             )
             hidden = out.last_hidden_state[0]  # T H
+            if taps:  # hidden_states[0] is the embedding output, [i + 1] layer i's
+                features = torch.cat([out.hidden_states[i + 1][0] for i in taps], dim=-1)
         logits = None if logits_rows is None else self.logits(hidden[logits_rows])
-        return logits, hidden
+        return (logits, hidden, features) if taps else (logits, hidden)
+
+    def check_taps(self, taps: tuple[int, ...], what: str = "a draft head") -> None:
+        """Refuse feature layers this target does not have (the last layer's output is the final hidden state)."""
+        layers = self.config.num_hidden_layers
+        bad = [i for i in taps if not 0 <= i <= layers - 2]
+        if bad or len(set(taps)) != len(taps):
+            raise ValueError(f"{what} reads the outputs of decoder layers {list(taps)}, but target '{self.name}' has "
+                             f"{layers} layers: feature layers are distinct, from 0 to {layers - 2}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits [R, V] of final hidden states [R, H], in the fastest form for R and device.

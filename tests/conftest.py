@@ -39,10 +39,10 @@ def snap_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
 
 
 def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos: int = 512,
-                grid: bool = False) -> Target:
+                grid: bool = False, layers: int = 2) -> Target:
     """grid: the weights as SmolLM2's GGUF file de-quantizes them: the decoder's linears Q4_1, the lm_head Q8_0."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                   eos_token_id=None, bos_token_id=None, pad_token_id=0)
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -17,7 +17,8 @@ class DraftInput:
     tokens: the whole sequence so far (prompt + generated); the last one is the root of the next tree,
       chosen by the target but not yet in its KV cache.
     hidden: [m, H] the target's last hidden states of the m tokens it committed since the last round
-      (the whole prompt after prefill); hidden[i] belongs to tokens[-m - 1 + i].
+      (the whole prompt after prefill); hidden[i] belongs to tokens[-m - 1 + i]. For a drafter with
+      `feature_layers` (EAGLE-3 heads) the outputs of those decoder layers instead, [m, len * H].
     sampling, generator: how the target samples; a drafter that samples its tokens from q_draft
       (rather than choosing them deterministically) uses them and returns q_draft with the tree.
     """
@@ -33,6 +34,9 @@ class DraftInput:
 
 
 class Drafter(Protocol):
+    """A drafter may also name `feature_layers`, the target's decoder layers it reads (EAGLE-3 heads): the engine
+    then passes their outputs as `DraftInput.hidden` (`Target.forward`'s taps) instead of the last hidden state."""
+
     name: str
 
     def reset(self, max_len: int, keep: int = 0) -> int:
@@ -52,6 +56,7 @@ class NoDrafter:
     """Plain autoregressive decoding through the same loop: every tree is the root alone."""
 
     name = "vanilla"
+    feature_layers: tuple[int, ...] = ()
 
     def reset(self, max_len: int, keep: int = 0) -> int:
         return keep

@@ -45,6 +45,7 @@ class EagleDrafter:
         it drafts again."""
         self.target = target
         self.head = head.eval()
+        self.feature_layers = head.feature_layers   # the target's layers the head reads (EAGLE-3), else ()
         pack_linears(self.head, round_to_grid=round_head)
         fuse_rms_norms(self.head)
         fuse_decoder_layers([self.head.layer], self.head.rotary)   # one native op where its linears run from codes

@@ -1,0 +1,89 @@
+"""EAGLE-3 heads read several decoder layers of the target (low, middle, high) instead of its last hidden state:
+the taps come out of the target's forward on both of its paths, the head drafts from them, and decoding stays
+exactly the target's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.draft import DraftHead, auto_feature_layers
+from eagle_lite.drafters import EagleDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.tree import DraftTree
+
+from conftest import VOCAB, make_target, reference_greedy
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-q4_1"])
+def deep(request):
+    """Four-layer targets: the grid one runs its forwards through the fused native stack, the others through
+    the model's own forward."""
+    family, _, grid = request.param.partition("-")
+    return make_target(family, layers=4, grid=bool(grid))
+
+
+def test_taps_are_the_layers_outputs_on_either_path(deep):
+    ids = torch.tensor([5, 9, 2, 7, 11])
+    with torch.inference_mode():
+        own = deep.model.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        cache = deep.new_cache(16)
+        _, hidden, taps = deep.forward(ids[:2], cache, taps=(0, 2))
+        cache.commit(2)
+        tree = DraftTree(ids[2:], [-1, 0, 1])  # a chain, read as a tree
+        _, hidden2, taps2 = deep.forward(tree.tokens, cache, tree.ancestors, tree.depths, taps=(0, 2))
+    want = torch.cat([own[1][0], own[3][0]], dim=-1)  # hidden_states[i + 1] is layer i's output
+    got = torch.cat([taps, taps2])
+    assert got.shape == (5, 2 * deep.hidden_size)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert torch.allclose(torch.cat([hidden, hidden2]), own[-1][0], rtol=1e-4, atol=1e-4)
+    assert (deep._stack is not None) == ("q4_1" in deep.name)  # both paths are covered
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(depth=4, top_k=3, total_tokens=10),
+                                  TreeConfig(depth=3, top_k=2, total_tokens=4, lookup=6)], ids=["tree", "lookup"])
+def test_eagle3_head_decodes_exactly_the_targets_greedy_output(deep, tree):
+    torch.manual_seed(0)
+    head = DraftHead.for_target(deep, feature_layers=auto_feature_layers(4))
+    assert head.feature_layers == (0, 1, 2) and head.fuse.in_features == 3 * deep.hidden_size
+    engine = Engine(deep, EagleDrafter(deep, head))
+    prompt = torch.randint(VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=tree, stop_at_eos=False))
+    assert result.token_ids == reference_greedy(deep, prompt, 40)
+
+
+def test_the_head_reads_its_own_taps_not_the_last_hidden_state(deep):
+    """The features reaching the drafter are the taps: a drafter that records them sees len(taps) * H columns."""
+    torch.manual_seed(0)
+    drafter = EagleDrafter(deep, DraftHead.for_target(deep, feature_layers=(0, 2)))
+    seen = []
+    propose = drafter.propose
+    drafter.propose = lambda inp, tree: (seen.append(inp.hidden.shape), propose(inp, tree))[1]
+    Engine(deep, drafter).generate([3, 4, 5, 6], GenerationConfig(max_new_tokens=8, stop_at_eos=False))
+    assert seen and all(shape[1] == 2 * deep.hidden_size for shape in seen)
+
+
+def test_feature_layers_round_trip_and_are_checked_against_the_target(deep, tmp_path):
+    torch.manual_seed(0)
+    head = DraftHead.for_target(deep, feature_layers=(0, 2))
+    save_head(head, tmp_path / "head", deep)
+    loaded = load_head(tmp_path / "head", deep)
+    assert loaded.feature_layers == (0, 2)
+    assert torch.equal(loaded.fuse.weight, head.fuse.weight.to(torch.bfloat16).to(loaded.fuse.weight.dtype))
+    shallow = make_target("llama")  # two layers: layer 2 does not exist
+    shallow.fingerprint = deep.fingerprint  # passes the target check: only its depth differs
+    with pytest.raises(HeadMismatchError, match=r"reads the outputs of decoder layers \[0, 2\].*has 2 layers"):
+        load_head(tmp_path / "head", shallow)
+    with pytest.raises(ValueError, match="two or more decoder layers"):
+        DraftHead.for_target(deep, feature_layers=(1,))
+    with pytest.raises(ValueError, match="from 0 to 2"):
+        DraftHead.for_target(deep, feature_layers=(0, 3))
+
+
+def test_auto_feature_layers_pick_low_middle_and_high():
+    assert auto_feature_layers(30) == (2, 15, 27)   # SmolLM2
+    assert auto_feature_layers(32) == (2, 16, 29)   # EAGLE-3 on an 8B Llama
+    assert auto_feature_layers(4) == (0, 1, 2)
+    with pytest.raises(ValueError, match="too few to tap"):
+        auto_feature_layers(2)

@@ -57,20 +57,31 @@ def test_a_head_of_a_target_without_llama_layers_trains_as_it_drafts():
     check_unrolled_training_matches_chain_drafting(build("gpt2"))   # its head is a Llama layer of GPT-2's sizes
 
 
-def check_unrolled_training_matches_chain_drafting(target) -> None:
+def test_an_eagle3_head_trains_on_the_taps_it_drafts_from():
+    """EAGLE-3: step 0 reads the target's tapped layers (cached as `taps`), later steps the head's own output."""
+    check_unrolled_training_matches_chain_drafting(tiny_target(TargetConfig(name="tiny4", kind="tiny", num_layers=4)),
+                                                   taps=(0, 1, 2))
+
+
+def check_unrolled_training_matches_chain_drafting(target, taps: tuple[int, ...] = ()) -> None:
     torch.manual_seed(0)
-    head = DraftHead.for_target(target).eval()
+    head = DraftHead.for_target(target, feature_layers=taps).eval()
     n, steps = 12, 3
     ids = torch.randint(2, target.vocab_size, (n,)).tolist()
     with torch.no_grad():
-        hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]  # T H
-        pairs = make_pairs(collate([item(ids, hidden)], max_len=n, pack=False), target.embed_tokens.weight)
+        out = target.decoder(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        hidden = out.last_hidden_state[0]  # T H
+        example = item(ids, hidden)
+        if taps:
+            example["taps"] = torch.cat([out.hidden_states[i + 1][0] for i in taps], dim=-1)  # T K*H
+        pairs = make_pairs(collate([example], max_len=n, pack=False), target.embed_tokens.weight, taps=bool(taps))
         preds = unroll(head, pairs, steps)  # steps x [1, T', H]
         cfg = head.config
+        features = example.get("taps", hidden)  # what the drafter reads of the real tokens
         for root in (0, 4, 7):
             cache = StaticKVCache(1, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, 64)
             m = root + 1  # the real pairs (f_t, x_{t+1}) for t = 0..root, as the drafter catches up
-            h = head.step(hidden[:m], target.embed_tokens(torch.tensor(ids[1:m + 1])), cache,
+            h = head.step(features[:m], target.embed_tokens(torch.tensor(ids[1:m + 1])), cache,
                           torch.arange(m), torch.ones(m, m, dtype=torch.bool).tril_())
             cache.commit(m)
             torch.testing.assert_close(h[-1], preds[0][0, root], atol=1e-5, rtol=1e-4)
@@ -153,6 +164,36 @@ def test_every_experiment_debug_and_trainer_config_composes():
         _typed(ObjectiveConfig, train_config("draft.objective.ttt_steps=0").draft.objective)
 
 
+def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
+    """draft.feature_layers=auto: the features stage caches the taps, the head trains on them, the exported head
+    loads with its layers and decodes the target's own greedy output; the plain cache refuses to serve it."""
+    from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.drafters import EagleDrafter
+    from eagle_lite.engine import Engine
+    from trainers.features import FeatureCacheMismatch
+    from trainers.train import train
+
+    deep = ["target.num_layers=4", "target.name=tiny4"]
+    result = train(tiny_train_config(tmp_path, "debug=fdr", "draft.feature_layers=auto", "name=eagle3", *deep))
+    cfg = tiny_train_config(tmp_path, *deep)
+    taps_cache = FeatureCache(cfg.paths.features)
+    assert taps_cache.feature_layers == (0, 1, 2)
+    row = taps_cache.index()[0]
+    assert taps_cache.read(row["file"], row["start"], row["length"])["taps"].shape == (row["length"], 3 * 64)
+    target = tiny_target(TargetConfig(name="tiny4", kind="tiny", num_layers=4))
+    head = load_head(result["export"], target)
+    assert head.feature_layers == (0, 1, 2)
+    prompt = [5, 17, 33, 2, 9, 71]
+    ids = torch.tensor([prompt])
+    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out = Engine(target, EagleDrafter(target, head)).generate(
+        prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6)))
+    assert out.token_ids == ref
+    with pytest.raises(FeatureCacheMismatch, match=r"holds the outputs of decoder layers \[0, 1, 2\]"):
+        train(tiny_train_config(tmp_path, "debug=fdr", "name=plain", *deep))  # same folder, a plain head
+
+
 def test_cli_answers_help():
     out = subprocess.run([sys.executable, "-m", "trainers.train", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -192,6 +233,19 @@ def test_loss_falls_when_overfitting_a_tiny_cache(runs):
     # the soft-label cross-entropy can only fall to the target's own entropy; the regression to 0
     assert last["train/loss_reg"] < 0.5 * first["train/loss_reg"], result["epochs_log"]
     assert last["train/loss"] < 0.8 * first["train/loss"]
+    assert last["train/top1"] > first["train/top1"] + 0.2
+
+
+def test_an_eagle3_heads_token_loss_falls_when_overfitting(tmp_path):
+    """experiment=gpu_eagle3's objective (token loss only, 3 unrolled steps) on the taps of a 4-layer tiny target."""
+    from trainers.train import train
+
+    result = train(tiny_train_config(tmp_path, "debug=overfit", "trainer.max_epochs=20", "target.num_layers=4",
+                                     "target.name=tiny4", "draft.feature_layers=auto", "draft.objective.w_reg=0",
+                                     "draft.objective.w_cls=1", "draft.objective.ttt_steps=3"))
+    first, last = result["epochs_log"][0], result["epochs_log"][-1]
+    # the soft-label cross-entropy (3 steps, decay-weighted) can only fall to the target's own entropy
+    assert last["train/loss_cls"] < 0.95 * first["train/loss_cls"], result["epochs_log"]
     assert last["train/top1"] > first["train/top1"] + 0.2
 
 

@@ -6,7 +6,8 @@ gives at inference. Sequences are then either packed (several per row, each its 
 positions from 0 and attention that never crosses a segment) or padded one per row. Batches:
 
   input_ids [B, T] long, hidden [B, T, H] bf16, loss_mask [B, T] bool,
-  segment [B, T] long (1, 2, ... per sequence in the row; 0 = padding), position_ids [B, T] long
+  segment [B, T] long (1, 2, ... per sequence in the row; 0 = padding), position_ids [B, T] long,
+  and taps [B, T, K*H] bf16 where the caches hold the outputs of K decoder layers (EAGLE-3 heads)
 
 Validation is a held-out part of the cache chosen by a hash of each record's id (all parts of a
 ShareGPT chat on one side), so it does not change when the cache grows.
@@ -25,7 +26,7 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .features import FeatureCache
+from .features import FeatureCache, FeatureCacheMismatch
 from .sharegpt import split_of
 
 
@@ -92,6 +93,8 @@ def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> d
         "segment": torch.zeros(b, width, dtype=torch.long),
         "position_ids": torch.zeros(b, width, dtype=torch.long),
     }
+    if "taps" in items[0]:
+        batch["taps"] = torch.zeros(b, width, items[0]["taps"].shape[-1], dtype=items[0]["taps"].dtype)
     for r, row in enumerate(rows):
         start = 0
         for s, item in enumerate(row, start=1):
@@ -99,6 +102,8 @@ def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> d
             span = slice(start, start + n)
             batch["input_ids"][r, span] = item["input_ids"]
             batch["hidden"][r, span] = item["hidden"]
+            if "taps" in batch:
+                batch["taps"][r, span] = item["taps"]
             batch["loss_mask"][r, span] = item["loss_mask"]
             batch["segment"][r, span] = s
             batch["position_ids"][r, span] = torch.arange(n)
@@ -123,11 +128,14 @@ class DraftDataModule(L.LightningDataModule):
     """`folder`: one feature cache folder, or a list of them (all built for the same target)."""
 
     def __init__(self, folder: str | list[str], cfg: LoaderConfig = LoaderConfig(),
-                 expect_target: dict | None = None) -> None:
+                 expect_target: dict | None = None, feature_layers: tuple[int, ...] | None = None) -> None:
+        """feature_layers: the decoder layers the head reads (EAGLE-3; () for the last hidden state), which every
+        cache must hold; None: whatever they hold."""
         super().__init__()
         self.folders = [str(folder)] if isinstance(folder, (str, Path)) else [str(f) for f in folder]
         self.cfg = cfg
         self.expect_target = expect_target
+        self.feature_layers = None if feature_layers is None else tuple(feature_layers)
         self.caches: list[FeatureCache] = []
         self.train_rows = self.val_rows = None
 
@@ -135,6 +143,13 @@ class DraftDataModule(L.LightningDataModule):
         if self.caches:
             return
         self.caches = [FeatureCache(folder, self.expect_target) for folder in self.folders]
+        held = {cache.feature_layers for cache in self.caches}
+        want = self.feature_layers if self.feature_layers is not None else next(iter(held))
+        for cache in self.caches:
+            if cache.feature_layers != want:
+                raise FeatureCacheMismatch(
+                    f"feature cache {cache.folder} holds the outputs of decoder layers {list(cache.feature_layers)}, "
+                    f"the head reads {list(want)}: rebuild the cache for it in its own folder (paths.features=...)")
         index = joint_index(self.caches)
         if len(index) < 2:
             raise ValueError(f"feature cache {', '.join(self.folders)} holds {len(index)} sequence(s); training "

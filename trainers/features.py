@@ -5,7 +5,9 @@ target-written tokens) and the features f_0..f_{T-1} (`last_hidden_state`, after
 stored in bf16). Layout of a cache folder:
 
   shard-00000.safetensors   input_ids int32 [N], loss_mask bool [N], hidden bf16 [N, H],
-                            offsets int64 [S + 1] (sequence i is rows offsets[i]:offsets[i + 1])
+                            offsets int64 [S + 1] (sequence i is rows offsets[i]:offsets[i + 1]),
+                            and for EAGLE-3 heads taps bf16 [N, K * H]: the outputs of the K decoder
+                            layers `feature_layers` (the head's input; `hidden` stays its target)
   manifest.json             target fingerprint, dtype, hidden size, max_len, and per shard its file,
                             record ids and token count; totals; `complete`
 
@@ -51,8 +53,10 @@ class FeatureConfig:
     shard_size: int = 256     # sequences per shard file (the unit of resumption)
     batch_size: int = 4       # sequences per target forward
     space_margin: float = 1.1  # refuse to start unless this times the estimate is free
+    feature_layers: tuple[int, ...] = ()  # also store these decoder layers' outputs (EAGLE-3 heads read them)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers or ()))
         for key in ("max_len", "shard_size", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.features.{key} must be >= 1, got {getattr(self, key)}")
@@ -68,8 +72,8 @@ def loss_mask_of(record: dict, max_len: int) -> tuple[list[int], list[bool]]:
     return ids, mask
 
 
-def estimate_bytes(tokens: int, hidden_size: int) -> int:
-    return tokens * (2 * hidden_size + _BYTES_PER_TOKEN_EXTRA)
+def estimate_bytes(tokens: int, hidden_size: int, taps: int = 0) -> int:
+    return tokens * (2 * hidden_size * (1 + taps) + _BYTES_PER_TOKEN_EXTRA)
 
 
 def describe_bytes(n: float) -> str:
@@ -89,8 +93,10 @@ def check_fingerprint(built: dict, given: dict, folder: Path | str) -> None:
 
 
 @torch.inference_mode()
-def target_features(target: Target, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """One batched forward (right padding, no KV cache): the last hidden states [T_i, H] of each sequence."""
+def target_features(target: Target, sequences: Sequence[Sequence[int]],
+                    taps: tuple[int, ...] = ()) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batched forward (right padding, no KV cache): the last hidden states [T_i, H] of each sequence;
+    with `taps`, pairs (hidden [T_i, H], the taps' outputs concatenated [T_i, len(taps) * H])."""
     pad = pad_token_id(target)
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad, dtype=torch.long)  # B T
@@ -99,19 +105,26 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]]) -> list[
         ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention[r, :len(seq)] = 1
     out = target.decoder(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
-                         use_cache=False)
+                         use_cache=False, output_hidden_states=bool(taps))
     hidden = out.last_hidden_state  # B T H; causal, so right padding never changes the real positions
-    return [hidden[r, :len(seq)] for r, seq in enumerate(sequences)]
+    if not taps:
+        return [hidden[r, :len(seq)] for r, seq in enumerate(sequences)]
+    tapped = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)  # B T K*H ([i + 1]: layer i's output)
+    return [(hidden[r, :len(seq)], tapped[r, :len(seq)]) for r, seq in enumerate(sequences)]
 
 
 def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConfig, bar=None) -> dict:
     pairs = [loss_mask_of(r, cfg.max_len) for r in chunk]
     hidden: list[torch.Tensor | None] = [None] * len(chunk)
+    taps: list[torch.Tensor | None] = [None] * len(chunk)
     order = sorted(range(len(chunk)), key=lambda i: len(pairs[i][0]))  # similar lengths batch together
     for start in range(0, len(order), cfg.batch_size):
         rows = order[start:start + cfg.batch_size]
-        for i, h in zip(rows, target_features(target, [pairs[i][0] for i in rows])):
-            hidden[i] = h.to("cpu", torch.bfloat16)
+        for i, out in zip(rows, target_features(target, [pairs[i][0] for i in rows], cfg.feature_layers)):
+            if cfg.feature_layers:
+                out, tapped = out
+                taps[i] = tapped.to("cpu", torch.bfloat16)
+            hidden[i] = out.to("cpu", torch.bfloat16)
         if bar is not None:
             bar.update(len(rows))
     lengths = torch.tensor([len(ids) for ids, _ in pairs])
@@ -121,6 +134,8 @@ def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConf
         "hidden": torch.cat(hidden).contiguous(),                                                  # N H
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),             # S+1
     }
+    if cfg.feature_layers:
+        tensors["taps"] = torch.cat(taps).contiguous()                                             # N K*H
     ids = [r["id"] for r in chunk]
     write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT, "ids": json.dumps(ids)}))
     return {"file": path.name, "ids": ids, "sequences": len(chunk), "tokens": int(lengths.sum())}
@@ -143,13 +158,17 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
                     f"feature cache {folder} was built with {key}={old[key]}, now {key}={getattr(cfg, key)}; "
                     f"keep the old value, or use another folder / delete {folder} to rebuild"
                 )
+        if old.get("feature_layers", []) != list(cfg.feature_layers):
+            raise FeatureCacheMismatch(
+                f"feature cache {folder} holds the outputs of decoder layers {old.get('feature_layers', [])}, this "
+                f"head reads {list(cfg.feature_layers)}: give each its own folder (paths.features=...)")
         entries = {e["index"]: e for e in old["shards"]}
     chunks = [list(records[i:i + cfg.shard_size]) for i in range(0, len(records), cfg.shard_size)]
     todo = [k for k, chunk in enumerate(chunks)
             if not (k in entries and entries[k]["ids"] == [r["id"] for r in chunk]
                     and (folder / entries[k]["file"]).is_file())]
     need = estimate_bytes(sum(min(len(r["input_ids"]), cfg.max_len) for k in todo for r in chunks[k]),
-                          target.hidden_size)
+                          target.hidden_size, len(cfg.feature_layers))
     free = shutil.disk_usage(folder).free
     log.info("features: %d of %d shards to compute, about %s on disk (%s free at %s)",
              len(todo), len(chunks), describe_bytes(need), describe_bytes(free), folder)
@@ -166,6 +185,7 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
         return {
             "format": FORMAT, "version": 1, "target": fingerprint, "dtype": "bfloat16",
             "hidden_size": target.hidden_size, "max_len": cfg.max_len, "shard_size": cfg.shard_size,
+            "feature_layers": list(cfg.feature_layers),
             "shards": kept, "total_sequences": sum(e["sequences"] for e in kept),
             "total_tokens": sum(e["tokens"] for e in kept), "planned_sequences": len(records),
             "complete": len(todo_left) == 0 and len(kept) == len(chunks),
@@ -215,6 +235,11 @@ class FeatureCache:
     def hidden_size(self) -> int:
         return self.manifest["hidden_size"]
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose outputs the cache holds as `taps` besides the last hidden state (EAGLE-3)."""
+        return tuple(self.manifest.get("feature_layers", []))
+
     def _open(self, file: str):
         if file not in self._handles:
             self._handles[file] = safe_open(str(self.folder / file), framework="pt")
@@ -240,14 +265,18 @@ class FeatureCache:
         return datasets.Dataset.from_dict(rows)
 
     def read(self, file: str, start: int, length: int) -> dict[str, torch.Tensor]:
-        """One sequence: input_ids long [T], loss_mask bool [T], hidden bf16 [T, H]; reads only its rows."""
+        """One sequence: input_ids long [T], loss_mask bool [T], hidden bf16 [T, H] (and taps bf16 [T, K*H] where
+        the cache holds them); reads only its rows."""
         handle = self._open(file)
         end = start + length
-        return {
+        out = {
             "input_ids": handle.get_slice("input_ids")[start:end].long(),
             "loss_mask": handle.get_slice("loss_mask")[start:end],
             "hidden": handle.get_slice("hidden")[start:end],
         }
+        if self.feature_layers:
+            out["taps"] = handle.get_slice("taps")[start:end]
+        return out
 
     def token_ids(self, file: str) -> tuple[torch.Tensor, torch.Tensor]:
         """All (input_ids [N], loss_mask [N]) of one shard."""

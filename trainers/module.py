@@ -101,7 +101,7 @@ class DraftLightningModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         cfg = self.objective_cfg
-        pairs = make_pairs(batch, self.embed_weight)
+        pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
         losses = objective(preds, pairs, self.draft_weight, cfg)
         rows = int(batch["input_ids"].shape[0])
@@ -111,7 +111,7 @@ class DraftLightningModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         cfg = self.objective_cfg
-        pairs = make_pairs(batch, self.embed_weight)
+        pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, max(cfg.ttt_steps, cfg.val_depth))
         loss = objective(preds, pairs, self.draft_weight, cfg)["loss"]
         stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t)

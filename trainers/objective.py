@@ -72,7 +72,7 @@ class ConcatKV:
 class Pairs:
     """The head's inputs and targets for a batch, T' = T - 1 pairs per row."""
 
-    hidden: torch.Tensor      # [B, T', H] f_t (float)
+    hidden: torch.Tensor      # [B, T', H] f_t (float); EAGLE-3 heads: the target's tapped layers [B, T', K*H]
     embeds: torch.Tensor      # [B, T', H] embed(x_{t+1})
     positions: torch.Tensor   # [B, T'] position id of pair t
     segment: torch.Tensor     # [B, T'] segment of the pair (0: not a pair: padding or a segment border)
@@ -80,14 +80,20 @@ class Pairs:
     weight: torch.Tensor      # [B, T'] bool: x_{t+2} exists in the same segment and is loss-masked
 
 
-def make_pairs(batch: dict, embed_weight: torch.Tensor) -> Pairs:
-    """batch: input_ids [B, T], hidden [B, T, H], loss_mask [B, T], segment [B, T], position_ids [B, T]."""
+def make_pairs(batch: dict, embed_weight: torch.Tensor, taps: bool = False) -> Pairs:
+    """batch: input_ids [B, T], hidden [B, T, H], loss_mask [B, T], segment [B, T], position_ids [B, T]; and
+    taps [B, T, K*H] where the caches hold several layers' outputs. taps=True: those are the head's input at step
+    0 (EAGLE-3 heads; `hidden` stays the target); False: the last hidden state is."""
     ids, hidden, seg = batch["input_ids"], batch["hidden"], batch["segment"]
+    if taps and "taps" not in batch:
+        raise ValueError("this head reads the target's tapped layers, but the feature cache holds only its last "
+                         "hidden states: cache them with the head's draft.feature_layers")
+    inputs = batch["taps"] if taps else hidden
     pair_seg = torch.where(seg[:, 1:] == seg[:, :-1], seg[:, :-1], torch.zeros_like(seg[:, :-1]))  # B T'
     weight = torch.zeros_like(pair_seg, dtype=torch.bool)                                          # B T'
     weight[:, :-1] = batch["loss_mask"][:, 2:] & (seg[:, 2:] == pair_seg[:, :-1]) & (pair_seg[:, :-1] > 0)
     return Pairs(
-        hidden=hidden[:, :-1].float(),
+        hidden=inputs[:, :-1].float(),
         embeds=F.embedding(ids[:, 1:], embed_weight).float(),
         positions=batch["position_ids"][:, :-1],
         segment=pair_seg,

@@ -38,6 +38,10 @@ from eagle_lite.atomic import write_text_atomic
 log = logging.getLogger("trainers.train")
 
 
+def _container(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
 def _typed(cls, node):
     """A dataclass from a config node; unknown keys fail loudly, naming the class."""
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
@@ -86,9 +90,29 @@ def distill_only(cfg: DictConfig, target, sources: list[DataSource]) -> dict:
             "seconds_distill": round(time.perf_counter() - t0, 1), "stage": "distill"}
 
 
-def prepare_data(cfg: DictConfig, target, sources: list[DataSource]):
+def feature_layers(cfg: DictConfig, target) -> tuple[int, ...]:
+    """The target's decoder layers the head reads (EAGLE-3), from `draft.feature_layers`: null or [] (the last
+    hidden state, EAGLE-1/2), "auto" (low, middle, high: `auto_feature_layers`) or a list; a head fine-tuned from
+    `draft.init_from` keeps its own."""
+    from eagle_lite.checkpoint import read_head_config
+    from eagle_lite.draft import auto_feature_layers
+
+    if cfg.draft.get("init_from"):
+        return tuple(read_head_config(cfg.draft.init_from).get("feature_layers") or ())
+    layers = cfg.draft.get("feature_layers")
+    if not layers:
+        return ()
+    if cfg.draft.get("kind", "eagle") == "medusa":
+        raise ValueError("draft.feature_layers is for EAGLE heads; Medusa heads read the last hidden state")
+    layers = auto_feature_layers(target.config.num_hidden_layers) if layers == "auto" else tuple(int(i) for i in layers)
+    target.check_taps(layers, "draft.feature_layers")
+    return layers
+
+
+def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple[int, ...] = ()):
     """Stages 1-2 for every source of `data_sources(cfg)`: distill and cache features (each resumes);
-    returns (stage seconds, manifest, datamodule).
+    returns (stage seconds, manifest, datamodule). taps: the decoder layers the head reads (`feature_layers`),
+    cached beside the last hidden states.
 
     With `data.mix`, every source is prepared in turn and the datamodule reads all their caches; the
     returned manifest then sums their sequences and tokens.
@@ -106,18 +130,20 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource]):
         distill(target, _typed(DistillConfig, source.settings), source.distill, progress=cfg.progress)
         t1 = time.perf_counter()
         manifests.append(cache_features(target, list(read_records(source.distill)), source.features,
-                                        _typed(FeatureConfig, cfg.data.features), progress=cfg.progress))
+                                        FeatureConfig(**{**_container(cfg.data.features), "feature_layers": taps}),
+                                        progress=cfg.progress))
         seconds["seconds_distill"] = round(seconds["seconds_distill"] + t1 - t0, 1)
         seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
     manifest = {**manifests[0], **{k: sum(m[k] for m in manifests) for k in ("total_sequences", "total_tokens")}}
     data = DraftDataModule([s.features for s in sources], _typed(LoaderConfig, cfg.data.loader),
-                           expect_target=target.fingerprint())
+                           expect_target=target.fingerprint(), feature_layers=taps)
     data.setup("fit")
     return seconds, manifest, data
 
 
-def build_module(cfg: DictConfig, target, data):
-    """The head (random, seeded; over a reduced vocabulary when draft.vocab_size is set) in its module."""
+def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
+    """The head (random, seeded; over a reduced vocabulary when draft.vocab_size is set; reading the decoder
+    layers `taps` where given) in its module."""
     from eagle_lite.draft import DraftHead
 
     from .module import DraftLightningModule, OptimConfig
@@ -148,7 +174,8 @@ def build_module(cfg: DictConfig, target, data):
             d2t = build_d2t(counts, int(cfg.draft.vocab_size), special_ids(target))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            head = DraftHead.for_target(target, d2t).float()  # fp32 master weights whatever the target's dtype
+            # fp32 master weights whatever the target's dtype
+            head = DraftHead.for_target(target, d2t, feature_layers=taps).float()
     return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                 _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
 
@@ -241,13 +268,14 @@ def train(cfg: DictConfig) -> dict:
     sources = data_sources(cfg)
     if stop_after == "distill":
         return {**distill_only(cfg, target, sources), "seconds": round(time.perf_counter() - start, 1)}
-    seconds, manifest, data = prepare_data(cfg, target, sources)
+    taps = feature_layers(cfg, target)
+    seconds, manifest, data = prepare_data(cfg, target, sources, taps)
     if stop_after == "features":
         log.info("stop_after=features: %d sequences, %d tokens ready in %s; rerun without it to fit",
                  manifest["total_sequences"], manifest["total_tokens"], ", ".join(str(s.features) for s in sources))
         return {"experiment": cfg.name, "sequences": manifest["total_sequences"], "stage": "features",
                 "tokens": manifest["total_tokens"], **seconds, "seconds": round(time.perf_counter() - start, 1)}
-    module = build_module(cfg, target, data)
+    module = build_module(cfg, target, data, taps)
     trainer, history, resume_from = fit(cfg, module, data)
 
     # 4. export

@@ -37,8 +37,12 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
     trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
     rows = []
+    held = data.caches[0].feature_layers
     for path in heads:
         head = load_head(path, target).float().eval()
+        if head.feature_layers and head.feature_layers != held:
+            raise ValueError(f"head {path} reads decoder layers {list(head.feature_layers)}, but the feature caches "
+                             f"hold {list(held) or 'only the last hidden state'}: score it on a cache built for it")
         module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                       ObjectiveConfig(val_depth=val_depth))
         metrics = trainer.validate(module, datamodule=data, verbose=False)[0]

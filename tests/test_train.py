@@ -166,7 +166,8 @@ def test_every_experiment_debug_and_trainer_config_composes():
 
 def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     """draft.feature_layers=auto: the features stage caches the taps, the head trains on them, the exported head
-    loads with its layers and decodes the target's own greedy output; the plain cache refuses to serve it."""
+    loads with its layers and decodes the target's own greedy output; a plain head trains on the same cache, a head
+    reading other layers is refused."""
     from eagle_lite.config import GenerationConfig, TreeConfig
     from eagle_lite.drafters import EagleDrafter
     from eagle_lite.engine import Engine
@@ -190,8 +191,10 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     out = Engine(target, EagleDrafter(target, head)).generate(
         prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6)))
     assert out.token_ids == ref
-    with pytest.raises(FeatureCacheMismatch, match=r"holds the outputs of decoder layers \[0, 1, 2\]"):
-        train(tiny_train_config(tmp_path, "debug=fdr", "name=plain", *deep))  # same folder, a plain head
+    plain = train(tiny_train_config(tmp_path, "debug=fdr", "name=plain", *deep))  # a plain head reads the same cache
+    assert load_head(plain["export"], target).feature_layers == ()
+    with pytest.raises(FeatureCacheMismatch, match=r"holds the outputs of decoder layers \[0, 1, 2\], this head reads"):
+        train(tiny_train_config(tmp_path, "debug=fdr", "name=other", "draft.feature_layers=[0,2]", *deep))
 
 
 def test_cli_answers_help():

@@ -129,8 +129,8 @@ class DraftDataModule(L.LightningDataModule):
 
     def __init__(self, folder: str | list[str], cfg: LoaderConfig = LoaderConfig(),
                  expect_target: dict | None = None, feature_layers: tuple[int, ...] | None = None) -> None:
-        """feature_layers: the decoder layers the head reads (EAGLE-3; () for the last hidden state), which every
-        cache must hold; None: whatever they hold."""
+        """feature_layers: the decoder layers an EAGLE-3 head reads, which every cache must hold as its taps; () or
+        None: the head reads the last hidden state, which every cache holds."""
         super().__init__()
         self.folders = [str(folder)] if isinstance(folder, (str, Path)) else [str(f) for f in folder]
         self.cfg = cfg
@@ -143,13 +143,12 @@ class DraftDataModule(L.LightningDataModule):
         if self.caches:
             return
         self.caches = [FeatureCache(folder, self.expect_target) for folder in self.folders]
-        held = {cache.feature_layers for cache in self.caches}
-        want = self.feature_layers if self.feature_layers is not None else next(iter(held))
         for cache in self.caches:
-            if cache.feature_layers != want:
+            if self.feature_layers and cache.feature_layers != self.feature_layers:
                 raise FeatureCacheMismatch(
-                    f"feature cache {cache.folder} holds the outputs of decoder layers {list(cache.feature_layers)}, "
-                    f"the head reads {list(want)}: rebuild the cache for it in its own folder (paths.features=...)")
+                    f"feature cache {cache.folder} holds the outputs of decoder layers "
+                    f"{list(cache.feature_layers) or 'none'}, the head reads {list(self.feature_layers)}: cache them "
+                    f"for it in its own folder (paths.features=...)")
         index = joint_index(self.caches)
         if len(index) < 2:
             raise ValueError(f"feature cache {', '.join(self.folders)} holds {len(index)} sequence(s); training "

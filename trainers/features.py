@@ -17,6 +17,7 @@ are written atomically (the manifest after every shard), so an interrupted run r
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -158,10 +159,13 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
                     f"feature cache {folder} was built with {key}={old[key]}, now {key}={getattr(cfg, key)}; "
                     f"keep the old value, or use another folder / delete {folder} to rebuild"
                 )
-        if old.get("feature_layers", []) != list(cfg.feature_layers):
+        held = tuple(old.get("feature_layers", []))
+        if cfg.feature_layers and held != cfg.feature_layers:
             raise FeatureCacheMismatch(
-                f"feature cache {folder} holds the outputs of decoder layers {old.get('feature_layers', [])}, this "
-                f"head reads {list(cfg.feature_layers)}: give each its own folder (paths.features=...)")
+                f"feature cache {folder} holds the outputs of decoder layers {list(held) or 'none'}, this head reads "
+                f"{list(cfg.feature_layers)}: give each its own folder (paths.features=...)")
+        if held and not cfg.feature_layers:  # a plain head reads any cache: its new shards keep the same taps
+            cfg = dataclasses.replace(cfg, feature_layers=held)
         entries = {e["index"]: e for e in old["shards"]}
     chunks = [list(records[i:i + cfg.shard_size]) for i in range(0, len(records), cfg.shard_size)]
     todo = [k for k, chunk in enumerate(chunks)

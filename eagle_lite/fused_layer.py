@@ -218,12 +218,12 @@ class FusedStack:
         x = self.embed(input_ids)                                  # T H
         cos, sin = self.rotary(x[None], positions[None])           # 1 T D each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        tapped = []
+        tapped = {}
         for i, parts in enumerate(self.parts):
             x = parts(x, cos, sin, cache, visible)
             if i in taps:
-                tapped.append(x)
-        return (self.norm(x), torch.cat(tapped, dim=-1)) if taps else self.norm(x)
+                tapped[i] = x
+        return (self.norm(x), torch.cat([tapped[i] for i in taps], dim=-1)) if taps else self.norm(x)
 
 
 def _stack_agrees(decoder: nn.Module, stack: FusedStack) -> bool:

@@ -29,11 +29,11 @@ def test_taps_are_the_layers_outputs_on_either_path(deep):
     with torch.inference_mode():
         own = deep.model.model(input_ids=ids[None], output_hidden_states=True).hidden_states
         cache = deep.new_cache(16)
-        _, hidden, taps = deep.forward(ids[:2], cache, taps=(0, 2))
+        _, hidden, taps = deep.forward(ids[:2], cache, taps=(2, 0))
         cache.commit(2)
         tree = DraftTree(ids[2:], [-1, 0, 1])  # a chain, read as a tree
-        _, hidden2, taps2 = deep.forward(tree.tokens, cache, tree.ancestors, tree.depths, taps=(0, 2))
-    want = torch.cat([own[1][0], own[3][0]], dim=-1)  # hidden_states[i + 1] is layer i's output
+        _, hidden2, taps2 = deep.forward(tree.tokens, cache, tree.ancestors, tree.depths, taps=(2, 0))
+    want = torch.cat([own[3][0], own[1][0]], dim=-1)  # in the order asked; hidden_states[i + 1] is layer i's output
     got = torch.cat([taps, taps2])
     assert got.shape == (5, 2 * deep.hidden_size)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -18,6 +18,7 @@ import copy
 import torch
 from torch import nn
 
+from .kv_cache import with_cache
 from .tree import attention_mask
 
 
@@ -76,8 +77,8 @@ class DraftHead(nn.Module):
             hidden = self.fuse(hidden)
         x = self.fc(torch.cat([token_embeds, hidden], dim=-1))  # B T H
         cos_sin = self.rotary(x, position_ids=position_ids)
-        out = self.layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                         use_cache=cache is not None, position_embeddings=cos_sin)
+        out = self.layer(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
+                         position_embeddings=cos_sin, **with_cache(self.layer, cache))
         return out[0] if isinstance(out, tuple) else out
 
     def step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, cache, positions: torch.Tensor,

@@ -31,7 +31,7 @@ from torch import nn
 
 from .grid_linear import MAX_GRID_ROWS, GridWeight
 from .instance_forward import class_forwards
-from .kv_cache import StaticKVCache
+from .kv_cache import StaticKVCache, with_cache
 from .native import kernel_available
 from .tree import attention_mask
 
@@ -112,10 +112,13 @@ def _shared(position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.
 
 
 def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
-                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+                   position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, past_key_values=None,
+                   **kwargs) -> torch.Tensor:
+    """The layer's forward, by the fused op where it applies. The KV cache comes as `cache` (transformers
+    >= 5.24) or `past_key_values` (before) and goes on to the layer's own forward under the name it takes."""
     t = hidden_states.shape[1] if hidden_states.dim() == 3 else 0
-    cache = past_key_values
+    cache = cache if cache is not None else past_key_values
     mask = attention_mask
     fits = (hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and 0 < t <= MAX_FUSED_ROWS
             and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
@@ -124,8 +127,8 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
                                   and tuple(mask.shape) == (1, 1, t, cache.length + t))))
     if not fits:
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+                                   use_cache=use_cache, position_embeddings=position_embeddings,
+                                   **with_cache(layer, cache), **kwargs)
     cos, sin, visible = _shared(position_embeddings, mask, t)
     return layer.fused_parts(hidden_states[0].contiguous(), cos, sin, cache, visible)[None]
 
@@ -149,7 +152,7 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
             mask = None if visible is None else attention_mask(cache.length, visible)
             cos_sin = rotary(ids, positions.view(1, n))
             outs.append(forward(layer, ids, attention_mask=mask, position_ids=positions.view(1, n),
-                                past_key_values=cache, use_cache=True, position_embeddings=cos_sin))
+                                use_cache=True, position_embeddings=cos_sin, **with_cache(layer, cache)))
             cache.commit(n)
         kv = (cache.keys[parts.index, 0, :, :5].clone(), cache.values[parts.index, 0, :, :5].clone())
         return torch.cat(outs, dim=1), kv
@@ -250,7 +253,7 @@ def _stack_agrees(decoder: nn.Module, stack: FusedStack) -> bool:
                 mask = full if full is not None else attention_mask(
                     cache.length, torch.ones(n, n, dtype=torch.bool).tril_())
                 outs.append(decoder(input_ids=block[None], attention_mask=mask, position_ids=(positions)[None],
-                                    past_key_values=cache, use_cache=True).last_hidden_state[0])
+                                    use_cache=True, **with_cache(decoder, cache)).last_hidden_state[0])
             else:
                 outs.append(stack(block, positions, cache, None if full is None else full[0, 0]))
             cache.commit(n)

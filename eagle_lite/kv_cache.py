@@ -1,4 +1,4 @@
-"""A static, preallocated KV cache that a transformers model writes through `past_key_values`.
+"""A static, preallocated KV cache that a transformers model writes through its cache keyword.
 
 The buffers are allocated once. Every forward writes its T new keys/values into the slots right after
 the committed prefix, `[length, length + T)`, and attends over `[0, length + T)`. A tree verification
@@ -7,11 +7,26 @@ commits them, and whatever was rejected is simply overwritten by the next forwar
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 
 class ContextOverflowError(ValueError):
     """The tokens do not fit the cache (the model's context window, or the size it was built with)."""
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword(forward) -> str:
+    """The keyword a transformers module's `forward` takes its KV cache by: `cache` since transformers 5.24
+    (which still maps `past_key_values` onto it, with a deprecation warning), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def with_cache(module, cache) -> dict:
+    """{keyword: cache} for calling `module` (a decoder, or one of its layers) with a KV cache."""
+    return {cache_keyword(type(module).forward): cache}
 
 
 class StaticKVCache:

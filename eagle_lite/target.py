@@ -28,7 +28,7 @@ from .cpu_linear import few_rows_product, pack_linears, unpacked
 from .fused_layer import FusedStack, fuse_decoder_layers, fuse_stack, unfused_layers
 from .fused_norm import fuse_rms_norms, unfused
 from .grid_linear import GridWeight, grid_of
-from .kv_cache import StaticKVCache
+from .kv_cache import StaticKVCache, cache_keyword, with_cache
 from .tree import attention_mask
 
 # On CPU a one-row lm_head product streams a transposed (H x V) copy of the weight about twice as fast
@@ -95,7 +95,8 @@ class Target:
 
         A prompt, then two sibling nodes after it (each may see the prompt and itself only, at the same position),
         then the chain that continues the prompt: their logits must be the model's own full forwards'. Models whose
-        attention ignores a boolean mask or computes ALiBi positions itself (GPT-J, CodeGen, MPT, Bloom) fail here;
+        attention ignores a boolean mask or computes ALiBi positions itself (MPT, Bloom; GPT-J and CodeGen before
+        transformers 5.24) fail here;
         recurrent ones (Mamba, RWKV, Jamba) cannot run on a cache of keys and values at all.
         ids [6], expected [6, V]: `probe_logits`."""
         sibling = (ids[4:5] + 1) % self.vocab_size
@@ -152,7 +153,7 @@ class Target:
 
     @property
     def llama_layers(self) -> bool:
-        """Whether the decoder's `layers` are called as Llama's are (the cache in `past_key_values`, cos/sin in
+        """Whether the decoder's `layers` are called as Llama's are (a KV cache keyword, cos/sin in
         `position_embeddings` from a `rotary_emb` that needs only (x, position_ids)): Llama, Qwen, Mistral, Phi,
         Gemma 1/2, ... A draft head may then be one of its layers. Not GPT-2, GPT-NeoX, Falcon or Gemma 3."""
         decoder = self.decoder
@@ -163,7 +164,8 @@ class Target:
         rotary_needs = [n for n, p in inspect.signature(type(rotary).forward).parameters.items()
                         if n != "self" and p.default is inspect.Parameter.empty
                         and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-        return {"past_key_values", "position_embeddings"} <= set(takes) and rotary_needs == ["x", "position_ids"]
+        return (cache_keyword(type(layers[0]).forward) in takes and "position_embeddings" in takes
+                and rotary_needs == ["x", "position_ids"])
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -245,9 +247,9 @@ class Target:
                 input_ids=input_ids.view(1, t),
                 attention_mask=attention_mask(start, ancestors),
                 position_ids=(steps + start).view(1, t),
-                past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=bool(taps),
+                **with_cache(self.decoder, cache),
             )
             hidden = out.last_hidden_state[0]  # T H
             if taps:  # hidden_states[0] is the embedding output, [i + 1] layer i's

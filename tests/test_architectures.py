@@ -37,7 +37,6 @@ FAMILIES = {
 # models whose attention does not take transformers' boolean masks through its attention interface (or that
 # have none: Mamba)
 UNVERIFIABLE = {
-    "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)),
     "mpt": lambda: T.MptForCausalLM(T.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4)),
     "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)),
     "mamba": lambda: T.MambaForCausalLM(T.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)),
@@ -152,6 +151,25 @@ def test_a_model_the_tree_forward_would_run_wrong_is_refused_at_load(family):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="cannot be verified exactly"):
         Target(UNVERIFIABLE[family]().eval(), name=family)
+
+
+def test_gptj_is_refused_or_exact_as_the_installed_transformers_runs_it():
+    """GPT-J's attention ignored boolean masks before transformers 5.24 and goes through the attention interface
+    since: whichever is installed, loading refuses it or generation reproduces its greedy output."""
+    torch.manual_seed(0)
+    model = T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    try:
+        target = Target(model, name="gptj")
+    except ValueError as err:
+        assert "cannot be verified exactly" in str(err)
+        return
+    prompt = list(range(3, 20))
+    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    head = DraftHead.for_target(target)
+    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == \
+        reference_greedy(target, prompt, 24)
 
 
 def test_the_head_of_a_mixture_of_experts_target_is_dense_and_deterministic():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import StaticKVCache
+from ..kv_cache import StaticKVCache, with_cache
 from ..tree import attention_mask
 from .draft_model import DraftModelDrafter
 
@@ -67,8 +67,8 @@ class EarlyExit:
         cos_sin = decoder.rotary_emb(h, position_ids=positions)
         # layers[:N] carry layer_idx 0..N-1: exactly the layers of the N-layer cache
         for layer in decoder.layers[:self.exit_layer]:
-            out = layer(h, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                        position_embeddings=cos_sin)
+            out = layer(h, attention_mask=mask, position_ids=positions, use_cache=True,
+                        position_embeddings=cos_sin, **with_cache(layer, cache))
             h = out[0] if isinstance(out, tuple) else out
         hidden = decoder.norm(h)[0]                                                       # T H
         logits = None if logits_rows is None else self.target.lm_head(hidden[logits_rows])

@@ -108,3 +108,20 @@ def test_fused_targets_decode_exactly_like_generate(family):
     cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
     assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
     assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+
+
+def test_the_models_own_forward_reaches_the_op_under_its_cache_keyword(monkeypatch):
+    """Without the stack, the model's forward calls each fused layer itself, passing the cache as `cache` (transformers
+    >= 5.24) or `past_key_values` (before): a few-token forward must still run the op, not the layer's own forward."""
+    target = make_target("llama", grid=True)
+    monkeypatch.setattr(target, "_stack", None)
+    calls = []
+    for layer in target.decoder.layers:
+        parts = layer.fused_parts
+        monkeypatch.setattr(layer, "fused_parts", lambda *a, parts=parts: calls.append(a[0].shape[0]) or parts(*a))
+    cache = target.new_cache(128)
+    with torch.inference_mode():
+        for n in (40, 5, 1):              # a prefill past MAX_FUSED_ROWS (own forward), a chain, a step
+            target.forward(torch.arange(1, n + 1), cache)
+            cache.commit(n)
+    assert calls == [5] * len(target.decoder.layers) + [1] * len(target.decoder.layers)

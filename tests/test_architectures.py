@@ -58,13 +58,17 @@ def family_target(request) -> Target:
     return build(request.param)
 
 
-def test_eagle_and_vanilla_reproduce_the_targets_greedy_output(family_target):
+def assert_eagle_and_vanilla_reproduce_greedy(target: Target) -> None:
     prompt = list(range(3, 20))
-    expected = reference_greedy(family_target, prompt, 24)
+    expected = reference_greedy(target, prompt, 24)
     cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
-    head = DraftHead.for_target(family_target)
-    assert Engine(family_target, EagleDrafter(family_target, head)).generate(prompt, cfg).token_ids == expected
-    assert Engine(family_target, NoDrafter()).generate(prompt, cfg).token_ids == expected
+    head = DraftHead.for_target(target)
+    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == expected
+    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == expected
+
+
+def test_eagle_and_vanilla_reproduce_the_targets_greedy_output(family_target):
+    assert_eagle_and_vanilla_reproduce_greedy(family_target)
 
 
 def test_the_targets_logits_are_the_models_own_scaled_or_capped_ones(family_target):
@@ -165,11 +169,7 @@ def test_gptj_is_refused_or_exact_as_the_installed_transformers_runs_it():
     except ValueError as err:
         assert "cannot be verified exactly" in str(err)
         return
-    prompt = list(range(3, 20))
-    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
-    head = DraftHead.for_target(target)
-    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == \
-        reference_greedy(target, prompt, 24)
+    assert_eagle_and_vanilla_reproduce_greedy(target)
 
 
 def test_the_head_of_a_mixture_of_experts_target_is_dense_and_deterministic():

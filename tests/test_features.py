@@ -229,19 +229,46 @@ def test_distill_starts_from_committed_compressed_shards(target, tmp_path):
     assert sorted(p.name for p in packed.iterdir()) == ["distill.json", "shard-00000.jsonl.xz", "shard-00001.jsonl.xz",
                                                        "shard-00002.jsonl.xz"]
     assert list(read_records(packed)) == list(read_records(run))
-    later = tmp_path / "later"  # a second run over later prompts, started from the same committed answers
+    later = tmp_path / "later"  # a second run over later prompts: none of the committed answers are its own
     distill(target, DistillConfig(**{**cfg.__dict__, "offset": 6, "limit": 2, "start_from": str(committed)}), later,
             progress=False)
+    assert [r["id"] for r in read_records(later)] == ["syn-000006", "syn-000007"]
     merged = pack([run, later], tmp_path / "packed")
-    assert len(list(merged.glob("shard-*"))) == 4  # the committed two once, then one of each run
+    assert len(list(merged.glob("shard-*"))) == 4  # the run's three (two of them committed), then the later one
     assert [r["id"] for r in read_records(merged)] == [f"syn-{i:06d}" for i in range(8)]
-    assert list(read_records(merged))[6:] == list(read_records(later))[4:]
+    assert list(read_records(merged))[6:] == list(read_records(later))
     distill(target, DistillConfig(**{**cfg.__dict__, "max_new_tokens": 3}), tmp_path / "short", progress=False)
     with pytest.raises(ValueError, match="other settings"):
         pack([run, tmp_path / "short"], tmp_path / "bad")
     (run / "shard-00001.jsonl.xz").write_bytes(b"\xfd7zXZ\x00 cut off")
     with pytest.raises(ValueError, match="shard-00001.jsonl.xz is damaged"):
         list(read_records(run))
+
+
+def test_start_from_takes_only_the_chosen_items_and_tops_up_a_smaller_run(target, tmp_path):
+    cfg = DistillConfig(source="synthetic", limit=6, max_new_tokens=5, shard_size=3)
+    committed = tmp_path / "committed"
+    distill(target, cfg, committed, progress=False)  # two shards: items 0-2 and 3-5
+    made = {r["id"]: r for r in read_records(committed)}
+    middle = tmp_path / "middle"  # items 2-4: one committed shard in part, the other in part
+    summary = distill(target, DistillConfig(**{**cfg.__dict__, "offset": 2, "limit": 3, "start_from": str(committed)}),
+                      middle, progress=False)
+    assert summary.generated == 0 and summary.records == 3
+    assert [r["id"] for r in read_records(middle)] == ["syn-000002", "syn-000003", "syn-000004"]
+    assert all(r == made[r["id"]] for r in read_records(middle))
+    small = tmp_path / "small"  # made without the committed answers, for the first two items only
+    distill(target, DistillConfig(**{**cfg.__dict__, "limit": 2}), small, progress=False)
+    own = list(read_records(small))
+    grown = distill(target, DistillConfig(**{**cfg.__dict__, "limit": 5, "start_from": str(committed)}), small,
+                    progress=False)
+    assert grown.generated == 0 and grown.records == 5  # topped up from the committed answers, nothing answered
+    assert list(read_records(small))[:2] == own and [r["id"] for r in read_records(small)][2:] == [
+        "syn-000002", "syn-000003", "syn-000004"]
+    other = tmp_path / "other"  # committed answers made with other settings: refused before anything is copied
+    with pytest.raises(ValueError, match="max_new_tokens.*start_from=null"):
+        distill(target, DistillConfig(**{**cfg.__dict__, "max_new_tokens": 4, "start_from": str(committed)}), other,
+                progress=False)
+    assert not list(other.glob("shard-*"))
 
 
 def test_distill_config_rejects_an_unknown_backend():

@@ -270,32 +270,49 @@ def _read_shard(path: Path) -> list[dict]:
                          f"items") from err
 
 
-def start_from(folder: Path, source: str | Path) -> int:
-    """Copy the finished shards of `source` (e.g. the committed data/distill/<target>-<data>) into `folder` when
-    `folder` holds no distilled data yet; returns how many shards were copied.
+def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str] | None = None) -> int:
+    """Copy the answers of `source` (e.g. the committed data/distill/<target>-<data>) to the items this run chose
+    (`wanted`: their ids; None: all) into `folder`, skipping those it already holds; returns how many shards
+    were written. `meta`: this run's (`run_meta`); committed answers of another target or made with other
+    settings are refused before anything is copied.
 
+    So `offset` / `limit` pick from committed answers as they pick prompts (a run over later prompts starts
+    from only theirs), and a folder made with a smaller `limit` is topped up rather than answered again. A
+    committed shard taken whole is copied as it is (xz); one taken in part is written with the chosen records.
     A relative `source` is looked up from the working directory, then from the repository root; one that does
-    not exist is skipped with a warning (a target or data set nobody committed answers for). The copied meta is
-    checked against this run's target and settings like any resumed folder.
+    not exist is skipped with a warning (a target or data set nobody committed answers for).
     """
     source = Path(source)
     if not source.is_absolute() and not source.exists():
         source = Path(__file__).resolve().parents[1] / source
-    if (folder / META).is_file():
-        log.info("distill: %s already holds distilled data; start_from=%s is not copied", folder, source)
-        return 0
     if not source.exists():
         log.warning("distill: data.distill.start_from=%s does not exist; every prompt is answered here", source)
         return 0
     if not (source / META).is_file():
         raise FileNotFoundError(f"data.distill.start_from={source}: no distilled data there (missing {META})")
+    check_meta(source, meta, hint="set data.distill.start_from=null to answer every prompt here")
     folder.mkdir(parents=True, exist_ok=True)
-    shards = _shards(source)
-    for shard in shards:
-        shutil.copyfile(shard, folder / shard.name)
-    shutil.copyfile(source / META, folder / META)  # last: a folder with a meta is complete
-    log.info("distill: started %s from %d shards of %s", folder, len(shards), source)
-    return len(shards)
+    shards = _shards(folder)
+    done = {r["id"] for shard in shards for r in _read_shard(shard)}
+    next_index = _shard_index(shards[-1]) + 1 if shards else 0
+    written = taken = 0
+    for shard in _shards(source):
+        records = _read_shard(shard)
+        chosen = [r for r in records if (wanted is None or r["id"] in wanted) and r["id"] not in done]
+        if not chosen:
+            continue
+        if len(chosen) == len(records):
+            out = folder / f"shard-{next_index:05d}{''.join(shard.suffixes)}"
+            write_atomic(out, lambda tmp, shard=shard: shutil.copyfile(shard, tmp))
+        else:
+            write_text_atomic(folder / f"shard-{next_index:05d}.jsonl",
+                              "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen))
+        next_index += 1
+        written += 1
+        taken += len(chosen)
+    if written:
+        log.info("distill: took %d committed items (%d shards) for %s from %s", taken, written, folder, source)
+    return written
 
 
 def read_records(folder: str | Path) -> Iterator[dict]:
@@ -309,43 +326,49 @@ def read_records(folder: str | Path) -> Iterator[dict]:
                 yield record
 
 
-def check_meta(folder: Path, fingerprint: dict, cfg: DistillConfig) -> dict:
-    """Write the folder's meta on first use; afterwards refuse another target or other settings."""
-    settings = {k: getattr(cfg, k) for k in _RECORD_KEYS}
-    meta = {"format": "eagle_lite.distill", "version": 1, "target": fingerprint, "settings": settings}
-    path = folder / META
-    if not path.is_file():
-        write_json_atomic(path, meta)
-        return meta
-    old = json.loads(path.read_text())
+def run_meta(fingerprint: dict, cfg: DistillConfig) -> dict:
+    """The meta a distill folder of this target and these settings holds (distill.json)."""
+    return {"format": "eagle_lite.distill", "version": 1, "target": fingerprint,
+            "settings": {k: getattr(cfg, k) for k in _RECORD_KEYS}}
+
+
+def check_meta(folder: Path, meta: dict, hint: str = "") -> dict:
+    """Refuse a folder whose meta names another target or other settings than `meta`; returns its meta."""
+    old = json.loads((folder / META).read_text())
     keys = ("model_type", "hidden_size", "vocab_size", "embedding_sha")
-    if any(old["target"].get(k) != fingerprint[k] for k in keys):
-        raise ValueError(f"{folder} holds answers of target {old['target']}, not of {fingerprint}; "
-                         f"use another data folder (paths.data) for this target or delete {folder}")
-    changed = {k: (old["settings"].get(k), v) for k, v in settings.items() if old["settings"].get(k) != v}
+    if any(old["target"].get(k) != meta["target"][k] for k in keys):
+        raise ValueError(f"{folder} holds answers of target {old['target']}, not of {meta['target']}; "
+                         + (hint or f"use another data folder (paths.data) for this target or delete {folder}"))
+    changed = {k: (old["settings"].get(k), v) for k, v in meta["settings"].items() if old["settings"].get(k) != v}
     if changed:
         raise ValueError(f"{folder} was distilled with other settings {changed} (old, new); "
-                         f"use another data folder or delete {folder} to regenerate")
+                         + (hint or f"use another data folder or delete {folder} to regenerate"))
     return old
 
 
 def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True) -> DistillSummary:
     """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time."""
     folder = Path(folder)
-    if cfg.start_from:
-        start_from(folder, cfg.start_from)
-    folder.mkdir(parents=True, exist_ok=True)
-    check_meta(folder, target.fingerprint(), cfg)
-    done = {r["id"] for shard in _shards(folder) for r in _read_shard(shard)}
     if cfg.source in ("sharegpt", "sharegpt_text"):
         from .sharegpt import load_conversations
 
-        chosen = load_conversations("train", limit=cfg.offset + cfg.limit)[cfg.offset:]
-        items: list = [c for c in chosen if c.id not in done]
+        chosen: list = load_conversations("train", limit=cfg.offset + cfg.limit)[cfg.offset:]
+        ids = [c.id for c in chosen]
         make = chat_records if cfg.source == "sharegpt" else text_records
     else:
-        items = [(f"syn-{i:06d}", i) for i in range(cfg.offset, cfg.offset + cfg.limit) if f"syn-{i:06d}" not in done]
+        chosen = [(f"syn-{i:06d}", i) for i in range(cfg.offset, cfg.offset + cfg.limit)]
+        ids = [item[0] for item in chosen]
         make = synthetic_records
+    meta = run_meta(target.fingerprint(), cfg)
+    if (folder / META).is_file():
+        check_meta(folder, meta)
+    if cfg.start_from:
+        start_from(folder, cfg.start_from, meta, set(ids))
+    if not (folder / META).is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / META, meta)
+    done = {r["id"] for shard in _shards(folder) for r in _read_shard(shard)}
+    items = [item for item, key in zip(chosen, ids) if key not in done]
     summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)
     next_index = _shard_index(shards[-1]) + 1 if shards else 0

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from eagle_lite.checkpoint import HeadMismatchError, load_head  # noqa: E402
+from eagle_lite.checkpoint import HeadMismatchError, load_head, read_head_config  # noqa: E402
 from eagle_lite.draft import DraftHead  # noqa: E402
 from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
 from trainers.datamodule import LoaderConfig, collate, joint_index  # noqa: E402
@@ -339,6 +339,8 @@ def test_init_from_fine_tunes_an_exported_head_with_its_draft_vocabulary(runs, t
         assert torch.equal(start[name], tensor.float()), name
     result = train(cfg)  # one fast_dev_run step on top of the exported weights
     assert load_head(result["export"], target).draft_vocab_size == 32
+    lineage = read_head_config(result["export"])["training"]["init_from"]  # what it started from, and its training
+    assert lineage["path"] == str(source) and lineage["experiment"] == "warm_source"
     other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=1))
     with pytest.raises(HeadMismatchError, match="trained for target"):
         build_module(cfg, other, data=None)

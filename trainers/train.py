@@ -301,8 +301,13 @@ def train(cfg: DictConfig) -> dict:
         epochs = [row for row in earlier if row["step"] <= (history.start_step or 0)] + epochs
     if trainer.is_global_zero:
         save = save_medusa if cfg.draft.get("kind", "eagle") == "medusa" else save_head
-        save(module.head, export, target, extra={"training": {k: summary[k] for k in (
-            "experiment", "global_step", "sequences", "tokens")} | metrics})
+        training = {k: summary[k] for k in ("experiment", "global_step", "sequences", "tokens")} | metrics
+        if cfg.draft.get("init_from"):  # a fine-tuned head says what it started from, and how that was trained
+            from eagle_lite.checkpoint import read_head_config
+
+            training["init_from"] = {"path": str(cfg.draft.init_from),
+                                     **read_head_config(cfg.draft.init_from).get("training", {})}
+        save(module.head, export, target, extra={"training": training})
         write_text_atomic(export / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         write_train_log(export, summary, epochs)
         log.info("exported the head to %s", export)

@@ -277,6 +277,48 @@ def test_interrupted_training_resumes_from_its_checkpoint(runs, monkeypatch):
     assert train(cfg)["resumed_from_step"] == 6  # a finished run reruns as a no-op
 
 
+@pytest.mark.parametrize("crash_at, in_validation", [(3, False), (23, False), (21, True)])
+def test_a_resumed_run_trains_on_the_batches_an_uninterrupted_run_does(runs, monkeypatch, crash_at, in_validation):
+    """Not a replay of the epoch's first batches: the data order goes on where the checkpoint left it (a crash
+    part way into epoch 1 or 2, and one in the validation after epoch 1's last batch; 21 batches an epoch)."""
+    from trainers.module import DraftLightningModule
+    from trainers.train import train
+
+    overrides = ("trainer.max_steps=26", "checkpoint.every_n_train_steps=2", "data.loader.batch_size=2",
+                 "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=1", "trainer.val_check_interval=1.0")
+    step, check = DraftLightningModule.training_step, DraftLightningModule.validation_step
+    seen: list[tuple] = []
+
+    def crash(self):
+        if self.global_step == crash_at and getattr(self, "crash", False):
+            raise RuntimeError("simulated crash")
+
+    def recording(self, batch, batch_idx):
+        if not in_validation:
+            crash(self)
+        seen.append((self.current_epoch, batch_idx, tuple(batch["input_ids"][:, :8].flatten().tolist())))
+        return step(self, batch, batch_idx)
+
+    def validating(self, batch, batch_idx):
+        if in_validation:
+            crash(self)
+        return check(self, batch, batch_idx)
+
+    monkeypatch.setattr(DraftLightningModule, "training_step", recording)
+    monkeypatch.setattr(DraftLightningModule, "validation_step", validating)
+    train(tiny_train_config(runs, f"name=order_ref_{crash_at}_{in_validation}", *overrides))
+    reference, seen[:] = list(seen), []
+    name = f"name=order_{crash_at}_{in_validation}"
+    monkeypatch.setattr(DraftLightningModule, "crash", True, raising=False)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_train_config(runs, name, *overrides))
+    monkeypatch.setattr(DraftLightningModule, "crash", False, raising=False)
+    assert train(tiny_train_config(runs, name, *overrides))["resumed_from_step"] == crash_at
+    first = [b for epoch, _, b in reference if epoch == 0]
+    assert len(reference) == 26 and len(first) == len(set(first)) == 21  # an epoch trains on each batch once
+    assert seen == reference
+
+
 # -- the reduced vocabulary -------------------------------------------------------------------------
 def test_reduced_vocab_keeps_the_most_frequent_answer_tokens(target, tmp_path):
     # Answers (loss-masked) use 5 most, then 6, then 7; token 9 is frequent but only in prompts.

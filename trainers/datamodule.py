@@ -14,9 +14,14 @@ ShareGPT chat on one side), so it does not change when the cache grows.
 
 Several caches of the same target (e.g. distilled answers plus ShareGPT's own text, `data.mix`) are
 read as one: each index row names its cache.
+
+Training order: a shuffle drawn from (seed, epoch) alone (`EpochShuffle`), and the datamodule's state in
+Lightning's checkpoints says how far into which epoch a run got, so a run resumed mid-epoch goes on with that
+epoch's remaining batches instead of replaying its first ones (one device; see `resume_at`).
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from functools import partial
@@ -24,10 +29,12 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .features import FeatureCache, FeatureCacheMismatch
 from .sharegpt import split_of
+
+log = logging.getLogger("trainers.datamodule")
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,28 @@ class SequenceDataset(Dataset):
         length = min(row["length"], self.max_len)
         offset = random.randint(0, row["length"] - length) if self.random_crop else 0
         return self.caches[row["cache"]].read(row["file"], row["start"] + offset, length)
+
+
+class EpochShuffle(Sampler[int]):
+    """A permutation of range(n) per epoch, drawn from (seed, epoch) alone; Lightning sets the epoch
+    (`set_epoch`). `start(epoch, skip)` makes the next pass begin `skip` items into that epoch's order."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch, self._skip = n, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def start(self, epoch: int, skip: int) -> None:
+        self.epoch, self._skip = epoch, skip
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
+        skip, self._skip = self._skip, 0  # only the first pass after `start` is cut
+        return iter(order[skip:].tolist())
 
 
 def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> dict[str, torch.Tensor]:
@@ -161,12 +190,40 @@ class DraftDataModule(L.LightningDataModule):
         self.train_rows = index.select([i for i, h in enumerate(heldout) if not h])
         self.val_rows = index.select([i for i, h in enumerate(heldout) if h])
 
+    def state_dict(self) -> dict:
+        """Saved in Lightning's checkpoints: the epoch in progress and the batches it has trained on."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {"epoch": trainer.current_epoch,
+                "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.resume_at = (int(state["epoch"]), int(state["batches"]))
+
+    resume_at: tuple[int, int] | None = None  # (epoch, batches done): where the next training pass starts
+
     def _loader(self, rows, train: bool) -> DataLoader:
         cfg = self.cfg
-        generator = torch.Generator().manual_seed(cfg.seed) if train else None
+        sampler = None
+        if train:
+            sampler = EpochShuffle(len(rows), cfg.seed)
+            if self.resume_at is not None:
+                epoch, batches = self.resume_at
+                self.resume_at = None
+                per_epoch = -(-len(rows) // cfg.batch_size)
+                if batches >= per_epoch:  # saved on the epoch's last batch: the next one starts afresh
+                    epoch, batches = epoch + 1, 0
+                if self.trainer is not None and self.trainer.world_size > 1:
+                    # Lightning's distributed sampler re-shuffles this order per rank: the epoch restarts whole
+                    log.warning("resumed on %d devices: epoch %d starts again from its first batch",
+                                self.trainer.world_size, epoch)
+                    batches = 0
+                sampler.start(epoch, batches * cfg.batch_size)
         return DataLoader(
             SequenceDataset(self.caches, rows, cfg.max_len, random_crop=train),
-            batch_size=cfg.batch_size, shuffle=train, generator=generator, num_workers=cfg.num_workers,
+            batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
             collate_fn=partial(collate, max_len=cfg.max_len, pack=cfg.pack),
             worker_init_fn=_seed_worker, persistent_workers=cfg.num_workers > 0,
         )

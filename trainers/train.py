@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -220,8 +221,11 @@ def fit(cfg: DictConfig, module, data):
     if resume_from:
         log.info("resuming from %s", resume_from)
     t0 = time.perf_counter()
-    # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
-    trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
+    with warnings.catch_warnings():
+        # Lightning looks for resumable dataloaders only; our datamodule's state resumes the data order mid-epoch
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
+        trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
     history.fit_seconds = round(time.perf_counter() - t0, 1)
     return trainer, history, resume_from
 

@@ -167,6 +167,7 @@ class DraftDataModule(L.LightningDataModule):
         self.feature_layers = None if feature_layers is None else tuple(feature_layers)
         self.caches: list[FeatureCache] = []
         self.train_rows = self.val_rows = None
+        self.resume_at: tuple[int, int] | None = None  # (epoch, batches done): where the next training pass starts
 
     def setup(self, stage: str | None = None) -> None:
         if self.caches:
@@ -202,28 +203,27 @@ class DraftDataModule(L.LightningDataModule):
         if state:
             self.resume_at = (int(state["epoch"]), int(state["batches"]))
 
-    resume_at: tuple[int, int] | None = None  # (epoch, batches done): where the next training pass starts
+    def _train_order(self, rows) -> EpochShuffle:
+        """The shuffle of the training rows, started where `resume_at` says (once) after a resumed checkpoint."""
+        order = EpochShuffle(len(rows), self.cfg.seed)
+        if self.resume_at is None:
+            return order
+        (epoch, batches), self.resume_at = self.resume_at, None
+        if batches >= -(-len(rows) // self.cfg.batch_size):  # saved on the epoch's last batch: the next starts afresh
+            epoch, batches = epoch + 1, 0
+        if self.trainer is not None and self.trainer.world_size > 1:
+            # Lightning's distributed sampler re-shuffles this order per rank: the epoch restarts whole
+            log.warning("resumed on %d devices: epoch %d starts again from its first batch",
+                        self.trainer.world_size, epoch)
+            batches = 0
+        order.start(epoch, batches * self.cfg.batch_size)
+        return order
 
     def _loader(self, rows, train: bool) -> DataLoader:
         cfg = self.cfg
-        sampler = None
-        if train:
-            sampler = EpochShuffle(len(rows), cfg.seed)
-            if self.resume_at is not None:
-                epoch, batches = self.resume_at
-                self.resume_at = None
-                per_epoch = -(-len(rows) // cfg.batch_size)
-                if batches >= per_epoch:  # saved on the epoch's last batch: the next one starts afresh
-                    epoch, batches = epoch + 1, 0
-                if self.trainer is not None and self.trainer.world_size > 1:
-                    # Lightning's distributed sampler re-shuffles this order per rank: the epoch restarts whole
-                    log.warning("resumed on %d devices: epoch %d starts again from its first batch",
-                                self.trainer.world_size, epoch)
-                    batches = 0
-                sampler.start(epoch, batches * cfg.batch_size)
         return DataLoader(
             SequenceDataset(self.caches, rows, cfg.max_len, random_crop=train),
-            batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+            batch_size=cfg.batch_size, sampler=self._train_order(rows) if train else None, num_workers=cfg.num_workers,
             collate_fn=partial(collate, max_len=cfg.max_len, pack=cfg.pack),
             worker_init_fn=_seed_worker, persistent_workers=cfg.num_workers > 0,
         )

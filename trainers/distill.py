@@ -270,11 +270,11 @@ def _read_shard(path: Path) -> list[dict]:
                          f"items") from err
 
 
-def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str] | None = None) -> int:
-    """Copy the answers of `source` (e.g. the committed data/distill/<target>-<data>) to the items this run chose
-    (`wanted`: their ids; None: all) into `folder`, skipping those it already holds; returns how many shards
-    were written. `meta`: this run's (`run_meta`); committed answers of another target or made with other
-    settings are refused before anything is copied.
+def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str]) -> set[str]:
+    """Copy the answers of `source` (e.g. the committed data/distill/<target>-<data>) to the items `wanted` (the
+    ids of those this run chose that `folder` does not hold yet) into new shards of `folder`; returns the ids
+    copied. `meta`: this run's (`run_meta`); committed answers of another target or made with other settings
+    are refused before anything is copied.
 
     So `offset` / `limit` pick from committed answers as they pick prompts (a run over later prompts starts
     from only theirs), and a folder made with a smaller `limit` is topped up rather than answered again. A
@@ -287,18 +287,17 @@ def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str] | 
         source = Path(__file__).resolve().parents[1] / source
     if not source.exists():
         log.warning("distill: data.distill.start_from=%s does not exist; every prompt is answered here", source)
-        return 0
+        return set()
     if not (source / META).is_file():
         raise FileNotFoundError(f"data.distill.start_from={source}: no distilled data there (missing {META})")
     check_meta(source, meta, hint="set data.distill.start_from=null to answer every prompt here")
     folder.mkdir(parents=True, exist_ok=True)
     shards = _shards(folder)
-    done = {r["id"] for shard in shards for r in _read_shard(shard)}
     next_index = _shard_index(shards[-1]) + 1 if shards else 0
-    written = taken = 0
+    written, taken = 0, set()
     for shard in _shards(source):
         records = _read_shard(shard)
-        chosen = [r for r in records if (wanted is None or r["id"] in wanted) and r["id"] not in done]
+        chosen = [r for r in records if r["id"] in wanted]
         if not chosen:
             continue
         if len(chosen) == len(records):
@@ -309,10 +308,10 @@ def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str] | 
                               "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen))
         next_index += 1
         written += 1
-        taken += len(chosen)
+        taken.update(r["id"] for r in chosen)
     if written:
-        log.info("distill: took %d committed items (%d shards) for %s from %s", taken, written, folder, source)
-    return written
+        log.info("distill: took %d committed items (%d shards) for %s from %s", len(taken), written, folder, source)
+    return taken
 
 
 def read_records(folder: str | Path) -> Iterator[dict]:
@@ -362,12 +361,12 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
     meta = run_meta(target.fingerprint(), cfg)
     if (folder / META).is_file():
         check_meta(folder, meta)
+    done = {r["id"] for shard in _shards(folder) for r in _read_shard(shard)}
     if cfg.start_from:
-        start_from(folder, cfg.start_from, meta, set(ids))
+        done |= start_from(folder, cfg.start_from, meta, set(ids) - done)
     if not (folder / META).is_file():
         folder.mkdir(parents=True, exist_ok=True)
         write_json_atomic(folder / META, meta)
-    done = {r["id"] for shard in _shards(folder) for r in _read_shard(shard)}
     items = [item for item, key in zip(chosen, ids) if key not in done]
     summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)

@@ -76,7 +76,7 @@ def build_target(cfg: TargetConfig) -> Target:
     # Training reads the target in batches of whole sequences (> 32 rows), never the packed few-row path,
     # and only with causal + padding masks, never a tree: plain SDPA. ('auto' means FlexAttention on CUDA,
     # compiled per batch shape: the H100 run of experiment=gpu logged dynamo's recompile limit and distilled
-    # only ~7 prompts/s at batch 512; with SDPA the same H100 answered 17.1 prompts/s, session 13.)
+    # only ~7 prompts/s at batch 512; with SDPA an H100 answered 17.1 prompts/s, session 13.)
     return load_target(cfg.spec or cfg.name, dtype=_DTYPES[cfg.dtype], device=cfg.device, attention="sdpa",
                        packed_linears=False)
 

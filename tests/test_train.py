@@ -19,7 +19,7 @@ from eagle_lite.draft import DraftHead  # noqa: E402
 from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
 from trainers.datamodule import LoaderConfig, collate, joint_index  # noqa: E402
 from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
-from trainers.objective import agreement, make_pairs, unroll  # noqa: E402
+from trainers.objective import agreement, lookup_predictable, make_pairs, novel_pairs, unroll  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 from trainers.vocab import build_d2t, count_tokens  # noqa: E402
 
@@ -129,6 +129,43 @@ def test_accept_length_estimate_with_oracle_and_one_step_drafters(target):
         return pairs.target if len(calls) == 1 else -pairs.target
     stats = agreement(unroll(first_step_only, pairs, depth), pairs, weight, weight, None)
     assert stats["accept"] / stats["roots"] == pytest.approx(2.0)
+
+
+def test_lookup_predictable_marks_what_a_trigram_lookup_would_propose():
+    #                     0  1  2  3  4  5  6  7  8  9
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6],
+                        [5, 6, 7, 8, 5, 6, 7, 8, 0, 0]])
+    segment = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+                            [1, 1, 1, 1, 2, 2, 2, 2, 0, 0]])  # row 1: two packed segments, then padding
+    got = lookup_predictable(ids, segment)
+    # row 0: the trigram (5, 6, 7) recurs before position 7, but it was followed by 8, not 9; no other recurs
+    assert got[0].tolist() == [False] * 10
+    # the second segment repeats the first one's tokens, but a lookup never crosses a segment border
+    assert got[1].tolist() == [False] * 10
+    loop = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3]])
+    assert lookup_predictable(loop, torch.ones_like(loop)).tolist() == [[False] * 6 + [True] * 3]
+    # pair t predicts token t + 2; the last pair has no token to predict
+    batch = {"input_ids": loop, "segment": torch.ones_like(loop)}
+    assert novel_pairs(batch).tolist() == [[True] * 4 + [False] * 3 + [False]]
+
+
+def test_agreement_splits_top1_into_novel_tokens(target):
+    n = 10
+    ids = torch.randint(2, target.vocab_size, (n,)).tolist()
+    with torch.no_grad():
+        hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    batch = collate([item(ids, hidden)], max_len=n, pack=False)
+    pairs = make_pairs(batch, target.embed_tokens.weight)
+    weight = target.lm_head.weight
+    novel = torch.zeros_like(pairs.weight)
+    novel[0, :3] = True                                                  # pairs 0-2 novel, the rest copyable
+    wrong_after_3 = pairs.target.clone()
+    wrong_after_3[:, 3:] = -wrong_after_3[:, 3:]
+    stats = agreement([wrong_after_3], pairs, weight, weight, None, novel)
+    assert stats["novel"] == 3 and stats["top1_novel"] == 3
+    stats = agreement([-pairs.target], pairs, weight, weight, None, novel)
+    assert stats["novel"] == 3 and stats["top1_novel"] == 0
+    assert "novel" not in agreement([pairs.target], pairs, weight, weight, None)
 
 
 # -- configs and the CLI ----------------------------------------------------------------------------
@@ -411,7 +448,7 @@ def test_validate_scores_exported_heads_as_training_did(runs, target, tmp_path, 
     trained, untrained = rows
     assert trained["sequences"] == untrained["sequences"] > 0
     # the same held-out rows and metrics as the training run's last validation
-    for key in ("val/top1", "val/top3", "val/accept_len_est"):
+    for key in ("val/top1", "val/top1_novel", "val/top3", "val/accept_len_est"):
         assert trained[key] == pytest.approx(result[key], abs=1e-4), key
     assert trained["val/top1"] > untrained["val/top1"] + 0.1
     with pytest.raises(SystemExit):

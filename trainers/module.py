@@ -6,8 +6,9 @@ never the whole target: the target's features come precomputed from the feature 
 
 Logged: train/loss, train/loss_reg, train/loss_cls, train/top1 (per step and epoch; top1 within the
 draft vocabulary, from the loss's own logits: no extra lm_head product); val/loss, val/top1, val/top3,
-val/accept_len_est (per validation epoch, against the target's argmax over its full vocabulary; see
-`objective.agreement`).
+val/accept_len_est and val/top1_novel (top-1 on the answer tokens no 3-gram prompt lookup proposes: a small
+target's greedy answers repeat, and copying them is easy) per validation epoch, against the target's argmax
+over its full vocabulary; see `objective.agreement`.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torchmetrics.aggregation import SumMetric
 
 from eagle_lite.draft import DraftHead
 
-from .objective import ObjectiveConfig, add_noise, agreement, make_pairs, objective, unroll
+from .objective import ObjectiveConfig, add_noise, agreement, make_pairs, novel_pairs, objective, unroll
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def val_epoch_metrics(val_sums) -> tuple[dict, dict]:
         "val/top1": sums["top1"] / tokens,
         "val/top3": sums["top3"] / tokens,
         "val/accept_len_est": sums["accept"] / roots,
+        **({"val/top1_novel": sums["top1_novel"] / max(sums["novel"], 1.0)} if "novel" in sums else {}),
     }
 
 
@@ -88,7 +90,8 @@ class DraftLightningModule(L.LightningModule):
         if head.d2t is not None:
             self.register_buffer("draft_lm", lm[head.d2t.to(lm.device)].clone(), persistent=False)  # V_draft H
         self.val_sums = torch.nn.ModuleDict({k: SumMetric() for k in
-                                             ("loss", "top1", "top3", "tokens", "accept", "roots", "batches")})
+                                             ("loss", "top1", "top3", "tokens", "accept", "roots", "batches",
+                                                  "top1_novel", "novel")})
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -114,7 +117,7 @@ class DraftLightningModule(L.LightningModule):
         pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, max(cfg.ttt_steps, cfg.val_depth))
         loss = objective(preds, pairs, self.draft_weight, cfg)["loss"]
-        stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t)
+        stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t, novel_pairs(batch))
         add_val_batch(self.val_sums, stats, loss, self.device)
 
     def on_validation_epoch_end(self) -> None:

@@ -102,6 +102,14 @@ def make_pairs(batch: dict, embed_weight: torch.Tensor, taps: bool = False) -> P
     )
 
 
+def novel_pairs(batch: dict) -> torch.Tensor:
+    """[B, T'] bool: pair t predicts x_{t+2}; True where no 3-gram lookup proposes that token."""
+    copy = lookup_predictable(batch["input_ids"], batch["segment"])
+    novel = torch.zeros_like(copy[:, 1:])
+    novel[:, :-1] = ~copy[:, 2:]
+    return novel
+
+
 def chain_mask(segment: torch.Tensor, step: int) -> torch.Tensor:
     """[B, 1, T', (step+1) T'] bool: what the step-`step` node at each position may attend to.
 
@@ -189,9 +197,30 @@ def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, 
             "top1": top1}
 
 
+def lookup_predictable(ids: torch.Tensor, segment: torch.Tensor, n: int = 3) -> torch.Tensor:
+    """[B, T] bool: token i is what an n-gram prompt lookup would propose there, i.e. the n tokens before it
+    occurred earlier in the same segment and were then (at their latest occurrence) followed by ids[i].
+
+    Greedy answers of a small target repeat themselves and copy their prompt; a draft head scores well on
+    such tokens by copying, so validation reports its top-1 on the other ("novel") tokens apart."""
+    out = torch.zeros(ids.shape, dtype=torch.bool)
+    for b, (row, seg) in enumerate(zip(ids.tolist(), segment.tolist())):
+        seen: dict[tuple, int] = {}
+        start = 0
+        for i in range(len(row)):
+            if i and seg[i] != seg[i - 1]:
+                seen, start = {}, i   # a new packed segment: lookups never cross its border
+            if seg[i] == 0 or i - start < n:
+                continue
+            key = tuple(row[i - n:i])
+            out[b, i] = seen.get(key) == row[i]
+            seen[key] = row[i]
+    return out.to(ids.device)
+
+
 @torch.no_grad()
 def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor, draft_weight: torch.Tensor,
-              d2t: torch.Tensor | None) -> dict:
+              d2t: torch.Tensor | None, novel: torch.Tensor | None = None) -> dict:
     """Token agreement of draft and target, as sums and counts (so epochs can be averaged exactly).
 
     top1 / top3: the target's argmax over the full vocabulary is the draft's top-1 / among its top-3
@@ -202,10 +231,15 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
     target's argmax, i.e. exactly the drafted tokens whenever the chain is still accepted, so the
     estimate is the chain's true mean accepted length (bounded by len(preds) + 1). A chain also stops
     where the sequence leaves the loss mask. Tree drafting accepts at least as much.
+
+    novel: [B, T'] bool, the pairs whose predicted token no n-gram lookup proposes (see `lookup_predictable`);
+    given, "top1_novel" / "novel" count the step-0 top-1 hits on those rows and the rows.
     """
     rows = pairs.weight
     n = int(rows.sum())
     out = {"top1": 0.0, "top3": 0.0, "tokens": n, "accept": 0.0, "roots": n}
+    if novel is not None:
+        out.update(top1_novel=0.0, novel=float((rows & novel).sum()))
     if n == 0:
         return out
     target_top = (pairs.target[rows] @ full_weight.T).argmax(-1)   # N0 target ids
@@ -217,6 +251,8 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
         if k == 0:
             out["top1"] = float((top[:, 0] == target_top).sum())
             out["top3"] = float((top == target_top[:, None]).any(-1).sum())
+            if novel is not None:
+                out["top1_novel"] = float(((top[:, 0] == target_top) & novel[rows]).sum())
         hit = torch.zeros_like(rows)
         hit[rows] = top[:, 0] == target_top
         hits.append(hit & step_weight(pairs, k))                    # B T'

@@ -5,7 +5,8 @@
 
 Every head is scored on the same sequences: the cache's held-out split as training draws it (a hash of each
 record's id, `data.loader.val_percent`), so heads trained on different data or machines compare
-like for like. Printed per head: validation loss, top-1 / top-3 agreement with the target's greedy token and
+like for like. Printed per head: validation loss, top-1 / top-3 agreement with the target's greedy token (and
+top-1 on the "novel" answer tokens, those no 3-gram prompt lookup proposes: copying the rest is easy) and
 the estimated chain acceptance (`val/accept_len_est`, `val_depth` unrolled steps; see `objective.agreement`).
 Heads are loaded like any head (checked against the target); nothing is trained.
 """
@@ -19,7 +20,7 @@ from .datamodule import DraftDataModule, LoaderConfig
 from .module import DraftLightningModule
 from .objective import ObjectiveConfig
 
-METRICS = ("val/top1", "val/top3", "val/accept_len_est", "val/loss")
+METRICS = ("val/top1", "val/top1_novel", "val/top3", "val/accept_len_est", "val/loss")
 
 
 def validate_heads(target, heads: list[str | Path], features: list[str | Path], batch_size: int = 8,
@@ -51,11 +52,11 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| head | sequences | answer tokens | top-1 | top-3 | accept_len_est | loss |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| head | sequences | answer tokens | top-1 | top-1 novel | top-3 | accept_len_est | loss |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['head']} | {r['sequences']} | {r['tokens']} | {r['val/top1']:.3f} | {r['val/top3']:.3f} "
-                     f"| {r['val/accept_len_est']:.2f} | {r['val/loss']:.3f} |")
+        lines.append(f"| {r['head']} | {r['sequences']} | {r['tokens']} | {r['val/top1']:.3f} | {r['val/top1_novel']:.3f} "
+                     f"| {r['val/top3']:.3f} | {r['val/accept_len_est']:.2f} | {r['val/loss']:.3f} |")
     return "\n".join(lines)
 
 

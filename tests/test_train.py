@@ -19,7 +19,8 @@ from eagle_lite.draft import DraftHead  # noqa: E402
 from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
 from trainers.datamodule import LoaderConfig, collate, joint_index  # noqa: E402
 from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
-from trainers.objective import agreement, lookup_predictable, make_pairs, novel_pairs, unroll  # noqa: E402
+from trainers.objective import (ObjectiveConfig, agreement, lookup_predictable, make_pairs, novel_pairs,  # noqa: E402
+                                objective, unroll)
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 from trainers.vocab import build_d2t, count_tokens  # noqa: E402
 
@@ -166,6 +167,31 @@ def test_agreement_splits_top1_into_novel_tokens(target):
     stats = agreement([-pairs.target], pairs, weight, weight, None, novel)
     assert stats["novel"] == 3 and stats["top1_novel"] == 0
     assert "novel" not in agreement([pairs.target], pairs, weight, weight, None)
+
+
+def test_copy_weight_scales_the_loss_of_lookup_copyable_tokens(target):
+    n = 12
+    ids = torch.randint(2, target.vocab_size, (n,)).tolist()
+    with torch.no_grad():
+        hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    batch = collate([item(ids, hidden)], max_len=n, pack=False)
+    pairs = make_pairs(batch, target.embed_tokens.weight)
+    weight = target.lm_head.weight
+    novel = torch.zeros_like(pairs.weight)
+    novel[0, :4] = True
+    pred = [pairs.target + 0.3 * torch.randn_like(pairs.target)]
+    plain = objective(pred, pairs, weight, ObjectiveConfig())
+    assert torch.allclose(objective(pred, pairs, weight, ObjectiveConfig(copy_weight=1.0), novel)["loss"], plain["loss"])
+    only_novel = objective(pred, pairs, weight, ObjectiveConfig(copy_weight=0.0), novel)
+    kept = ObjectiveConfig()
+    novel_pairs_only = make_pairs(batch, target.embed_tokens.weight)
+    novel_pairs_only.weight = pairs.weight & novel
+    expected = objective(pred, novel_pairs_only, weight, kept)
+    assert torch.allclose(only_novel["loss"], expected["loss"]) and not torch.allclose(only_novel["loss"], plain["loss"])
+    with pytest.raises(ValueError, match="copy_weight"):
+        objective(pred, pairs, weight, ObjectiveConfig(copy_weight=0.5))
+    with pytest.raises(ValueError, match="copy_weight"):
+        ObjectiveConfig(copy_weight=-1)
 
 
 # -- configs and the CLI ----------------------------------------------------------------------------

@@ -106,7 +106,8 @@ class DraftLightningModule(L.LightningModule):
         cfg = self.objective_cfg
         pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
-        losses = objective(preds, pairs, self.draft_weight, cfg)
+        novel = novel_pairs(batch) if cfg.copy_weight != 1.0 else None
+        losses = objective(preds, pairs, self.draft_weight, cfg, novel)
         rows = int(batch["input_ids"].shape[0])
         for key, value in losses.items():
             self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows)
@@ -116,8 +117,9 @@ class DraftLightningModule(L.LightningModule):
         cfg = self.objective_cfg
         pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, max(cfg.ttt_steps, cfg.val_depth))
-        loss = objective(preds, pairs, self.draft_weight, cfg)["loss"]
-        stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t, novel_pairs(batch))
+        novel = novel_pairs(batch)
+        loss = objective(preds, pairs, self.draft_weight, cfg, novel)["loss"]
+        stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t, novel)
         add_val_batch(self.val_sums, stats, loss, self.device)
 
     def on_validation_epoch_end(self) -> None:

@@ -35,6 +35,7 @@ class ObjectiveConfig:
     noise: str = "uniform"       # noise on the input features while training: "uniform" | "gaussian" | "none"
     noise_scale: float = 0.1     # uniform: U(-scale, scale); gaussian: N(0, scale^2)
     val_depth: int = 5           # chain length unrolled by validation for val/accept_len_est
+    copy_weight: float = 1.0     # loss weight of tokens a 3-gram prompt lookup would propose (1: plain EAGLE)
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -43,6 +44,8 @@ class ObjectiveConfig:
             raise ValueError(f"draft.objective.val_depth must be >= 1, got {self.val_depth}")
         if self.noise not in ("uniform", "gaussian", "none"):
             raise ValueError(f"draft.objective.noise must be 'uniform', 'gaussian' or 'none', got {self.noise!r}")
+        if self.copy_weight < 0:
+            raise ValueError(f"draft.objective.copy_weight must be >= 0, got {self.copy_weight}")
 
 
 class ConcatKV:
@@ -159,9 +162,11 @@ def unroll(head, pairs: Pairs, steps: int, inputs: torch.Tensor | None = None) -
 
 
 def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weight: torch.Tensor,
-                p_target: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                p_target: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean (reg, cls, top1) over the rows `weight` marks. p_target: [N0, V_draft] target distribution on
-    the rows of `pairs.weight`; rows: [N0] bool, which of those rows `weight` keeps. top1 (no gradient):
+    the rows of `pairs.weight`; rows: [N0] bool, which of those rows `weight` keeps; scale: [B, T'] per-pair
+    loss weights (None: all 1), the losses then being weighted means. top1 (no gradient, unweighted):
     how often the draft's argmax is the target's, both within the draft vocabulary."""
     if not bool(weight.any()):
         zero = pred.sum() * 0.0  # keeps the graph: every parameter still gets a (zero) gradient
@@ -172,7 +177,11 @@ def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weigh
     p_rows = p_target[rows]                                                  # N V_draft
     cls = -(p_rows * q_logp).sum(-1)                                         # N
     top1 = (q_logp.detach().argmax(-1) == p_rows.argmax(-1)).float().mean()
-    return reg.mean(), cls.mean(), top1
+    if scale is None:
+        return reg.mean(), cls.mean(), top1
+    s = scale[weight].to(reg.dtype)
+    total = s.sum().clamp_min(1e-8)
+    return (reg * s).sum() / total, (cls * s).sum() / total, top1
 
 
 def target_distribution(pairs: Pairs, lm_weight: torch.Tensor) -> torch.Tensor:
@@ -181,15 +190,22 @@ def target_distribution(pairs: Pairs, lm_weight: torch.Tensor) -> torch.Tensor:
         return torch.softmax((pairs.target[pairs.weight] @ lm_weight.T).float(), dim=-1)
 
 
-def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, cfg: ObjectiveConfig) -> dict:
+def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, cfg: ObjectiveConfig,
+              novel: torch.Tensor | None = None) -> dict:
     """The loss over the first cfg.ttt_steps predictions: {"loss", "loss_reg", "loss_cls"} (decay-weighted
-    sums over steps) and "top1" (step 0, within the draft vocabulary, no gradient)."""
+    sums over steps) and "top1" (step 0, within the draft vocabulary, no gradient). With cfg.copy_weight != 1,
+    `novel` ([B, T'] bool, `novel_pairs`) is required: the other (lookup-copyable) pairs weigh copy_weight."""
+    scale = None
+    if cfg.copy_weight != 1.0:
+        if novel is None:
+            raise ValueError("draft.objective.copy_weight needs the novel-token mask (novel_pairs(batch))")
+        scale = torch.where(novel, 1.0, cfg.copy_weight).to(preds[0].device)
     p_target = target_distribution(pairs, lm_weight)
     total_reg = total_cls = preds[0].new_zeros(())
     top1 = None
     for k, pred in enumerate(preds[:cfg.ttt_steps]):
         w = step_weight(pairs, k)
-        reg, cls, hits = step_losses(pred, pairs, w, lm_weight, p_target, w[pairs.weight])
+        reg, cls, hits = step_losses(pred, pairs, w, lm_weight, p_target, w[pairs.weight], scale)
         total_reg = total_reg + cfg.ttt_decay ** k * reg
         total_cls = total_cls + cfg.ttt_decay ** k * cls
         top1 = hits if top1 is None else top1

@@ -150,16 +150,21 @@ def test_lookup_predictable_marks_what_a_trigram_lookup_would_propose():
     assert novel_pairs(batch).tolist() == [[True] * 4 + [False] * 3 + [False]]
 
 
-def test_agreement_splits_top1_into_novel_tokens(target):
-    n = 10
+def one_row_pairs(target, n: int, novel_first: int):
+    """(batch, pairs, novel) for one random row of n tokens read by the target; pairs 0..novel_first-1 novel."""
     ids = torch.randint(2, target.vocab_size, (n,)).tolist()
     with torch.no_grad():
         hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]
     batch = collate([item(ids, hidden)], max_len=n, pack=False)
     pairs = make_pairs(batch, target.embed_tokens.weight)
-    weight = target.lm_head.weight
     novel = torch.zeros_like(pairs.weight)
-    novel[0, :3] = True                                                  # pairs 0-2 novel, the rest copyable
+    novel[0, :novel_first] = True
+    return batch, pairs, novel
+
+
+def test_agreement_splits_top1_into_novel_tokens(target):
+    _, pairs, novel = one_row_pairs(target, 10, novel_first=3)         # pairs 0-2 novel, the rest copyable
+    weight = target.lm_head.weight
     wrong_after_3 = pairs.target.clone()
     wrong_after_3[:, 3:] = -wrong_after_3[:, 3:]
     stats = agreement([wrong_after_3], pairs, weight, weight, None, novel)
@@ -170,15 +175,8 @@ def test_agreement_splits_top1_into_novel_tokens(target):
 
 
 def test_copy_weight_scales_the_loss_of_lookup_copyable_tokens(target):
-    n = 12
-    ids = torch.randint(2, target.vocab_size, (n,)).tolist()
-    with torch.no_grad():
-        hidden = target.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]
-    batch = collate([item(ids, hidden)], max_len=n, pack=False)
-    pairs = make_pairs(batch, target.embed_tokens.weight)
+    batch, pairs, novel = one_row_pairs(target, 12, novel_first=4)
     weight = target.lm_head.weight
-    novel = torch.zeros_like(pairs.weight)
-    novel[0, :4] = True
     pred = [pairs.target + 0.3 * torch.randn_like(pairs.target)]
     plain = objective(pred, pairs, weight, ObjectiveConfig())
     assert torch.allclose(objective(pred, pairs, weight, ObjectiveConfig(copy_weight=1.0), novel)["loss"], plain["loss"])

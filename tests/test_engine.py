@@ -19,6 +19,7 @@ TREES = {
     "dynamic_big": TreeConfig(depth=6, top_k=5, total_tokens=40),
     "with_lookup": TreeConfig(depth=3, top_k=3, total_tokens=6, lookup=6),
     "min_prob": TreeConfig(depth=5, top_k=4, total_tokens=16, min_prob=0.02),
+    "one_node_lookup": TreeConfig(depth=1, top_k=1, total_tokens=1, lookup=4),  # the shipped head's CPU tree
 }
 
 

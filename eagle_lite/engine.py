@@ -6,7 +6,7 @@ alone. The path of a token:
   2. draft:   the drafter proposes a tree of continuations under the root (drafters/).
   3. verify:  the target reads the whole tree in one forward with the tree mask (target.py, tree.py).
   4. accept:  the longest path the target agrees with, plus one bonus token (accept.py); the lm_head
-              projects only the nodes that walk reads (target.NodeLogits; greedy: their certified argmax).
+              projects only the nodes that walk reads (lm_head.NodeLogits; greedy: their certified argmax).
   5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from .accept import accept, sample, target_probs
 from .config import GenerationConfig
 from .drafters.base import DraftInput, Drafter, NoDrafter
 from .kv_cache import ContextOverflowError, StaticKVCache
-from .target import NodeLogits, Target
+from .lm_head import NodeLogits
+from .target import Target
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Engine:
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
             hidden, features = read(tree.tokens, tree.ancestors, tree.depths)  # N H, N H'
             t2 = time.perf_counter()
-            nodes = NodeLogits(target, hidden, likely=tree.likely_path())   # the likeliest path in one product
+            nodes = NodeLogits(target.lm, hidden, likely=tree.likely_path())   # the likeliest path in one product
             path, bonus = accept(tree, nodes, sampling, generator)
             self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))

@@ -46,7 +46,7 @@ class StaticKVCache:
         self.is_sliding = [False] * num_layers  # read by transformers' mask helpers
         self.max_len = max_len
         self.length = 0        # committed tokens: slots [0, length) hold the sequence so far
-        self._pending = 0      # tokens written by the forward in flight, at [length, length + pending)
+        self.pending = 0      # tokens written by the forward in flight, at [length, length + pending)
 
     # -- the engine's side -------------------------------------------------------------------------
     def reserve(self, num_tokens: int) -> int:
@@ -57,13 +57,13 @@ class StaticKVCache:
                 f"{end} tokens do not fit the KV cache of {self.max_len} slots "
                 f"({self.length} committed + {num_tokens} new)"
             )
-        self._pending = num_tokens
+        self.pending = num_tokens
         return end
 
     def commit(self, num_tokens: int) -> None:
         """Keep the first `num_tokens` written by the last forward (prefill, or a chain)."""
         self.length += num_tokens
-        self._pending = 0
+        self.pending = 0
 
     def compact(self, path: torch.Tensor) -> None:
         """Keep the tree nodes `path` (indices into the last forward's tokens, in sequence order).
@@ -93,14 +93,14 @@ class StaticKVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
-        self._pending = 0
+        self.pending = 0
 
     # -- the model's side (transformers' Cache protocol) -------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [1, H_kv, T, D] -> all keys/values to attend over: [1, H_kv, length + T, D]."""
         t = key_states.shape[2]
-        if t != self._pending:
-            raise RuntimeError(f"forward wrote {t} tokens but {self._pending} were reserved; call reserve() first")
+        if t != self.pending:
+            raise RuntimeError(f"forward wrote {t} tokens but {self.pending} were reserved; call reserve() first")
         end = self.length + t
         self.keys[layer_idx, :, :, self.length:end] = key_states
         self.values[layer_idx, :, :, self.length:end] = value_states

@@ -112,12 +112,12 @@ def check_device(device: str | torch.device) -> torch.device:
 
 
 def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attention: str = "auto", packed_linears: bool = True) -> Target:
+                attention: str = "auto", accelerate: bool = True) -> Target:
     """Load a target by alias ('smollm2'), GGUF file, local folder or hub id.
 
-    attention: the tree-verification backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash;
-    auto picks the fastest exact one for the device (gqa on CPU). packed_linears: see `Target` (False where
-    the target only reads long sequences, e.g. caching training features: the packed copy would go unused).
+    attention: the tree-verification backend (kernels/attention.py): auto | sdpa | gqa | flex | lse_merge | flash;
+    auto picks the fastest exact one for the device (gqa on CPU). accelerate: see `Target` (False where the
+    target only reads long batched sequences, e.g. caching training features: the few-row paths would go unused).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,4 +141,4 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         where = "folder" if isinstance(folder, Path) else "hub id (no such local folder)"
         raise RuntimeError(f"could not load target '{spec}' as a {where}: {err}") from err
-    return Target(model.to(device), tokenizer, name=name, attention=attention, packed_linears=packed_linears)
+    return Target(model.to(device), tokenizer, name=name, attention=attention, accelerate=accelerate)

@@ -2,15 +2,12 @@
 
 `Target.forward` takes a block of tokens that is either a chain (prefill, plain decoding) or a draft
 tree (given by its ancestor mask and depths) and returns the last hidden states of every token (what
-the draft head reads) plus logits for only the rows the caller asks for: the lm_head is the single
-most expensive matrix of a small model, so prefill computes one row, not the whole prompt, and a tree
-verification hands acceptance a `NodeLogits` that projects a node only when the walk reaches it. Greedy
-decoding needs only each row's argmax: `top_token` finds it from a float16 copy of the lm_head on CPU,
-exactly (certified_argmax.py).
+the draft head reads); the lm_head runs separately, over only the rows acceptance reads (lm_head.py).
 
 A model is taken only after it proves it runs this way: at load, a few tokens through the cached tree forward
 must give its own full forward's logits (`_check_tree_forward`), and `logits` applies whatever scaling or
 soft cap the model puts on its lm_head output (`logits_transform`), so sampling draws from the model's own law.
+Speed-ups (kernels/) are applied by one call at load and never change what a forward computes.
 """
 from __future__ import annotations
 
@@ -22,73 +19,59 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .attention import select_attention
-from .certified_argmax import CertifiedArgmax
-from .cpu_linear import few_rows_product, pack_linears, unpacked
-from .fused_layer import FusedStack, fuse_decoder_layers, fuse_stack, unfused_layers
-from .fused_norm import fuse_rms_norms, unfused
-from .grid_linear import GridWeight, grid_of
+from .kernels import Accelerated, accelerate_target, stock
+from .kernels.attention import select_attention
 from .kv_cache import StaticKVCache, cache_keyword, with_cache
+from .lm_head import LmHead
 from .tree import attention_mask
-
-# On CPU a one-row lm_head product streams a transposed (H x V) copy of the weight about twice as fast
-# as the row-major original (MKL's gemv), so targets whose lm_head is at most this large keep one.
-TRANSPOSED_LM_HEAD_MAX_BYTES = 512 << 20
 
 
 class Target:
     """A loaded transformers causal LM (`model`) and its tokenizer, with the pieces EAGLE needs."""
 
     def __init__(self, model: nn.Module, tokenizer=None, name: str = "target", attention: str = "sdpa",
-                 packed_linears: bool = True, fused_norms: bool = True) -> None:
-        """packed_linears: on CPU in fp32, give the decoder's linears a faster few-row product for decoding and
-        tree verification (eagle_lite/cpu_linear.py: an instance `forward` on each layer of `model`): 4-bit
-        codes where the weights lie exactly on a GGUF grid (grid_linear.py), else a oneDNN-packed copy.
-        fused_norms: run its RMSNorms as one op where that is exact to the bit (eagle_lite/fused_norm.py).
-        Both: a decoder layer whose projections run from grid codes runs as one native op, and a stack of
-        such layers runs few-token forwards without the model's forward around them (eagle_lite/fused_layer.py).
-        `Target.stock()` runs a block on the library's own forwards and attention."""
+                 accelerate: bool = True) -> None:
+        """attention: the tree-verification backend (kernels/attention.py). accelerate: apply the speed-ups of
+        kernels/ (CPU, fp32: grid-code or packed linears, fused norms and layers; a no-op elsewhere); they
+        compute what the model's own forward does, to fp32 rounding. `stock()` runs a block without them."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
-        # Tree masks are boolean 4-D masks; transformers' SDPA path takes them as they are ("eager" would
-        # read them as additive and silently give wrong logits).
-        # --- attention backend (eagle_lite/attention.py): auto | sdpa | gqa | flex | lse_merge | flash ---
         if not (getattr(model, "_supports_attention_backend", False) or getattr(model, "_supports_sdpa", False)):
             raise unverifiable(name, model, "its attention takes neither transformers' attention interface nor SDPA "
                                             "(state-space and recurrent models such as Mamba have no attention to mask)")
-        if getattr(model.config, "attn_logit_softcapping", None) and attention in ("auto", "sdpa"):
-            attention = "gqa"   # Gemma 2 soft-caps attention scores: no SDPA kernel does, gqa's torch path does
-        implementation = select_attention(attention, model)  # "sdpa" for the default
-        if model.config._attn_implementation != implementation:
-            model.set_attn_implementation(implementation)
-        # --- end attention backend ---
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
         self.decoder = model.get_decoder()            # the transformer stack without the lm_head
-        if packed_linears:
-            pack_linears(self.decoder)                # no-op off CPU and for non-fp32 weights
-        if fused_norms:
-            fuse_rms_norms(self.decoder)              # no-op off CPU, for non-fp32 weights or inexact norms
-        self._stack: FusedStack | None = None
-        if packed_linears and fused_norms:
-            # whole layers as one native op where they run from grid codes, and then the stack of them
-            fuse_decoder_layers(getattr(self.decoder, "layers", []), getattr(self.decoder, "rotary_emb", None))
-            self._stack = fuse_stack(self.decoder)
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
         self.embed_tokens = model.get_input_embeddings()
-        # the lm_head as integer codes where its fp32 weight lies on a GGUF grid (SmolLM2's is Q8_0): exact
-        # fp32 logits from 9 bits a weight, for greedy's argmax and for a few rows (grid_linear.py)
-        plain_head = type(self.lm_head) is nn.Linear and self.lm_head.weight.device.type == "cpu"
-        self._lm_grid = grid_of(self.lm_head.weight) if packed_linears and plain_head else None
-        self._lm_head_t: torch.Tensor | None = None   # H V copy for one-row products on CPU (see logits)
+        self._use_attention(attention)
+        self.accelerated = accelerate_target(self.decoder, self.lm_head) if accelerate else Accelerated()
         # one forward of the model's own on a few tokens serves both load-time checks
         ids, expected = probe_logits(model, self.lm_head, name)
         # what the model does to lm_head's output (a scale, a soft cap; None: nothing)
-        self._finish = logits_transform(model, self.decoder, self.lm_head, ids, expected, name)
-        self._argmax: CertifiedArgmax | None | bool = False  # float16 argmax path (see top_token); False: not built
+        self.lm = LmHead(self.lm_head, logits_transform(model, self.decoder, self.lm_head, ids, expected, name),
+                         self.accelerated.lm_grid)
         self._check_tree_forward(ids, expected)
+
+    def _use_attention(self, attention: str) -> None:
+        """Run the model's attention through the tree-verification backend `attention` (kernels/attention.py).
+        Tree masks are boolean 4-D masks, which transformers' SDPA path takes as they are ("eager" would read them
+        as additive and silently give wrong logits)."""
+        if getattr(self.config, "attn_logit_softcapping", None) and attention in ("auto", "sdpa"):
+            attention = "gqa"   # Gemma 2 soft-caps attention scores: no SDPA kernel does, gqa's torch path does
+        implementation = select_attention(attention, self.model)
+        if self.config._attn_implementation != implementation:
+            self.model.set_attn_implementation(implementation)
+
+    def speed_up(self, attention: str = "auto") -> None:
+        """Apply the speed-ups and the tree-verification backend now, to a target built with accelerate=False
+        (training reads it in long batches; distillation then decodes with it). `stock()` still runs it as built."""
+        if not self.accelerated.applied:
+            self.accelerated = accelerate_target(self.decoder, self.lm_head)
+            self.lm.grid = self.accelerated.lm_grid
+        self._use_attention(attention)
 
     def _check_tree_forward(self, ids: torch.Tensor, expected: torch.Tensor) -> None:
         """Refuse a model that the cached tree forward would run wrong, before it answers anything.
@@ -197,14 +180,14 @@ class Target:
     def stock(self) -> Iterator[None]:
         """Run a block on the model as transformers built it: its own linears and SDPA attention (baselines)."""
         implementation = self.model.config._attn_implementation
-        stack, self._stack = self._stack, None
-        with unpacked(self.model), unfused(self.model), unfused_layers(self.model):
+        stack, self.accelerated.stack = self.accelerated.stack, None
+        with stock(self.model):
             if implementation != "sdpa":
                 self.model.set_attn_implementation("sdpa")
             try:
                 yield
             finally:
-                self._stack = stack
+                self.accelerated.stack = stack
                 if implementation != "sdpa":
                     self.model.set_attn_implementation(implementation)
 
@@ -235,9 +218,10 @@ class Target:
         cache.reserve(t)
         steps = torch.arange(t, device=input_ids.device) if depths is None else depths
         features = None
-        if self._stack is not None and self._stack.takes(t, cache):
+        stack = self.accelerated.stack
+        if stack is not None and stack.takes(t, cache):
             visible = None if ancestors is None else attention_mask(start, ancestors)[0, 0]   # T start+T
-            hidden = self._stack(input_ids, steps + start, cache, visible, taps)             # T H
+            hidden = stack(input_ids, steps + start, cache, visible, taps)                    # T H
             if taps:
                 hidden, features = hidden
         else:
@@ -266,56 +250,17 @@ class Target:
                              f"{layers} layers: feature layers are distinct, from 0 to {layers - 2}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The lm_head's logits [R, V] of final hidden states [R, H], in the fastest form for R and device.
-
-        On CPU a few rows are memory-bound on the V x H weight: grid codes (Q8_0) where the weight has them;
-        else one row streams the transposed copy
-        (~2x faster than `F.linear`'s gemv), and 2-8 rows run as W @ h^T (~2x faster than `F.linear`'s
-        small-M GEMM). Each product is the same sum of the same fp32 terms, to rounding.
-        """
-        out = self._lm_head_product(hidden)
-        return out if self._finish is None else self._finish(out)
-
-    def _lm_head_product(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
-        if self._lm_grid is not None and self._lm_grid.takes(hidden):
-            out = self._lm_grid(hidden)
-            return out if bias is None else out + bias
-        if weight.device.type != "cpu" or type(self.lm_head) is not nn.Linear or hidden.shape[0] > 8:
-            return self.lm_head(hidden)
-        if hidden.shape[0] == 1 and self._transposed_lm_head() is not None:
-            out = hidden @ self._lm_head_t
-        else:
-            out = few_rows_product(hidden, weight)
-        return out if bias is None else out + bias
-
-    @property
-    def lm_grid(self) -> GridWeight | None:
-        """The lm_head's grid codes (None where its weight lies on no GGUF grid or the kernels do not run)."""
-        return self._lm_grid
+        """The lm_head's logits [R, V] of final hidden states [R, H] (lm_head.LmHead.logits)."""
+        return self.lm.logits(hidden)
 
     def top_token(self, hidden: torch.Tensor) -> int:
-        """The greedy token for one final hidden state [H]: argmax of its fp32 logits. On CPU they come from
-        the lm_head's grid codes where it has them, else from a float16 copy of the lm_head with an error
-        bound that makes the answer exact (certified_argmax.py)."""
-        if self._lm_grid is not None:
-            return int(self.logits(hidden[None])[0].argmax())
-        if self._argmax is False:
-            plain = type(self.lm_head) is nn.Linear and getattr(self.lm_head, "bias", None) is None
-            had_transposed = self._lm_head_t is not None
-            self._argmax = CertifiedArgmax.build(self.lm_head.weight, self._lm_head_product) if plain else None
-            if self._argmax is not None and not had_transposed:
-                self._lm_head_t = None   # built only to time the fp32 row against: greedy no longer needs it
-        if self._argmax is None:
-            return int(self.logits(hidden[None])[0].argmax())
-        return self._argmax(hidden)
+        """The greedy token for one final hidden state [H] (lm_head.LmHead.top_token: exact fp32 argmax)."""
+        return self.lm.top_token(hidden)
 
-    def _transposed_lm_head(self) -> torch.Tensor | None:
-        weight = self.lm_head.weight
-        if self._lm_head_t is None and weight.numel() * weight.element_size() <= TRANSPOSED_LM_HEAD_MAX_BYTES:
-            with torch.inference_mode(False):  # a normal tensor: callers may run outside inference mode
-                self._lm_head_t = weight.detach().t().contiguous()
-        return self._lm_head_t
+    @property
+    def lm_grid(self):
+        """The lm_head's grid codes (None where its weight lies on no GGUF grid or the speed-ups are off)."""
+        return self.lm.grid
 
 
 def unverifiable(name: str, model: nn.Module, problem: str) -> ValueError:
@@ -359,54 +304,3 @@ def logits_transform(model: nn.Module, decoder: nn.Module, lm_head: nn.Module, i
             return candidates[best]
     raise unverifiable(name, model, "it computes its logits as something other than its lm_head of the last hidden "
                                     "state (or a scaling or soft cap of it)")
-
-
-class NodeLogits:
-    """The target's logits of the nodes of a verified tree, projected through the lm_head on demand.
-
-    Acceptance reads the logits of the nodes it walks through (the accepted path and the node where it
-    stops), a few of the tree's nodes; on CPU each lm_head row costs as much as a decoder layer, so
-    `lazy` projects a node when it is first read. Otherwise (GPU) all rows are projected in one product.
-    `likely`: nodes the walk will probably read (the draft's likeliest path): where the lm_head runs from
-    grid codes, the first read of one of them projects them all in one product, which reads the weight
-    once for all of them (SmolLM2: 2.0 ms for 3 rows against 1.6 for one). `nodes[i]` is node i's logits [V].
-    """
-
-    def __init__(self, target: Target, hidden: torch.Tensor, lazy: bool | None = None,
-                 likely: list[int] | None = None) -> None:
-        self.target, self.hidden = target, hidden  # N H, final hidden states of the tree's nodes
-        self.lazy = hidden.device.type == "cpu" if lazy is None else lazy
-        self._all = None if self.lazy else target.logits(hidden)
-        self._rows: dict[int, torch.Tensor] = {}
-        self._tops: dict[int, int] = {}
-        self._likely = likely if self.lazy and likely and len(likely) > 1 and target.lm_grid is not None else None
-        self.projected = 0 if self.lazy else hidden.shape[0]   # nodes whose logits or argmax were computed
-
-    def _project_likely(self, node: int) -> None:
-        if self._likely is not None and node in self._likely:
-            rows, self._likely = self._likely, None
-            self._rows.update(zip(rows, self.target.logits(self.hidden[rows])))
-            self.projected += len(rows)
-
-    def top_token(self, node: int) -> int:
-        """The target's greedy token at `node` (its logits' argmax); lazily, without an fp32 row on CPU."""
-        if self._all is not None:
-            return int(self._all[node].argmax())
-        if node not in self._tops:
-            self._project_likely(node)
-        if node in self._rows:
-            return int(self._rows[node].argmax())
-        if node not in self._tops:
-            self._tops[node] = self.target.top_token(self.hidden[node])
-            self.projected += 1
-        return self._tops[node]
-
-    def __getitem__(self, node: int) -> torch.Tensor:
-        if self._all is not None:
-            return self._all[node]
-        self._project_likely(node)
-        row = self._rows.get(node)
-        if row is None:
-            row = self._rows[node] = self.target.logits(self.hidden[node:node + 1])[0]
-            self.projected += 1
-        return row

@@ -197,20 +197,20 @@ def _node_logits_case(target):
 def test_node_logits_project_only_the_walked_nodes(llama):
     """Acceptance reads the logits of the nodes it walks; the lazy projection computes those rows
     alone, and they equal the lm_head's row for row."""
-    from eagle_lite.target import NodeLogits
+    from eagle_lite.lm_head import NodeLogits
 
     with torch.inference_mode():
         hidden, full, choice, other = _node_logits_case(llama)
         # root's argmax drafted at node 2, node 2's argmax drafted at node 4; nodes 1, 3, 5, 6 are misses
         tokens = torch.tensor([0, other[0], choice[0], other[2], choice[2], other[4], other[1]])
         tree = DraftTree(tokens, [-1, 0, 0, 2, 2, 4, 1])
-        lazy = NodeLogits(llama, hidden, lazy=True)
+        lazy = NodeLogits(llama.lm, hidden, lazy=True)
         path, bonus = accept_greedy(tree, lazy)
         assert path == [0, 2, 4] and bonus == choice[4]
         assert lazy.projected == 3                      # the walk read nodes 0, 2 and 4 only
         for node in path:
             torch.testing.assert_close(lazy[node], full[node], rtol=1e-5, atol=1e-5)
-        eager = NodeLogits(llama, hidden, lazy=False)
+        eager = NodeLogits(llama.lm, hidden, lazy=False)
         assert accept_greedy(tree, eager) == (path, bonus) and eager.projected == 7
 
 
@@ -219,7 +219,7 @@ def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
     """With the lm_head on grid codes, the first read of the draft's likeliest path (root, first child, ...)
     projects all of it at once; a walk that leaves it projects the rest node by node; every argmax and row
     is the lm_head's."""
-    from eagle_lite.target import NodeLogits
+    from eagle_lite.lm_head import NodeLogits
 
     target = make_target("llama", grid=True)
     with torch.inference_mode():
@@ -229,23 +229,23 @@ def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
         tree = DraftTree(tokens, [-1, 0, 0, 1, 2, 4, 2])
         assert tree.likely_path() == [0, 1, 3]
         calls = []
-        logits = target.logits
-        target.logits = lambda h: calls.append(h.shape[0]) or logits(h)
+        logits = target.lm.logits
+        target.lm.logits = lambda h: calls.append(h.shape[0]) or logits(h)
         try:
-            nodes = NodeLogits(target, hidden, lazy=True, likely=tree.likely_path())
+            nodes = NodeLogits(target.lm, hidden, lazy=True, likely=tree.likely_path())
             path, bonus = accept_greedy(tree, nodes)
             assert path == [0, 2, 4] and bonus == choice[4]
             assert calls == [3, 1, 1]        # root, 1, 3 at once; then 2 and 4, which the walk also read
             assert nodes.projected == 5
             assert all(nodes.top_token(n) == choice[n] for n in (0, 1, 2, 3, 4))
             calls.clear()
-            sampled = NodeLogits(target, hidden, lazy=True, likely=tree.likely_path())   # sampling reads rows
+            sampled = NodeLogits(target.lm, hidden, lazy=True, likely=tree.likely_path())   # sampling reads rows
             torch.testing.assert_close(sampled[1], full[1], rtol=1e-5, atol=1e-5)
             assert calls == [3] and sampled.projected == 3
             torch.testing.assert_close(sampled[0], full[0], rtol=1e-5, atol=1e-5)
             assert calls == [3]              # already projected with node 1
         finally:
-            del target.logits
+            del target.lm.logits
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12])

@@ -84,7 +84,7 @@ def test_the_targets_logits_are_the_models_own_scaled_or_capped_ones(family_targ
 @pytest.mark.parametrize("family", ["gemma3", "granite"])
 def test_a_scaled_or_capped_head_is_found(family):
     target = build(family)
-    assert target._finish is not None            # raw lm_head logits would sample at the wrong temperature
+    assert target.lm.finish is not None            # raw lm_head logits would sample at the wrong temperature
 
 
 def test_a_model_whose_logits_are_something_else_is_refused():

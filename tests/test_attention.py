@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from eagle_lite import attention
-from eagle_lite.attention import (BackendUnavailableError, KEYS, dense_attention, merge_lse, prefix_attention,
+from eagle_lite.kernels import attention
+from eagle_lite.kernels.attention import (BackendUnavailableError, KEYS, dense_attention, merge_lse, prefix_attention,
                                   resolve_backend, select_attention, split_attention)
 from eagle_lite.target import Target
 from eagle_lite.tree import DraftTree, attention_mask
@@ -71,7 +71,7 @@ def test_backend_equals_dense_reference(backend, prefix_len, n_nodes, seed):
 
 
 def _native_or_skip():
-    from eagle_lite.native import kernel_available
+    from eagle_lite.kernels.native import kernel_available
 
     if not kernel_available():
         pytest.skip("eagle_lite's native kernels do not build here")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_target, reference_greedy
 
-from eagle_lite.certified_argmax import CertifiedArgmax
+from eagle_lite.kernels.certified_argmax import CertifiedArgmax
 from eagle_lite.config import GenerationConfig
 from eagle_lite.drafters import PromptLookupDrafter
 from eagle_lite.engine import Engine
@@ -62,7 +62,7 @@ def test_build_refuses_unsafe_weights_and_kernels(monkeypatch):
 
 def test_greedy_generation_on_the_float16_argmax_equals_the_target_alone():
     target = make_target("llama", seed=3)
-    target._argmax = CertifiedArgmax(target.lm_head.weight)
+    target.lm._argmax = CertifiedArgmax(target.lm_head.weight)
     prompt = [5, 9, 13, 5, 9, 13, 5, 9, 21, 4]
     want = reference_greedy(target, prompt, 40)
     for drafter in (None, PromptLookupDrafter()):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lite.cpu_linear import pack_linears, packing_available, unpacked
+from eagle_lite.kernels.cpu_linear import pack_linears, packing_available, unpacked
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN packed linear unavailable here")
 

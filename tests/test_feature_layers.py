@@ -38,7 +38,7 @@ def test_taps_are_the_layers_outputs_on_either_path(deep):
     assert got.shape == (5, 2 * deep.hidden_size)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     assert torch.allclose(torch.cat([hidden, hidden2]), own[-1][0], rtol=1e-4, atol=1e-4)
-    assert (deep._stack is not None) == ("q4_1" in deep.name)  # both paths are covered
+    assert (deep.accelerated.stack is not None) == ("q4_1" in deep.name)  # both paths are covered
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(depth=4, top_k=3, total_tokens=10),

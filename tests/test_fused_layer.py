@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lite import fused_layer
+from eagle_lite.kernels import fused_layer
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
@@ -47,12 +47,12 @@ def test_layers_on_a_grid_run_as_one_op_and_match_their_own_forward(family):
               (torch.randint(1, VOCAB, (5,), generator=gen), None),    # a chain: the op
               (torch.tensor([7]), None),                             # one decoding step: the op
               (None, tree)]                                          # a tree verification: the op with its mask
-    assert target._stack is not None                                 # all layers fused: the stack runs them
+    assert target.accelerated.stack is not None                                 # all layers fused: the stack runs them
     fused, fused_cache = _run(target, blocks)
     with target.stock():
-        assert not any(_fused(target)) and target._stack is None
+        assert not any(_fused(target)) and target.accelerated.stack is None
         own, own_cache = _run(target, blocks)
-    assert all(_fused(target)) and target._stack is not None         # stock() gives them back
+    assert all(_fused(target)) and target.accelerated.stack is not None         # stock() gives them back
     for a, b in zip(fused, own):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     n = own_cache.length
@@ -68,7 +68,7 @@ def test_layers_that_compute_something_else_keep_their_own_forward():
     layer = qwen3.decoder.layers[0]
     assert fused_layer._structured(layer) and fused_layer._LayerParts(layer).complete
     assert not any(_fused(qwen3))                # refused by the probe, not by the layout check
-    assert qwen2._stack is None and qwen3._stack is None
+    assert qwen2.accelerated.stack is None and qwen3.accelerated.stack is None
     assert not any(_fused(make_target("llama")))  # fp32 weights off any grid: no codes to run from
 
 
@@ -114,7 +114,7 @@ def test_the_models_own_forward_reaches_the_op_under_its_cache_keyword(monkeypat
     """Without the stack, the model's forward calls each fused layer itself, passing the cache as `cache` (transformers
     >= 5.24) or `past_key_values` (before): a few-token forward must still run the op, not the layer's own forward."""
     target = make_target("llama", grid=True)
-    monkeypatch.setattr(target, "_stack", None)
+    monkeypatch.setattr(target.accelerated, "stack", None)
     calls = []
     for layer in target.decoder.layers:
         parts = layer.fused_parts

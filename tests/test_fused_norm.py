@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_target
 
-from eagle_lite.fused_norm import fuse_rms_norms
+from eagle_lite.kernels.fused_norm import fuse_rms_norms
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -27,7 +27,7 @@ def test_fused_decoder_is_bit_identical_to_the_stock_one(family):
 def test_the_native_norm_equals_the_library_norm_to_rounding(rows):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from eagle_lite.native import kernel_available
+    from eagle_lite.kernels.native import kernel_available
 
     if not kernel_available():
         pytest.skip("eagle_lite's native kernels do not build here")
@@ -55,7 +55,7 @@ def test_a_norm_that_computes_something_else_keeps_its_forward():
 
 
 def test_unfused_runs_the_library_forward_then_fuses_again(monkeypatch):
-    from eagle_lite import fused_norm
+    from eagle_lite.kernels import fused_norm
 
     monkeypatch.setattr(fused_norm, "kernel_available", lambda: False)   # count F.rms_norm calls below
     target = make_target()

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lite import cpu_linear, grid_linear
+from eagle_lite.kernels import cpu_linear, grid_linear
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.cpu_linear import pack_linears
+from eagle_lite.kernels.cpu_linear import pack_linears
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
-from eagle_lite.grid_linear import Grid4, Grid8, grid_of, kernel_available
+from eagle_lite.kernels.grid_linear import Grid4, Grid8, grid_of, kernel_available
 
 from conftest import make_target, reference_greedy, snap_to_q4_1, snap_to_q8_0
 
@@ -176,7 +176,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path,
     import os
     import time
 
-    from eagle_lite import native
+    from eagle_lite.kernels import native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / native.NAME / "lock"

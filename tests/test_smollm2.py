@@ -58,9 +58,9 @@ def test_the_gguf_weights_run_from_their_grid_codes(smollm2):
     """SmolLM2's GGUF is Q4_1 (decoder linears) and Q8_0 (embeddings / lm_head): after de-quantization every
     one of those fp32 weights is found on its grid, so all of them run through the native kernels, and every
 decoder layer as one op (fused_layer.py)."""
-    from eagle_lite.cpu_linear import _GridProduct
-    from eagle_lite.grid_linear import Grid4, Grid8
-    from eagle_lite.native import kernel_available
+    from eagle_lite.kernels.cpu_linear import _GridProduct
+    from eagle_lite.kernels.grid_linear import Grid4, Grid8
+    from eagle_lite.kernels.native import kernel_available
 
     if not kernel_available():
         pytest.skip("eagle_lite's native kernels do not build here")

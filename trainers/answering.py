@@ -15,7 +15,6 @@ from the weights' GGUF grid codes; the tests check them token for token on a tin
 """
 from __future__ import annotations
 
-import copy
 import logging
 import weakref
 from typing import Sequence
@@ -66,7 +65,7 @@ def batched_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progr
             n = len(prompts[i])
             ids[r, width - n:] = torch.tensor(prompts[i], dtype=torch.long)
             attention[r, width - n:] = 1
-        with torch.inference_mode():
+        with torch.inference_mode(), target.stock():
             out = target.model.generate(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
                                         max_new_tokens=cfg.max_new_tokens, pad_token_id=pad,
                                         eos_token_id=eos or None, **sampling)
@@ -100,29 +99,21 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progre
     return answers
 
 
-def _model_over_same_weights(model):
-    """A second model object over the same weight tensors (nothing copied): eagle_lite's Target adds its decoding
-    structures (packed or grid-coded linears, fused layers, its attention backend) to this one alone, so the
-    features stage still reads the model as the training target built it."""
-    clone = type(model)(copy.deepcopy(model.config))
-    clone.load_state_dict(model.state_dict(), assign=True)
-    clone.generation_config = copy.deepcopy(model.generation_config)
-    return clone.to(model.device).eval()
-
-
 _ENGINES: "weakref.WeakKeyDictionary[Target, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _engine_for(target: Target):
-    """The engine that answers for `target` (built once per target): a copy of its model wrapped for decoding
-    (packed/grid linears, fused layers, the tree-attention backend) and the head shipped for it."""
+    """The engine that answers for `target` (built once per target), with the speed-ups and tree-attention backend
+    applied to it (the features stage and batched generate() run it as built, inside `Target.stock`), and the
+    head shipped for it."""
     if target not in _ENGINES:
         from eagle_lite.checkpoint import default_head_path, load_head
         from eagle_lite.config import TreeConfig
         from eagle_lite.drafters import EagleDrafter, PromptLookupDrafter
         from eagle_lite.engine import Engine
 
-        fast = Target(_model_over_same_weights(target.model), target.tokenizer, name=target.name)
+        target.speed_up()
+        fast = target
         path, drafter, tree = default_head_path(target.name), None, TreeConfig()
         if path is not None:
             try:

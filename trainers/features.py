@@ -105,8 +105,9 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]],
     for r, seq in enumerate(sequences):
         ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention[r, :len(seq)] = 1
-    out = target.decoder(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
-                         use_cache=False, output_hidden_states=bool(taps))
+    with target.stock():   # the model as built, whether or not distillation sped it up in this process
+        out = target.decoder(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
+                             use_cache=False, output_hidden_states=bool(taps))
     hidden = out.last_hidden_state  # B T H; causal, so right padding never changes the real positions
     if not taps:
         return [hidden[r, :len(seq)] for r, seq in enumerate(sequences)]

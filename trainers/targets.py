@@ -62,7 +62,7 @@ def tiny_target(cfg: TargetConfig = TargetConfig(kind="tiny", name="tiny")) -> T
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
     model = model.to(device=cfg.device, dtype=_DTYPES[cfg.dtype]).eval()
-    return Target(model, tokenizer=None, name=cfg.name, packed_linears=False)
+    return Target(model, tokenizer=None, name=cfg.name, accelerate=False)
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -73,12 +73,11 @@ def build_target(cfg: TargetConfig) -> Target:
         return tiny_target(cfg)
     from eagle_lite.loading import load_target
 
-    # Training reads the target in batches of whole sequences (> 32 rows), never the packed few-row path,
-    # and only with causal + padding masks, never a tree: plain SDPA. ('auto' means FlexAttention on CUDA,
-    # compiled per batch shape: the H100 run of experiment=gpu logged dynamo's recompile limit and distilled
-    # only ~7 prompts/s at batch 512; with SDPA an H100 answered 17.1 prompts/s, session 13.)
+    # Training reads the target in batches of whole sequences with causal + padding masks, never a tree: plain
+    # SDPA and no few-row speed-ups ('auto' would mean FlexAttention on CUDA, compiled again for every batch
+    # shape). Distillation through the engine applies them when it starts (answering.py: Target.speed_up).
     return load_target(cfg.spec or cfg.name, dtype=_DTYPES[cfg.dtype], device=cfg.device, attention="sdpa",
-                       packed_linears=False)
+                       accelerate=False)
 
 
 def pad_token_id(target: Target) -> int:

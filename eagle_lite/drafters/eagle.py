@@ -8,11 +8,10 @@ import math
 import torch
 
 from ..config import TreeConfig
-from ..cpu_linear import few_rows_product, pack_linears
 from ..draft import DraftHead
-from ..fused_layer import fuse_decoder_layers
-from ..fused_norm import fuse_rms_norms
-from ..grid_linear import grid_of
+from ..kernels import accelerate_head
+from ..kernels.accelerate import draft_vocab_grid
+from ..kernels.cpu_linear import few_rows_product
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, graft_chain, rerank
 from .base import DraftInput
@@ -46,13 +45,11 @@ class EagleDrafter:
         self.target = target
         self.head = head.eval()
         self.feature_layers = head.feature_layers   # the target's layers the head reads (EAGLE-3), else ()
-        pack_linears(self.head, round_to_grid=round_head)
-        fuse_rms_norms(self.head)
-        fuse_decoder_layers([self.head.layer], self.head.rotary)   # one native op where its linears run from codes
+        accelerate_head(self.head, self.head.layer, self.head.rotary, round_to_grid=round_head)
         weight = target.lm_head.weight  # V H, frozen and shared with the target
         self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
         # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own
-        self.lm_grid = target.lm_grid if head.d2t is None else grid_of(self.lm_weight)
+        self.lm_grid = target.lm_grid if head.d2t is None else draft_vocab_grid(self.lm_weight)
         self.cache: StaticKVCache | None = None
         # TreeConfig.lookup's chain: the longest earlier match of the last 2-5 tokens (5 rather than 3: +7% tokens/s on
         # the benchmark's prompts, interleaved A/B, session 8)

@@ -31,9 +31,9 @@ from torch import nn
 
 from .grid_linear import MAX_GRID_ROWS, GridWeight
 from .instance_forward import class_forwards
-from .kv_cache import StaticKVCache, with_cache
+from ..kv_cache import StaticKVCache, with_cache
 from .native import kernel_available
-from .tree import attention_mask
+from ..tree import attention_mask
 
 MAX_FUSED_ROWS = MAX_GRID_ROWS   # past this many tokens (a prompt's prefill) the layer's own forward is as fast
 
@@ -122,7 +122,7 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     mask = attention_mask
     fits = (hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and 0 < t <= MAX_FUSED_ROWS
             and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
-            and isinstance(cache, StaticKVCache) and cache._pending == t and position_embeddings is not None
+            and isinstance(cache, StaticKVCache) and cache.pending == t and position_embeddings is not None
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
                                   and tuple(mask.shape) == (1, 1, t, cache.length + t))))
     if not fits:
@@ -210,7 +210,7 @@ class FusedStack:
         self.parts = [layer.fused_parts for layer in decoder.layers]
 
     def takes(self, t: int, cache) -> bool:
-        return (0 < t <= MAX_FUSED_ROWS and isinstance(cache, StaticKVCache) and cache._pending == t
+        return (0 < t <= MAX_FUSED_ROWS and isinstance(cache, StaticKVCache) and cache.pending == t
                 and not torch.is_grad_enabled())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,

@@ -44,6 +44,8 @@ from .grid_linear import MAX_GRID_ROWS, Grid8, GridWeight, grid_of
 from .native import kernel_available
 from .instance_forward import class_forwards
 
+# A tall weight (an lm_head) times at most this many rows streams the weight once as weight @ rows.T on CPU
+FEW_ROWS = 8
 MAX_PACKED_ROWS = 32  # above this (a prompt's prefill) MKL's own GEMM is as fast or faster
 # Children of one module that read the same input, by the names transformers' decoder layers give them
 # (Llama, Mistral, Qwen2/3, Gemma ...): each group shares one packed product.
@@ -73,7 +75,7 @@ def few_rows_product(rows: torch.Tensor, weight: torch.Tensor, grid: GridWeight 
     2.7 ms against 3.7). Other shapes and devices take the plain product."""
     if grid is not None and grid.takes(rows):
         return grid(rows)
-    if weight.device.type == "cpu" and 1 <= rows.shape[0] <= 8:
+    if weight.device.type == "cpu" and 1 <= rows.shape[0] <= FEW_ROWS:
         return torch.mm(weight, rows.t()).t()
     return rows @ weight.t()
 

@@ -1,0 +1,73 @@
+"""The one entry point to eagle_lite's optional speed-ups: apply them to a loaded model, or run without them.
+
+`accelerate_target` gives a target's decoder faster few-row linears (grid codes where the weights lie on a GGUF
+grid, else oneDNN-packed copies), one-op RMSNorms, whole decoder layers as one native op and the stack of them
+(`FusedStack`), and returns what the caller runs through: the stack (None where it does not apply) and the
+lm_head's grid codes. `accelerate_head` does the same for a draft head. Every piece is probed against the
+model's own forward when applied and kept only where it computes the same thing (to fp32 rounding), and is a
+no-op off CPU or for non-fp32 weights. `stock(model)` runs a block on the model exactly as transformers built it.
+
+Turning it off: `Target(..., accelerate=False)`, or EAGLE_LITE_ACCELERATE=0 for a whole process; EAGLE_LITE_NATIVE=0
+keeps the torch-level pieces and drops only the native C++ ops. docs/cpu.md says why the results stay exact.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch import nn
+
+from .cpu_linear import pack_linears, unpacked
+from .fused_layer import FusedStack, fuse_decoder_layers, fuse_stack, unfused_layers
+from .fused_norm import fuse_rms_norms, unfused
+from .grid_linear import GridWeight, grid_of
+
+
+def enabled() -> bool:
+    """Whether this process applies the speed-ups at all (EAGLE_LITE_ACCELERATE=0 turns them off)."""
+    return os.environ.get("EAGLE_LITE_ACCELERATE", "1") != "0"
+
+
+@dataclass
+class Accelerated:
+    """What a target runs through once accelerated: the fused stack for few-token forwards (None where its layers
+    do not all fuse) and the lm_head's grid codes (None where its weight lies on no grid)."""
+
+    stack: FusedStack | None = None
+    lm_grid: GridWeight | None = None
+    applied: bool = False
+
+
+def accelerate_target(decoder: nn.Module, lm_head: nn.Module) -> Accelerated:
+    """Apply the speed-ups to a target's decoder stack in place; see the module docstring."""
+    if not enabled():
+        return Accelerated(applied=True)
+    pack_linears(decoder)                     # no-op off CPU and for non-fp32 weights
+    fuse_rms_norms(decoder)                   # no-op off CPU, for non-fp32 weights or inexact norms
+    fuse_decoder_layers(getattr(decoder, "layers", []), getattr(decoder, "rotary_emb", None))
+    plain_head = type(lm_head) is nn.Linear and lm_head.weight.device.type == "cpu"
+    return Accelerated(fuse_stack(decoder), grid_of(lm_head.weight) if plain_head else None, applied=True)
+
+
+def accelerate_head(head: nn.Module, layer: nn.Module, rotary: nn.Module | None, round_to_grid: bool = True) -> None:
+    """Apply the speed-ups to a draft head in place. round_to_grid: run its linears from Q8_0 codes rounded from
+    its fp32 weights (a quarter of the bytes; proposals barely move, and acceptance keeps the output exact)."""
+    if not enabled():
+        return
+    pack_linears(head, round_to_grid=round_to_grid)
+    fuse_rms_norms(head)
+    fuse_decoder_layers([layer], rotary)      # one native op where its linears run from codes
+
+
+def draft_vocab_grid(weight) -> GridWeight | None:
+    """Grid codes of a draft head's own slice of the lm_head (None where it lies on no grid, or when off)."""
+    return grid_of(weight) if enabled() else None
+
+
+@contextlib.contextmanager
+def stock(model: nn.Module) -> Iterator[None]:
+    """Run a block on `model`'s own linears, norms and layers (the speed-ups set aside, then put back)."""
+    with unpacked(model), unfused(model), unfused_layers(model):
+        yield

@@ -4,6 +4,7 @@ The dataclass fields are the config keys: Hydra configs and CLI flags map onto t
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -14,10 +15,8 @@ class TreeConfig:
     depth: how many times the frontier is expanded (the longest draftable path).
     top_k: children per frontier node, and the width of the frontier.
     total_tokens: drafted nodes kept after reranking (the root is extra), i.e. the verify budget.
-    lookup: up to this many prompt-lookup tokens (what followed the latest earlier occurrence of the
-      last 2-5 tokens) grafted onto the tree as one more path; 0: off. Free to draft; it adds the nodes
-      the tree does not already hold to the verify. After such a path is accepted whole, the eagle
-      drafter verifies the lookup continuation alone, longer, until it is not (EagleDrafter's copy_mode).
+    lookup: up to this many prompt-lookup tokens grafted onto the tree as one more path; 0: off. Free to
+      draft; it adds the nodes the tree does not already hold to the verify (drafters/lookup_graft.py).
     min_prob: drafted nodes whose path probability under the draft (the product of its top-k
       probabilities from the root) is below this are not verified, and expansion stops once the whole
       frontier is below it; 0: off. Each verified node costs the target compute, so on a CPU a node the
@@ -60,6 +59,17 @@ class TreeConfig:
             return cls(**{k: float(v) if k == "min_prob" else int(v) for k, v in fields.items()})
         except ValueError as err:
             raise ValueError(f"bad tree spec {spec!r}: {err}") from None
+
+
+def resolve_tree(recommended: TreeConfig | None = None, **flags) -> TreeConfig:
+    """The tree a call runs: the library defaults, then the drafter's recommendation for the device (a head's
+    config.json, `checkpoint.recommended_tree`), then the user's flags (TreeConfig field names; None: unset).
+    Every entry point resolves its tree here."""
+    unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(TreeConfig)})
+    if unknown:
+        raise ValueError(f"unknown tree setting(s) {unknown}: a tree has depth, top_k, total_tokens, lookup, min_prob")
+    given = {k: v for k, v in flags.items() if v is not None}
+    return dataclasses.replace(recommended or TreeConfig(), **given)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import json
 import logging
 import sys
 
-from .config import GenerationConfig, SamplingConfig, TreeConfig
+from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
+from .drafters.registry import AUTO, NAMES, options_from_flags
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="auto",
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
     p.add_argument("--method", default="auto",
-                   choices=["auto", "eagle", "lookup", "draft_model", "layer_skip", "medusa", "vanilla"],
+                   choices=[AUTO, *NAMES],
                    help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); draft_model: a "
                         "smaller LM drafts (needs --draft-model); layer_skip: the target's first --exit-layer "
                         "layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
@@ -80,14 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def generation_config(args: argparse.Namespace, tree: TreeConfig = TreeConfig()) -> GenerationConfig:
-    """The flags' config; tree flags left unset take their value from `tree` (the head's recommendation)."""
-    given = {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens,
-             "lookup": args.tree_lookup, "min_prob": args.tree_min_prob}
+def tree_flags(args: argparse.Namespace) -> dict:
+    """The --tree-* flags as TreeConfig fields (None: unset, the drafter's recommendation stands)."""
+    return {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens,
+            "lookup": args.tree_lookup, "min_prob": args.tree_min_prob}
+
+
+def generation_config(args: argparse.Namespace, recommended: TreeConfig | None = None) -> GenerationConfig:
+    """The flags' config; the tree is resolved by `config.resolve_tree` over the drafter's recommendation."""
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
-        tree=TreeConfig(**{k: getattr(tree, k) if v is None else v for k, v in given.items()}),
+        tree=resolve_tree(recommended, **tree_flags(args)),
         seed=args.seed,
     )
 
@@ -179,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import load
 
     try:
-        lm = load(args.target, draft=args.draft, method=args.method, dtype=args.dtype, device=args.device,
-                  draft_model=args.draft_model, exit_layer=args.exit_layer, attention=args.attention,
-                  medusa=args.medusa, medusa_choices=args.medusa_choices)
+        options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
+                                     exit_layer=args.exit_layer, medusa=args.medusa,
+                                     medusa_choices=args.medusa_choices)
+        lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
+                  attention=args.attention)
         cfg = generation_config(args, lm.tree)
         if args.prompt is not None:
             one_shot(lm, args, cfg)

@@ -8,26 +8,18 @@
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from .chat_format import chat_ids
-from .checkpoint import default_head_path, load_head
-from .config import GenerationConfig, TreeConfig
-from .draft import DraftHead
-from .drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter
+from .config import GenerationConfig, TreeConfig, resolve_tree
+from .drafters import registry
+from .drafters.base import Drafter
 from .engine import Engine, GenerationStats
 from .loading import load_target
-from .medusa import MedusaHeads, load_medusa
 from .target import Target
-
-log = logging.getLogger("eagle_lite")
-
-METHODS = ("eagle", "lookup", "draft_model", "layer_skip", "medusa", "vanilla")
 
 
 @dataclass
@@ -38,29 +30,13 @@ class Output:
 
 
 class Pipeline:
-    """A target with one drafting method; `generate`/`stream` take text or chat messages."""
+    """A target with one drafter (`drafters.build`); `generate`/`stream` take text or chat messages."""
 
-    def __init__(self, target: Target, method: str = "vanilla", head: DraftHead | None = None,
-                 draft_target: Target | None = None, exit_layer: int | None = None,
-                 medusa_heads: MedusaHeads | None = None, medusa_choices: list[list[int]] | str | None = None) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
-        if method == "eagle" and head is None:
-            raise ValueError("method 'eagle' needs a draft head")
-        if method == "draft_model" and draft_target is None:
-            raise ValueError(f"method 'draft_model' needs a draft model sharing the tokenizer of target "
-                             f"'{target.name}': pass --draft-model SPEC (a smaller model of the same family)")
-        if method == "medusa" and medusa_heads is None:
-            raise ValueError("method 'medusa' needs Medusa heads: pass --medusa PATH (trained with "
-                             "`python -m trainers.train experiment=medusa`) or --medusa random")
-        self.target, self.method, self.head = target, method, head
-        drafters = {"eagle": lambda: EagleDrafter(target, head), "lookup": PromptLookupDrafter, "vanilla": NoDrafter,
-                    "draft_model": lambda: DraftModelDrafter(target, draft_target),
-                    "layer_skip": lambda: LayerSkipDrafter(target, exit_layer),
-                    "medusa": lambda: MedusaDrafter(target, medusa_heads, medusa_choices)}
-        self.engine = Engine(target, drafters[method]())
-        # the tree the head recommends (tuned for it on a CPU like ours), else the library default
-        self.tree: TreeConfig = head.tree if method == "eagle" and head.tree else TreeConfig()
+    def __init__(self, target: Target, drafter: Drafter, method: str) -> None:
+        self.target, self.method = target, method
+        self.engine = Engine(target, drafter)
+        # the tree the drafter recommends for this device (a head's config.json), else the library default
+        self.tree: TreeConfig = resolve_tree(getattr(drafter, "recommended_tree", None))
 
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
@@ -114,52 +90,26 @@ class Pipeline:
             yield rest
 
 
-def load(target: str | None = None, draft: str | None = "auto", method: str = "auto",
-         dtype: str = "float32", device: str = "cpu", draft_model: str | None = None,
-         exit_layer: int | None = None, attention: str = "auto", medusa: str | None = None,
-         medusa_choices: list[list[int]] | str | None = None) -> Pipeline:
-    """Load a target and a drafting method.
+def load(target: str | None = None, method: str = "auto", options=None, draft: str | None = None,
+         dtype: str = "float32", device: str = "cpu", attention: str = "auto") -> Pipeline:
+    """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
-    draft: "auto" (the head shipped for this target, if any), "random" (an untrained head: slow,
-    still exact, for testing), or a folder written by `save_head`. method: "auto" picks eagle when a
-    head is available, else prompt lookup (training-free and as exact: 1.25x vanilla on the benchmark's
-    prompts, session 9). draft_model: the smaller LM of method "draft_model" (any spec
-    `load_target` takes); exit_layer: the draft depth of method "layer_skip" (default half the layers).
-    medusa: method "medusa"'s heads, a folder written by `save_medusa` or "random" (untrained: exact
-    but slow); medusa_choices: its tree as rank paths or JSON text (default: drafters.medusa.DEFAULT_CHOICES).
+    method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
+    else prompt lookup (training-free, as exact). options: that method's options dataclass
+    (`drafters.EagleOptions`, `LookupOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
+    draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
     """
+    if draft is not None and method in (registry.AUTO, "eagle"):
+        if options is not None:
+            raise ValueError("pass the head either as draft=... or inside options, not both")
+        options = registry.EagleOptions(draft=draft)
+        method = "eagle" if draft != registry.AUTO else method
+    elif draft not in (None, registry.AUTO):
+        raise ValueError(f"draft={draft!r} names an EAGLE head, but method is '{method}'")
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
-    if method == "draft_model" and draft_model is None:  # before the (slow) target load
-        raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
-    if method == "medusa" and medusa is None:
-        raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
-                         "experiment=medusa`) or --medusa random (untrained: exact but slow)")
+    registry.check(method, options)              # before the (slow) target load
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
-    medusa_heads = None
-    if method == "medusa":
-        medusa_heads = MedusaHeads.for_target(tgt) if medusa == "random" else load_medusa(medusa, tgt)
-    draft_tgt = load_target(draft_model, dtype=torch_dtype, device=device) if method == "draft_model" else None
-    head = None
-    if method in ("auto", "eagle"):
-        if draft == "random":
-            head = DraftHead.for_target(tgt)
-        elif draft in (None, "auto"):
-            path = default_head_path(tgt.name)
-            if path is not None:
-                head = load_head(path, tgt)
-            elif method == "eagle":
-                raise FileNotFoundError(
-                    f"no draft head ships for target '{tgt.name}': pass --draft PATH (a trained head), "
-                    f"--draft random (untrained: exact but slow), or --method vanilla"
-                )
-        else:
-            head = load_head(Path(draft), tgt)
-    if method == "auto":
-        method = "eagle" if head is not None else "lookup"
-        if head is None:
-            log.warning("no draft head ships for target '%s': drafting by prompt lookup (training-free); train a "
-                        "head with `python -m trainers.train` and pass it with --draft for EAGLE", tgt.name)
-    return Pipeline(tgt, method, head, draft_target=draft_tgt, exit_layer=exit_layer, medusa_heads=medusa_heads,
-                    medusa_choices=medusa_choices)
+    method, options = registry.resolve(method, tgt, options)
+    return Pipeline(tgt, registry.METHODS[method].build(tgt, options), method)

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from eagle_lite.config import GenerationConfig
-from eagle_lite.drafters import (DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter,
-                                 PromptLookupDrafter)
+from eagle_lite.drafters import registry
 from eagle_lite.engine import Engine
 from eagle_lite.loading import gguf_file
 from eagle_lite.target import Target
@@ -122,38 +121,38 @@ def engine_method(engine: Engine) -> Method:
     return run
 
 
-def build_methods(target: Target, names: list[str], head=None, draft_target: Target | None = None,
-                  exit_layer: int | None = None, medusa_heads=None, medusa_choices=None,
+HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
+
+
+def build_methods(target: Target, names: list[str], options: dict[str, Any] | None = None,
                   gguf: Path | None = None, threads: int | None = None) -> dict[str, Method]:
-    """Method name -> callable. Names: hf_generate, hf_prompt_lookup, vanilla, lookup, eagle, draft_model and
-    hf_assisted (transformers' assisted generation; both need draft_target, a smaller LM with the target's
-    tokenizer), layer_skip (exit_layer: default half the layers),
-    medusa (needs medusa_heads, eagle_lite.medusa.MedusaHeads; medusa_choices: its tree, default DEFAULT_CHOICES),
-    llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads)."""
+    """Method name -> callable. The engine's methods are the drafter registry's (`eagle_lite.drafters.NAMES`), each
+    built with `options[name]` (its options dataclass; None: defaults). Besides them: hf_generate, hf_prompt_lookup
+    and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM), and llama_cpp
+    (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads)."""
+    options = dict(options or {})
+    unknown = [n for n in names if n not in registry.METHODS and n not in HF_METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted([*registry.NAMES, *HF_METHODS])}")
+    if "hf_assisted" in names or "draft_model" in names:
+        # both run the same smaller LM: load it once
+        o = options.get("draft_model") or registry.DraftModelOptions()
+        registry.check("draft_model", o)
+        if o.draft_target is None:
+            from eagle_lite.loading import load_target
+
+            o = replace(o, draft_target=load_target(o.model, dtype=target.dtype, device=str(target.device)))
+        options["draft_model"] = o
+    for name in names:
+        if name in registry.METHODS:
+            registry.check(name, options.get(name))
+    if "llama_cpp" in names and gguf is None:
+        raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
     factories = {
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
-        "hf_assisted": lambda: hf_generate(target, assistant=draft_target),
-        "vanilla": lambda: engine_method(Engine(target, NoDrafter())),
-        "lookup": lambda: engine_method(Engine(target, PromptLookupDrafter())),
-        "eagle": lambda: engine_method(Engine(target, EagleDrafter(target, head))),
-        "draft_model": lambda: engine_method(Engine(target, DraftModelDrafter(target, draft_target))),
-        "layer_skip": lambda: engine_method(Engine(target, LayerSkipDrafter(target, exit_layer))),
-        "medusa": lambda: engine_method(Engine(target, MedusaDrafter(target, medusa_heads, medusa_choices))),
+        "hf_assisted": lambda: hf_generate(target, assistant=options["draft_model"].draft_target),
         "llama_cpp": lambda: llama_cpp(target, gguf, threads),
     }
-    unknown = [n for n in names if n not in factories]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(factories)}")
-    if "eagle" in names and head is None:
-        raise ValueError("method 'eagle' needs a draft head")
-    for name in ("draft_model", "hf_assisted"):
-        if name in names and draft_target is None:
-            raise ValueError(f"method '{name}' needs a draft model: pass draft_target (a smaller LM sharing "
-                             f"the tokenizer of target '{target.name}', loaded with eagle_lite.loading.load_target)")
-    if "medusa" in names and medusa_heads is None:
-        raise ValueError("method 'medusa' needs Medusa heads: pass medusa_heads (eagle_lite.medusa.load_medusa of "
-                         "a folder trained with `python -m trainers.train experiment=medusa`)")
-    if "llama_cpp" in names and gguf is None:
-        raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
-    return {n: factories[n]() for n in names}
+    return {n: factories[n]() if n in factories else
+            engine_method(Engine(target, registry.build(n, target, options.get(n)))) for n in names}

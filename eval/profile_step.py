@@ -15,7 +15,7 @@ import torch
 
 from eagle_lite.chat_format import chat_ids
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.drafters import EagleDrafter, NoDrafter
+from eagle_lite.drafters import registry
 from eagle_lite.engine import Engine
 from eagle_lite.loading import load_target
 
@@ -60,10 +60,11 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     ids = chat_ids(target.tokenizer, [{"role": "user", "content": args.prompt}])
-    rows = [("vanilla", profile(Engine(target, NoDrafter()), ids, GenerationConfig(args.max_new_tokens)))]
+    rows = [("vanilla", profile(Engine(target, registry.build("vanilla", target)), ids, GenerationConfig(args.max_new_tokens)))]
     for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
-        rows.append((tree_label(tree), profile(Engine(target, EagleDrafter(target, head)), ids, cfg)))
+        rows.append((tree_label(tree), profile(Engine(target, registry.build(
+            "eagle", target, registry.EagleOptions(head=head))), ids, cfg)))
     print(f"target {target.name} · {torch.get_num_threads()} threads · {note}\n")
     print("| method | draft ms/step | verify ms/step | accept+commit ms/step | tokens/step | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|")

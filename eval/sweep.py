@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle_lite.checkpoint import default_head_path, load_head
-from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
+from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 from eagle_lite.draft import DraftHead
+from eagle_lite.drafters import registry
 from eagle_lite.loading import load_target
 
 from . import plots, report, runner
@@ -70,18 +70,17 @@ def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> 
 
 
 def head_for(target, draft: str) -> tuple[DraftHead, str]:
-    """The head to evaluate and a note for the report saying which it is."""
-    path = default_head_path(target.name) if draft == "auto" else (None if draft == "random" else Path(draft))
-    if path is None:
+    """The head to evaluate and a note for the report saying which it is (an untrained one where none ships)."""
+    head = None if draft == "random" else registry.load_eagle_head(target, draft)
+    if head is None:
         torch.manual_seed(0)
         return DraftHead.for_target(target), "untrained random head: an exactness check, not a speed figure"
-    return load_head(path, target), f"head {path}"
+    return head, f"head {'shipped for ' + target.name if draft == registry.AUTO else draft}"
 
 
 def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
-    """The head's recommended tree (else the library default) with `overrides` set over it."""
-    base = getattr(head, "tree", None) or TreeConfig()
-    return TreeConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
+    """The head's recommended tree (else the library default) with `overrides` set over it (`resolve_tree`)."""
+    return resolve_tree(getattr(head, "tree", None), **overrides)
 
 
 def evaluate(s: EvalSettings, progress: bool = True):
@@ -95,17 +94,12 @@ def evaluate(s: EvalSettings, progress: bool = True):
     questions = load_questions(s.tasks, s.per_category_limit)
     if not questions:
         raise ValueError("no questions to run: check the task settings")
-    wants_draft = {"draft_model", "hf_assisted"} & set(s.methods)
-    draft_target = (load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device)
-                    if wants_draft and s.draft_model else None)
-    medusa_heads = None
-    if "medusa" in s.methods and s.medusa:
-        from eagle_lite.medusa import MedusaHeads, load_medusa
-
-        medusa_heads = MedusaHeads.for_target(target) if s.medusa == "random" else load_medusa(s.medusa, target)
+    options = {"eagle": registry.EagleOptions(head=head),
+               "draft_model": registry.DraftModelOptions(model=s.draft_model),
+               "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
+               "medusa": registry.MedusaOptions(heads=s.medusa)}
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
-    methods = build_methods(target, s.methods, head, draft_target=draft_target, exit_layer=s.exit_layer,
-                            medusa_heads=medusa_heads, gguf=gguf, threads=s.threads)
+    methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads)
     tree = tree_for(head, s.tree)
     sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree, sampling=sampling, seed=s.seed)

@@ -31,8 +31,7 @@ from typing import Callable
 import torch
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.drafters import (DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter,
-                                 PromptLookupDrafter)
+from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
 from eagle_lite.engine import Engine
 from eagle_lite.target import Target
@@ -60,13 +59,12 @@ def with_tree(method: Method, tree: TreeConfig) -> Method:
 def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_target: Target | None = None,
                      exit_layer: int | None = None) -> list[Candidate]:
     """A fixed K per value (adaptive off), then the drafter's default: adaptive from its default K."""
+    base = {"lookup": registry.LookupOptions(), "draft_model": registry.DraftModelOptions(draft_target=draft_target),
+            "layer_skip": registry.LayerSkipOptions(exit_layer=exit_layer)}[method]
+
     def drafter(k: int | None, adaptive: bool):
         kw = {"adaptive": adaptive} if k is None else {"num_tokens": k, "adaptive": adaptive}
-        if method == "lookup":
-            return PromptLookupDrafter(**kw)
-        if method == "draft_model":
-            return DraftModelDrafter(target, draft_target, **kw)
-        return LayerSkipDrafter(target, exit_layer, **kw)
+        return registry.build(method, target, replace(base, **kw))
 
     out = [Candidate(f"{method} K={k}", {"num_tokens": k, "adaptive": False},
                      lambda k=k: engine_method(Engine(target, drafter(k, False)))) for k in num_tokens]
@@ -98,7 +96,8 @@ def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int],
                 continue  # more nodes than depth x top_k can draft
     out = []
     for tree in trees:
-        make = lambda tree=tree: with_tree(engine_method(Engine(target, EagleDrafter(target, head))), tree)
+        make = lambda tree=tree: with_tree(engine_method(Engine(
+            target, registry.build("eagle", target, registry.EagleOptions(head=head)))), tree)
         out.append(Candidate(tree_label(tree), dataclasses.asdict(tree), make))
     if not out:
         raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
@@ -115,7 +114,8 @@ def medusa_candidates(target: Target, heads, sizes: list[int]) -> list[Candidate
             continue
         seen.add(len(choices))
         out.append(Candidate(f"medusa nodes={len(choices)}", {"nodes": len(choices), "choices": choices},
-                             lambda c=choices: engine_method(Engine(target, MedusaDrafter(target, heads, c)))))
+                             lambda c=choices: engine_method(Engine(
+                                 target, registry.build("medusa", target, registry.MedusaOptions(heads, c))))))
     return out
 
 
@@ -128,7 +128,7 @@ def tune(target: Target, questions: list[Question], candidates: list[Candidate],
     labels = [c.label for c in candidates]
     if BASELINE in labels or len(set(labels)) != len(labels):
         raise ValueError(f"candidate labels must be unique and not '{BASELINE}', got {labels}")
-    methods = {BASELINE: engine_method(Engine(target, NoDrafter()))}
+    methods = {BASELINE: engine_method(Engine(target, registry.build(BASELINE, target)))}
     methods.update({c.label: c.make() for c in candidates})
     records = runner.run(target, questions, methods, GenerationConfig(max_new_tokens=max_new_tokens),
                          baseline=BASELINE, warmup=warmup)

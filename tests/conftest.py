@@ -157,3 +157,10 @@ def tiny_model_dir(tmp_path_factory):
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return path
+
+
+def eagle_drafter(target, head, **options):
+    """Method eagle's drafter for `head`, as the registry builds it (the head plus its prompt-lookup graft)."""
+    from eagle_lite.drafters import EagleOptions, build
+
+    return build("eagle", target, EagleOptions(head=head, **options))

@@ -259,12 +259,12 @@ def test_engine_sampling_with_a_grafted_lookup_path_matches_target(llama):
     """EAGLE's tree plus a prompt-lookup path (TreeConfig.lookup): the sampled tokens keep the target's law."""
     from eagle_lite.config import TreeConfig
     from eagle_lite.draft import DraftHead
-    from eagle_lite.drafters import EagleDrafter
+    from conftest import eagle_drafter
 
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes
     torch.manual_seed(0)
-    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda inp, tree: sizes.append(len(t := propose(inp, tree))) or t

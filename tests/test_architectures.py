@@ -12,7 +12,7 @@ from conftest import VOCAB, reference_greedy, tiny_tokenizer
 from eagle_lite.checkpoint import load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
-from eagle_lite.drafters import EagleDrafter
+from conftest import eagle_drafter
 from eagle_lite.drafters.base import NoDrafter
 from eagle_lite.drafters.layer_skip import LayerSkipDrafter
 from eagle_lite.engine import Engine
@@ -63,7 +63,7 @@ def assert_eagle_and_vanilla_reproduce_greedy(target: Target) -> None:
     expected = reference_greedy(target, prompt, 24)
     cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
     head = DraftHead.for_target(target)
-    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == expected
+    assert Engine(target, eagle_drafter(target, head)).generate(prompt, cfg).token_ids == expected
     assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == expected
 
 
@@ -139,7 +139,7 @@ def test_a_saved_gemma2_folder_loads_and_decodes_exactly(tmp_path):
     prompt = list(range(3, 20))
     cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False, tree=TreeConfig(depth=2, top_k=2, total_tokens=3))
     head = DraftHead.for_target(target)
-    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == \
+    assert Engine(target, eagle_drafter(target, head)).generate(prompt, cfg).token_ids == \
         reference_greedy(built, prompt, 16)
 
 

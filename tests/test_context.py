@@ -5,7 +5,7 @@ import pytest
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
-from eagle_lite.drafters import EagleDrafter
+from conftest import eagle_drafter
 from eagle_lite.engine import Engine
 from eagle_lite.kv_cache import ContextOverflowError
 
@@ -24,7 +24,7 @@ def test_prompt_longer_than_context_is_refused():
 def test_generation_stops_exactly_at_the_context_window():
     target = make_target("llama", max_pos=64)
     prompt = list(range(1, 51))
-    engine = Engine(target, EagleDrafter(target, DraftHead.for_target(target)))
+    engine = Engine(target, eagle_drafter(target, DraftHead.for_target(target)))
     cfg = GenerationConfig(max_new_tokens=100, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=3, total_tokens=9))
     result = engine.generate(prompt, cfg)
     assert len(result.token_ids) == 14 and result.stats.stop_reason == "context"

@@ -266,9 +266,12 @@ def test_cli_layer_skip_and_draft_model_equal_vanilla(tiny_model_dir, capsys):
 def test_eval_methods_register_both(llama):
     from eval.methods import build_methods
 
-    with pytest.raises(ValueError, match="'draft_model' needs a draft model"):
+    from eagle_lite.drafters import DraftModelOptions
+
+    with pytest.raises(ValueError, match="'draft_model' needs --draft-model"):
         build_methods(llama, ["draft_model"])
-    methods = build_methods(llama, ["vanilla", "draft_model", "layer_skip"], draft_target=llama)
+    methods = build_methods(llama, ["vanilla", "draft_model", "layer_skip"],
+                            {"draft_model": DraftModelOptions(draft_target=llama)})
     cfg = greedy(10)
     runs = {name: run([5, 6, 7], cfg) for name, run in methods.items()}
     assert runs["draft_model"].token_ids == runs["layer_skip"].token_ids == runs["vanilla"].token_ids

@@ -6,11 +6,11 @@ import torch
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
-from eagle_lite.drafters import DraftInput, EagleDrafter, NoDrafter
+from eagle_lite.drafters import DraftInput, NoDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
 
-from conftest import VOCAB, reference_greedy
+from conftest import VOCAB, eagle_drafter, reference_greedy
 
 TREES = {
     "chain": TreeConfig(depth=4, top_k=1, total_tokens=4),
@@ -59,7 +59,7 @@ class OracleDrafter:
 
 def eagle_engine(target, seed: int = 0) -> Engine:
     torch.manual_seed(seed)
-    return Engine(target, EagleDrafter(target, DraftHead.for_target(target)))
+    return Engine(target, eagle_drafter(target, DraftHead.for_target(target)))
 
 
 @pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
@@ -87,7 +87,7 @@ def test_reduced_draft_vocabulary_stays_exact(llama):
     ref = reference_greedy(llama, prompt, 30)
     torch.manual_seed(1)
     d2t = torch.randperm(VOCAB)[:24]          # a draft that can only propose 24 of the 96 tokens
-    engine = Engine(llama, EagleDrafter(llama, DraftHead.for_target(llama, d2t=d2t)))
+    engine = Engine(llama, eagle_drafter(llama, DraftHead.for_target(llama, d2t=d2t)))
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False,
                                                       tree=TreeConfig(depth=3, top_k=4, total_tokens=10)))
     assert result.token_ids == ref
@@ -180,7 +180,7 @@ def test_lookup_graft_adds_the_prompt_continuation_as_a_path(llama):
     """tokens end in the 2-gram (5, 6), which occurred before followed by 7 8 9: the tree holds that path."""
     from eagle_lite.tree import graft_chain
 
-    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
     drafter.reset(64)
     tokens = [5, 6, 7, 8, 9, 3, 5, 6]
     inp = DraftInput(tokens, torch.randn(len(tokens) - 1, llama.hidden_size))
@@ -213,7 +213,7 @@ def test_copy_mode_verifies_lookup_chains_alone_and_stays_exact(llama, seed):
     assert engine.generate(prompt, cfg).token_ids == ref
     assert engine.drafter.copy_steps > 0 and max(sizes) <= engine.drafter.max_tree_nodes(tree)
     torch.manual_seed(0)
-    plain = Engine(llama, EagleDrafter(llama, DraftHead.for_target(llama), copy_mode=False))
+    plain = Engine(llama, eagle_drafter(llama, DraftHead.for_target(llama), copy_mode=False))
     assert plain.generate(prompt, cfg).token_ids == ref and plain.drafter.copy_steps == 0
 
 
@@ -221,10 +221,10 @@ def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
     """A passage of the prompt being copied: the lookup chain grafted on the first tree is accepted whole, so
     the next trees are lookup chains alone, 6 then 12 tokens (total_tokens + lookup, then doubled); when the
     answer leaves the passage the head drafts again, first reading the features of every token it skipped."""
-    from eagle_lite.drafters.eagle import COPY_MAX
+    from eagle_lite.drafters.lookup_graft import COPY_MAX
 
     torch.manual_seed(0)
-    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
     drafter.reset(128)
     passage = list(range(10, 40))                       # 30 distinct tokens
     tree_cfg = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
@@ -250,11 +250,11 @@ def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
 def test_copy_chains_stop_shorter_after_a_long_context(llama, monkeypatch):
     """Past LONG_CONTEXT tokens every verified row attends over the whole context: chains double only to
     COPY_MAX_LONG, and the output stays the target's."""
-    from eagle_lite.drafters import eagle
+    from eagle_lite.drafters import lookup_graft as eagle
 
     monkeypatch.setattr(eagle, "LONG_CONTEXT", 20)      # the tiny passage below counts as a long context
     torch.manual_seed(0)
-    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
     drafter.reset(128)
     passage = list(range(10, 40))
     tree_cfg = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
@@ -269,7 +269,7 @@ def test_copy_chains_stop_shorter_after_a_long_context(llama, monkeypatch):
     assert sizes == [6, eagle.COPY_MAX_LONG, eagle.COPY_MAX_LONG]
     prompt = passage + [90] + passage[:4]
     cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=tree_cfg)
-    assert Engine(llama, EagleDrafter(llama, DraftHead.for_target(llama))).generate(prompt, cfg).token_ids == \
+    assert Engine(llama, eagle_drafter(llama, DraftHead.for_target(llama))).generate(prompt, cfg).token_ids == \
         reference_greedy(llama, prompt, 40)
 
 
@@ -277,7 +277,7 @@ def test_min_prob_verifies_only_nodes_the_draft_finds_likely(llama):
     """The tree keeps the nodes whose draft path probability reaches min_prob: all of them for a tiny
     threshold, the root alone for one no path reaches, a subtree of the unpruned tree in between."""
     torch.manual_seed(0)
-    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
     tokens = [5, 6, 7, 8, 9, 3, 5, 6]
     sizes = {}
     for min_prob in (0.0, 1e-12, 0.005, 0.999):

@@ -12,6 +12,7 @@ import torch
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
+from eagle_lite.drafters import EagleOptions
 from eagle_lite.loading import load_target
 from eval import report, runner
 from eval.methods import build_methods
@@ -32,7 +33,7 @@ def test_runner_compares_every_method_to_the_baseline(chat_target, tmp_path):
     ]))
     questions = load_question_file(qfile)
     torch.manual_seed(0)
-    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], DraftHead.for_target(chat_target))
+    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], {"eagle": EagleOptions(head=DraftHead.for_target(chat_target))})
     cfg = GenerationConfig(max_new_tokens=10, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
     records = runner.run(chat_target, questions, methods, cfg, baseline="hf_generate", warmup=False)
     assert len(records) == 3 * 3                      # 3 turns (2 + 1) x 3 methods
@@ -66,7 +67,7 @@ def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_prompts(ti
     target = load_target(str(base_model_dir(tiny_model_dir, tmp_path)))
     assert not getattr(target.tokenizer, "chat_template", None)
     questions = load_question_file(two_question_file(tmp_path))
-    methods = build_methods(target, ["hf_generate", "vanilla", "eagle"], DraftHead.for_target(target))
+    methods = build_methods(target, ["hf_generate", "vanilla", "eagle"], {"eagle": EagleOptions(head=DraftHead.for_target(target))})
     cfg = GenerationConfig(max_new_tokens=8, tree=TreeConfig(depth=2, top_k=2, total_tokens=3))
     records = runner.run(target, questions, methods, cfg, baseline="hf_generate")
     assert records and all(r.identical_to_baseline for r in records)
@@ -106,7 +107,7 @@ def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(ch
     from eagle_lite.config import SamplingConfig
 
     torch.manual_seed(0)
-    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], DraftHead.for_target(chat_target))
+    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], {"eagle": EagleOptions(head=DraftHead.for_target(chat_target))})
     cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=1.0), seed=5,
                            tree=TreeConfig(depth=2, top_k=2, total_tokens=2))
     prompt = [3, 4, 5, 6]
@@ -130,7 +131,7 @@ def test_first_difference():
 def test_unknown_method_is_refused(chat_target):
     with pytest.raises(ValueError, match="unknown method"):
         build_methods(chat_target, ["no_such_method"])
-    with pytest.raises(ValueError, match="method 'hf_assisted' needs a draft model"):
+    with pytest.raises(ValueError, match="needs --draft-model"):
         build_methods(chat_target, ["hf_assisted"])
 
 

@@ -9,7 +9,7 @@ import torch
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead, auto_feature_layers
-from eagle_lite.drafters import EagleDrafter
+from conftest import eagle_drafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
 
@@ -47,7 +47,7 @@ def test_eagle3_head_decodes_exactly_the_targets_greedy_output(deep, tree):
     torch.manual_seed(0)
     head = DraftHead.for_target(deep, feature_layers=auto_feature_layers(4))
     assert head.feature_layers == (0, 1, 2) and head.fuse.in_features == 3 * deep.hidden_size
-    engine = Engine(deep, EagleDrafter(deep, head))
+    engine = Engine(deep, eagle_drafter(deep, head))
     prompt = torch.randint(VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=tree, stop_at_eos=False))
     assert result.token_ids == reference_greedy(deep, prompt, 40)
@@ -56,7 +56,7 @@ def test_eagle3_head_decodes_exactly_the_targets_greedy_output(deep, tree):
 def test_the_head_reads_its_own_taps_not_the_last_hidden_state(deep):
     """The features reaching the drafter are the taps: a drafter that records them sees len(taps) * H columns."""
     torch.manual_seed(0)
-    drafter = EagleDrafter(deep, DraftHead.for_target(deep, feature_layers=(0, 2)))
+    drafter = eagle_drafter(deep, DraftHead.for_target(deep, feature_layers=(0, 2)))
     seen = []
     propose = drafter.propose
     drafter.propose = lambda inp, tree: (seen.append(inp.hidden.shape), propose(inp, tree))[1]

@@ -159,11 +159,11 @@ def test_rounding_a_weight_onto_a_q8_0_grid_stays_within_its_step():
 @pytest.mark.parametrize("round_head", [True, False])
 def test_the_draft_head_may_run_from_rounded_codes_and_stays_exact(round_head):
     from eagle_lite.draft import DraftHead
-    from eagle_lite.drafters import EagleDrafter
+    from conftest import eagle_drafter
 
     target = make_target("llama")
     torch.manual_seed(0)
-    drafter = EagleDrafter(target, DraftHead.for_target(target), round_head=round_head)
+    drafter = eagle_drafter(target, DraftHead.for_target(target), round_head=round_head)
     products = [m.cpu_product if hasattr(m, "cpu_product") else m.sibling_product.product
                 for m in drafter.head.modules() if isinstance(m, nn.Linear)]
     assert all(isinstance(p, cpu_linear._GridProduct) == round_head for p in products) and products

@@ -250,16 +250,19 @@ def test_pipeline_and_eval_methods_know_medusa(tiny_model_dir):
     from eagle_lite.pipeline import load
     from eval.methods import build_methods
 
-    lm = load(str(tiny_model_dir), method="medusa", medusa="random", medusa_choices="[[0], [1], [0, 0]]")
+    from eagle_lite.drafters import MedusaOptions
+
+    lm = load(str(tiny_model_dir), method="medusa", options=MedusaOptions(heads="random", choices="[[0], [1], [0, 0]]"))
     vanilla = load(str(tiny_model_dir), method="vanilla")
     cfg = GenerationConfig(max_new_tokens=12)
     assert lm.generate("hello", cfg).token_ids == vanilla.generate("hello", cfg).token_ids
     assert lm.engine.drafter.choices == [[0], [1], [0, 0]]
     with pytest.raises(ValueError, match="needs --medusa PATH"):
         load(str(tiny_model_dir), method="medusa")
-    with pytest.raises(ValueError, match="needs Medusa heads"):
+    with pytest.raises(ValueError, match="needs --medusa PATH"):
         build_methods(lm.target, ["medusa"])
-    assert set(build_methods(lm.target, ["medusa"], medusa_heads=MedusaHeads.for_target(lm.target))) == {"medusa"}
+    heads = MedusaOptions(heads=MedusaHeads.for_target(lm.target))
+    assert set(build_methods(lm.target, ["medusa"], {"medusa": heads})) == {"medusa"}
 
 
 def test_best_setting_must_reproduce_vanilla():

@@ -6,8 +6,10 @@ import torch
 
 from eagle_lite.config import GenerationConfig
 from eagle_lite.draft import DraftHead
-from eagle_lite.drafters import EagleDrafter, NoDrafter
+from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
+
+from conftest import eagle_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,7 @@ def test_eagle_random_head_equals_vanilla_equals_transformers(smollm2):
     cfg = GenerationConfig(max_new_tokens=48)
     assert Engine(smollm2, NoDrafter()).generate(ids, cfg).token_ids == ref
     torch.manual_seed(0)
-    eagle = Engine(smollm2, EagleDrafter(smollm2, DraftHead.for_target(smollm2)))
+    eagle = Engine(smollm2, eagle_drafter(smollm2, DraftHead.for_target(smollm2)))
     assert eagle.generate(ids, cfg).token_ids == ref
 
 
@@ -49,7 +51,7 @@ def test_shipped_head_is_the_default_and_exact(smollm2):
     with smollm2.stock():
         ref = smollm2.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
     ref = ref[0, len(ids):].tolist()
-    out = Engine(smollm2, EagleDrafter(smollm2, head)).generate(ids, GenerationConfig(max_new_tokens=64, tree=head.tree))
+    out = Engine(smollm2, eagle_drafter(smollm2, head)).generate(ids, GenerationConfig(max_new_tokens=64, tree=head.tree))
     assert out.token_ids == ref
     assert out.stats.accept_length_mean > 1.5
 

@@ -228,7 +228,7 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     loads with its layers and decodes the target's own greedy output; a plain head trains on the same cache, a head
     reading other layers is refused."""
     from eagle_lite.config import GenerationConfig, TreeConfig
-    from eagle_lite.drafters import EagleDrafter
+    from conftest import eagle_drafter
     from eagle_lite.engine import Engine
     from trainers.features import FeatureCacheMismatch
     from trainers.train import train
@@ -247,7 +247,7 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     ids = torch.tensor([prompt])
     ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    out = Engine(target, EagleDrafter(target, head)).generate(
+    out = Engine(target, eagle_drafter(target, head)).generate(
         prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6)))
     assert out.token_ids == ref
     plain = train(tiny_train_config(tmp_path, "debug=fdr", "name=plain", *deep))  # a plain head reads the same cache

@@ -107,24 +107,17 @@ def _engine_for(target: Target):
     applied to it (the features stage and batched generate() run it as built, inside `Target.stock`), and the
     head shipped for it."""
     if target not in _ENGINES:
-        from eagle_lite.checkpoint import default_head_path, load_head
-        from eagle_lite.config import TreeConfig
-        from eagle_lite.drafters import EagleDrafter, PromptLookupDrafter
+        from eagle_lite.config import resolve_tree
+        from eagle_lite.drafters import registry
         from eagle_lite.engine import Engine
 
         target.speed_up()
-        fast = target
-        path, drafter, tree = default_head_path(target.name), None, TreeConfig()
-        if path is not None:
-            try:
-                head = load_head(path, fast)
-            except (ValueError, FileNotFoundError) as err:
-                log.warning("distill: the head shipped for '%s' does not load (%s); drafting by prompt lookup",
-                            target.name, err)
-            else:
-                drafter, tree = EagleDrafter(fast, head), head.tree or tree
-        if drafter is None:
-            drafter = PromptLookupDrafter()
+        try:
+            drafter = registry.build(registry.AUTO, target)     # the shipped head, else prompt lookup
+        except (ValueError, FileNotFoundError) as err:
+            log.warning("distill: the head shipped for '%s' does not load (%s); drafting by prompt lookup",
+                        target.name, err)
+            drafter = registry.build("lookup", target)
         log.info("distill: answering with eagle_lite's engine (%s drafter)", drafter.name)
-        _ENGINES[target] = (Engine(fast, drafter), tree)
+        _ENGINES[target] = (Engine(target, drafter), resolve_tree(getattr(drafter, "recommended_tree", None)))
     return _ENGINES[target]

@@ -1,6 +1,6 @@
 """EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it
-(optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`), and grafts on a
-prompt-lookup path (`TreeConfig.lookup`); while the answer copies its context, lookup chains alone."""
+(optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`). A prompt-lookup path is
+grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle."""
 from __future__ import annotations
 
 import math
@@ -13,35 +13,17 @@ from ..kernels import accelerate_head
 from ..kernels.accelerate import draft_vocab_grid
 from ..kernels.cpu_linear import few_rows_product
 from ..kv_cache import StaticKVCache
-from ..tree import DraftTree, graft_chain, rerank
+from ..tree import DraftTree, rerank
 from .base import DraftInput
-from .prompt_lookup import PromptLookupDrafter
-
-
-COPY_MAX = 16   # the longest lookup chain verified alone while the answer copies its context
-# Past LONG_CONTEXT tokens each verified row also attends over the whole context (~2 ms a row at 2,400 tokens
-# on the 2-core CPU against ~1.2 at 300), so shorter chains pay: a 2,414-token prompt decoded at 95.5 tokens/s
-# with chains of at most 8 against 87.2 with 16 (two runs each, 200 tokens); under 1,024 tokens 16 stays ahead
-# on copying answers (190 against 188 tokens/s) and level on the benchmark's prompts (session 10).
-LONG_CONTEXT, COPY_MAX_LONG = 1024, 8
-
-
-def copy_cap(context: int) -> int:
-    """The longest copy chain worth verifying after `context` tokens."""
-    return COPY_MAX if context <= LONG_CONTEXT else COPY_MAX_LONG
 
 
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, target, head: DraftHead, round_head: bool = True, copy_mode: bool = True) -> None:
+    def __init__(self, target, head: DraftHead, round_head: bool = True) -> None:
         """round_head: on CPU, run the head's linears from Q8_0 codes rounded from its fp32 weights (a
         quarter of the bytes; proposals barely move and acceptance keeps the output exact); else oneDNN's
-        packed fp32 product. No-op elsewhere.
-        copy_mode: once the target accepted a whole prompt-lookup chain (TreeConfig.lookup), the next tree is
-        the lookup chain alone, longer (doubling to `copy_cap` while accepted whole), without running the head:
-        an answer that copies its context costs no draft time. The head reads the features it missed when
-        it drafts again."""
+        packed fp32 product. No-op elsewhere."""
         self.target = target
         self.head = head.eval()
         self.feature_layers = head.feature_layers   # the target's layers the head reads (EAGLE-3), else ()
@@ -51,13 +33,8 @@ class EagleDrafter:
         # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own
         self.lm_grid = target.lm_grid if head.d2t is None else draft_vocab_grid(self.lm_weight)
         self.cache: StaticKVCache | None = None
-        # TreeConfig.lookup's chain: the longest earlier match of the last 2-5 tokens (5 rather than 3: +7% tokens/s on
-        # the benchmark's prompts, interleaved A/B, session 8)
-        self.lookup = PromptLookupDrafter(max_ngram=5, min_ngram=2, adaptive=False)
-        self.copy_mode = copy_mode
+        self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
         self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
-        self._graft: tuple[int, list[int]] = (0, [])   # (sequence length, lookup chain) of the last proposal
-        self.copy_steps = 0                        # proposals that were the lookup chain alone
 
     def reset(self, max_len: int, keep: int = 0, tree_slots: int = 256) -> int:
         need = max_len + tree_slots
@@ -70,12 +47,15 @@ class EagleDrafter:
             self.cache = self.cache.grown(need)
         # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged
         self.cache.truncate(min(keep, self.cache.length))
-        self._queued, self._graft = [], (0, [])
+        self._queued = []
         return self.cache.length
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
-        copy = COPY_MAX if self.copy_mode and tree.lookup else 0
-        return 1 + max(tree.total_tokens + tree.lookup, copy)
+        return 1 + tree.total_tokens
+
+    def sit_out(self, inp: DraftInput) -> None:
+        """Another drafter proposed this step (a lookup chain): keep its features for the next `propose`."""
+        self._queued.append(inp.hidden)
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
@@ -83,22 +63,7 @@ class EagleDrafter:
         scores, ids = logp.topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
 
-    def _copying(self, tokens: list[int]) -> bool:
-        """Whether the last proposal's lookup chain was accepted whole: the answer copies its context."""
-        start, chain = self._graft
-        return len(chain) >= 2 and tokens[start:start + len(chain)] == chain
-
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
-        if self.copy_mode and tree.lookup and self._copying(inp.tokens):
-            # each whole acceptance of a chain verified alone doubles the next one, up to copy_cap
-            grow = 2 * len(self._graft[1]) if len(self._graft[1]) > tree.lookup else 0
-            cap = copy_cap(len(inp.tokens))
-            chain = self.lookup.lookup(inp.tokens, min(cap, max(tree.total_tokens + tree.lookup, grow)))
-            if chain:
-                self._queued.append(inp.hidden)
-                self._graft = (len(inp.tokens), chain)
-                self.copy_steps += 1
-                return DraftTree.chain(torch.tensor([inp.root] + chain, device=inp.hidden.device))
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
             self._queued = []
@@ -150,9 +115,4 @@ class EagleDrafter:
         budget = tree.total_tokens if tree.min_prob <= 0 else min(tree.total_tokens, int((scores >= floor).sum()))
         kept, parents = rerank(scores, torch.cat(cand_parents), budget)
         root = torch.tensor([inp.root], device=dev)
-        drafted = DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)
-        if tree.lookup:
-            chain = self.lookup.lookup(inp.tokens, tree.lookup)
-            self._graft = (len(inp.tokens), chain)
-            drafted = graft_chain(drafted, chain)
-        return drafted
+        return DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)

@@ -1,0 +1,219 @@
+"""One table from method names to drafters: every entry point (CLI, `eagle_lite.load`, eval, trainers) builds its
+drafter here, and "auto" is resolved here alone.
+
+    drafter = build("eagle", target, EagleOptions(draft="auto"))
+    drafter = build("lookup", target)                 # default options
+
+A new method is one module in drafters/ plus one `Method` line in `METHODS`. Each method takes its own options
+dataclass; `check` validates what can be checked before the (slow) target load.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .base import Drafter, NoDrafter
+
+log = logging.getLogger("eagle_lite")
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """draft: "auto" (the head shipped for the target), "random" (untrained: exact but slow, for tests), or a head
+    folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft."""
+
+    draft: str | None = "auto"
+    head: Any = None
+    round_head: bool = True
+    copy_mode: bool = True
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """max_ngram..min_ngram: context suffixes matched, longest first; num_tokens: chain length to start with."""
+
+    max_ngram: int = 5
+    min_ngram: int = 1
+    num_tokens: int = 10
+    adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class DraftModelOptions:
+    """model: a smaller LM sharing the target's tokenizer (any spec `load_target` takes), or `draft_target`
+    already loaded. num_tokens: chain length to start with (adaptive: grows and shrinks with acceptance)."""
+
+    model: str | None = None
+    draft_target: Any = None
+    num_tokens: int = 4
+    adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions:
+    """exit_layer: the target's first N decoder layers draft (None: half of them)."""
+
+    exit_layer: int | None = None
+    num_tokens: int = 4
+    adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """heads: a folder written by `save_medusa`, "random" (untrained: exact but slow), or loaded MedusaHeads.
+    choices: the tree as rank paths, JSON text or a .json file (None: drafters.medusa.DEFAULT_CHOICES)."""
+
+    heads: Any = None
+    choices: Any = None
+
+
+@dataclass(frozen=True)
+class VanillaOptions:
+    """Plain decoding: nothing to set."""
+
+
+def _eagle(target, o: EagleOptions) -> Drafter:
+    from .eagle import EagleDrafter
+    from .lookup_graft import LookupGraft
+
+    head = o.head if o.head is not None else load_eagle_head(target, o.draft)
+    if head is None:
+        raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
+                                f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
+    return LookupGraft(EagleDrafter(target, head, round_head=o.round_head), copy_mode=o.copy_mode)
+
+
+def _lookup(target, o: LookupOptions) -> Drafter:
+    from .prompt_lookup import PromptLookupDrafter
+
+    return PromptLookupDrafter(o.max_ngram, o.min_ngram, o.num_tokens, o.adaptive)
+
+
+def _draft_model(target, o: DraftModelOptions) -> Drafter:
+    from .draft_model import DraftModelDrafter
+
+    draft = o.draft_target
+    if draft is None:
+        from ..loading import load_target
+
+        draft = load_target(o.model, dtype=target.dtype, device=str(target.device))
+    return DraftModelDrafter(target, draft, o.num_tokens, o.adaptive)
+
+
+def _layer_skip(target, o: LayerSkipOptions) -> Drafter:
+    from .layer_skip import LayerSkipDrafter
+
+    return LayerSkipDrafter(target, o.exit_layer, o.num_tokens, o.adaptive)
+
+
+def _medusa(target, o: MedusaOptions) -> Drafter:
+    from ..medusa import MedusaHeads, load_medusa
+    from .medusa import MedusaDrafter
+
+    heads = o.heads
+    if isinstance(heads, (str, Path)):
+        heads = MedusaHeads.for_target(target) if heads == "random" else load_medusa(heads, target)
+    return MedusaDrafter(target, heads, o.choices)
+
+
+def _check_draft_model(o: DraftModelOptions) -> None:
+    if o.model is None and o.draft_target is None:
+        raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
+
+
+def _check_medusa(o: MedusaOptions) -> None:
+    if o.heads is None:
+        raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
+                         "experiment=medusa`) or --medusa random (untrained: exact but slow)")
+
+
+@dataclass(frozen=True)
+class Method:
+    options: type
+    build: Callable[[Any, Any], Drafter]
+    summary: str
+    check: Callable[[Any], None] = lambda options: None
+
+
+METHODS: dict[str, Method] = {
+    "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)"),
+    "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
+    "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain", _check_draft_model),
+    "layer_skip": Method(LayerSkipOptions, _layer_skip, "the target's first layers draft (no extra weights)"),
+    "medusa": Method(MedusaOptions, _medusa, "Medusa heads' static tree", _check_medusa),
+    "vanilla": Method(VanillaOptions, lambda target, o: NoDrafter(), "one target forward per token"),
+}
+NAMES = tuple(METHODS)
+AUTO = "auto"   # eagle where a head is given or ships for the target, else lookup
+
+
+def options_from_flags(name: str, draft: str | None = "auto", draft_model: str | None = None,
+                       exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None) -> Any:
+    """The options of method `name` from the command-line flags every entry point shares (each flag belongs to
+    one method; the others are ignored)."""
+    if name in (AUTO, "eagle"):
+        return EagleOptions(draft=draft)
+    _method(name)
+    return {"lookup": LookupOptions, "vanilla": VanillaOptions,
+            "draft_model": lambda: DraftModelOptions(model=draft_model),
+            "layer_skip": lambda: LayerSkipOptions(exit_layer=exit_layer),
+            "medusa": lambda: MedusaOptions(heads=medusa, choices=medusa_choices)}[name]()
+
+
+def options_for(name: str, options: Any = None) -> Any:
+    """`options` checked against method `name` (None: that method's defaults)."""
+    method = _method(name)
+    if options is None:
+        return method.options()
+    if not isinstance(options, method.options):
+        raise TypeError(f"method '{name}' takes {method.options.__name__}, got {type(options).__name__}")
+    return options
+
+
+def check(name: str, options: Any = None) -> None:
+    """Refuse a method or options that cannot work, before any model is loaded."""
+    if name == AUTO:
+        return
+    method = _method(name)
+    method.check(options_for(name, options))
+
+
+def resolve(name: str, target, options: Any = None) -> tuple[str, Any]:
+    """(method, options) with "auto" made concrete: eagle with the head given or shipped for `target`, else lookup."""
+    if name != AUTO:
+        return name, options_for(name, options)
+    eagle = options if isinstance(options, EagleOptions) else EagleOptions()
+    head = eagle.head if eagle.head is not None else load_eagle_head(target, eagle.draft)
+    if head is not None:
+        return "eagle", EagleOptions(eagle.draft, head, eagle.round_head, eagle.copy_mode)
+    log.warning("no draft head ships for target '%s': drafting by prompt lookup (training-free); train a head "
+                "with `python -m trainers.train` and pass it with --draft for EAGLE", target.name)
+    return "lookup", LookupOptions()
+
+
+def build(name: str, target, options: Any = None) -> Drafter:
+    """The drafter of method `name` for `target` ("auto" resolved by `resolve`)."""
+    name, options = resolve(name, target, options)
+    return METHODS[name].build(target, options)
+
+
+def load_eagle_head(target, draft: str | Path | None):
+    """The EAGLE head `draft` names for `target`: "auto"/None -> the shipped one (None if none ships), "random" ->
+    an untrained head, else a head folder."""
+    from ..checkpoint import default_head_path, load_head
+    from ..draft import DraftHead
+
+    if draft == "random":
+        return DraftHead.for_target(target)
+    if draft in (None, AUTO):
+        path = default_head_path(target.name)
+        return load_head(path, target) if path is not None else None
+    return load_head(Path(draft), target)
+
+
+def _method(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method '{name}': choose one of {', '.join((AUTO, *NAMES))}")
+    return METHODS[name]

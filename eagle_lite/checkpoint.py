@@ -146,15 +146,16 @@ def _tree_key(device: str) -> str:
     return "tree" if device == "cpu" else f"tree_{device}"
 
 
-def recommend_tree(path: str | Path, tree: TreeConfig, measured: str = "", device: str = "cpu") -> Path:
-    """Record `tree` as the head's recommended tree on `device` in its config.json (atomically), with how it was
-    measured."""
+def recommend_tree(path: str | Path, tree: TreeConfig, command: str = "", device: str = "cpu") -> Path:
+    """Record `tree` as the head's recommended tree on `device` in its config.json (atomically), with the command
+    that measured it (`<key>_command`; the figures themselves belong in docs/benchmarks.md)."""
     path = Path(path)
     config = read_head_config(path)
     key = _tree_key(device)
     config[key] = dataclasses.asdict(tree)
-    if measured:
-        config[f"{key}_measured"] = measured
+    config.pop(f"{key}_measured", None)
+    if command:
+        config[f"{key}_command"] = command
     write_json_atomic(path / "config.json", config)
     return path
 

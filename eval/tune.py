@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import shlex
 import sys
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -327,10 +328,9 @@ def main(argv=None) -> int:
         from eagle_lite.checkpoint import default_head_path, recommend_tree
 
         folder = default_head_path(target.name) if args.draft == "auto" else args.draft
-        measured = (f"eval.tune {task_label}, {len(questions)} questions, max_new_tokens {args.max_new_tokens}, "
-                    f"{torch.get_num_threads()} threads: {top['tokens_per_s']:.1f} tokens/s{speedup}")
+        command = "python -m eval.tune " + shlex.join(sys.argv[1:] if argv is None else argv)
         device = target.device.type
-        recommend_tree(folder, TreeConfig(**top["setting"]), measured, device)
+        recommend_tree(folder, TreeConfig(**top["setting"]), command, device)
         print(f"saved as the recommended tree of {folder} on {device}")
     return 0
 

@@ -82,11 +82,11 @@ def test_each_device_gets_its_own_recommended_tree(llama, tmp_path):
                      extra={"tree": {"depth": 2, "top_k": 2, "total_tokens": 2, "lookup": 4}})
     config = read_head_config(path)
     assert recommended_tree(config, path, "cuda") == TreeConfig(2, 2, 2, 4)   # no GPU tree yet: the CPU's
-    recommend_tree(path, TreeConfig(6, 10, 60, 8), "measured on a GPU", device="cuda")
+    recommend_tree(path, TreeConfig(6, 10, 60, 8), "python -m eval.tune --save-tree", device="cuda")
     config = read_head_config(path)
     assert recommended_tree(config, path, "cuda") == TreeConfig(6, 10, 60, 8)
     assert recommended_tree(config, path, "cpu") == TreeConfig(2, 2, 2, 4)    # the CPU's tree is untouched
-    assert config["tree_cuda_measured"] == "measured on a GPU" and "tree_measured" not in config
+    assert config["tree_cuda_command"] == "python -m eval.tune --save-tree" and "tree_command" not in config
     assert load_head(path, llama).tree == TreeConfig(2, 2, 2, 4)              # a CPU target reads "tree"
 
 

@@ -319,7 +319,7 @@ def test_tune_saves_the_best_tree_in_the_head_folder(tiny_model_dir, tmp_path, c
     best = next(line for line in out.splitlines() if line.startswith("best: "))
     tree = load_head(head_dir, target).tree
     assert best.startswith(f"best: eagle d=2 k=2 n={tree.total_tokens} at") and tree.depth == 2
-    assert "eval.tune" in read_head_config(head_dir)["tree_measured"]
+    assert read_head_config(head_dir)["tree_command"].startswith("python -m eval.tune --method eagle")
 
 
 def test_skip_per_category_keeps_later_questions_in_order():

@@ -3,9 +3,8 @@
   "engine"   - one prompt at a time through `eagle_lite.engine.Engine` with the head shipped for the target
                (prompt lookup where none ships). Speculative decoding is lossless, so each answer is the
                target's own greedy answer (or a draw from its own distribution when sampling), and on a CPU
-               it is the faster way: SmolLM2 on 2 cores answered 12 ShareGPT prompts (400 new tokens at
-               most) at 227 new tokens/s, against 72-88 for batched `generate()` at batch 16 (session 11).
-               It runs on a copy of the model, so the target the features stage reads stays as built.
+               it is the faster way (docs/benchmarks.md, "Distillation backends"). The speed-ups it applies to
+               the target are set aside wherever the target is read as built (`Target.stock`).
   "generate" - transformers' `model.generate` on batches of prompts, left-padded and grouped by length:
                what a GPU wants (batch 512 in experiment=gpu).
   "auto"     - "engine" on a CPU, "generate" elsewhere.

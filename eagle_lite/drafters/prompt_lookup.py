@@ -60,8 +60,9 @@ class PromptLookupDrafter:
     name = "lookup"
 
     def __init__(self, max_ngram: int = 5, min_ngram: int = 1, num_tokens: int = 10, adaptive: bool = True) -> None:
-        """max_ngram: the longest context suffix matched (5 rather than 3: +2.5% tokens/s on the benchmark's
-        prompts and on the next ones, interleaved A/B, session 8); shorter ones are tried in turn down to min_ngram."""
+        """max_ngram: the longest context suffix matched; shorter ones are tried in turn down to min_ngram.
+        num_tokens: the chain length to start with; adaptive: grow it after a full acceptance, shrink it after a
+        rejection (AdaptiveLength)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -100,7 +100,7 @@ def flex_fused_available(device_type: str) -> bool:
         torch.cuda.synchronize()
     except Exception as err:  # any failure to build or run the kernel means "not here"; auto must not fail
         warnings.warn(f"compiled FlexAttention does not run on this CUDA device ({type(err).__name__}: {err}); "
-                      "attention='auto' falls back to sdpa", stacklevel=2)
+                      "attention='auto' picks another backend", stacklevel=2)
         return False
     return True
 

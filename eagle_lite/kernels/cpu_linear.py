@@ -1,36 +1,23 @@
 """Linear layers for a few rows on CPU: the 4-bit grid kernel where the weights lie on such a grid,
 else oneDNN's prepacked weights for 2+ rows and the dense gemv for one.
 
-Weights de-quantized from a GGUF file (the embedded SmolLM2 is Q4_1) are rebuilt exactly from 4-bit codes
-by grid_linear.py's kernel, which reads 5 bits a weight instead of 32: on the 2-core box the decoder's 210
-linears took 8.9 ms for one row against 24.5 with oneDNN, 16 ms for 7 rows against 33 (synthetic Q4_1
-weights of SmolLM2's shapes, medians). Everything below is about fp32 weights off such a grid.
-
-Verifying a tree runs the target's linears on 4-24 rows. torch's default product for that shape (MKL's
-small-M GEMM) is far from the memory-bound ideal: on the 2-core box a 30-layer SmolLM2 forward of 6
-tokens took 89 ms at one thread against 46 ms for one token. oneDNN with the weight reordered once into
-its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU freezing
-emits) took 74 ms for the same 6 tokens, and 13-18% less from 2 to 12 tokens. One row (plain decoding)
-depends on the threads: MKL's gemv runs it on one core, oneDNN splits it, so at two threads the packed
-product takes a one-token forward from 66.9 to 56.9 ms (interleaved A/B, medians), while at one thread
-it is no faster (75.8 vs 75.1 ms): one-row calls use it only when torch has more than one thread. Calls
-of more than 32 rows (a prompt's prefill) keep the dense weight: MKL's GEMM is 5-10% ahead there.
+Verifying a tree runs the target's linears on 4-24 rows, a shape torch's default product (MKL's small-M GEMM)
+serves far from the memory-bound ideal. Weights de-quantized from a GGUF file run from their integer codes
+(grid_linear.py: 5 bits a weight instead of 32). Other fp32 weights are reordered once into oneDNN's blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU freezing emits). One row (plain
+decoding) uses the packed product only when torch has more than one thread (MKL's gemv runs on one core; oneDNN
+splits it). Calls of more than MAX_PACKED_ROWS rows (a prompt's prefill) keep the dense weight.
 
 Sibling linears that read the same input (an attention's q/k/v projections, a gated MLP's gate/up) share one
 packed matrix, their weights stacked: the first sibling called runs one product for all of them and the
-others return their slice of it. Four products a layer instead of seven: a SmolLM2 forward after a
-200-token prefix at one thread, interleaved A/B in one process, took 55.7 -> 52.7 ms for 2 tokens,
-68.9 -> 66.4 for 6 and 92.0 -> 90.4 for 14, with bit-identical outputs. At two threads it is mixed:
-50.8 -> 48.5 ms for 2 tokens, 59.9 -> 55.7 and 60.6 -> 59.4 for 6, but 66.2 -> 68.3 for 10 and
-72.8 -> 76.4 / 72.7 -> 75.3 for 14 (why oneDNN does worse on the wider matrix there is not investigated).
-A sibling hands out its slice only for the very tensor the product was run on (the same object and,
-outside inference mode where torch counts in-place changes, unmodified since); any other call computes
-its own product, so a model that calls its projections some other way stays correct.
+others return their slice of it. A sibling hands out its slice only for the very tensor the product was run on
+(the same object and, outside inference mode where torch counts in-place changes, unmodified since); any other
+call computes its own product, so a model that calls its projections some other way stays correct.
 
 `pack_linears(module)` gives every fp32 `nn.Linear` under `module` the grid or packed copy beside its dense
-weight, and `unpacked(module)` runs a block of code on the library's own forward (a baseline that must run stock
-transformers). The packed copy costs the linears' memory once more. Both products are fp32 sums
-of the same terms in a different order, as any two GEMM kernels are.
+weight, and `unpacked(module)` runs a block of code on the library's own forward. The packed copy costs the
+linears' memory once more. Both products are fp32 sums of the same terms in a different order, as any two GEMM
+kernels are. docs/cpu.md has the design; `python -m eval.profile_step` measures it.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from .native import kernel_available
 
 GROUP = 32          # inputs per (d, m) pair
 LEVELS = 16         # 4-bit codes
-MAX_GRID_ROWS = 32  # measured on the 2-core box (30 layers of SmolLM2 shapes): 126 ms against MKL's 162 at 32 rows, 283 against 215 at 64
+MAX_GRID_ROWS = 32  # more rows (a prefill) are compute-bound: MKL's dense GEMM is as fast or faster there
 
 
 class GridWeight:

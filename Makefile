@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test: venv
+	$(PY) -m ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 test-slow: venv

@@ -1,0 +1,52 @@
+"""The drafter registry and tree resolution: one place builds every method and resolves "auto" and the tree."""
+from __future__ import annotations
+
+import pytest
+
+from eagle_lite.config import TreeConfig, resolve_tree
+from eagle_lite.drafters import registry
+from eagle_lite.drafters.lookup_graft import LookupGraft
+
+from conftest import make_target
+
+
+def test_every_registered_method_builds_a_drafter_with_its_default_options(monkeypatch):
+    target = make_target("llama")
+    built = {}
+    for name in registry.NAMES:
+        options = {"eagle": registry.EagleOptions(draft="random"), "medusa": registry.MedusaOptions(heads="random"),
+                   "draft_model": registry.DraftModelOptions(draft_target=target)}.get(name)
+        built[name] = registry.build(name, target, options)
+    assert isinstance(built["eagle"], LookupGraft) and built["eagle"].inner.name == "eagle"
+    assert built["vanilla"].max_tree_nodes(TreeConfig()) == 1
+    assert {type(d).__name__ for d in built.values()} >= {"PromptLookupDrafter", "NoDrafter", "MedusaDrafter"}
+
+
+def test_auto_is_eagle_with_a_head_and_lookup_without(monkeypatch):
+    target = make_target("llama")
+    monkeypatch.setattr("eagle_lite.checkpoint.default_head_path", lambda name: None)
+    assert registry.resolve("auto", target)[0] == "lookup"
+    name, options = registry.resolve("auto", target, registry.EagleOptions(draft="random"))
+    assert name == "eagle" and options.head is not None
+
+
+def test_options_are_checked_before_a_model_loads():
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        registry.check("draft_model")
+    with pytest.raises(ValueError, match="needs --medusa PATH"):
+        registry.check("medusa", registry.MedusaOptions())
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        registry.check("nope")
+    with pytest.raises(TypeError, match="takes LookupOptions"):
+        registry.options_for("lookup", registry.EagleOptions())
+
+
+def test_the_tree_is_defaults_then_the_recommendation_then_the_flags():
+    recommended = TreeConfig(depth=1, top_k=1, total_tokens=1, lookup=4)
+    assert resolve_tree() == TreeConfig()
+    assert resolve_tree(recommended) == recommended
+    assert resolve_tree(recommended, depth=None, lookup=0) == TreeConfig(1, 1, 1, 0)
+    with pytest.raises(ValueError, match="unknown tree setting"):
+        resolve_tree(recommended, width=3)
+    with pytest.raises(ValueError, match="total_tokens=50 exceeds"):
+        resolve_tree(recommended, total_tokens=50)

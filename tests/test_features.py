@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from trainers.distill import DistillConfig, distill, pack, read_records, synthetic_prompt  # noqa: E402
 from trainers.features import (FeatureCache, FeatureCacheMismatch, FeatureConfig, cache_features,  # noqa: E402
-                               loss_mask_of)
+                               loss_mask_of, target_features)
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 
 
@@ -174,7 +174,11 @@ def test_engine_answers_with_the_shipped_head_are_the_targets_greedy_answers(tar
     distill(other, cfg, tmp_path / "answers", progress=False)
     engine, _ = answering._engine_for(other)
     assert engine.drafter.name == "eagle"
-    assert engine.target.model is not other.model  # the features stage reads the target as it was built
+    assert engine.target is other and other.accelerated.applied   # distillation sped up the training target
+    # ... and the features stage still reads it as built: its features equal a never-accelerated twin's
+    twin = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))
+    ids = [synthetic_prompt(0, cfg, other)]
+    torch.testing.assert_close(target_features(other, ids)[0], target_features(twin, ids)[0], rtol=0, atol=0)
     for i, record in enumerate(read_records(tmp_path / "answers")):
         prompt = synthetic_prompt(i, cfg, other)
         with torch.no_grad():

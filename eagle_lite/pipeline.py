@@ -15,13 +15,14 @@ from typing import Iterator
 
 import torch
 
-from .chat_format import chat_ids
-from .checkpoint import default_head_path, load_head
+from .chat_format import chat_ids, clean_text
+from .checkpoint import MEDUSA_FORMAT, default_head_path, load_head, read_config, read_head_config
 from .config import GenerationConfig, TreeConfig
 from .draft import DraftHead
 from .drafters import DraftModelDrafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter, NoDrafter, PromptLookupDrafter
+from .drafters.medusa import parse_choices
 from .engine import Engine, GenerationStats
-from .loading import load_target
+from .loading import load_target, target_source
 from .medusa import MedusaHeads, load_medusa
 from .target import Target
 
@@ -69,7 +70,8 @@ class Pipeline:
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Text (one user message) or chat messages -> prompt token ids, through the chat template (a base model
-        without one: its plain layout, chat_format.py); chat_template=False: the text as it is."""
+        without one: its plain layout, chat_format.py); chat_template=False: the text as it is. Either way the
+        text is made valid first (`chat_format.clean_text`: undecodable bytes -> U+FFFD, NUL dropped)."""
         tok = self.target.tokenizer
         if tok is None:
             raise ValueError(f"target '{self.target.name}' has no tokenizer; pass token ids to Engine instead")
@@ -78,7 +80,7 @@ class Pipeline:
             return chat_ids(tok, messages)
         if not isinstance(prompt, str):
             raise ValueError("chat_template=False takes the prompt as text, not as messages")
-        return tok.encode(prompt)
+        return tok.encode(clean_text(prompt))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -98,9 +100,11 @@ class Pipeline:
         return Output(text, result.token_ids, result.stats)
 
     def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
-               chat_template: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Yield text as tokens are accepted; `stats` (if given) is filled in as it goes."""
-        ids: list[int] = []
+               chat_template: bool = True, stats: GenerationStats | None = None,
+               token_ids: list[int] | None = None) -> Iterator[str]:
+        """Yield text as tokens are accepted; `stats` and `token_ids` (if given) are filled in as it goes, so
+        whoever stops the stream early (Ctrl-C) still holds what was generated."""
+        ids: list[int] = token_ids if token_ids is not None else []
         shown = ""
         for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config or self.config(), stats):
             ids += step
@@ -112,6 +116,28 @@ class Pipeline:
         rest = self.decode(ids)[len(shown):]
         if rest:
             yield rest
+
+
+def check_inputs(method: str, draft: str | None, draft_model: str | None, medusa: str | None,
+                 medusa_choices: list[list[int]] | str | None) -> None:
+    """Refuse what `load` would refuse only after loading the target (20-80 s): an unknown method, a method
+    without the draft it needs, a draft head / Medusa folder that is missing or of another kind, a draft model
+    spec naming no file or folder, Medusa choices that are not JSON. Raises ValueError / FileNotFoundError."""
+    if method not in ("auto", *METHODS):
+        raise ValueError(f"unknown method '{method}': choose auto or one of {', '.join(METHODS)}")
+    if method == "draft_model" and draft_model is None:
+        raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
+    if method == "medusa" and medusa is None:
+        raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
+                         "experiment=medusa`) or --medusa random (untrained: exact but slow)")
+    if method in ("auto", "eagle") and draft not in (None, "auto", "random"):
+        read_head_config(draft)
+    if method == "draft_model":
+        target_source(draft_model)
+    if method == "medusa" and medusa != "random":
+        read_config(medusa, MEDUSA_FORMAT, "Medusa heads")
+    if method == "medusa" and isinstance(medusa_choices, str):
+        parse_choices(medusa_choices)
 
 
 def load(target: str | None = None, draft: str | None = "auto", method: str = "auto",
@@ -131,11 +157,7 @@ def load(target: str | None = None, draft: str | None = "auto", method: str = "a
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
-    if method == "draft_model" and draft_model is None:  # before the (slow) target load
-        raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
-    if method == "medusa" and medusa is None:
-        raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
-                         "experiment=medusa`) or --medusa random (untrained: exact but slow)")
+    check_inputs(method, draft, draft_model, medusa, medusa_choices)
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     medusa_heads = None
     if method == "medusa":

@@ -49,6 +49,13 @@ class TreeConfig:
             )
 
     @classmethod
+    def check_overrides(cls, overrides: dict) -> None:
+        """Refuse tree settings no tree can take (a depth of 0, more nodes than the given depth and top_k can
+        draft, ...), before any model loads; unset (None) ones are left to the tree they will be set over."""
+        roomy = {"depth": 1 << 16, "top_k": 1 << 16, "total_tokens": 1}  # unset sizes at their most permissive
+        cls(**{**roomy, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
     def from_spec(cls, spec: str) -> "TreeConfig":
         """'depth,top_k,total_tokens[,lookup[,min_prob]]', e.g. '3,4,8,8,0.1' (the form eval tools take)."""
         parts = [p.strip() for p in spec.split(",")]

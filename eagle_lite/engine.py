@@ -37,7 +37,7 @@ class GenerationStats:
     verify_seconds: float = 0.0        # target forward over the tree (hidden states)
     accept_seconds: float = 0.0        # lm_head rows the acceptance walk reads, acceptance, cache commit
     seconds: float = 0.0               # wall time, prefill included
-    stop_reason: str = ""              # "eos" | "length" | "context"
+    stop_reason: str = ""              # "eos" | "length" | "context"; "interrupted" where a caller stopped it
 
     @property
     def tokens_per_s(self) -> float:

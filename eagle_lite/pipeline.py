@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .chat_format import chat_ids
+from .chat_format import chat_ids, clean_text
 from .config import GenerationConfig, TreeConfig, resolve_tree
 from .drafters import registry
 from .drafters.base import Drafter
@@ -45,7 +45,8 @@ class Pipeline:
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Text (one user message) or chat messages -> prompt token ids, through the chat template (a base model
-        without one: its plain layout, chat_format.py); chat_template=False: the text as it is."""
+        without one: its plain layout, chat_format.py); chat_template=False: the text as it is. Either way the
+        text is made valid first (`chat_format.clean_text`: undecodable bytes -> U+FFFD, NUL dropped)."""
         tok = self.target.tokenizer
         if tok is None:
             raise ValueError(f"target '{self.target.name}' has no tokenizer; pass token ids to Engine instead")
@@ -54,7 +55,7 @@ class Pipeline:
             return chat_ids(tok, messages)
         if not isinstance(prompt, str):
             raise ValueError("chat_template=False takes the prompt as text, not as messages")
-        return tok.encode(prompt)
+        return tok.encode(clean_text(prompt))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.target.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -74,9 +75,11 @@ class Pipeline:
         return Output(text, result.token_ids, result.stats)
 
     def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
-               chat_template: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Yield text as tokens are accepted; `stats` (if given) is filled in as it goes."""
-        ids: list[int] = []
+               chat_template: bool = True, stats: GenerationStats | None = None,
+               token_ids: list[int] | None = None) -> Iterator[str]:
+        """Yield text as tokens are accepted; `stats` and `token_ids` (if given) are filled in as it goes, so
+        whoever stops the stream early (Ctrl-C) still holds what was generated."""
+        ids: list[int] = token_ids if token_ids is not None else []
         shown = ""
         for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config or self.config(), stats):
             ids += step

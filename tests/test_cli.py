@@ -128,3 +128,153 @@ def test_a_target_without_a_head_drafts_by_prompt_lookup_by_default(tiny_model_d
     vanilla = load(str(tiny_model_dir), method="vanilla")
     cfg = vanilla.config(max_new_tokens=24, stop_at_eos=False)
     assert lm.generate(prompt, cfg).token_ids == vanilla.generate(prompt, cfg).token_ids
+
+
+# -- what a user types or does never ends in a traceback -------------------------------------------------------
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args: str | bytes) -> list:
+    return [sys.executable, "-m", "eagle_lite.generate", *args]
+
+
+def test_clean_text_makes_any_input_valid_text():
+    from eagle_lite.chat_format import clean_text
+
+    assert clean_text("plain ascii") == "plain ascii"
+    assert clean_text("a\x00b") == "ab"                                     # NUL is dropped
+    assert clean_text("Hi \udced\udca0\udc80 there \udcff") == "Hi \ufffd\ufffd\ufffd there \ufffd"
+    assert clean_text("caf\udcc3\udca9") == "café"                           # escaped bytes that form UTF-8
+    assert clean_text("lone \ud800 surrogate") == "lone \ufffd surrogate"    # e.g. from a JSON "\ud800" escape
+    clean_text("\ud800\udcff\x00").encode("utf-8")                          # always encodable
+
+
+def test_invalid_utf8_in_a_prompt_is_answered(tiny_model_dir):
+    proc = subprocess.run(cli("--target", str(tiny_model_dir), "--prompt", b"Hi \xed\xa0\x80 there \xff",
+                              "--max-new-tokens", "6", "--method", "vanilla", "--json"),
+                          capture_output=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["new_tokens"] == 6
+
+
+def test_piped_chat_takes_bad_bytes_and_writes_no_prompts(tiny_model_dir):
+    proc = subprocess.run(cli("--target", str(tiny_model_dir), "--max-new-tokens", "5", "--method", "vanilla"),
+                          input=b"Hi \x00 there \xff\nSecond line\n/quit\n", capture_output=True, timeout=300,
+                          env={**ENV, "PYTHONIOENCODING": "utf-8"})   # strict decoding, as in most UTF-8 locales
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().count("bot> ") == 2 and proc.stderr.decode().count("mean accepted length") == 2
+    assert "you>" not in proc.stdout.decode() + proc.stderr.decode()   # prompts are for a terminal only
+
+
+class FailingOnce:
+    """A pipeline whose first answer fails inside the turn; it records the conversations it is given."""
+
+    method, target = "vanilla", type("T", (), {"name": "fake"})()
+
+    def __init__(self) -> None:
+        self.seen: list[list[dict]] = []
+
+    def stream(self, messages, cfg, stats=None):
+        self.seen.append([dict(m) for m in messages])
+        if len(self.seen) == 1:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+        yield "fine"
+
+
+def test_an_error_inside_a_chat_turn_keeps_the_session(monkeypatch, capsys):
+    import io
+
+    from eagle_lite.config import GenerationConfig
+    from eagle_lite.generate import chat
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\nthird\n"))
+    lm = FailingOnce()
+    chat(lm, GenerationConfig())
+    out, err = capsys.readouterr()
+    assert "error: this turn failed (TypeError" in err and "the conversation goes on" in err
+    assert out.count("fine") == 2
+    assert [m["content"] for m in lm.seen[1]] == ["second"]             # the failed turn is not in the history
+    assert [m["content"] for m in lm.seen[2]] == ["second", "fine", "third"]
+
+
+@pytest.fixture(scope="module")
+def endless_model_dir(tmp_path_factory):
+    """A tiny random Llama with no EOS and a long context: it writes until it is stopped."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("endless-model")
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         eos_token_id=None, pad_token_id=1, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def interrupt_after_first_byte(args: list, stream: str) -> subprocess.CompletedProcess:
+    """Start the CLI, wait until it writes its first byte to `stream` (stdout or stderr), then press Ctrl-C."""
+    import signal
+
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    first = getattr(proc, stream).read(1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    out, err = (first + out, err) if stream == "stdout" else (out, first + err)
+    return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
+
+
+def test_ctrl_c_during_a_one_shot_answer_keeps_the_text_and_prints_the_stats(endless_model_dir):
+    proc = interrupt_after_first_byte(cli("--target", str(endless_model_dir), "--prompt", "hello", "--method",
+                                          "vanilla", "--max-new-tokens", "8000", "--threads", "1"), "stdout")
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert proc.stdout.strip()                                             # the text generated so far
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2] == "[stopped]" and "mean accepted length" in lines[-1]
+
+
+def test_ctrl_c_while_loading_stops_without_a_traceback(tiny_model_dir):
+    # the target load is made to announce itself and hang, so Ctrl-C lands inside it
+    slow_load = ("import sys, time\n"
+                 "import eagle_lite.pipeline as p\n"
+                 "def hang(*a, **k):\n"
+                 "    print('loading', file=sys.stderr, flush=True)\n"
+                 "    time.sleep(600)\n"
+                 "p.load_target = hang\n"
+                 "from eagle_lite.generate import main\n"
+                 f"sys.exit(main(['--target', {str(tiny_model_dir)!r}, '--prompt', 'hi']))\n")
+    proc = interrupt_after_first_byte([sys.executable, "-c", slow_load], "stderr")
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "[stopped while loading" in proc.stderr
+
+
+def test_threads_are_checked_before_loading(tiny_model_dir, capsys, monkeypatch, caplog):
+    from eagle_lite.threads import check_threads
+
+    assert main(["--target", "no/such/model", "--prompt", "x", "--threads", "0"]) == 2
+    assert "--threads must be a whole number >= 1" in capsys.readouterr().err
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert check_threads(999) == 999 and "more than the 4 CPU cores" in caplog.text
+    assert check_threads(None) is None and check_threads(4) == 4
+    with pytest.raises(ValueError, match="target.threads must be"):
+        check_threads(-1, "target.threads")
+
+
+def test_tree_flags_are_checked_against_the_heads_tree_not_the_default(tiny_model_dir, tmp_path, capsys):
+    from eagle_lite.checkpoint import save_head
+    from eagle_lite.draft import DraftHead
+    from eagle_lite.pipeline import load
+
+    vanilla = load(str(tiny_model_dir), method="vanilla")
+    head = save_head(DraftHead.for_target(vanilla.target), tmp_path / "head", vanilla.target,
+                     extra={"tree": {"depth": 1, "top_k": 1, "total_tokens": 1, "lookup": 4}})
+    common = ["--target", str(tiny_model_dir), "--draft", str(head), "--prompt", "hi", "--max-new-tokens", "4"]
+    assert main([*common, "--tree-top-k", "2", "--json"]) == 0          # 1,2,1,4: fits the head's tree
+    capsys.readouterr()
+    assert main([*common, "--tree-depth", "0"]) == 2                    # no tree takes it: refused before loading
+    assert "tree depth must be >= 1" in capsys.readouterr().err

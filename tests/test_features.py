@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,11 @@ class CountingDecoder:
         if self.calls == self.fail_on:
             raise KeyboardInterrupt("simulated interruption")
         return self.decoder(**kwargs)
+
+
+def without_checksums(manifest: dict) -> dict:
+    """The manifest less its shards' checksums: safetensors writes the metadata of equal shards in any order."""
+    return {**manifest, "shards": [{k: v for k, v in e.items() if k != "blake2b"} for e in manifest["shards"]]}
 
 
 def test_features_equal_a_direct_target_forward(target, tmp_path):
@@ -93,10 +99,73 @@ def test_interrupted_caching_resumes_without_recomputing_done_shards(target, tmp
         target.decoder = original
     after = (folder / "shard-00000.safetensors").stat()
     assert (after.st_ino, after.st_mtime_ns) == (done.st_ino, done.st_mtime_ns)
-    assert resumed == clean == again
+    assert resumed == again and without_checksums(resumed) == without_checksums(clean)
     for name in ("shard-00001.safetensors", "shard-00002.safetensors"):
         got, want = load_file(folder / name), load_file(tmp_path / "clean" / name)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def recount(target, records, folder, cfg) -> tuple[dict, int]:
+    """cache_features again; returns its manifest and how many target forwards it ran."""
+    original = target.decoder
+    try:
+        target.decoder = counter = CountingDecoder(original)
+        return cache_features(target, records, folder, cfg, progress=False), counter.calls
+    finally:
+        target.decoder = original
+
+
+def assert_same_shards(folder, clean) -> None:
+    for name in ("shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"):
+        got, want = load_file(folder / name), load_file(clean / name)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_feature_shard_is_named_and_computed_again(target, tmp_path, caplog, damage):
+    records = make_records(12, seed=1)
+    cfg = FeatureConfig(max_len=32, shard_size=4, batch_size=2)  # 3 shards of 2 forwards each
+    cache_features(target, records, tmp_path / "clean", cfg, progress=False)
+    cache_features(target, records, tmp_path / "run", cfg, progress=False)
+    shard = tmp_path / "run" / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncated" else data[:-64] + bytes(64))
+    if damage == "truncated":   # read as it is, the cache names the file instead of failing mid-training
+        with pytest.raises(ValueError, match="shard-00001.safetensors is damaged"):
+            FeatureCache(tmp_path / "run")
+    manifest, forwards = recount(target, records, tmp_path / "run", cfg)
+    assert forwards == 2                                       # shard 1 alone, computed again
+    assert f"shard {shard} is damaged" in caplog.text
+    assert manifest["complete"] and manifest["shards"][1]["bytes"] == shard.stat().st_size
+    assert_same_shards(tmp_path / "run", tmp_path / "clean")
+    assert recount(target, records, tmp_path / "run", cfg)[1] == 0
+
+
+def test_a_cache_from_before_checksums_is_kept_checked_and_recorded(target, tmp_path, caplog):
+    records = make_records(12, seed=1)
+    cfg = FeatureConfig(max_len=32, shard_size=4, batch_size=2)
+    cache_features(target, records, tmp_path, cfg, progress=False)
+    manifest_path = tmp_path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["shards"]:       # the manifest as it was written before shards had sizes and checksums
+        del entry["bytes"], entry["blake2b"]
+    manifest_path.write_text(json.dumps(manifest))
+    FeatureCache(tmp_path)                                     # still reads
+    shard = tmp_path / "shard-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    manifest, forwards = recount(target, records, tmp_path, cfg)
+    assert forwards == 2 and f"shard {shard} is damaged" in caplog.text   # its header no longer fits the file
+    assert all("bytes" in e and "blake2b" in e for e in manifest["shards"])   # recorded for the next resume
+    assert json.loads(manifest_path.read_text()) == manifest
+
+
+def test_a_damaged_manifest_starts_the_cache_over(target, tmp_path, caplog):
+    records = make_records(8)
+    cfg = FeatureConfig(max_len=32, shard_size=4, batch_size=4)
+    cache_features(target, records, tmp_path, cfg, progress=False)
+    (tmp_path / "manifest.json").write_text('{"format": "eagle_lite.fea')
+    manifest, forwards = recount(target, records, tmp_path, cfg)
+    assert forwards == 2 and manifest["complete"] and "manifest.json is damaged" in caplog.text
 
 
 def test_growing_the_data_recomputes_only_the_changed_last_shard(target, tmp_path):
@@ -247,6 +316,52 @@ def test_distill_starts_from_committed_compressed_shards(target, tmp_path):
     (run / "shard-00001.jsonl.xz").write_bytes(b"\xfd7zXZ\x00 cut off")
     with pytest.raises(ValueError, match="shard-00001.jsonl.xz is damaged"):
         list(read_records(run))
+
+
+def cut_mid_line(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def cut_at_a_line_end(data: bytes) -> bytes:
+    return data[:data.index(b"\n") + 1]
+
+
+def change_a_token(data: bytes) -> bytes:
+    """One digit of a token id changed: same size, still valid JSON, wrong data."""
+    at = data.index(b'"input_ids": [') + len(b'"input_ids": [')
+    return data[:at] + (b"1" if data[at:at + 1] != b"1" else b"2") + data[at + 1:]
+
+
+@pytest.mark.parametrize("damage", [cut_mid_line, cut_at_a_line_end, change_a_token])
+def test_a_damaged_distill_shard_is_moved_aside_and_answered_again(target, tmp_path, caplog, damage):
+    cfg = DistillConfig(source="synthetic", limit=6, max_new_tokens=6, shard_size=2)
+    distill(target, cfg, tmp_path, progress=False)
+    clean = {r["id"]: r for r in read_records(tmp_path)}
+    shard = tmp_path / "shard-00001.jsonl"
+    shard.write_bytes(damage(shard.read_bytes()))
+    again = distill(target, cfg, tmp_path, progress=False)
+    assert again.generated == 2 and again.records == 6                 # the two items of that shard, once more
+    assert f"shard {shard} is damaged" in caplog.text and (tmp_path / "shard-00001.jsonl.damaged").is_file()
+    assert {r["id"]: r for r in read_records(tmp_path)} == clean
+    assert distill(target, cfg, tmp_path, progress=False).generated == 0
+
+
+def test_committed_distill_folders_without_shard_records_still_load(tmp_path):
+    import shutil
+
+    from trainers.distill import META, checked_shards, record_shards
+
+    committed = Path(__file__).resolve().parents[1] / "data" / "distill" / "smollm2-sharegpt"
+    meta = json.loads((committed / META).read_text())
+    assert "shards" not in meta                                        # written before shards were recorded
+    records = list(read_records(committed))
+    folder = shutil.copytree(committed, tmp_path / "run")              # as a run's own folder of that time
+    recorded: dict = {}
+    assert {r["id"] for r in records} <= checked_shards(folder, recorded)
+    assert len(recorded) == len(list(committed.glob("shard-*"))) and not list(folder.glob("*.damaged"))
+    record_shards(folder, meta)
+    assert json.loads((folder / META).read_text())["shards"] == recorded
+    assert list(read_records(folder)) == records
 
 
 def test_start_from_takes_only_the_chosen_items_and_tops_up_a_smaller_run(target, tmp_path):

@@ -13,14 +13,19 @@ Sources:
 
 Output: JSONL shards `shard-00000.jsonl`, ... of records
   {"id": str, "input_ids": [int], "spans": [[start, end], ...]}   (spans: target-written tokens)
-plus `distill.json` (the target's fingerprint and generation settings). Each shard is written
-atomically after its items are generated; a rerun skips every id already in a shard.
+plus `distill.json` (the target's fingerprint and generation settings, and under "shards" each shard's size
+and checksum, trainers/shards.py). Each shard is written atomically after its items are generated; a rerun
+skips every id already in a shard. A shard of the run's folder that no longer matches its recorded size and
+checksum, or does not read, is moved aside (`<name>.damaged`, with a log line naming it) and its items are
+answered again. Folders written before shards were recorded (the committed data/distill/...) keep working:
+their shards are checked by reading them.
 """
 from __future__ import annotations
 
 import json
 import logging
 import lzma
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ from eagle_lite.chat_format import chat_text
 from eagle_lite.target import Target
 
 from .answering import BACKENDS, generate_answers, resolve_backend
+from .shards import file_damage, file_digest
 from .targets import pad_token_id
 
 log = logging.getLogger("trainers.distill")
@@ -331,9 +337,23 @@ def run_meta(fingerprint: dict, cfg: DistillConfig) -> dict:
             "settings": {k: getattr(cfg, k) for k in _RECORD_KEYS}}
 
 
+def read_meta(folder: Path) -> dict:
+    """The folder's distill.json, or a ValueError naming it where it is not readable JSON."""
+    path = folder / META
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{path} is damaged ({err}): restore it, or delete the folder {folder} to answer its "
+                         f"prompts again") from err
+    if not isinstance(meta, dict) or not {"target", "settings"} <= meta.keys():
+        raise ValueError(f"{path} is not an eagle_lite distill meta (no target and settings): restore it, or "
+                         f"delete the folder {folder} to answer its prompts again")
+    return meta
+
+
 def check_meta(folder: Path, meta: dict, hint: str = "") -> dict:
     """Refuse a folder whose meta names another target or other settings than `meta`; returns its meta."""
-    old = json.loads((folder / META).read_text())
+    old = read_meta(folder)
     keys = ("model_type", "hidden_size", "vocab_size", "embedding_sha")
     if any(old["target"].get(k) != meta["target"][k] for k in keys):
         raise ValueError(f"{folder} holds answers of target {old['target']}, not of {meta['target']}; "
@@ -343,6 +363,41 @@ def check_meta(folder: Path, meta: dict, hint: str = "") -> dict:
         raise ValueError(f"{folder} was distilled with other settings {changed} (old, new); "
                          + (hint or f"use another data folder or delete {folder} to regenerate"))
     return old
+
+
+def checked_shards(folder: Path, recorded: dict[str, dict]) -> set[str]:
+    """The ids the folder's shards hold, after moving aside each damaged shard (logged by name; its items are then
+    not done and get answered again). `recorded`: distill.json's "shards", updated in place (a moved shard's entry
+    dropped, an unrecorded shard that reads recorded)."""
+    done: set[str] = set()
+    for shard in _shards(folder):
+        problem = file_damage(shard, recorded.get(shard.name, {}))
+        if problem is None:
+            try:
+                records = _read_shard(shard)
+            except ValueError as err:
+                problem = str(err.__cause__ or err)
+        if problem is not None:
+            aside = shard.with_name(shard.name + ".damaged")
+            os.replace(shard, aside)
+            recorded.pop(shard.name, None)
+            log.warning("distill: shard %s is damaged (%s); moved aside to %s, its items are answered again",
+                        shard, problem, aside.name)
+            continue
+        recorded.setdefault(shard.name, file_digest(shard))
+        done |= {r["id"] for r in records}
+    return done
+
+
+def record_shards(folder: Path, meta: dict) -> None:
+    """Write `meta` as the folder's distill.json with every shard's size and checksum (those not yet recorded
+    are taken as they are now: just written, or already read back by `checked_shards`)."""
+    recorded = meta.setdefault("shards", {})
+    names = {shard.name for shard in _shards(folder)}
+    for name in names - recorded.keys():
+        recorded[name] = file_digest(folder / name)
+    meta["shards"] = {name: recorded[name] for name in sorted(names)}
+    write_json_atomic(folder / META, meta)
 
 
 def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True) -> DistillSummary:
@@ -359,14 +414,12 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
         ids = [item[0] for item in chosen]
         make = synthetic_records
     meta = run_meta(target.fingerprint(), cfg)
-    if (folder / META).is_file():
-        check_meta(folder, meta)
-    done = {r["id"] for shard in _shards(folder) for r in _read_shard(shard)}
+    stored = check_meta(folder, meta) if (folder / META).is_file() else dict(meta)   # kept, shards recorded in it
+    done = checked_shards(folder, stored.setdefault("shards", {}))
     if cfg.start_from:
         done |= start_from(folder, cfg.start_from, meta, set(ids) - done)
-    if not (folder / META).is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(folder / META, meta)
+    folder.mkdir(parents=True, exist_ok=True)
+    record_shards(folder, stored)
     items = [item for item, key in zip(chosen, ids) if key not in done]
     summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)
@@ -379,6 +432,7 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
             records = make(target, items[start:start + cfg.shard_size], cfg, bar)
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
             write_text_atomic(folder / f"shard-{next_index:05d}.jsonl", text)
+            record_shards(folder, stored)
             next_index += 1
             summary.new_tokens += sum(end - begin for r in records for begin, end in r.get("spans", []))
     summary.seconds = time.perf_counter() - t0
@@ -410,7 +464,7 @@ def pack(folders: str | Path | list, dest: str | Path) -> Path:
     for folder in folders:
         if not (folder / META).is_file():
             raise FileNotFoundError(f"no distilled data in {folder} (missing {META})")
-        metas.append(json.loads((folder / META).read_text()))
+        metas.append(read_meta(folder))
     for folder, meta in zip(folders[1:], metas[1:]):
         if (meta["target"], meta["settings"]) != (metas[0]["target"], metas[0]["settings"]):
             raise ValueError(f"{folder} holds answers of another target or with other settings than {folders[0]}: "
@@ -435,7 +489,7 @@ def pack(folders: str | Path | list, dest: str | Path) -> Path:
             written.append(out)
     for stale in set(_shards(dest)) - set(written):
         stale.unlink()
-    write_json_atomic(dest / META, metas[0])
+    record_shards(dest, {**metas[0], "shards": {}})  # the packed files' own sizes and checksums
     return dest
 
 

@@ -9,11 +9,15 @@ stored in bf16). Layout of a cache folder:
                             and for EAGLE-3 heads taps bf16 [N, K * H]: the outputs of the K decoder
                             layers `feature_layers` (the head's input; `hidden` stays its target)
   manifest.json             target fingerprint, dtype, hidden size, max_len, and per shard its file,
-                            record ids and token count; totals; `complete`
+                            record ids, token count, size in bytes and checksum (trainers/shards.py);
+                            totals; `complete`
 
 Shard k always holds records k*shard_size ... (k+1)*shard_size - 1 of the distilled data, so a rerun
 keeps every shard whose recorded ids still match and computes only the rest. Shards and the manifest
-are written atomically (the manifest after every shard), so an interrupted run resumes where it stopped.
+are written atomically (the manifest after every shard), so an interrupted run resumes where it stopped;
+a shard whose file no longer matches its recorded size and checksum (truncated, overwritten, deleted) is
+computed again, with a log line naming it. Manifests written before sizes and checksums were recorded keep
+working: their shards are checked by reading their safetensors header, then recorded.
 """
 from __future__ import annotations
 
@@ -27,13 +31,14 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from eagle_lite.atomic import write_atomic, write_json_atomic
 from eagle_lite.target import Target
 
+from .shards import file_damage, file_digest
 from .targets import pad_token_id
 
 log = logging.getLogger("trainers.features")
@@ -140,7 +145,52 @@ def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConf
         tensors["taps"] = torch.cat(taps).contiguous()                                             # N K*H
     ids = [r["id"] for r in chunk]
     write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT, "ids": json.dumps(ids)}))
-    return {"file": path.name, "ids": ids, "sequences": len(chunk), "tokens": int(lengths.sum())}
+    return {"file": path.name, "ids": ids, "sequences": len(chunk), "tokens": int(lengths.sum()), **file_digest(path)}
+
+
+def shard_damage(path: Path, entry: dict) -> str | None:
+    """Why the shard file of manifest `entry` cannot be kept (None: it can). A shard recorded without a size and
+    checksum (an older manifest) is kept when its safetensors header reads and fits the file."""
+    problem = file_damage(path, entry)
+    if problem is not None or "blake2b" in entry:
+        return problem
+    try:
+        safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        return f"unreadable: {err}"
+    return None
+
+
+def _read_manifest(path: Path) -> dict | None:
+    """The manifest at `path`, or None (with a warning) where it is damaged: the shards are then all computed
+    again, as for a new folder."""
+    try:
+        manifest = json.loads(path.read_text())
+        if all(key in manifest for key in ("target", "max_len", "shard_size", "shards")):
+            return manifest
+    except (ValueError, OSError):
+        pass
+    log.warning("features: %s is damaged; computing every shard again", path)
+    return None
+
+
+def reusable_shards(folder: Path, entries: dict[int, dict], chunks: list[list[dict]]) -> set[int]:
+    """The indices of the shards in `entries` to keep: the same records, and a file that is not damaged (a
+    damaged one is logged by name). Entries of older manifests gain their file's size and checksum here."""
+    kept = set()
+    for k, chunk in enumerate(chunks):
+        entry = entries.get(k)
+        if entry is None or entry["ids"] != [r["id"] for r in chunk]:
+            continue
+        path = folder / entry["file"]
+        problem = shard_damage(path, entry)
+        if problem is not None:
+            log.warning("features: shard %s is damaged (%s); computing it again", path, problem)
+            continue
+        if "blake2b" not in entry:
+            entries[k] = {**entry, **file_digest(path)}
+        kept.add(k)
+    return kept
 
 
 def cache_features(target: Target, records: Sequence[dict], folder: str | Path, cfg: FeatureConfig,
@@ -151,8 +201,8 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
     fingerprint = target.fingerprint()
     manifest_path = folder / MANIFEST
     entries: dict[int, dict] = {}
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
+    old = _read_manifest(manifest_path) if manifest_path.is_file() else None
+    if old is not None:
         check_fingerprint(old["target"], fingerprint, folder)
         for key in ("max_len", "shard_size"):
             if old[key] != getattr(cfg, key):
@@ -169,9 +219,8 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
             cfg = dataclasses.replace(cfg, feature_layers=held)
         entries = {e["index"]: e for e in old["shards"]}
     chunks = [list(records[i:i + cfg.shard_size]) for i in range(0, len(records), cfg.shard_size)]
-    todo = [k for k, chunk in enumerate(chunks)
-            if not (k in entries and entries[k]["ids"] == [r["id"] for r in chunk]
-                    and (folder / entries[k]["file"]).is_file())]
+    kept = reusable_shards(folder, entries, chunks)
+    todo = [k for k in range(len(chunks)) if k not in kept]
     need = estimate_bytes(sum(min(len(r["input_ids"]), cfg.max_len) for k in todo for r in chunks[k]),
                           target.hidden_size, len(cfg.feature_layers))
     free = shutil.disk_usage(folder).free
@@ -231,6 +280,11 @@ class FeatureCache:
         if not self.manifest["complete"]:
             raise ValueError(f"feature cache {self.folder} is incomplete ({self.manifest['total_sequences']} of "
                              f"{self.manifest['planned_sequences']} sequences); rerun the features stage to finish it")
+        for entry in self.manifest["shards"]:  # a stat each: a truncated shard is named here, not mid-training
+            problem = file_damage(self.folder / entry["file"], entry, checksum=False)
+            if problem is not None:
+                raise ValueError(f"feature shard {self.folder / entry['file']} is damaged ({problem}); rerun the "
+                                 f"features stage (the same training command) to compute it again")
         self._handles: dict[str, object] = {}
 
     def __getstate__(self) -> dict:  # DataLoader workers reopen the files themselves
@@ -247,7 +301,11 @@ class FeatureCache:
 
     def _open(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"feature shard {self.folder / file} is unreadable ({err}); rerun the features "
+                                 f"stage (the same training command) to compute it again") from err
         return self._handles[file]
 
     def index(self):

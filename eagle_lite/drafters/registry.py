@@ -118,15 +118,34 @@ def _medusa(target, o: MedusaOptions) -> Drafter:
     return MedusaDrafter(target, heads, o.choices)
 
 
+def _check_eagle(o: EagleOptions) -> None:
+    if o.head is None and o.draft not in (None, AUTO, "random"):
+        from ..checkpoint import read_head_config
+
+        read_head_config(o.draft)                    # a missing folder or one of another kind
+
+
 def _check_draft_model(o: DraftModelOptions) -> None:
     if o.model is None and o.draft_target is None:
         raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
+    if o.draft_target is None:
+        from ..loading import target_source
+
+        target_source(o.model)                       # a spec naming no file, folder or hub id
 
 
 def _check_medusa(o: MedusaOptions) -> None:
     if o.heads is None:
         raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
                          "experiment=medusa`) or --medusa random (untrained: exact but slow)")
+    if isinstance(o.heads, (str, Path)) and o.heads != "random":
+        from ..checkpoint import MEDUSA_FORMAT, read_config
+
+        read_config(o.heads, MEDUSA_FORMAT, "Medusa heads")
+    if isinstance(o.choices, str):
+        from .medusa import parse_choices
+
+        parse_choices(o.choices)
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,8 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)"),
+    "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
+                    _check_eagle),
     "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
     "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain", _check_draft_model),
     "layer_skip": Method(LayerSkipOptions, _layer_skip, "the target's first layers draft (no extra weights)"),
@@ -173,8 +193,11 @@ def options_for(name: str, options: Any = None) -> Any:
 
 
 def check(name: str, options: Any = None) -> None:
-    """Refuse a method or options that cannot work, before any model is loaded."""
+    """Refuse a method or options that cannot work, before any model is loaded: an unknown method, one without
+    what it needs, a head or Medusa folder that is missing or of another kind, a draft model spec naming nothing."""
     if name == AUTO:
+        if isinstance(options, EagleOptions):
+            _check_eagle(options)
         return
     method = _method(name)
     method.check(options_for(name, options))

@@ -1,0 +1,25 @@
+"""torch CPU threads: the one check behind every entry point's --threads and every config's `threads`."""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("eagle_lite")
+
+
+def check_threads(threads: int | None, name: str = "--threads") -> int | None:
+    """`threads` when it is a usable count of torch CPU threads (None: torch's default, one per core).
+
+    Below 1 (or not a whole number) is a ValueError naming `name`. Above this machine's cores is allowed with a
+    warning: the extra threads wait for a core, and every step waits for the slowest thread.
+    """
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{name} must be a whole number >= 1 (torch CPU threads; leave it unset for one per core), "
+                         f"got {threads!r}")
+    cores = os.cpu_count()
+    if cores and threads > cores:
+        log.warning("%s %d is more than the %d CPU cores here: the extra threads wait for a core and slow every "
+                    "step; use %d or fewer", name, threads, cores, cores)
+    return threads

@@ -1,0 +1,87 @@
+"""Target loading: GGUF files are checked before converting, converted once under a lock, quietly by default."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from eagle_lite import loading
+
+
+def fake_gguf(path, body: bytes = b"\x03\x00\x00\x00" + bytes(64)):
+    """A file that starts like a GGUF file (magic bytes + version) and holds nothing else."""
+    path.write_bytes(loading.GGUF_MAGIC + body)
+    return path
+
+
+def test_a_fake_gguf_is_refused_before_converting(tmp_path, monkeypatch, caplog, capsys):
+    from eagle_lite.generate import main
+
+    monkeypatch.setenv("EAGLE_LITE_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "model.gguf"
+    fake.write_text("<html>404 Not Found</html>")
+    assert main(["--target", str(fake), "--prompt", "hi"]) == 1
+    assert f"{fake} is not a GGUF file" in capsys.readouterr().err
+    assert "converting" not in caplog.text and not (tmp_path / "cache").exists()
+
+
+class Converter:
+    """Stands in for the GGUF conversion: the first call blocks until released, every call is counted."""
+
+    def __init__(self) -> None:
+        self.calls, self.entered, self.release = 0, threading.Event(), threading.Event()
+
+    def __call__(self, path, out) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(60)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+
+class Flag(logging.Handler):
+    """Sets an event when a log record contains `text`."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.seen = text, threading.Event()
+
+    def emit(self, record) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+def test_two_processes_on_an_empty_cache_convert_a_gguf_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "_convert", convert := Converter())
+    gguf = fake_gguf(tmp_path / "model.gguf")
+    waiting = Flag("waiting for another process converting model.gguf")
+    logging.getLogger("eagle_lite").addHandler(waiting)
+    results = {}
+    try:
+        first = threading.Thread(target=lambda: results.setdefault("first", loading.converted_gguf(gguf)))
+        first.start()
+        assert convert.entered.wait(60)
+        second = threading.Thread(target=lambda: results.setdefault("second", loading.converted_gguf(gguf)))
+        second.start()
+        assert waiting.seen.wait(60)          # the second one waits on the lock instead of converting too
+        convert.release.set()
+        first.join(60), second.join(60)
+    finally:
+        convert.release.set()
+        logging.getLogger("eagle_lite").removeHandler(waiting)
+    assert convert.calls == 1 and results["first"] == results["second"]
+    assert (results["second"] / "config.json").is_file()
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_the_gguf_progress_bar_shows_only_when_progress_bars_are_on(shown, capsys):
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    with loading._gguf_progress(shown):
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert ("de-quantizing" in capsys.readouterr().err) == shown
+    assert gguf_utils.tqdm is bar                                          # put back afterwards

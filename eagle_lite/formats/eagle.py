@@ -91,6 +91,8 @@ def read_eagle(layout: Layout, target) -> DraftHead:
         cfg.attention_bias = True   # transformers' Llama layer then also has an o_proj bias: zero, as the loaders'
     token_map = layout.folder / TOKEN_MAP
     d2t = read_token_map(token_map, target.vocab_size) if token_map.is_file() else None
+    if "fc.bias" in tensors and not bool(tensors["fc.bias"].any()):
+        del tensors["fc.bias"]    # a zero bias adds nothing: how eagle_lite writes a head without one
     head = DraftHead.for_target(target, d2t, fc_bias="fc.bias" in tensors, input_norm=input_norm, config=cfg)
     state = {k: v for k, v in tensors.items() if k.startswith("fc.")}
     state.update({"layer." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})

@@ -61,6 +61,10 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
         "layer_class": type(head.layer).__name__,
         "draft_vocab_size": head.draft_vocab_size,
         **({"feature_layers": list(head.feature_layers)} if head.feature_layers else {}),
+        # the options of published layouts, recorded only where they differ from eagle_lite's own head
+        **({"design": head.design} if head.design != "eagle" else {}),
+        **({"fc_bias": False} if head.design == "eagle" and not head.fc_bias else {}),
+        **({"input_norm": False} if head.design == "eagle" and not head.input_norm else {}),
         "dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }
@@ -115,8 +119,13 @@ def check_target(config: dict, target, path: Path | str = "", what: str = "draft
 
 
 def load_head(path: str | Path, target) -> DraftHead:
-    """Load a head for `target`, refusing heads built for another target or with damaged files."""
+    """Load a head for `target`, refusing heads built for another target or with damaged files. A folder in a
+    published layout (official EAGLE-1/2 or EAGLE-3, SpecForge: eagle_lite/formats/) is detected and imported."""
+    from .formats import is_eagle_lite, read_head
+
     path = Path(path)
+    if not is_eagle_lite(path):
+        return read_head(path, target)
     config = read_head_config(path)
     check_target(config, target, path)
     tensors = read_tensors(path)
@@ -130,7 +139,8 @@ def load_head(path: str | Path, target) -> DraftHead:
     except ValueError as err:
         raise HeadMismatchError(str(err)) from err
     head = DraftHead.for_target(target, d2t=tensors.get("d2t"), layer_class=config.get("layer_class"),
-                                feature_layers=tuple(layers))
+                                feature_layers=tuple(layers), fc_bias=config.get("fc_bias", True),
+                                input_norm=config.get("input_norm", True), design=config.get("design", "eagle"))
     try:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as err:

@@ -7,9 +7,17 @@ followed, x_{t+1}, and predicts f_{t+1}; the target's frozen lm_head turns that 
 x_{t+2}. The embeddings and lm_head are the target's (not stored with the head); the head may be
 restricted to a reduced draft vocabulary, `d2t[i]` being the target id of draft token i.
 
-With `feature_layers` (EAGLE-3), the feature it reads from the target is not the last hidden state but the
-outputs of several decoder layers (low, middle, high), concatenated and projected to H by `fuse`; where it
-drafts further on its own predictions it reads those as they are (they are H wide), as in training-time test.
+Options, so that the published layouts load exactly (eagle_lite/formats/):
+- `input_norm=False`: the decoder layer has no input RMSNorm, as layer 0 of official EAGLE, vLLM and SGLang
+  heads (eagle_lite's own heads keep theirs, which they were trained with).
+- `fc_bias=False`: fc without a bias (EAGLE heads whose config says `"bias": false`).
+- `design="eagle3"`: the published EAGLE-3 head (`eagle3_layer.py`): fc maps the target's tapped layers
+  [low; mid; high] (3H) to H without a bias, the layer's attention reads [input_layernorm(embed);
+  hidden_norm(h)], and logits come from the head's own `norm` and `lm_head` over the draft vocabulary.
+  Later draft steps read the layer's pre-norm output (H wide), skipping fc.
+
+With `feature_layers` and the default design (eagle_lite's earlier EAGLE-3 variant), the tapped layers are
+projected to H by `fuse` and then read as the last hidden state would be.
 """
 from __future__ import annotations
 
@@ -18,17 +26,25 @@ import copy
 import torch
 from torch import nn
 
+from .eagle3_layer import Eagle3Layer
 from .kv_cache import with_cache
 from .tree import attention_mask
+
+DESIGNS = ("eagle", "eagle3")
 
 
 class DraftHead(nn.Module):
     def __init__(self, target_config, layer_cls: type[nn.Module], rotary_cls: type[nn.Module],
-                 d2t: torch.Tensor | None = None, feature_layers: tuple[int, ...] = ()) -> None:
+                 d2t: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (), fc_bias: bool = True,
+                 input_norm: bool = True, design: str = "eagle") -> None:
         super().__init__()
+        if design not in DESIGNS:
+            raise ValueError(f"draft head design {design!r} is unknown: expected one of {', '.join(DESIGNS)}")
         if len(feature_layers) == 1:
             raise ValueError("feature_layers takes two or more decoder layers (EAGLE-3: low, middle, high), or none "
                              "for the target's last hidden state")
+        if design == "eagle3" and not feature_layers:
+            raise ValueError("an EAGLE-3 head reads the target's tapped layers: give feature_layers (low, mid, high)")
         config = copy.deepcopy(target_config)
         config.num_hidden_layers = 1
         config._attn_implementation = "sdpa"
@@ -37,29 +53,59 @@ class DraftHead(nn.Module):
         config.use_cache = True
         hidden = config.hidden_size
         self.config = config
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.design = design
         self.feature_layers = tuple(int(i) for i in feature_layers)
-        # the target's tapped layers, concatenated, down to one feature; None: the head reads the last hidden state
-        self.fuse = nn.Linear(len(feature_layers) * hidden, hidden, bias=False) if feature_layers else None
-        self.layer = layer_cls(config, layer_idx=0)
-        self.rotary = rotary_cls(config=config)
         if d2t is not None:
             d2t = torch.as_tensor(d2t, dtype=torch.long)
+        if design == "eagle3":
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+            self.fc = nn.Linear(len(feature_layers) * hidden, hidden, bias=False)
+            self.fuse = None
+            self.layer = Eagle3Layer(config)
+            self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(hidden, config.vocab_size if d2t is None else d2t.numel(), bias=False)
+        else:
+            self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+            # the target's tapped layers, concatenated, down to one feature; None: the head reads the last hidden state
+            self.fuse = nn.Linear(len(feature_layers) * hidden, hidden, bias=False) if feature_layers else None
+            self.layer = layer_cls(config, layer_idx=0)
+            if not input_norm:
+                self.layer.input_layernorm = nn.Identity()
+            self.norm = self.lm_head = None   # logits: the target's lm_head of the predicted feature
+        self.rotary = rotary_cls(config=config)
         self.register_buffer("d2t", d2t, persistent=True)
         self.tree = None  # the TreeConfig its checkpoint recommends (checkpoint.load_head), if any
 
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,
-                   feature_layers: tuple[int, ...] = ()) -> "DraftHead":
+                   feature_layers: tuple[int, ...] = (), fc_bias: bool = True, input_norm: bool = True,
+                   design: str = "eagle", config=None) -> "DraftHead":
         """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
         decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`.
         feature_layers: the target's decoder layers it reads (EAGLE-3; `auto_feature_layers`), () for the last
-        hidden state."""
+        hidden state. config: the head's own sizes (a LlamaConfig, e.g. from an imported head's config.json); the
+        head then has Llama layers of those sizes, as published heads do. EAGLE-3 heads always have them."""
         if feature_layers:
             target.check_taps(tuple(feature_layers))
-        config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
-        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers))
+        if config is not None or design == "eagle3":
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+            config = llama_config_for(target.config) if config is None else config
+            layer_cls, rotary_cls = LlamaDecoderLayer, LlamaRotaryEmbedding
+        else:
+            config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
+        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers), fc_bias, input_norm, design)
         return head.to(device=target.device, dtype=target.dtype)
+
+    @property
+    def input_norm(self) -> bool:
+        """Whether the decoder layer normalizes its input (eagle_lite's own EAGLE heads; not official ones)."""
+        return not isinstance(self.layer.input_layernorm, nn.Identity)
+
+    @property
+    def fc_bias(self) -> bool:
+        return self.fc.bias is not None
 
     @property
     def draft_vocab_size(self) -> int | None:
@@ -70,9 +116,14 @@ class DraftHead(nn.Module):
         """hidden, token_embeds: [B, T, H]; position_ids: [B, T]; mask: [B|1, 1, T, kv_len] bool.
 
         Returns the predicted next hidden states [B, T, H]. `hidden` may instead be the target's tapped layers
-        [B, T, len(feature_layers) * H] (EAGLE-3 heads), which `fuse` projects to H first.
+        [B, T, len(feature_layers) * H] (EAGLE-3 heads), which `fuse` (or an EAGLE-3 head's fc) projects to H first.
         """
         hidden = hidden.to(token_embeds.dtype)
+        if self.design == "eagle3":
+            if hidden.shape[-1] != token_embeds.shape[-1]:
+                hidden = self.fc(hidden)                      # B T 3H -> B T H; later steps read the output as is
+            cos_sin = self.rotary(hidden, position_ids=position_ids)
+            return self.layer(token_embeds, hidden, mask, cos_sin, cache)
         if self.fuse is not None and hidden.shape[-1] != token_embeds.shape[-1]:
             hidden = self.fuse(hidden)
         x = self.fc(torch.cat([token_embeds, hidden], dim=-1))  # B T H
@@ -80,6 +131,18 @@ class DraftHead(nn.Module):
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
                          position_embeddings=cos_sin, **with_cache(self.layer, cache))
         return out[0] if isinstance(out, tuple) else out
+
+    def logit_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the output projection reads of predicted features [..., H]: an EAGLE-3 head's own final norm of
+        them; the features themselves for the others (the target's lm_head reads them, as its final norm's output)."""
+        return hidden if self.norm is None else self.norm(hidden)
+
+    def output_weight(self, target_lm_weight: torch.Tensor) -> torch.Tensor:
+        """[V_draft, H]: the rows the draft scores. An EAGLE-3 head's own lm_head; else the target's lm_head
+        `target_lm_weight` [V, H], restricted to the draft vocabulary `d2t` where there is one."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return target_lm_weight if self.d2t is None else target_lm_weight[self.d2t]
 
     def step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, cache, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
@@ -140,6 +203,18 @@ def head_layer_classes(target, layer_class: str | None = None) -> tuple[object, 
     if use_own:
         return target.config, type(decoder.layers[0]), type(decoder.rotary_emb)
     return llama_config_for(target.config), LlamaDecoderLayer, LlamaRotaryEmbedding
+
+
+def published_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """The published EAGLE-3 taps as `Target.forward` numbers them (the output of decoder layer i): the residual
+    stream entering layers 2, L//2 and L-3 (official EAGLE, vLLM and SGLang defaults), i.e. the outputs of layers
+    1, L//2-1 and L-4 (SpecForge's convention). SmolLM2's 30 layers: 1, 14, 26."""
+    taps = (1, num_layers // 2 - 1, num_layers - 4)
+    if len(set(taps)) != 3 or min(taps) < 0:
+        raise ValueError(f"a target of {num_layers} decoder layers has too few for the published EAGLE-3 taps "
+                         f"(inputs of layers 2, L//2 and L-3 are three distinct layers from L = 7 on): give "
+                         f"draft.feature_layers explicitly")
+    return taps
 
 
 def auto_feature_layers(num_layers: int) -> tuple[int, ...]:

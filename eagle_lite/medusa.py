@@ -9,6 +9,10 @@ Each head is `num_layers` residual blocks h <- h + SiLU(W h + b), then the targe
 with the heads). W starts at zero, as in Medusa: an untrained head repeats the target's own next-token
 guess and training moves it from there.
 
+Medusa-1 as published (FasterDecoding v1) also gives each head its own vocabulary projection, trained with it:
+`vocab_size` builds those (`lm_heads`), which then score head k's feature instead of the target's lm_head
+(eagle_lite/formats/medusa.py imports such heads).
+
 Saved like EAGLE heads (eagle_lite/checkpoint.py): model.safetensors + config.json with the target's
 fingerprint, `format` = "eagle_lite.medusa_heads".
 """
@@ -39,7 +43,9 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int = 4, num_layers: int = 1) -> None:
+    def __init__(self, hidden_size: int, num_heads: int = 4, num_layers: int = 1,
+                 vocab_size: int | None = None) -> None:
+        """vocab_size: give each head its own vocabulary projection [V, H] (Medusa-1); None: the target's lm_head."""
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_layers", num_layers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -47,6 +53,8 @@ class MedusaHeads(nn.Module):
         self.hidden_size, self.num_heads, self.num_layers = hidden_size, num_heads, num_layers
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
                                    for _ in range(num_heads))
+        self.lm_heads = None if vocab_size is None else nn.ModuleList(
+            nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
 
     @classmethod
     def for_target(cls, target, num_heads: int = 4, num_layers: int = 1) -> "MedusaHeads":
@@ -62,6 +70,12 @@ class MedusaHeads(nn.Module):
         hidden = hidden.to(self.heads[0][0].linear.weight.dtype)
         return torch.stack([head(hidden) for head in self.heads[:num]])  # K ... H
 
+    def logits(self, features: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """features: [K, ..., H] (`forward`) -> [K, ..., V]: each head's own projection, else the target's lm_head."""
+        if self.lm_heads is None:
+            return lm_head(features)
+        return torch.stack([proj(f.to(proj.weight.dtype)) for proj, f in zip(self.lm_heads, features)])
+
 
 def save_medusa(heads: MedusaHeads, path: str | Path, target, extra: dict | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -70,6 +84,7 @@ def save_medusa(heads: MedusaHeads, path: str | Path, target, extra: dict | None
         "format": MEDUSA_FORMAT, "version": VERSION,
         "target": target.fingerprint(),
         "num_heads": heads.num_heads, "num_layers": heads.num_layers, "hidden_size": heads.hidden_size,
+        **({"own_lm_heads": True} if heads.lm_heads is not None else {}),
         "dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }
@@ -77,8 +92,13 @@ def save_medusa(heads: MedusaHeads, path: str | Path, target, extra: dict | None
 
 
 def load_medusa(path: str | Path, target) -> MedusaHeads:
-    """Load Medusa heads for `target`, refusing heads built for another target or with damaged files."""
+    """Load Medusa heads for `target`, refusing heads built for another target or with damaged files. A folder in a
+    published layout (FasterDecoding v1 / version 2, vLLM: eagle_lite/formats/medusa.py) is detected and imported."""
+    from .formats import is_eagle_lite, read_medusa_heads
+
     path = Path(path)
+    if not is_eagle_lite(path):
+        return read_medusa_heads(path, target)
     config = read_config(path, MEDUSA_FORMAT, WHAT)
     check_target(config, target, path, WHAT)
     sizes = {k: config.get(k) for k in ("num_heads", "num_layers")}
@@ -86,7 +106,8 @@ def load_medusa(path: str | Path, target) -> MedusaHeads:
         raise ValueError(f"{WHAT} config {path / 'config.json'} is corrupt: num_heads and num_layers must be "
                          f"ints >= 1, got {sizes}; re-export the heads")
     tensors = read_tensors(path, WHAT)
-    heads = MedusaHeads(target.hidden_size, sizes["num_heads"], sizes["num_layers"])
+    heads = MedusaHeads(target.hidden_size, sizes["num_heads"], sizes["num_layers"],
+                        target.vocab_size if config.get("own_lm_heads") else None)
     try:
         heads.load_state_dict(tensors, strict=True)
     except RuntimeError as err:

@@ -256,6 +256,44 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
         train(tiny_train_config(tmp_path, "debug=fdr", "name=other", "draft.feature_layers=[0,2]", *deep))
 
 
+def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly(tmp_path):
+    """experiment=eagle3 on an 8-layer tiny target: the cache holds the published taps (outputs of 1, 3, 4), the head
+    (own norm and lm_head) trains by the token loss, exports as an EAGLE-3 folder and decodes the target's output."""
+    from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.drafters import EagleDrafter
+    from eagle_lite.engine import Engine
+    from eagle_lite.export import export
+    from trainers.train import train
+
+    deep = ["target.num_layers=8", "target.name=tiny8"]
+    result = train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "draft.vocab_size=48", *deep))
+    assert FeatureCache(tiny_train_config(tmp_path, "experiment=eagle3", *deep).paths.features).feature_layers == (1, 3, 4)
+    target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
+    head = load_head(result["export"], target)
+    assert head.design == "eagle3" and head.feature_layers == (1, 3, 4) and head.lm_head.weight.shape[0] == 48
+    export(result["export"], "eagle3", tmp_path / "published", target, torch.float32)
+    published = load_head(tmp_path / "published", target)
+    prompt = [5, 17, 33, 2, 9, 71]
+    ids = torch.tensor([prompt])
+    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
+    runs = [Engine(target, EagleDrafter(target, h)).generate(prompt, cfg) for h in (head, published)]
+    assert runs[0].token_ids == runs[1].token_ids == ref
+    assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
+
+
+def test_an_eagle3_head_refuses_a_feature_regression_loss():
+    from eagle_lite.draft import DraftHead
+    from trainers.module import DraftLightningModule
+    from trainers.objective import ObjectiveConfig
+
+    target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
+    head = DraftHead.for_target(target, feature_layers=(1, 3, 4), design="eagle3")
+    with pytest.raises(ValueError, match="w_reg must be 0"):
+        DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight, ObjectiveConfig(w_reg=1.0))
+
+
 def test_cli_answers_help():
     out = subprocess.run([sys.executable, "-m", "trainers.train", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -298,12 +336,15 @@ def test_loss_falls_when_overfitting_a_tiny_cache(runs):
     assert last["train/top1"] > first["train/top1"] + 0.2
 
 
-def test_an_eagle3_heads_token_loss_falls_when_overfitting(tmp_path):
-    """experiment=gpu_eagle3's objective (token loss only, 3 unrolled steps) on the taps of a 4-layer tiny target."""
+@pytest.mark.parametrize("design", ["eagle", "eagle3"])
+def test_an_eagle3_heads_token_loss_falls_when_overfitting(tmp_path, design):
+    """EAGLE-3's objective (token loss only, 3 unrolled steps) on the taps of a 4-layer tiny target, for the fused
+    variant (design eagle) and the published head (design eagle3: its own norm and lm_head)."""
     from trainers.train import train
 
     result = train(tiny_train_config(tmp_path, "debug=overfit", "trainer.max_epochs=20", "target.num_layers=4",
-                                     "target.name=tiny4", "draft.feature_layers=auto", "draft.objective.w_reg=0",
+                                     "target.name=tiny4", "draft.feature_layers=[0,1,2]", f"draft.design={design}",
+                                     "draft.objective.w_reg=0",
                                      "draft.objective.w_cls=1", "draft.objective.ttt_steps=3"))
     first, last = result["epochs_log"][0], result["epochs_log"][-1]
     # the soft-label cross-entropy (3 steps, decay-weighted) can only fall to the target's own entropy

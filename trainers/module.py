@@ -78,6 +78,9 @@ class DraftLightningModule(L.LightningModule):
         """lm_head_weight, embed_weight: [V, H], the target's (copied: the target may be freed)."""
         super().__init__()
         self.head = head
+        if head.design == "eagle3" and objective_cfg.w_reg:
+            raise ValueError(f"an EAGLE-3 head predicts no target feature (its own norm and lm_head score its output): "
+                             f"draft.objective.w_reg must be 0, got {objective_cfg.w_reg}")
         self.objective_cfg = objective_cfg
         self.optim_cfg = optim_cfg
         self.save_hyperparameters({"objective": asdict(objective_cfg), "optim": asdict(optim_cfg),
@@ -99,15 +102,24 @@ class DraftLightningModule(L.LightningModule):
 
     @property
     def draft_weight(self) -> torch.Tensor:
-        """[V_draft, H]: the lm_head rows the draft scores (all of them without a reduced vocabulary)."""
+        """[V_draft, H]: the target's lm_head rows over the draft vocabulary (all of them without a reduced one):
+        the target's distribution the draft learns, and what a head without its own lm_head scores with."""
         return self.lm_weight if self.head.d2t is None else self.draft_lm
+
+    def scored(self, preds: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(what the output projection reads of each step's prediction, the rows it scores with): an EAGLE-3
+        head's own norm and lm_head (trained with it), else the predictions and the target's rows."""
+        if self.head.lm_head is None:
+            return preds, self.draft_weight
+        return [self.head.logit_features(p) for p in preds], self.head.lm_head.weight
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         cfg = self.objective_cfg
         pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
         novel = novel_pairs(batch) if cfg.copy_weight != 1.0 else None
-        losses = objective(preds, pairs, self.draft_weight, cfg, novel)
+        features, weight = self.scored(preds)
+        losses = objective(features, pairs, self.draft_weight, cfg, novel, q_weight=weight)
         rows = int(batch["input_ids"].shape[0])
         for key, value in losses.items():
             self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows)
@@ -118,8 +130,9 @@ class DraftLightningModule(L.LightningModule):
         pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
         preds = unroll(self.head, pairs, max(cfg.ttt_steps, cfg.val_depth))
         novel = novel_pairs(batch)
-        loss = objective(preds, pairs, self.draft_weight, cfg, novel)["loss"]
-        stats = agreement(preds, pairs, self.lm_weight, self.draft_weight, self.head.d2t, novel)
+        features, weight = self.scored(preds)
+        loss = objective(features, pairs, self.draft_weight, cfg, novel, q_weight=weight)["loss"]
+        stats = agreement(features, pairs, self.lm_weight, weight, self.head.d2t, novel)
         add_val_batch(self.val_sums, stats, loss, self.device)
 
     def on_validation_epoch_end(self) -> None:

@@ -191,10 +191,12 @@ def target_distribution(pairs: Pairs, lm_weight: torch.Tensor) -> torch.Tensor:
 
 
 def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, cfg: ObjectiveConfig,
-              novel: torch.Tensor | None = None) -> dict:
+              novel: torch.Tensor | None = None, q_weight: torch.Tensor | None = None) -> dict:
     """The loss over the first cfg.ttt_steps predictions: {"loss", "loss_reg", "loss_cls"} (decay-weighted
     sums over steps) and "top1" (step 0, within the draft vocabulary, no gradient). With cfg.copy_weight != 1,
-    `novel` ([B, T'] bool, `novel_pairs`) is required: the other (lookup-copyable) pairs weigh copy_weight."""
+    `novel` ([B, T'] bool, `novel_pairs`) is required: the other (lookup-copyable) pairs weigh copy_weight.
+    lm_weight [V_draft, H] gives the target's distribution; q_weight [V_draft, H] scores the predictions (an
+    EAGLE-3 head's own lm_head, the predictions then being its normed outputs); None: lm_weight."""
     scale = None
     if cfg.copy_weight != 1.0:
         if novel is None:
@@ -205,7 +207,8 @@ def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, 
     top1 = None
     for k, pred in enumerate(preds[:cfg.ttt_steps]):
         w = step_weight(pairs, k)
-        reg, cls, hits = step_losses(pred, pairs, w, lm_weight, p_target, w[pairs.weight], scale)
+        reg, cls, hits = step_losses(pred, pairs, w, lm_weight if q_weight is None else q_weight, p_target,
+                                     w[pairs.weight], scale)
         total_reg = total_reg + cfg.ttt_decay ** k * reg
         total_cls = total_cls + cfg.ttt_decay ** k * cls
         top1 = hits if top1 is None else top1

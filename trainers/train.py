@@ -95,17 +95,23 @@ def feature_layers(cfg: DictConfig, target) -> tuple[int, ...]:
     """The target's decoder layers the head reads (EAGLE-3), from `draft.feature_layers`: null or [] (the last
     hidden state, EAGLE-1/2), "auto" (low, middle, high: `auto_feature_layers`) or a list; a head fine-tuned from
     `draft.init_from` keeps its own."""
-    from eagle_lite.checkpoint import read_head_config
-    from eagle_lite.draft import auto_feature_layers
+    from eagle_lite.checkpoint import load_head
+    from eagle_lite.draft import auto_feature_layers, published_feature_layers
 
-    if cfg.draft.get("init_from"):
-        return tuple(read_head_config(cfg.draft.init_from).get("feature_layers") or ())
+    if cfg.draft.get("init_from"):   # any head folder --draft takes: eagle_lite's or a published layout
+        return load_head(cfg.draft.init_from, target).feature_layers
     layers = cfg.draft.get("feature_layers")
-    if not layers:
+    eagle3 = cfg.draft.get("design", "eagle") == "eagle3"
+    if not layers and not eagle3:
         return ()
     if cfg.draft.get("kind", "eagle") == "medusa":
         raise ValueError("draft.feature_layers is for EAGLE heads; Medusa heads read the last hidden state")
-    layers = auto_feature_layers(target.config.num_hidden_layers) if layers == "auto" else tuple(int(i) for i in layers)
+    if not layers or layers == "auto":
+        # the published EAGLE-3 head's taps (inputs of layers 2, L//2, L-3), else eagle_lite's earlier choice
+        pick = published_feature_layers if eagle3 else auto_feature_layers
+        layers = pick(target.config.num_hidden_layers)
+    else:
+        layers = tuple(int(i) for i in layers)
     target.check_taps(layers, "draft.feature_layers")
     return layers
 
@@ -173,10 +179,15 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
         elif cfg.draft.vocab_size is not None:
             counts = count_tokens(data.caches, data.train_rows, target.vocab_size)
             d2t = build_d2t(counts, int(cfg.draft.vocab_size), special_ids(target))
+        design = cfg.draft.get("design", "eagle")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             # fp32 master weights whatever the target's dtype
-            head = DraftHead.for_target(target, d2t, feature_layers=taps).float()
+            head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design).float()
+        if design == "eagle3":   # its own lm_head starts as the target's rows (official EAGLE-3: at random)
+            with torch.no_grad():
+                rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
+                head.lm_head.weight.copy_(rows.float())
     return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                 _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
 

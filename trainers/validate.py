@@ -44,8 +44,10 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
         if head.feature_layers and head.feature_layers != held:
             raise ValueError(f"head {path} reads decoder layers {list(head.feature_layers)}, but the feature caches "
                              f"hold {list(held) or 'only the last hidden state'}: score it on a cache built for it")
+        # an EAGLE-3 head has no feature to regress (its loss is the token loss alone, as it was trained)
+        losses = {"w_reg": 0.0, "w_cls": 1.0} if head.design == "eagle3" else {}
         module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
-                                      ObjectiveConfig(val_depth=val_depth))
+                                      ObjectiveConfig(val_depth=val_depth, **losses))
         metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
         rows.append({"head": str(path), **split, **{k: float(metrics[k]) for k in METRICS}})
     return rows

@@ -27,11 +27,14 @@ class EagleDrafter:
         self.target = target
         self.head = head.eval()
         self.feature_layers = head.feature_layers   # the target's layers the head reads (EAGLE-3), else ()
-        accelerate_head(self.head, self.head.layer, self.head.rotary, round_to_grid=round_head)
-        weight = target.lm_head.weight  # V H, frozen and shared with the target
-        self.lm_weight = weight if head.d2t is None else weight[head.d2t].contiguous()  # V_draft H
+        # the native layer op computes a Llama layer; an EAGLE-3 layer reads a 2H-wide input and keeps its own forward
+        layer = self.head.layer if head.design != "eagle3" else None
+        accelerate_head(self.head, layer, self.head.rotary, round_to_grid=round_head)
+        # V_draft H: the target's lm_head (frozen, shared), or its draft-vocabulary rows, or an EAGLE-3 head's own
+        self.lm_weight = head.output_weight(target.lm_head.weight).detach().contiguous()
         # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own
-        self.lm_grid = target.lm_grid if head.d2t is None else draft_vocab_grid(self.lm_weight)
+        shared = head.d2t is None and head.lm_head is None
+        self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight)
         self.cache: StaticKVCache | None = None
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
         self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
@@ -59,6 +62,7 @@ class EagleDrafter:
 
     def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
+        h = self.head.logit_features(h)                      # an EAGLE-3 head's own final norm, else h
         logp = torch.log_softmax(few_rows_product(h, self.lm_weight, self.lm_grid).float(), dim=-1)  # R V_draft
         scores, ids = logp.topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])

@@ -142,7 +142,7 @@ class MedusaDrafter:
     def top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [H] f_t -> [L, W] token ids: row d is head d's W likeliest guesses for x_{t+d+2}."""
         feats = self.heads(hidden, self.depth)                               # L H
-        logits = self.target.lm_head(feats.to(self.target.dtype))           # L V
+        logits = self.heads.logits(feats.to(self.target.dtype), self.target.lm_head)   # L V
         return logits.topk(self.width, dim=-1).indices                      # L W
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:

@@ -118,11 +118,22 @@ def _medusa(target, o: MedusaOptions) -> Drafter:
     return MedusaDrafter(target, heads, o.choices)
 
 
+def _check_folder(path: str | Path, method: str) -> None:
+    """Refuse a head folder that is missing or of another kind (eagle_lite's own, or a published layout)."""
+    from ..checkpoint import MEDUSA_FORMAT, read_config, read_head_config
+    from ..formats import KINDS, detect, is_eagle_lite
+
+    if is_eagle_lite(Path(path)):
+        read_head_config(path) if method == "eagle" else read_config(path, MEDUSA_FORMAT, "Medusa heads")
+        return
+    kind = detect(path).kind
+    if (kind == "medusa") != (method == "medusa"):
+        raise ValueError(f"{path} holds {KINDS[kind]}, which method '{method}' cannot use")
+
+
 def _check_eagle(o: EagleOptions) -> None:
     if o.head is None and o.draft not in (None, AUTO, "random"):
-        from ..checkpoint import read_head_config
-
-        read_head_config(o.draft)                    # a missing folder or one of another kind
+        _check_folder(o.draft, "eagle")
 
 
 def _check_draft_model(o: DraftModelOptions) -> None:
@@ -139,9 +150,7 @@ def _check_medusa(o: MedusaOptions) -> None:
         raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
                          "experiment=medusa`) or --medusa random (untrained: exact but slow)")
     if isinstance(o.heads, (str, Path)) and o.heads != "random":
-        from ..checkpoint import MEDUSA_FORMAT, read_config
-
-        read_config(o.heads, MEDUSA_FORMAT, "Medusa heads")
+        _check_folder(o.heads, "medusa")
     if isinstance(o.choices, str):
         from .medusa import parse_choices
 

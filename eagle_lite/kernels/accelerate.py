@@ -51,14 +51,17 @@ def accelerate_target(decoder: nn.Module, lm_head: nn.Module) -> Accelerated:
     return Accelerated(fuse_stack(decoder), grid_of(lm_head.weight) if plain_head else None, applied=True)
 
 
-def accelerate_head(head: nn.Module, layer: nn.Module, rotary: nn.Module | None, round_to_grid: bool = True) -> None:
-    """Apply the speed-ups to a draft head in place. round_to_grid: run its linears from Q8_0 codes rounded from
-    its fp32 weights (a quarter of the bytes; proposals barely move, and acceptance keeps the output exact)."""
+def accelerate_head(head: nn.Module, layer: nn.Module | None, rotary: nn.Module | None,
+                    round_to_grid: bool = True) -> None:
+    """Apply the speed-ups to a draft head in place; `layer` (None: none) may run as one native op. round_to_grid:
+    run its linears from Q8_0 codes rounded from its fp32 weights (a quarter of the bytes; proposals barely move,
+    and acceptance keeps the output exact)."""
     if not enabled():
         return
     pack_linears(head, round_to_grid=round_to_grid)
     fuse_rms_norms(head)
-    fuse_decoder_layers([layer], rotary)      # one native op where its linears run from codes
+    if layer is not None:
+        fuse_decoder_layers([layer], rotary)  # one native op where its linears run from codes
 
 
 def draft_vocab_grid(weight) -> GridWeight | None:

@@ -1,0 +1,108 @@
+"""`python -m eagle_lite.export HEAD --format eagle|eagle3|medusa --out DIR`: a head in the layout others serve.
+
+  python -m eagle_lite.export eagle_lite/heads/smollm2 --format eagle --out smollm2-eagle
+  python -m eagle_lite.export runs/train/.../head --format eagle3 --out my-eagle3     # experiment=eagle3's head
+  python -m eagle_lite.export runs/train/.../medusa/head --format medusa --out my-medusa
+
+eagle:  official EAGLE (EaModel, use_eagle3=False), vLLM (speculative_config method "eagle"), SGLang
+        (--speculative-algorithm EAGLE); a reduced draft vocabulary goes with it as SGLang's hot-token map.
+eagle3: official EAGLE-3, vLLM (method "eagle3"), SGLang (EAGLE3), SpecForge's layout.
+medusa: vLLM (method "medusa") and FasterDecoding/Medusa.
+What a loader will do differently with the head is printed as notes; a head the format cannot express is refused
+with the reason. docs/deploy.md has the serving commands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+FORMATS = ("eagle", "eagle3", "medusa")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def head_record(path: Path) -> dict:
+    """The eagle_lite record an export carries (config.json "eagle_lite"): the target's fingerprint, the training
+    summary and the recommended trees of an eagle_lite head; a published folder's own record, if it has one."""
+    file = path / "config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    if "format" not in config:
+        return dict(config.get("eagle_lite") or {})
+    keys = ("target", "training", "tree", "tree_measured", "tree_cuda", "tree_cuda_measured")
+    return {k: config[k] for k in keys if k in config}
+
+
+def target_spec(path: Path, given: str | None) -> str:
+    """--target, else the target the head records."""
+    if given:
+        return given
+    name = head_record(path).get("target", {}).get("name")
+    if not name:
+        raise ValueError(f"{path} does not say which target it was made for: pass --target SPEC")
+    return name
+
+
+def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype) -> list[str]:
+    """Write the head at `head_path` (any folder --draft / --medusa take) for `target` in format `fmt` to `out`;
+    returns the notes for the user."""
+    from .checkpoint import load_head
+    from .formats.eagle import write_eagle
+    from .formats.eagle3 import write_eagle3
+    from .formats.medusa import write_medusa
+    from .medusa import load_medusa
+
+    head_path, out = Path(head_path), Path(out)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if out.resolve() == head_path.resolve():
+        raise ValueError(f"--out {out} is the head's own folder: give another folder")
+    meta = {"target": target.fingerprint(), **head_record(head_path), "exported_from": str(head_path)}
+    if fmt == "medusa":
+        return write_medusa(load_medusa(head_path, target), target, out, meta, dtype)
+    write = write_eagle if fmt == "eagle" else write_eagle3
+    return write(load_head(head_path, target), target, out, meta, dtype)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle_lite.export",
+                                description="Write a draft head in the layout official EAGLE, SpecForge, vLLM and "
+                                            "SGLang load (see docs/deploy.md for the serving commands).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("head", help="the head folder: eagle_lite's own, or any published layout --draft/--medusa read")
+    p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
+    p.add_argument("--out", required=True, help="the folder to write (created; its head files are replaced)")
+    p.add_argument("--target", default=None,
+                   help="the target (as --target of eagle_lite.generate); default: the one the head records")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="dtype of the written weights (default: the head's stored dtype, else bfloat16)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .loading import load_target
+
+    head = Path(args.head)
+    try:
+        if not head.is_dir():
+            raise FileNotFoundError(f"no head folder at {head}")
+        config_file = head / "config.json"
+        stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
+        dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
+        target = load_target(target_spec(head, args.target))
+        notes = export(head, args.format, args.out, target, dtype)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

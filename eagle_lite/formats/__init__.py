@@ -1,0 +1,32 @@
+"""Draft heads in the layouts other projects publish and serve: read (`--draft DIR` / `--medusa DIR` take them,
+through `checkpoint.load_head` and `medusa.load_medusa`) and written (`python -m eagle_lite.export`).
+
+detect.py tells the layout from a folder's files; eagle.py, eagle3.py and medusa.py read and write one layout
+each; files.py reads published tensor files (pickles only through torch's weights_only unpickler).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .detect import KINDS, detect, is_eagle_lite
+
+__all__ = ["KINDS", "detect", "is_eagle_lite", "read_head", "read_medusa_heads"]
+
+
+def read_head(path: str | Path, target):
+    """A DraftHead from a published EAGLE-1/2 or EAGLE-3 folder (official EAGLE, SpecForge, vLLM, SGLang)."""
+    from .eagle import read_eagle
+    from .eagle3 import read_eagle3
+
+    layout = detect(path)
+    if layout.kind == "medusa":
+        raise ValueError(f"{path} holds {KINDS['medusa']}, not an EAGLE draft head: pass it with --medusa "
+                         f"(method medusa)")
+    return read_eagle(layout, target) if layout.kind == "eagle" else read_eagle3(layout, target)
+
+
+def read_medusa_heads(path: str | Path, target):
+    """MedusaHeads from a published Medusa folder (FasterDecoding v1 / version 2, or vLLM's layout)."""
+    from .medusa import read_medusa
+
+    return read_medusa(detect(path), target)

@@ -1,0 +1,157 @@
+"""EAGLE-3 heads in the published layout (SafeAILab/EAGLE `cnets.py`, SpecForge `llama3_eagle.py`, vLLM and
+SGLang `llama_eagle3.py`).
+
+Folder: config.json (a Llama config + draft_vocab_size; SpecForge: architectures ["LlamaForCausalLMEagle3"],
+optionally eagle_config.eagle_aux_hidden_state_layer_ids) + model.safetensors or pytorch_model.bin:
+  fc.weight [H, 3H] (no bias), midlayer.self_attn.{q,k,v}_proj.weight [*, 2H], midlayer.self_attn.o_proj,
+  midlayer.mlp.*, midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight, norm.weight,
+  lm_head.weight [V_draft, H], d2t [V_draft] int64 offsets (target id = draft id + d2t[draft id]), t2d [V] bool.
+No embed_tokens: every loader takes the target's when the widths agree.
+
+Tapped layers. The head reads the residual stream entering the target's layers 2, L//2 and L-3 (official
+EAGLE, vLLM and SGLang defaults), which eagle_lite numbers as the outputs of layers 1, L//2-1 and L-4
+(`draft.published_feature_layers`, SpecForge's convention). An explicit
+`eagle_config.eagle_aux_hidden_state_layer_ids` means "output of layer i" to SpecForge and SGLang (which adds 1
+to get the layer whose input it captures) but "input of layer i" to vLLM: eagle_lite reads it as SpecForge and
+SGLang do (`aux_ids="output"`) unless told otherwise, and writes it only for a head whose taps are not the
+defaults.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import check_target, recommended_tree, write_folder
+from ..draft import DraftHead, published_feature_layers
+from .detect import Layout
+from .eagle import load_state
+from .llama import check_sizes, config_fields, head_config
+
+ARCHITECTURES = ["LlamaForCausalLMEagle3"]   # vLLM and SGLang both resolve it
+LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+              "hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight"}
+
+
+def aux_layer_ids(config: dict) -> list[int] | None:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return ids if ids is not None else config.get("eagle_aux_hidden_state_layer_ids")
+
+
+def absolute_d2t(offsets: torch.Tensor, t2d: torch.Tensor | None, vocab: int, where: str) -> torch.Tensor:
+    """Target ids of the draft tokens from EAGLE-3's offsets (target = draft + d2t[draft]), checked against t2d."""
+    ids = torch.arange(offsets.numel()) + offsets.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != ids.numel():
+        raise ValueError(f"{where}: d2t maps draft tokens outside [0, {vocab}) or two onto one target id: expected "
+                         f"offsets (target id = draft id + d2t[draft id])")
+    if t2d is not None:
+        if tuple(t2d.shape) != (vocab,) or int(t2d.bool().sum()) != ids.numel() or not bool(t2d.bool()[ids].all()):
+            raise ValueError(f"{where}: t2d [{list(t2d.shape)}] does not mark exactly the target ids d2t maps to")
+    return ids
+
+
+def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
+    """An EAGLE-3 folder (official or SpecForge) as a DraftHead of design "eagle3" for `target`. aux_ids: how an
+    explicit eagle_aux_hidden_state_layer_ids is read, "output" (of layer i: SpecForge, SGLang) or "input" (vLLM)."""
+    config, where, tensors = layout.config, layout.where, dict(layout.tensors)
+    width = config.get("target_hidden_size", config.get("hidden_size"))
+    if width != config.get("hidden_size"):
+        raise ValueError(f"{where} is {config.get('hidden_size')} wide over a target of width {width} "
+                         f"(target_hidden_size): eagle_lite runs heads as wide as their target")
+    check_sizes(config, target, where)
+    meta = config.get("eagle_lite") or {}
+    if "target" in meta:
+        check_target(meta, target, layout.folder)
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{where} has num_hidden_layers={config['num_hidden_layers']}: eagle_lite runs the "
+                         f"one-layer EAGLE-3 head (midlayer)")
+    cfg = head_config(config, where)
+    hidden, vocab = cfg.hidden_size, target.vocab_size
+    draft_vocab = config.get("draft_vocab_size", vocab)
+    tensors.pop("embed_tokens.weight", None)   # the target's embedding is used, as vLLM and SGLang do
+    fc = tensors.get("fc.weight")
+    if fc is None or fc.shape[0] != hidden or fc.shape[1] % hidden or fc.shape[1] // hidden < 2:
+        found = None if fc is None else list(fc.shape)
+        raise ValueError(f"{where}: fc.weight has shape {found}, but config.json says hidden_size {hidden}: expected "
+                         f"[{hidden}, {3 * hidden}] (fc maps the target's low, middle and high layers to H)")
+    ids = aux_layer_ids(config)
+    if ids is None:
+        taps = published_feature_layers(target.config.num_hidden_layers)
+    else:
+        taps = tuple(int(i) - (aux_ids == "input") for i in ids)
+    if len(taps) != fc.shape[1] // hidden:
+        raise ValueError(f"{where}: fc.weight reads {fc.shape[1] // hidden} tapped layers, the config names {list(taps)}")
+    offsets, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    d2t = None
+    if offsets is not None:
+        if tuple(offsets.shape) != (draft_vocab,):
+            raise ValueError(f"{where}: d2t has shape {list(offsets.shape)}, draft_vocab_size is {draft_vocab}")
+        d2t = absolute_d2t(offsets, t2d, vocab, where)
+        if draft_vocab == vocab and torch.equal(d2t, torch.arange(vocab)):
+            d2t = None                              # the whole vocabulary, in order
+    elif draft_vocab != vocab:
+        raise ValueError(f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the weights hold no d2t: "
+                         f"add the vocabulary mapping (SpecForge keeps it in a separate {{d2t, t2d}} file)")
+    state = {k: tensors.pop(k) for k in ("fc.weight", "norm.weight", "lm_head.weight") if k in tensors}
+    state.update({"layer." + k.removeprefix("midlayer."): tensors.pop(k) for k in list(tensors)
+                  if k.startswith("midlayer.")})
+    if tensors:
+        raise ValueError(f"{where} holds keys the EAGLE-3 layout has no place for: {sorted(tensors)[:8]} (SpecForge's "
+                         f"EAGLE-3.1 fc_norm is not supported)")
+    if d2t is not None:
+        state["d2t"] = d2t
+    head = DraftHead.for_target(target, d2t, feature_layers=taps, design="eagle3", config=cfg)
+    load_state(head, state, layout)
+    head.tree = recommended_tree(meta, layout.folder, torch.device(target.device).type)
+    return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16
+                 ) -> list[str]:
+    """Write an EAGLE-3 head as the folder vLLM (method eagle3), SGLang (EAGLE3) and official EAGLE-3 load."""
+    if head.design != "eagle3":
+        what = ("reads its taps through `fuse` into an EAGLE-1 layer (eagle_lite's earlier EAGLE-3 variant)"
+                if head.fuse is not None else "is an EAGLE-1/2 head (it reads the last hidden state)")
+        raise ValueError(f"this head {what}: the EAGLE-3 layout needs fc over three tapped layers, a 2H-wide "
+                         f"attention and its own norm and lm_head; export it with --format eagle, or train "
+                         f"experiment=eagle3")
+    if len(head.feature_layers) != 3:
+        raise ValueError(f"this head reads {len(head.feature_layers)} tapped layers {list(head.feature_layers)}: vLLM "
+                         f"and SGLang feed an EAGLE-3 head exactly three (low, middle, high)")
+    keys = {k.removeprefix("layer.") for k in head.state_dict() if k.startswith("layer.")}
+    if keys != LAYER_KEYS:
+        raise ValueError(f"this head's layer has {sorted(keys ^ LAYER_KEYS)} where the EAGLE-3 midlayer has not")
+    vocab = target.vocab_size
+    ids = torch.arange(vocab) if head.d2t is None else head.d2t.detach().cpu().long()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
+               **{"midlayer." + k: getattr_path(head.layer, k) for k in sorted(LAYER_KEYS)}}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()     # offsets, int64
+    tensors["t2d"] = t2d
+    config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
+              "draft_vocab_size": int(ids.numel()), "eagle_lite": meta}
+    notes = []
+    layers = target.config.num_hidden_layers
+    try:
+        default = published_feature_layers(layers)
+    except ValueError:
+        default = None
+    if tuple(head.feature_layers) != default:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+                                  "use_aux_hidden_state": True}
+        notes.append(f"the head reads the outputs of layers {list(head.feature_layers)}, not the published defaults: "
+                     f"config.json names them in SpecForge's and SGLang's convention (output of layer i). vLLM reads "
+                     f"the same ids as inputs of layer i, one layer lower: for vLLM set eagle_aux_hidden_state_layer_ids "
+                     f"to {[i + 1 for i in head.feature_layers]}; official EAGLE-3 always taps the defaults")
+    write_folder(out, tensors, config)
+    return notes
+
+
+def getattr_path(module: torch.nn.Module, key: str) -> torch.Tensor:
+    """module's tensor under a state-dict key ("self_attn.q_proj.weight")."""
+    for part in key.split("."):
+        module = getattr(module, part)
+    return module

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:

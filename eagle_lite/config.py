@@ -56,7 +56,7 @@ class TreeConfig:
         cls(**{**roomy, **{k: v for k, v in overrides.items() if v is not None}})
 
     @classmethod
-    def from_spec(cls, spec: str) -> "TreeConfig":
+    def from_spec(cls, spec: str) -> TreeConfig:
         """'depth,top_k,total_tokens[,lookup[,min_prob]]', e.g. '3,4,8,8,0.1' (the form eval tools take)."""
         parts = [p.strip() for p in spec.split(",")]
         if not 3 <= len(parts) <= 5:

@@ -80,7 +80,7 @@ class DraftHead(nn.Module):
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,
                    feature_layers: tuple[int, ...] = (), fc_bias: bool = True, input_norm: bool = True,
-                   design: str = "eagle", config=None) -> "DraftHead":
+                   design: str = "eagle", config=None) -> DraftHead:
         """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
         decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`.
         feature_layers: the target's decoder layers it reads (EAGLE-3; `auto_feature_layers`), () for the last
@@ -158,7 +158,7 @@ class DraftHead(nn.Module):
         return out[0]
 
 
-def llama_config_for(config) -> "LlamaConfig":  # noqa: F821
+def llama_config_for(config) -> LlamaConfig:  # noqa: F821
     """A Llama config of the target's sizes, for a head over a target whose own layer cannot serve."""
     from transformers import LlamaConfig
 

@@ -12,14 +12,14 @@ alone. The path of a token:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from .accept import accept, sample, target_probs
 from .config import GenerationConfig
-from .drafters.base import DraftInput, Drafter, NoDrafter
+from .drafters.base import Drafter, DraftInput, NoDrafter
 from .kv_cache import ContextOverflowError, StaticKVCache
 from .lm_head import NodeLogits
 from .target import Target

@@ -17,7 +17,7 @@ class ContextOverflowError(ValueError):
     """The tokens do not fit the cache (the model's context window, or the size it was built with)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cache_keyword(forward) -> str:
     """The keyword a transformers module's `forward` takes its KV cache by: `cache` since transformers 5.24
     (which still maps `past_key_values` onto it, with a deprecation warning), `past_key_values` before."""
@@ -79,7 +79,7 @@ class StaticKVCache:
             self.values[:, :, :, dst] = self.values.index_select(3, src)
         self.commit(n)
 
-    def grown(self, max_len: int) -> "StaticKVCache":
+    def grown(self, max_len: int) -> StaticKVCache:
         """A larger cache holding the same committed tokens (the old buffers can then be dropped)."""
         layers, _, kv_heads, _, head_dim = self.keys.shape
         new = StaticKVCache(layers, kv_heads, head_dim, max_len, self.keys.dtype, self.keys.device)

@@ -7,7 +7,7 @@ where it can (grid codes, or kernels/certified_argmax.py); `NodeLogits` projects
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import (MEDUSA_FORMAT, VERSION, check_target, read_config, read_tensors, state_tensors,
-                         write_folder)
+from .checkpoint import MEDUSA_FORMAT, VERSION, check_target, read_config, read_tensors, state_tensors, write_folder
 
 WHAT = "Medusa heads"
 
@@ -57,7 +56,7 @@ class MedusaHeads(nn.Module):
             nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
 
     @classmethod
-    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1) -> "MedusaHeads":
+    def for_target(cls, target, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
         """Fresh heads shaped for `target`, in its dtype and device."""
         heads = cls(target.hidden_size, num_heads, num_layers)
         return heads.to(device=target.device, dtype=target.dtype)

@@ -64,7 +64,7 @@ class DraftTree:
         return path
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> DraftTree:
         """A single path: root, then each token the child of the one before."""
         return cls(tokens, list(range(-1, tokens.numel() - 1)), q_draft)
 

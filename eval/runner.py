@@ -1,8 +1,8 @@
 """Run questions x methods, interleaved per question, and record one row per (question, method)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 from eagle_lite.chat_format import chat_ids
 from eagle_lite.config import GenerationConfig

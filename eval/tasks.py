@@ -10,9 +10,9 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from trainers.sharegpt import iter_conversations, split_of
 

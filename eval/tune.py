@@ -26,8 +26,8 @@ import json
 import logging
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 

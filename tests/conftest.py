@@ -11,8 +11,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tiny models: one thread is faster and immune to a busy machine
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,  # noqa: E402
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from eagle_lite.target import Target  # noqa: E402
 

@@ -11,15 +11,14 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import exact_continuations, make_target
+from test_grid_linear import needs_kernel
 
 from eagle_lite.accept import _top_p_sorted, accept_greedy, accept_sampling, sample, target_probs
 from eagle_lite.config import GenerationConfig, SamplingConfig
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
-
-from conftest import exact_continuations, make_target
-from test_grid_linear import needs_kernel
 
 V = 6
 P_ROOT = torch.tensor([0.05, 0.30, 0.10, 0.35, 0.15, 0.05])
@@ -257,9 +256,10 @@ def test_target_logits_equal_the_lm_head(llama, rows):
 
 def test_engine_sampling_with_a_grafted_lookup_path_matches_target(llama):
     """EAGLE's tree plus a prompt-lookup path (TreeConfig.lookup): the sampled tokens keep the target's law."""
+    from conftest import eagle_drafter
+
     from eagle_lite.config import TreeConfig
     from eagle_lite.draft import DraftHead
-    from conftest import eagle_drafter
 
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes

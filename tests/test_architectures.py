@@ -7,12 +7,11 @@ import json
 import pytest
 import torch
 import transformers as T
-from conftest import VOCAB, reference_greedy, tiny_tokenizer
+from conftest import VOCAB, eagle_drafter, reference_greedy, tiny_tokenizer
 
 from eagle_lite.checkpoint import load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
-from conftest import eagle_drafter
 from eagle_lite.drafters.base import NoDrafter
 from eagle_lite.drafters.layer_skip import LayerSkipDrafter
 from eagle_lite.engine import Engine

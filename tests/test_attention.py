@@ -7,15 +7,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import VOCAB, make_target, reference_greedy
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle_lite.kernels import attention
-from eagle_lite.kernels.attention import (BackendUnavailableError, KEYS, dense_attention, merge_lse, prefix_attention,
-                                  resolve_backend, select_attention, split_attention)
+from eagle_lite.kernels.attention import (
+    KEYS,
+    BackendUnavailableError,
+    dense_attention,
+    merge_lse,
+    prefix_attention,
+    resolve_backend,
+    select_attention,
+    split_attention,
+)
 from eagle_lite.target import Target
 from eagle_lite.tree import DraftTree, attention_mask
-
-from conftest import VOCAB, make_target, reference_greedy
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
 CPU_BACKENDS = ["sdpa", "gqa", "flex", "lse_merge"]  # 'flash' needs flash-attn and CUDA: see the gpu tests

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from conftest import make_target, reference_greedy
 
-from eagle_lite.kernels.certified_argmax import CertifiedArgmax
 from eagle_lite.config import GenerationConfig
 from eagle_lite.drafters import PromptLookupDrafter
 from eagle_lite.engine import Engine
+from eagle_lite.kernels.certified_argmax import CertifiedArgmax
 
 
 def _weight(vocab: int = 4096, hidden: int = 64, seed: int = 0) -> torch.Tensor:

@@ -5,13 +5,12 @@ import json
 
 import pytest
 import torch
+from conftest import make_target
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import TreeConfig
 from eagle_lite.draft import DraftHead
 from eagle_lite.tree import attention_mask
-
-from conftest import make_target
 
 
 def head_outputs(head: DraftHead, target) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pytest
 
 from eagle_lite.generate import main
 
+
 def run_json(capsys, *args) -> dict:
     assert main(list(args) + ["--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -201,9 +202,8 @@ def test_an_error_inside_a_chat_turn_keeps_the_session(monkeypatch, capsys):
 def endless_model_dir(tmp_path_factory):
     """A tiny random Llama with no EOS and a long context: it writes until it is stopped."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from conftest import tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("endless-model")
     tokenizer = tiny_tokenizer()

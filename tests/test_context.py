@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import eagle_drafter, make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
-from conftest import eagle_drafter
 from eagle_lite.engine import Engine
 from eagle_lite.kv_cache import ContextOverflowError
-
-from conftest import make_target, reference_greedy
 
 
 def test_prompt_longer_than_context_is_refused():

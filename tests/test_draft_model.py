@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import VOCAB, exact_continuations, make_target, reference_greedy
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -17,8 +18,6 @@ from eagle_lite.drafters.layer_skip import EarlyExit
 from eagle_lite.engine import Engine
 from eagle_lite.generate import main
 from eagle_lite.target import Target
-
-from conftest import VOCAB, exact_continuations, make_target, reference_greedy
 
 
 def noisy_copy(family: str = "llama", noise: float = 0.1) -> Target:
@@ -264,9 +263,8 @@ def test_cli_layer_skip_and_draft_model_equal_vanilla(tiny_model_dir, capsys):
 
 
 def test_eval_methods_register_both(llama):
-    from eval.methods import build_methods
-
     from eagle_lite.drafters import DraftModelOptions
+    from eval.methods import build_methods
 
     with pytest.raises(ValueError, match="'draft_model' needs --draft-model"):
         build_methods(llama, ["draft_model"])

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, eagle_drafter, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead
 from eagle_lite.drafters import DraftInput, NoDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
-
-from conftest import VOCAB, eagle_drafter, reference_greedy
 
 TREES = {
     "chain": TreeConfig(depth=4, top_k=1, total_tokens=4),

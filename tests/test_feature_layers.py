@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, eagle_drafter, make_target, reference_greedy
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.draft import DraftHead, auto_feature_layers
-from conftest import eagle_drafter
 from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
-
-from conftest import VOCAB, make_target, reference_greedy
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama-q4_1"])

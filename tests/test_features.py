@@ -12,8 +12,14 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from trainers.distill import DistillConfig, distill, pack, read_records, synthetic_prompt  # noqa: E402
-from trainers.features import (FeatureCache, FeatureCacheMismatch, FeatureConfig, cache_features,  # noqa: E402
-                               loss_mask_of, target_features)
+from trainers.features import (  # noqa: E402
+    FeatureCache,
+    FeatureCacheMismatch,
+    FeatureConfig,
+    cache_features,
+    loss_mask_of,
+    target_features,
+)
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, make_target, reference_greedy
+from test_grid_linear import needs_kernel
 
-from eagle_lite.kernels import fused_layer
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
+from eagle_lite.kernels import fused_layer
 from eagle_lite.tree import DraftTree
-
-from conftest import VOCAB, make_target, reference_greedy
-from test_grid_linear import needs_kernel
 
 pytestmark = needs_kernel
 

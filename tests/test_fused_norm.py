@@ -44,7 +44,7 @@ def test_the_native_norm_equals_the_library_norm_to_rounding(rows):
 
 
 def test_a_norm_that_computes_something_else_keeps_its_forward():
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm   # scales by (1 + weight)
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # scales by (1 + weight)
 
     norm = GemmaRMSNorm(32)
     assert fuse_rms_norms(norm) == 0 and "forward" not in norm.__dict__

@@ -8,16 +8,15 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_target, reference_greedy, snap_to_q4_1, snap_to_q8_0
 from torch import nn
 
-from eagle_lite.kernels import cpu_linear, grid_linear
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.kernels.cpu_linear import pack_linears
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
+from eagle_lite.kernels import cpu_linear, grid_linear
+from eagle_lite.kernels.cpu_linear import pack_linears
 from eagle_lite.kernels.grid_linear import Grid4, Grid8, grid_of, kernel_available
-
-from conftest import make_target, reference_greedy, snap_to_q4_1, snap_to_q8_0
 
 CAN_BUILD = (platform.machine().lower() in ("x86_64", "amd64") and shutil.which("c++") is not None
              and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -158,8 +157,9 @@ def test_rounding_a_weight_onto_a_q8_0_grid_stays_within_its_step():
 @needs_kernel
 @pytest.mark.parametrize("round_head", [True, False])
 def test_the_draft_head_may_run_from_rounded_codes_and_stays_exact(round_head):
-    from eagle_lite.draft import DraftHead
     from conftest import eagle_drafter
+
+    from eagle_lite.draft import DraftHead
 
     target = make_target("llama")
     torch.manual_seed(0)

@@ -11,6 +11,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+from conftest import VOCAB, make_target, reference_greedy, tiny_train_config, train_config  # noqa: E402
+
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head  # noqa: E402
 from eagle_lite.config import GenerationConfig, SamplingConfig  # noqa: E402
 from eagle_lite.draft import DraftHead  # noqa: E402
@@ -21,8 +23,6 @@ from eagle_lite.medusa import MedusaHeads, load_medusa, save_medusa  # noqa: E40
 from trainers.datamodule import collate  # noqa: E402
 from trainers.medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
-
-from conftest import VOCAB, make_target, reference_greedy, tiny_train_config, train_config  # noqa: E402
 
 
 def random_heads(target, num_heads: int = 4, seed: int = 0) -> MedusaHeads:
@@ -247,10 +247,9 @@ def test_a_run_folder_holding_the_other_kind_of_head_is_refused(runs):
 
 # -- registration and tuning --------------------------------------------------------------------------
 def test_pipeline_and_eval_methods_know_medusa(tiny_model_dir):
+    from eagle_lite.drafters import MedusaOptions
     from eagle_lite.pipeline import load
     from eval.methods import build_methods
-
-    from eagle_lite.drafters import MedusaOptions
 
     lm = load(str(tiny_model_dir), method="medusa", options=MedusaOptions(heads="random", choices="[[0], [1], [0, 0]]"))
     vanilla = load(str(tiny_model_dir), method="vanilla")

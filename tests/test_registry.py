@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import make_target
 
 from eagle_lite.config import TreeConfig, resolve_tree
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.lookup_graft import LookupGraft
-
-from conftest import make_target
 
 
 def test_every_registered_method_builds_a_drafter_with_its_default_options(monkeypatch):

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import eagle_drafter
 
 from eagle_lite.config import GenerationConfig
 from eagle_lite.draft import DraftHead
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.engine import Engine
-
-from conftest import eagle_drafter
 
 pytestmark = pytest.mark.slow
 

@@ -13,6 +13,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from conftest import tiny_train_config, train_config  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head, read_head_config  # noqa: E402
@@ -20,12 +21,17 @@ from eagle_lite.draft import DraftHead  # noqa: E402
 from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
 from trainers.datamodule import LoaderConfig, collate, joint_index  # noqa: E402
 from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
-from trainers.objective import (ObjectiveConfig, agreement, lookup_predictable, make_pairs, novel_pairs,  # noqa: E402
-                                objective, unroll)
+from trainers.objective import (  # noqa: E402
+    ObjectiveConfig,
+    agreement,
+    lookup_predictable,
+    make_pairs,
+    novel_pairs,
+    objective,
+    unroll,
+)
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 from trainers.vocab import build_d2t, count_tokens  # noqa: E402
-
-from conftest import tiny_train_config, train_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -227,8 +233,9 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     """draft.feature_layers=auto: the features stage caches the taps, the head trains on them, the exported head
     loads with its layers and decodes the target's own greedy output; a plain head trains on the same cache, a head
     reading other layers is refused."""
-    from eagle_lite.config import GenerationConfig, TreeConfig
     from conftest import eagle_drafter
+
+    from eagle_lite.config import GenerationConfig, TreeConfig
     from eagle_lite.engine import Engine
     from trainers.features import FeatureCacheMismatch
     from trainers.train import train

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB
 
 from eagle_lite.kv_cache import ContextOverflowError, StaticKVCache
 from eagle_lite.tree import DraftTree, attention_mask, rerank
-
-from conftest import VOCAB
 
 
 def random_tree(n: int, seed: int) -> DraftTree:

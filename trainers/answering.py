@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -98,7 +98,7 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progre
     return answers
 
 
-_ENGINES: "weakref.WeakKeyDictionary[Target, tuple]" = weakref.WeakKeyDictionary()
+_ENGINES: weakref.WeakKeyDictionary[Target, tuple] = weakref.WeakKeyDictionary()
 
 
 def _engine_for(target: Target):

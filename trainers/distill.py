@@ -28,9 +28,9 @@ import lzma
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -485,7 +485,7 @@ def pack(folders: str | Path | list, dest: str | Path) -> Path:
             data = shard.read_bytes()
             packed = data if shard.suffix == ".xz" else lzma.compress(data, preset=9)
             if not (out.is_file() and out.read_bytes() == packed):
-                write_atomic(out, lambda tmp: Path(tmp).write_bytes(packed))
+                write_atomic(out, lambda tmp, packed=packed: Path(tmp).write_bytes(packed))
             written.append(out)
     for stale in set(_shards(dest)) - set(written):
         stale.unlink()

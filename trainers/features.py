@@ -26,9 +26,9 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open

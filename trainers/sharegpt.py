@@ -19,9 +19,10 @@ import json
 import re
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 

@@ -7,7 +7,7 @@ EOS/special token, so it can always end a turn. `d2t[i]` is the target id of dra
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -1,14 +1,27 @@
 """Proposers behind one protocol (base.py), built by name through one registry (registry.py); the engine and
 verifier are the same for all of them."""
-from .base import DraftInput, Drafter, NoDrafter
+from .base import Drafter, DraftInput, NoDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .layer_skip import LayerSkipDrafter
 from .lookup_graft import LookupGraft
 from .medusa import MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
-from .registry import (AUTO, METHODS, NAMES, DraftModelOptions, EagleOptions, LayerSkipOptions, LookupOptions,
-                       MedusaOptions, VanillaOptions, build, check, load_eagle_head, resolve)
+from .registry import (
+                       AUTO,
+                       METHODS,
+                       NAMES,
+                       DraftModelOptions,
+                       EagleOptions,
+                       LayerSkipOptions,
+                       LookupOptions,
+                       MedusaOptions,
+                       VanillaOptions,
+                       build,
+                       check,
+                       load_eagle_head,
+                       resolve,
+)
 
 __all__ = ["DraftInput", "Drafter", "NoDrafter", "EagleDrafter", "PromptLookupDrafter", "LookupGraft",
            "DraftModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "AUTO", "METHODS", "NAMES", "build", "check",

@@ -13,7 +13,7 @@ import torch
 
 from ..config import TreeConfig
 from ..tree import DraftTree, graft_chain
-from .base import DraftInput, Drafter
+from .base import Drafter, DraftInput
 from .prompt_lookup import PromptLookupDrafter
 
 COPY_MAX = 16   # the longest lookup chain verified alone while the answer copies its context

@@ -10,9 +10,10 @@ dataclass; `check` validates what can be checked before the (slow) target load.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .base import Drafter, NoDrafter
 

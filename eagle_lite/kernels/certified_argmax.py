@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ class CertifiedArgmax:
 
     @classmethod
     def build(cls, weight: torch.Tensor, fp32_row: Callable[[torch.Tensor], torch.Tensor],
-              require_faster: bool = True) -> "CertifiedArgmax | None":
+              require_faster: bool = True) -> CertifiedArgmax | None:
         """The float16 path for this weight, or None where it is unsafe or (require_faster) no faster than
         `fp32_row`, which maps x [1, H] to fp32 logits [1, V]."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .grid_linear import MAX_GRID_ROWS, Grid8, GridWeight, grid_of
-from .native import kernel_available
 from .instance_forward import class_forwards
+from .native import kernel_available
 
 # A tall weight (an lm_head) times at most this many rows streams the weight once as weight @ rows.T on CPU
 FEW_ROWS = 8

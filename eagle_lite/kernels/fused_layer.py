@@ -24,16 +24,16 @@ it gave the model's own output on a probe; anything else goes through the model.
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from ..kv_cache import StaticKVCache, with_cache
+from ..tree import attention_mask
 from .grid_linear import MAX_GRID_ROWS, GridWeight
 from .instance_forward import class_forwards
-from ..kv_cache import StaticKVCache, with_cache
 from .native import kernel_available
-from ..tree import attention_mask
 
 MAX_FUSED_ROWS = MAX_GRID_ROWS   # past this many tokens (a prompt's prefill) the layer's own forward is as fast
 

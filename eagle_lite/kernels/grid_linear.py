@@ -39,7 +39,7 @@ class GridWeight:
         return self.codes.shape[0]
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> "GridWeight | None":
+    def of(cls, weight: torch.Tensor) -> GridWeight | None:
         """The grid form of `weight`, or None unless it rebuilds `weight` exactly."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
@@ -55,7 +55,7 @@ class GridWeight:
             return cls._find(w)
 
     @classmethod
-    def _find(cls, w: torch.Tensor) -> "GridWeight | None":
+    def _find(cls, w: torch.Tensor) -> GridWeight | None:
         raise NotImplementedError
 
     @staticmethod
@@ -95,7 +95,7 @@ class Grid4(GridWeight):
     op_name = "grid4_linear"
 
     @classmethod
-    def _find(cls, w: torch.Tensor) -> "Grid4 | None":
+    def _find(cls, w: torch.Tensor) -> Grid4 | None:
         low = w.amin(-1, keepdim=True)                                          # m: the group's code-0 value
         span = (w.amax(-1, keepdim=True).double() - low.double()) / (LEVELS - 1)
 
@@ -125,7 +125,7 @@ class Grid8(GridWeight):
     op_name = "grid8_linear"
 
     @classmethod
-    def _find(cls, w: torch.Tensor) -> "Grid8 | None":
+    def _find(cls, w: torch.Tensor) -> Grid8 | None:
         span = w.abs().amax(-1, keepdim=True).double() / 127
 
         def rebuild(d):
@@ -143,7 +143,7 @@ class Grid8(GridWeight):
         return (self.codes.view(n, -1, GROUP).float() * self.scales.view(n, -1, 1)).reshape(n, -1)
 
     @classmethod
-    def rounded(cls, weight: torch.Tensor) -> "Grid8 | None":
+    def rounded(cls, weight: torch.Tensor) -> Grid8 | None:
         """`weight` rounded onto a Q8_0 grid (d = the group's largest |w| / 127): NOT the same weight, but
         within 0.4% of each group's largest entry. Only for a draft model, whose proposals need not be exact
         (acceptance checks every token against the target). None where `weight` cannot take a grid."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from torch import nn
 

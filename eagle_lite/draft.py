@@ -182,7 +182,7 @@ def head_layer_classes(target, layer_class: str | None = None) -> tuple[object, 
     The target's own layer where it follows Llama's interface and is dense (the head then shares its
     architecture, as in EAGLE), else `LlamaDecoderLayer` over `llama_config_for` (the head is only trained, never
     copied from the target, so any layer of the right width serves). layer_class names a saved head's layer: the
-    target's own (heads saved before session 10 may hold an MoE one) or Llama's."""
+    target's own (an older saved head may name an MoE layer) or Llama's."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     decoder = target.decoder

@@ -536,3 +536,14 @@ def test_the_shipped_head_exports_to_eagle_and_drafts_the_same(tmp_path):
     ra = Engine(target, EagleDrafter(target, a)).generate(prompt, cfg)
     rb = Engine(target, EagleDrafter(target, b)).generate(prompt, cfg)
     assert ra.token_ids == rb.token_ids and ra.stats.accept_lengths == rb.stats.accept_lengths
+
+
+def test_serving_flags_map_the_tree_onto_each_server():
+    from eagle_lite.export import serving_flags, vllm_tree
+
+    flags = serving_flags({"depth": 3, "top_k": 4, "total_tokens": 10})
+    assert flags["sglang"] == "--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 11"
+    assert flags["official"].endswith("depth=2, top_k=4, total_token=11)")
+    tree = vllm_tree(3, 4, 10)   # 3 branches (3 * 3 <= 10 nodes), each a chain of 3
+    assert tree == [(0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    assert f'"num_speculative_tokens": {len(tree)}' in flags["vllm"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, make_target, reference_greedy
+from interop_reference import eagle1_forward, eagle3_forward, llama_config, medusa_logits, random_layer, write
 
 from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
@@ -13,10 +15,6 @@ from eagle_lite.drafters import DraftInput, EagleDrafter, MedusaDrafter
 from eagle_lite.engine import Engine
 from eagle_lite.medusa import load_medusa
 from eagle_lite.tree import attention_mask
-
-from conftest import VOCAB, make_target, reference_greedy
-from interop_reference import (eagle1_forward, eagle3_forward, llama_config, medusa_logits, random_layer,
-                               write)
 
 TREE = TreeConfig(depth=3, top_k=3, total_tokens=8)
 

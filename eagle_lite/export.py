@@ -66,6 +66,28 @@ def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torc
     return write(load_head(head_path, target), target, out, meta, dtype)
 
 
+def vllm_tree(depth: int, top_k: int, total_tokens: int) -> list[tuple[int, ...]]:
+    """A static tree vLLM's speculative_token_tree can run: b children of the root (its b likeliest tokens), each
+    followed by a chain of its top-1 continuations to `depth` (vLLM's tree proposer needs every node of a level to
+    have the same number of children); b * depth <= total_tokens nodes."""
+    branches = max(1, min(top_k, total_tokens // depth))
+    return [(b,) + (0,) * level for level in range(depth) for b in range(branches)]
+
+
+def serving_flags(tree: dict) -> dict[str, str]:
+    """The settings of each server closest to eagle_lite's tree {depth, top_k, total_tokens} (config.json "tree"):
+    SGLang and official EAGLE run the same dynamic EAGLE-2 tree; vLLM runs a static one (`vllm_tree`)."""
+    depth, top_k, total = int(tree["depth"]), int(tree["top_k"]), int(tree["total_tokens"])
+    return {
+        "sglang": f"--speculative-num-steps {depth} --speculative-eagle-topk {top_k} "
+                  f"--speculative-num-draft-tokens {total + 1}",
+        "official": f"EaModel.from_pretrained(..., depth={depth - 1}, top_k={top_k}, total_token={total + 1})",
+        # num_speculative_tokens counts the tree's nodes (vLLM's docs: a 5-node tree with 5)
+        "vllm": f'"num_speculative_tokens": {len(vllm_tree(depth, top_k, total))}, '
+                f'"speculative_token_tree": "{vllm_tree(depth, top_k, total)}"',
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eagle_lite.export",
                                 description="Write a draft head in the layout official EAGLE, SpecForge, vLLM and "
@@ -101,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     for note in notes:
         print(f"note: {note}")
+    tree = head_record(head).get("tree_cuda") or head_record(head).get("tree")
+    if tree and args.format != "medusa":
+        for server, flags in serving_flags(tree).items():
+            print(f"{server}: {flags}   (the head's recommended tree: depth {tree['depth']}, top_k {tree['top_k']}, "
+                  f"{tree['total_tokens']} nodes)")
     return 0
 
 

@@ -114,8 +114,10 @@ def random_layer(g: torch.Generator, prefix: str, cfg: dict, in_width: int, inpu
     def rand(*shape, scale=0.2):
         return torch.randn(*shape, generator=g) * scale
 
-    w = {f"{prefix}self_attn.q_proj.weight": rand(nh * d, in_width), f"{prefix}self_attn.k_proj.weight": rand(nkv * d, in_width),
-         f"{prefix}self_attn.v_proj.weight": rand(nkv * d, in_width), f"{prefix}self_attn.o_proj.weight": rand(h, nh * d),
+    w = {f"{prefix}self_attn.q_proj.weight": rand(nh * d, in_width),
+         f"{prefix}self_attn.k_proj.weight": rand(nkv * d, in_width),
+         f"{prefix}self_attn.v_proj.weight": rand(nkv * d, in_width),
+         f"{prefix}self_attn.o_proj.weight": rand(h, nh * d),
          f"{prefix}mlp.gate_proj.weight": rand(i, h), f"{prefix}mlp.up_proj.weight": rand(i, h),
          f"{prefix}mlp.down_proj.weight": rand(h, i),
          f"{prefix}post_attention_layernorm.weight": 1 + rand(h, scale=0.1)}

@@ -312,7 +312,8 @@ def llama_params(cfg: dict, prefix: str, in_width: int, fused: bool, input_norm_
             out[p + "self_attn.qkv_proj.weight"] = ((nh + 2 * nkv) * d, in_width)
             out[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
         else:
-            out.update({p + "self_attn.q_proj.weight": (nh * d, in_width), p + "self_attn.k_proj.weight": (nkv * d, in_width),
+            out.update({p + "self_attn.q_proj.weight": (nh * d, in_width),
+                        p + "self_attn.k_proj.weight": (nkv * d, in_width),
                         p + "self_attn.v_proj.weight": (nkv * d, in_width), p + "mlp.gate_proj.weight": (i, h),
                         p + "mlp.up_proj.weight": (i, h)})
         out.update({p + "self_attn.o_proj.weight": (h, nh * d), p + "mlp.down_proj.weight": (h, i),
@@ -464,7 +465,7 @@ def test_unknown_and_inconsistent_layouts_are_refused(llama, deep, tmp_path):
         load_head(tmp_path / "unknown", llama)
     folder, cfg, w = official_eagle(tmp_path / "mixed", llama, None, "model.safetensors")
     write(folder, {**cfg, "draft_vocab_size": 40}, w)
-    with pytest.raises(ValueError, match="inconsistent: its config.json describes an EAGLE-3 head.*keys of an EAGLE-1/2"):
+    with pytest.raises(ValueError, match="inconsistent: its config.json describes an EAGLE-3 head.*keys of an EAG"):
         load_head(folder, llama)
     folder, cfg, w = official_eagle(tmp_path / "normed", llama, None, "model.safetensors")
     write(folder, cfg, {**w, "layers.0.input_layernorm.weight": torch.ones(llama.hidden_size)})
@@ -533,3 +534,14 @@ def test_the_shipped_head_exports_to_eagle_and_drafts_the_same(tmp_path):
     ra = Engine(target, EagleDrafter(target, a)).generate(prompt, cfg)
     rb = Engine(target, EagleDrafter(target, b)).generate(prompt, cfg)
     assert ra.token_ids == rb.token_ids and ra.stats.accept_lengths == rb.stats.accept_lengths
+
+
+def test_serving_flags_map_the_tree_onto_each_server():
+    from eagle_lite.export import serving_flags, vllm_tree
+
+    flags = serving_flags({"depth": 3, "top_k": 4, "total_tokens": 10})
+    assert flags["sglang"] == "--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 11"
+    assert flags["official"].endswith("depth=2, top_k=4, total_token=11)")
+    tree = vllm_tree(3, 4, 10)   # 3 branches (3 * 3 <= 10 nodes), each a chain of 3
+    assert tree == [(0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    assert f'"num_speculative_tokens": {len(tree)}' in flags["vllm"]

@@ -81,7 +81,8 @@ def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
     else:
         taps = tuple(int(i) - (aux_ids == "input") for i in ids)
     if len(taps) != fc.shape[1] // hidden:
-        raise ValueError(f"{where}: fc.weight reads {fc.shape[1] // hidden} tapped layers, the config names {list(taps)}")
+        raise ValueError(f"{where}: fc.weight reads {fc.shape[1] // hidden} tapped layers, the config names "
+                         f"{list(taps)}")
     offsets, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     d2t = None
     if offsets is not None:
@@ -144,8 +145,9 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
                                   "use_aux_hidden_state": True}
         notes.append(f"the head reads the outputs of layers {list(head.feature_layers)}, not the published defaults: "
                      f"config.json names them in SpecForge's and SGLang's convention (output of layer i). vLLM reads "
-                     f"the same ids as inputs of layer i, one layer lower: for vLLM set eagle_aux_hidden_state_layer_ids "
-                     f"to {[i + 1 for i in head.feature_layers]}; official EAGLE-3 always taps the defaults")
+                     f"the same ids as inputs of layer i, one layer lower: for vLLM set "
+                     f"eagle_aux_hidden_state_layer_ids to {[i + 1 for i in head.feature_layers]}; official EAGLE-3 "
+                     f"always taps the defaults")
     write_folder(out, tensors, config)
     return notes
 

@@ -1,0 +1,108 @@
+"""eagle_lite's lossless speculative decoding inside transformers' own `model.generate()`, through its supported
+extension point: a `custom_generate` callable, which `generate` calls as the decoding loop after its usual input
+preparation (generation config, stopping criteria, logits processors, max_length).
+
+    from eagle_lite.custom_generate import generate as eagle_generate
+    out = model.generate(input_ids, max_new_tokens=64, custom_generate=eagle_generate, draft="path/to/head")
+
+`draft`: a head folder (`--draft` takes the same: eagle_lite's own or a published layout), a loaded DraftHead, or
+None for prompt lookup (training-free). `tree`: a TreeConfig (default: the head's recommended tree). The result is
+what `generate()` returns: the sequences [1, prompt + new] (a GenerateDecoderOnlyOutput with
+`return_dict_in_generate=True`), token for token the same as greedy `generate()` and the same distribution when
+sampling (temperature, top_k, top_p). One sequence at a time, without padding; logits processors other than those
+three, and scores/logits/attentions in the output, are refused rather than silently ignored.
+
+The user's model is used as it is: eagle_lite's CPU speed-ups (packed linears, fused norms) that would set instance
+forwards on its modules are left off, so plain `generate()` on the same model is unchanged afterwards.
+"""
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import torch
+
+from .config import GenerationConfig, SamplingConfig, TreeConfig
+
+SAMPLING_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
+# model -> (its Target, {draft key: Engine}): the load-time checks and the KV caches are made once per model
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sampling_of(config, logits_processor) -> SamplingConfig:
+    """The SamplingConfig equivalent to what generate() prepared, or a ValueError naming what has none."""
+    other = [type(p).__name__ for p in logits_processor if type(p).__name__ not in SAMPLING_WARPERS]
+    if other:
+        raise ValueError(f"eagle_lite's speculative decoding is exact for temperature, top_k and top_p only; this call "
+                         f"also has {', '.join(other)}: drop it (or generate without custom_generate)")
+    if not config.do_sample:
+        return SamplingConfig()
+    return SamplingConfig(temperature=float(config.temperature or 1.0), top_p=float(config.top_p or 1.0),
+                          top_k=int(config.top_k or 0))
+
+
+def engine_for(model, draft):
+    """The Engine for `model` and `draft` (cached per model)."""
+    from .checkpoint import load_head
+    from .draft import DraftHead
+    from .drafters import EagleOptions, build
+    from .engine import Engine
+    from .target import Target
+
+    if model not in _ENGINES:
+        name = getattr(model.config, "name_or_path", None) or type(model).__name__
+        _ENGINES[model] = (Target(model, name=name, attention="sdpa", accelerate=False), {})
+    target, engines = _ENGINES[model]
+    key = id(draft) if isinstance(draft, DraftHead) else str(draft)
+    if key not in engines:
+        if draft is None:
+            drafter = build("lookup", target)
+        else:
+            head = draft if isinstance(draft, DraftHead) else load_head(Path(draft), target)
+            head = head.to(device=target.device, dtype=target.dtype)
+            drafter = build("eagle", target, EagleOptions(head=head, round_head=False))
+        engines[key] = Engine(target, drafter)
+    return engines[key]
+
+
+def generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+             synced_gpus: bool = False, streamer=None, draft=None, tree: TreeConfig | None = None, **model_kwargs):
+    """The decoding loop `GenerationMixin.generate(custom_generate=generate, draft=..., tree=...)` runs."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"eagle_lite decodes one sequence at a time, got a batch of {input_ids.shape[0]}: call "
+                         f"generate once per prompt")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("the attention_mask masks prompt tokens: eagle_lite decodes unpadded prompts only")
+    wanted = [k for k in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+              if getattr(generation_config, k, False)]
+    if wanted:
+        raise ValueError(f"{', '.join(wanted)}: eagle_lite's speculative decoding returns the sequences only")
+    engine = engine_for(model, draft)
+    head = getattr(engine.drafter, "head", None)
+    tree = tree or (head.tree if head is not None and head.tree else TreeConfig())
+    prompt = input_ids[0].tolist()
+    new_max = generation_config.max_length - len(prompt)
+    seed = int(torch.randint(1 << 62, (1,))) if generation_config.do_sample else None   # torch.manual_seed applies
+    cfg = GenerationConfig(max_new_tokens=max(new_max, 1), sampling=sampling_of(generation_config, logits_processor),
+                           tree=tree, seed=seed, stop_at_eos=False)
+    sequence = input_ids.clone()
+    if new_max > 0:
+        for step in engine.stream(prompt, cfg):
+            done = False
+            for token in step:   # generate()'s own stopping criteria (EOS, max_length, stop strings), token by token
+                sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
+                if streamer is not None:
+                    streamer.put(sequence[:, -1:].cpu())
+                if bool(stopping_criteria(sequence, None).all()):
+                    done = True
+                    break
+            if done:
+                break
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequence)
+    return sequence

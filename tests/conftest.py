@@ -151,21 +151,26 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random Llama with a character-level tokenizer and a chat template, saved like a hub model."""
-    path = tmp_path_factory.mktemp("tiny-chat-model")
+def save_tiny_llama(path, max_position_embeddings: int, eos_token_id: int | None, lm_head_scale: float = 1.0):
+    """Save a tiny random Llama (seed 0) with the character-level tokenizer and chat template into `path`."""
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=2, pad_token_id=1, bos_token_id=None)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                         eos_token_id=eos_token_id, pad_token_id=1, bos_token_id=None)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+    if lm_head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_head_scale)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a character-level tokenizer and a chat template, saved like a hub model."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-chat-model"), 256, eos_token_id=2, lm_head_scale=8.0)
 
 
 def eagle_drafter(target, head, **options):

@@ -201,19 +201,9 @@ def test_an_error_inside_a_chat_turn_keeps_the_session(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def endless_model_dir(tmp_path_factory):
     """A tiny random Llama with no EOS and a long context: it writes until it is stopped."""
-    import torch
-    from conftest import tiny_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import save_tiny_llama
 
-    path = tmp_path_factory.mktemp("endless-model")
-    tokenizer = tiny_tokenizer()
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         eos_token_id=None, pad_token_id=1, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("endless-model"), 8192, eos_token_id=None)
 
 
 def interrupt_after_first_byte(args: list, stream: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,6 @@ from the weights' GGUF grid codes; the tests check them token for token on a tin
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -98,14 +97,11 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progre
     return answers
 
 
-_ENGINES: weakref.WeakKeyDictionary[Target, tuple] = weakref.WeakKeyDictionary()
-
-
 def _engine_for(target: Target):
-    """The engine that answers for `target` (built once per target), with the speed-ups and tree-attention backend
-    applied to it (the features stage and batched generate() run it as built, inside `Target.stock`), and the
-    head shipped for it."""
-    if target not in _ENGINES:
+    """The engine that answers for `target` (built once per target and kept on it, so it goes with the target), with
+    the speed-ups and tree-attention backend applied to it (the features stage and batched generate() run it as
+    built, inside `Target.stock`), and the head shipped for it."""
+    if getattr(target, "_distill_engine", None) is None:
         from eagle_lite.config import resolve_tree
         from eagle_lite.drafters import registry
         from eagle_lite.engine import Engine
@@ -118,5 +114,5 @@ def _engine_for(target: Target):
                         target.name, err)
             drafter = registry.build("lookup", target)
         log.info("distill: answering with eagle_lite's engine (%s drafter)", drafter.name)
-        _ENGINES[target] = (Engine(target, drafter), resolve_tree(getattr(drafter, "recommended_tree", None)))
-    return _ENGINES[target]
+        target._distill_engine = (Engine(target, drafter), resolve_tree(getattr(drafter, "recommended_tree", None)))
+    return target._distill_engine

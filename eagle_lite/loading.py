@@ -158,9 +158,10 @@ def gguf_file(spec: str | None) -> Path | None:
     return path
 
 
-def target_source(spec: str | None) -> Path | str:
+def target_source(spec: str | None, what: str = "target") -> Path | str:
     """Where a target spec's model is: its GGUF file, a local folder, or (else) a hub id. A spec naming a file
-    or folder that is not there, or a fake .gguf, is an error here, before anything loads."""
+    or folder that is not there, or a fake .gguf, is an error here, before anything loads; `what` names the
+    model in that error (e.g. "draft model")."""
     spec = spec or DEFAULT_TARGET
     gguf = gguf_file(spec)
     if gguf is not None:
@@ -168,7 +169,7 @@ def target_source(spec: str | None) -> Path | str:
     if Path(spec).is_dir():
         return Path(spec)
     if spec.startswith(("/", "./", "../", "~")) or Path(spec).exists():
-        raise FileNotFoundError(f"target '{spec}': no model folder there (a target is 'smollm2', a .gguf file, a "
+        raise FileNotFoundError(f"{what} '{spec}': no model folder there (a model is 'smollm2', a .gguf file, a "
                                 f"folder saved by save_pretrained, or a hub id such as HuggingFaceTB/SmolLM2-135M)")
     return spec
 

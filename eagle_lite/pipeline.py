@@ -133,7 +133,7 @@ def check_inputs(method: str, draft: str | None, draft_model: str | None, medusa
     if method in ("auto", "eagle") and draft not in (None, "auto", "random"):
         read_head_config(draft)
     if method == "draft_model":
-        target_source(draft_model)
+        target_source(draft_model, "draft model")
     if method == "medusa" and medusa != "random":
         read_config(medusa, MEDUSA_FORMAT, "Medusa heads")
     if method == "medusa" and isinstance(medusa_choices, str):

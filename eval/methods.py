@@ -122,6 +122,10 @@ def engine_method(engine: Engine) -> Method:
     return run
 
 
+NAMES = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "vanilla", "lookup", "eagle", "draft_model", "layer_skip",
+         "medusa", "llama_cpp")
+
+
 def build_methods(target: Target, names: list[str], head=None, draft_target: Target | None = None,
                   exit_layer: int | None = None, medusa_heads=None, medusa_choices=None,
                   gguf: Path | None = None, threads: int | None = None) -> dict[str, Method]:

@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle_lite.checkpoint import default_head_path, load_head
+from eagle_lite.checkpoint import MEDUSA_FORMAT, default_head_path, load_head, read_config, read_head_config
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.draft import DraftHead
-from eagle_lite.loading import load_target
+from eagle_lite.loading import load_target, target_source
+from eagle_lite.threads import check_threads
 
 from . import plots, report, runner
-from .methods import build_methods, gguf_of
+from .methods import NAMES, build_methods, gguf_of
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -84,17 +85,55 @@ def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
     return TreeConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
 
 
-def evaluate(s: EvalSettings, progress: bool = True):
-    """Returns (records, summary rows, header line)."""
+def check_draft(draft: str) -> None:
+    """Refuse a --draft that names no head folder (or a folder of another kind) before the target loads;
+    'auto' and 'random' are checked when the target is known."""
+    if draft not in ("auto", "random"):
+        read_head_config(draft)
+
+
+def check_settings(s: EvalSettings) -> None:
+    """Refuse every setting that is wrong whatever the target, before it loads (20-80 s): unknown methods or
+    dtype, a baseline not among the methods, threads, tree and sampling values, and the draft head, draft model,
+    Medusa heads and GGUF file the methods need. Raises ValueError / FileNotFoundError naming the setting."""
+    unknown = [m for m in s.methods if m not in NAMES]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(NAMES)}")
     if s.baseline not in s.methods:
         raise ValueError(f"baseline '{s.baseline}' must be one of the methods {s.methods}")
+    if not isinstance(getattr(torch, str(s.dtype), None), torch.dtype):
+        raise ValueError(f"unknown dtype {s.dtype!r}: use float32 or bfloat16")
+    check_threads(s.threads, "threads")
+    TreeConfig.check_overrides(s.tree)
+    GenerationConfig(max_new_tokens=s.max_new_tokens,
+                     sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
+    if "eagle" in s.methods:
+        check_draft(s.draft)
+    wants_draft = sorted({"draft_model", "hf_assisted"} & set(s.methods))
+    if wants_draft and not s.draft_model:
+        raise ValueError(f"method(s) {wants_draft} need a draft model: --draft-model SPEC (draft_model=SPEC in a "
+                         f"sweep), a smaller LM with the target's tokenizer")
+    if wants_draft:
+        target_source(s.draft_model, "draft model")
+    if "medusa" in s.methods and not s.medusa:
+        raise ValueError("method 'medusa' needs heads: --medusa PATH (medusa=PATH in a sweep), a folder trained "
+                         "with `python -m trainers.train experiment=medusa`, or 'random'")
+    if "medusa" in s.methods and s.medusa != "random":
+        read_config(s.medusa, MEDUSA_FORMAT, "Medusa heads")
+    if "llama_cpp" in s.methods:
+        gguf_of(s.target)
+
+
+def evaluate(s: EvalSettings, progress: bool = True):
+    """Returns (records, summary rows, header line). Settings and questions are checked before the target loads."""
+    check_settings(s)
+    questions = load_questions(s.tasks, s.per_category_limit)
+    if not questions:
+        raise ValueError("no questions to run: check the task settings (each task's limit, per_category_limit)")
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device)
     head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
-    questions = load_questions(s.tasks, s.per_category_limit)
-    if not questions:
-        raise ValueError("no questions to run: check the task settings")
     wants_draft = {"draft_model", "hf_assisted"} & set(s.methods)
     draft_target = (load_target(s.draft_model, dtype=getattr(torch, s.dtype), device=s.device)
                     if wants_draft and s.draft_model else None)
@@ -166,8 +205,12 @@ def _main() -> None:
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        settings = settings_from(cfg)
-        records, rows, header = evaluate(settings)
+        try:
+            settings = settings_from(cfg)
+            records, rows, header = evaluate(settings)
+        except (ValueError, FileNotFoundError, RuntimeError) as err:  # a user's setting: one line, not a traceback
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(1)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         print(write_outputs(out_dir, records, rows, settings.baseline, header))
         print(f"(records, summary and plots in {out_dir})")

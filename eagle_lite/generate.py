@@ -158,6 +158,7 @@ def read_turn() -> str:
 def chat(lm, cfg: GenerationConfig) -> None:
     from .engine import GenerationStats
     from .kv_cache import ContextOverflowError
+    from .loading import one_line
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()
@@ -205,8 +206,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
             continue
         except Exception as err:  # any error of one turn: it must not end the session and lose the conversation
             print()
-            print(f"error: this turn failed ({type(err).__name__}: {err}); the conversation goes on without it",
-                  file=sys.stderr)
+            print(f"error: this turn failed ({type(err).__name__}: {one_line(err)}); the conversation goes on "
+                  f"without it", file=sys.stderr)
             messages.pop()
             continue
         print()

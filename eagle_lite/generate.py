@@ -159,6 +159,7 @@ def read_turn() -> str:
 def chat(lm, cfg: GenerationConfig) -> None:
     from .engine import GenerationStats
     from .kv_cache import ContextOverflowError
+    from .loading import one_line
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()
@@ -168,9 +169,12 @@ def chat(lm, cfg: GenerationConfig) -> None:
     while True:
         try:
             line = read_turn().strip()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print(file=sys.stderr)
             return
+        except KeyboardInterrupt:  # a second Ctrl-C meant for an answer must not end the conversation
+            print("\n(/quit or Ctrl-D ends the chat)", file=sys.stderr)
+            continue
         if not line:
             continue
         if line in ("/quit", "/exit"):
@@ -203,8 +207,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
             continue
         except Exception as err:  # any error of one turn: it must not end the session and lose the conversation
             print()
-            print(f"error: this turn failed ({type(err).__name__}: {err}); the conversation goes on without it",
-                  file=sys.stderr)
+            print(f"error: this turn failed ({type(err).__name__}: {one_line(err)}); the conversation goes on "
+                  f"without it", file=sys.stderr)
             messages.pop()
             continue
         print()

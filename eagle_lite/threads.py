@@ -5,13 +5,15 @@ import logging
 import os
 
 log = logging.getLogger("eagle_lite")
+_warned: set[int] = set()  # counts already warned about: a flag checked at the CLI and again in its config warns once
 
 
 def check_threads(threads: int | None, name: str = "--threads") -> int | None:
     """`threads` when it is a usable count of torch CPU threads (None: torch's default, one per core).
 
     Below 1 (or not a whole number) is a ValueError naming `name`. Above this machine's cores is allowed with a
-    warning: the extra threads wait for a core, and every step waits for the slowest thread.
+    warning (once per count in a process): the extra threads wait for a core, and every step waits for the
+    slowest thread.
     """
     if threads is None:
         return None
@@ -19,7 +21,8 @@ def check_threads(threads: int | None, name: str = "--threads") -> int | None:
         raise ValueError(f"{name} must be a whole number >= 1 (torch CPU threads; leave it unset for one per core), "
                          f"got {threads!r}")
     cores = os.cpu_count()
-    if cores and threads > cores:
+    if cores and threads > cores and threads not in _warned:
+        _warned.add(threads)
         log.warning("%s %d is more than the %d CPU cores here: the extra threads wait for a core and slow every "
                     "step; use %d or fewer", name, threads, cores, cores)
     return threads

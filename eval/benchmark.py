@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.config import TreeConfig
+from eagle_lite.threads import check_threads
 
 from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
     p.add_argument("--draft-model", default=None,
                    help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
@@ -68,30 +69,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+def settings_of(args: argparse.Namespace) -> EvalSettings:
+    """The flags as the runner's settings."""
     methods = [m.strip() for m in (args.methods or ",".join(default_methods())).split(",") if m.strip()]
+    if not methods:
+        raise ValueError(f"--methods {args.methods!r} names no method: give them comma-separated, the baseline first")
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
-    settings = EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, methods=methods,
-                            baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
-                            tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
-                                  "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,
-                                  "min_prob": args.tree_min_prob},
-                            threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
-                            medusa=args.medusa, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    return EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, methods=methods,
+                        baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
+                        tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
+                              "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,
+                              "min_prob": args.tree_min_prob},
+                        threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
+                        medusa=args.medusa, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        if args.per_task < 0:
+            raise ValueError(f"--per-task must be >= 0, got {args.per_task}")
+        check_threads(args.threads)  # named as the flag here; evaluate checks the settings again
+        settings = settings_of(args)
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
         records, rows, header = evaluate(settings)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\n[stopped]", file=sys.stderr)
+        return 130
     if args.out:
         print(write_outputs(args.out, records, rows, settings.baseline, header))
     else:

@@ -123,6 +123,7 @@ def engine_method(engine: Engine) -> Method:
 
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
+NAMES = (*HF_METHODS[:3], *registry.NAMES, "llama_cpp")   # every method eval can run
 
 
 def build_methods(target: Target, names: list[str], options: dict[str, Any] | None = None,

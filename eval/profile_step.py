@@ -18,6 +18,7 @@ from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.drafters import registry
 from eagle_lite.engine import Engine
 from eagle_lite.loading import load_target
+from eagle_lite.threads import check_threads
 
 from .sweep import head_for
 from .tune import tree_label, tree_spec
@@ -44,16 +45,29 @@ def main(argv=None) -> int:
                    help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt", default=PROMPT)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...")
     args = p.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\n[stopped]", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, load, profile and print the table; returns the exit status."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        check_threads(args.threads)
+        registry.check("eagle", registry.EagleOptions(draft=args.draft))
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         target = load_target(args.target, device=args.device)
         head, note = head_for(target, args.draft)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

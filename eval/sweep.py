@@ -23,9 +23,10 @@ from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, reso
 from eagle_lite.draft import DraftHead
 from eagle_lite.drafters import registry
 from eagle_lite.loading import load_target
+from eagle_lite.threads import check_threads
 
 from . import plots, report, runner
-from .methods import build_methods, gguf_of
+from .methods import NAMES, build_methods, gguf_of
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -83,21 +84,52 @@ def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
     return resolve_tree(getattr(head, "tree", None), **overrides)
 
 
-def evaluate(s: EvalSettings, progress: bool = True):
-    """Returns (records, summary rows, header line)."""
+def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
+    """Each engine method's options (`eagle_lite.drafters.registry`) from the settings."""
+    eagle = registry.EagleOptions(head=head) if head is not None else registry.EagleOptions(draft=s.draft)
+    return {"eagle": eagle,
+            "draft_model": registry.DraftModelOptions(model=s.draft_model),
+            "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
+            "medusa": registry.MedusaOptions(heads=s.medusa)}
+
+
+def check_settings(s: EvalSettings) -> None:
+    """Refuse every setting that is wrong whatever the target, before it loads (20-80 s): unknown methods or
+    dtype, a baseline not among the methods, threads, tree and sampling values, and the draft head, draft model,
+    Medusa heads and GGUF file the methods need (the registry's checks). Raises ValueError / FileNotFoundError
+    naming the setting."""
+    unknown = [m for m in s.methods if m not in NAMES]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(NAMES)}")
     if s.baseline not in s.methods:
         raise ValueError(f"baseline '{s.baseline}' must be one of the methods {s.methods}")
+    if not isinstance(getattr(torch, str(s.dtype), None), torch.dtype):
+        raise ValueError(f"unknown dtype {s.dtype!r}: use float32 or bfloat16")
+    check_threads(s.threads, "threads")
+    TreeConfig.check_overrides(s.tree)
+    GenerationConfig(max_new_tokens=s.max_new_tokens,
+                     sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
+    options = method_options(s)
+    if "hf_assisted" in s.methods:       # runs the draft_model method's smaller LM
+        registry.check("draft_model", options["draft_model"])
+    for name in s.methods:
+        if name in registry.METHODS:
+            registry.check(name, options.get(name))
+    if "llama_cpp" in s.methods:
+        gguf_of(s.target)
+
+
+def evaluate(s: EvalSettings, progress: bool = True):
+    """Returns (records, summary rows, header line). Settings and questions are checked before the target loads."""
+    check_settings(s)
+    questions = load_questions(s.tasks, s.per_category_limit)
+    if not questions:
+        raise ValueError("no questions to run: check the task settings (each task's limit, per_category_limit)")
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device)
     head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
-    questions = load_questions(s.tasks, s.per_category_limit)
-    if not questions:
-        raise ValueError("no questions to run: check the task settings")
-    options = {"eagle": registry.EagleOptions(head=head),
-               "draft_model": registry.DraftModelOptions(model=s.draft_model),
-               "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
-               "medusa": registry.MedusaOptions(heads=s.medusa)}
+    options = method_options(s, head)
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads)
     tree = tree_for(head, s.tree)
@@ -160,8 +192,12 @@ def _main() -> None:
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        settings = settings_from(cfg)
-        records, rows, header = evaluate(settings)
+        try:
+            settings = settings_from(cfg)
+            records, rows, header = evaluate(settings)
+        except (ValueError, FileNotFoundError, RuntimeError) as err:  # a user's setting: one line, not a traceback
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(1)
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         print(write_outputs(out_dir, records, rows, settings.baseline, header))
         print(f"(records, summary and plots in {out_dir})")

@@ -36,24 +36,33 @@ def load_question_file(
     and `turns` (a non-empty list of strings); other keys are ignored, blank lines
     skipped. Integer ids (MT-bench uses them) become strings.
 
-    Raises ValueError naming the file and 1-based line number for a malformed line or a
-    repeated question_id.
+    Raises FileNotFoundError for a missing file, and ValueError naming the file (and the 1-based line
+    number) for text that is not UTF-8, a malformed line, a repeated question_id, or a file that holds
+    no question at all.
     """
     path = Path(path)
+    if not path.exists() or path.is_dir():
+        raise FileNotFoundError(f"question file {path} not found: give an MT-bench / Spec-Bench JSONL file")
     questions: list[Question] = []
     first_line_of: dict[str, int] = {}
-    with open(path, encoding="utf-8") as lines:
-        for line_no, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            question = _parse_question(line, f"{path}:{line_no}")
-            if question.question_id in first_line_of:
-                raise ValueError(
-                    f"{path}:{line_no}: question_id {question.question_id!r} already used on "
-                    f"line {first_line_of[question.question_id]}; ids must be unique"
-                )
-            first_line_of[question.question_id] = line_no
-            questions.append(question)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"question file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        question = _parse_question(line, f"{path}:{line_no}")
+        if question.question_id in first_line_of:
+            raise ValueError(
+                f"{path}:{line_no}: question_id {question.question_id!r} already used on "
+                f"line {first_line_of[question.question_id]}; ids must be unique"
+            )
+        first_line_of[question.question_id] = line_no
+        questions.append(question)
+    if not questions:
+        raise ValueError(f"question file {path} holds no questions: expected one JSON object per line with "
+                         f"question_id, category and turns")
     return limit_per_category(questions, per_category_limit)
 
 

@@ -36,6 +36,7 @@ from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
 from eagle_lite.engine import Engine
 from eagle_lite.target import Target
+from eagle_lite.threads import check_threads
 
 from . import report, runner
 from .methods import Method, engine_method
@@ -87,23 +88,27 @@ def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int],
                      trees: list[TreeConfig] | None = None) -> list[Candidate]:
     """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, or the
     given `trees` instead of the grid; each with its own EagleDrafter."""
-    if trees is None:
-        trees = []
-        for depth, top_k, total, lookup, min_prob in itertools.product(depths, top_ks, totals, lookups, min_probs):
-            try:
-                trees.append(TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup,
-                                        min_prob=min_prob))
-            except ValueError:
-                continue  # more nodes than depth x top_k can draft
     out = []
-    for tree in trees:
+    for tree in trees or tree_grid(depths, top_ks, totals, lookups, min_probs):
         make = lambda tree=tree: with_tree(engine_method(Engine(
             target, registry.build("eagle", target, registry.EagleOptions(head=head)))), tree)
         out.append(Candidate(tree_label(tree), dataclasses.asdict(tree), make))
-    if not out:
+    return out
+
+
+def tree_grid(depths: list[int], top_ks: list[int], totals: list[int], lookups: tuple[int, ...] = (0,),
+              min_probs: tuple[float, ...] = (0.0,)) -> list[TreeConfig]:
+    """Every valid tree of the grid (combinations TreeConfig rejects are skipped); ValueError if none is."""
+    trees = []
+    for depth, top_k, total, lookup, min_prob in itertools.product(depths, top_ks, totals, lookups, min_probs):
+        try:
+            trees.append(TreeConfig(depth=depth, top_k=top_k, total_tokens=total, lookup=lookup, min_prob=min_prob))
+        except ValueError:
+            continue  # more nodes than depth x top_k can draft
+    if not trees:
         raise ValueError(f"no valid tree in depths {depths} x top_ks {top_ks} x totals {totals}: total_tokens "
                          f"must be <= top_k + (depth - 1) * top_k**2")
-    return out
+    return trees
 
 
 def medusa_candidates(target: Target, heads, sizes: list[int]) -> list[Candidate]:
@@ -228,7 +233,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...; --save-tree records the tree for this kind of device (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
     g.add_argument("--draft", default="auto", help="eagle: 'auto' (shipped head), 'random' or a head folder")
@@ -251,6 +256,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="eagle: these trees instead of the grid, each depth,top_k,total_tokens[,lookup[,min_prob]]")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse every flag that is wrong whatever the target, before it loads (20-80 s): counts, threads, the tree
+    grid, and the draft head, Medusa heads or draft model the method needs. Raises ValueError /
+    FileNotFoundError naming the flag or the path."""
+    for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
+                               ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    check_threads(args.threads)
+    if args.save_tree and (args.method != "eagle" or args.draft == "random"):
+        raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle with --draft "
+                         "auto or a head folder")
+    if args.method == "eagle" and args.trees is None:
+        tree_grid(args.depths, args.top_ks, args.totals)
+    registry.check(args.method, registry.options_from_flags(
+        args.method, draft=args.draft, draft_model=args.draft_model, exit_layer=args.exit_layer, medusa=args.medusa))
 
 
 def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
@@ -286,6 +309,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
+    from eagle_lite.checkpoint import default_head_path
     from eagle_lite.loading import load_target
 
     from .sweep import load_questions
@@ -293,24 +317,29 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     take = args.skip + args.limit
     tasks = ([{"name": "file", "path": args.questions, "limit": take}] if args.questions
              else [{"name": t, "limit": take} for t in args.task])
     task_label = (args.questions or ",".join(args.task)) + (f" after the first {args.skip}" if args.skip else "")
-    if args.save_tree and (args.method != "eagle" or args.draft == "random"):
-        print("error: --save-tree records an eagle tree in a head folder: use --method eagle with --draft "
-              "auto or a head folder", file=sys.stderr)
-        return 1
     try:
+        check_args(args)
         questions = skip_per_category(load_questions(tasks), args.skip)
+        if not questions:
+            raise ValueError(f"no questions to tune on in {task_label}: lower --skip or raise --limit")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+        if args.save_tree and args.draft == "auto" and default_head_path(target.name) is None:
+            raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "
+                             f"pass --draft HEAD_FOLDER")
         candidates = build_candidates(args, target)
         rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\n[stopped]", file=sys.stderr)
+        return 130
     print(f"target {target.name} · {args.method} · {task_label}: {len(questions)} questions, "
           f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
           f"{torch.get_num_threads()} threads\n")
@@ -325,7 +354,7 @@ def main(argv=None) -> int:
     print(f"\nbest: {top['method']} at {top['tokens_per_s']:.1f} tokens/s{speedup}; "
           f"select it with {how_to_select(args.method, top['setting'])}")
     if args.save_tree:
-        from eagle_lite.checkpoint import default_head_path, recommend_tree
+        from eagle_lite.checkpoint import recommend_tree
 
         folder = default_head_path(target.name) if args.draft == "auto" else args.draft
         command = "python -m eval.tune " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -198,6 +198,25 @@ def test_an_error_inside_a_chat_turn_keeps_the_session(monkeypatch, capsys):
     assert [m["content"] for m in lm.seen[2]] == ["second", "fine", "third"]
 
 
+def test_ctrl_c_at_the_chat_prompt_keeps_the_conversation(monkeypatch, capsys):
+    from eagle_lite import generate
+    from eagle_lite.config import GenerationConfig
+
+    typed = iter([KeyboardInterrupt, "first", KeyboardInterrupt, "second", EOFError])
+
+    def read_turn():
+        step = next(typed)
+        if isinstance(step, type):
+            raise step()
+        return step
+
+    monkeypatch.setattr(generate, "read_turn", read_turn)
+    lm = FailingOnce()
+    generate.chat(lm, GenerationConfig())
+    assert "(/quit or Ctrl-D ends the chat)" in capsys.readouterr().err
+    assert [m["content"] for m in lm.seen[1]] == ["second"] and len(lm.seen) == 2   # the session went on
+
+
 @pytest.fixture(scope="module")
 def endless_model_dir(tmp_path_factory):
     """A tiny random Llama with no EOS and a long context: it writes until it is stopped."""
@@ -244,11 +263,13 @@ def test_ctrl_c_while_loading_stops_without_a_traceback(tiny_model_dir):
 
 
 def test_threads_are_checked_before_loading(tiny_model_dir, capsys, monkeypatch, caplog):
+    from eagle_lite import threads
     from eagle_lite.threads import check_threads
 
     assert main(["--target", "no/such/model", "--prompt", "x", "--threads", "0"]) == 2
     assert "--threads must be a whole number >= 1" in capsys.readouterr().err
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "_warned", set())
     assert check_threads(999) == 999 and "more than the 4 CPU cores" in caplog.text
     assert check_threads(None) is None and check_threads(4) == 4
     with pytest.raises(ValueError, match="target.threads must be"):
@@ -268,3 +289,22 @@ def test_tree_flags_are_checked_against_the_heads_tree_not_the_default(tiny_mode
     capsys.readouterr()
     assert main([*common, "--tree-depth", "0"]) == 2                    # no tree takes it: refused before loading
     assert "tree depth must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "{nowhere}"], "no draft head at"),
+    (["--method", "medusa", "--medusa", "{nowhere}"], "no Medusa heads at"),
+    (["--method", "medusa", "--medusa", "random", "--medusa-choices", "[[0],"], "are not valid JSON"),
+    (["--method", "draft_model", "--draft-model", "{nowhere}"], "draft model '"),
+    (["--method", "eagle", "--draft", "random", "--tree-total-tokens", "0"], "total_tokens must be >= 1"),
+])
+def test_generate_checks_its_inputs_before_the_target_loads(args, message, tmp_path, capsys, monkeypatch):
+    import eagle_lite.pipeline
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the inputs were checked")
+
+    monkeypatch.setattr(eagle_lite.pipeline, "load_target", refuse)
+    code = main(["--prompt", "x", *[a.format(nowhere=tmp_path / "nowhere") for a in args]])
+    err = capsys.readouterr().err
+    assert code in (1, 2) and message in err and len(err.strip().splitlines()) == 1

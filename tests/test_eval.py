@@ -230,3 +230,67 @@ def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
                          "--max-new-tokens", "6", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out
+
+
+# -- a user's mistake is one line, found before the target loads ---------------------------------------------------
+def test_a_question_file_without_questions_is_an_error(tmp_path):
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n  \n")
+    for path in (empty, blank):
+        with pytest.raises(ValueError, match=f"question file {path} holds no questions"):
+            load_question_file(path)
+    with pytest.raises(FileNotFoundError, match="question file .*nowhere.jsonl not found"):
+        load_question_file(tmp_path / "nowhere.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"question_id": 1, "category": "x", "turns": ["caf\xe9"]}\n')
+    with pytest.raises(ValueError, match="latin1.jsonl is not UTF-8 text"):
+        load_question_file(tmp_path / "latin1.jsonl")
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """Makes loading a target fail the test: what is checked here must be checked before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the inputs were checked")
+
+    import eagle_lite.loading
+    import eval.profile_step
+    import eval.sweep
+
+    for module in (eagle_lite.loading, eval.sweep, eval.profile_step):
+        monkeypatch.setattr(module, "load_target", refuse)
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("benchmark", ["--questions", "{empty}", "--tasks", "humaneval"], "holds no questions"),
+    ("benchmark", ["--methods", "vanilla,eagle", "--draft", "{nowhere}"], "no draft head at"),
+    ("benchmark", ["--methods", "vanilla,medusa", "--medusa", "{nowhere}"], "no Medusa heads at"),
+    ("benchmark", ["--methods", "vanilla,draft_model"], "needs --draft-model SPEC"),
+    ("benchmark", ["--threads", "0"], "--threads must be a whole number >= 1"),
+    ("benchmark", ["--tree-depth", "0"], "tree depth must be >= 1"),
+    ("tune", ["--method", "lookup", "--questions", "{empty}"], "holds no questions"),
+    ("tune", ["--method", "eagle", "--draft", "{nowhere}"], "no draft head at"),
+    ("tune", ["--method", "eagle", "--depths", "1", "--top-ks", "1", "--totals", "4"], "no valid tree"),
+    ("tune", ["--method", "draft_model", "--draft-model", "{nowhere}"], "draft model '"),
+    ("tune", ["--method", "lookup", "--threads", "0"], "--threads must be a whole number >= 1"),
+    ("profile_step", ["--draft", "{nowhere}"], "no draft head at"),
+    ("profile_step", ["--threads", "0"], "--threads must be a whole number >= 1"),
+])
+def test_eval_inputs_are_checked_before_the_target_loads(tool, args, message, tmp_path, capsys, no_target_load):
+    import importlib
+
+    (tmp_path / "empty.jsonl").write_text("")
+    paths = {"empty": tmp_path / "empty.jsonl", "nowhere": tmp_path / "nowhere"}
+    main = importlib.import_module(f"eval.{tool}").main
+    assert main(["--target", "tiny", *[a.format(**paths) for a in args]]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_sweep_setting_error_is_one_line(tiny_model_dir, tmp_path):
+    args = [sys.executable, "-m", "eval.sweep", f"target={tiny_model_dir}", f"draft={tmp_path / 'nowhere'}",
+            "methods=[vanilla,eagle]", "baseline=vanilla", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1],
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: no draft head at")

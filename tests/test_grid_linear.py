@@ -179,7 +179,8 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path,
     from eagle_lite.kernels import native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / native.NAME / "lock"
+    lock = native.build_dir() / "lock"
+    assert lock.parent.parent == tmp_path and lock.parent.name == native.extension_name()
     lock.parent.mkdir()
     lock.touch()
     native._clear_stale_lock()                     # a build may be running: keep it, and say what to do
@@ -188,3 +189,22 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path,
     os.utime(lock, (old, old))
     native._clear_stale_lock()                     # no build runs this long: torch would wait forever
     assert not lock.exists() and "interrupted build" in caplog.text
+
+
+def test_the_native_build_is_keyed_by_its_code_not_by_the_checkout(tmp_path):
+    import os
+    import shutil
+
+    from eagle_lite.kernels import native
+
+    a, b = (shutil.copytree(native.CSRC, tmp_path / clone / "eagle_lite" / "csrc") for clone in ("a", "b"))
+    assert native.build_key(a) == native.build_key(b) == native.build_key(native.CSRC)   # clones share one build
+    assert native.extension_name() == f"eagle_lite_native_{native.build_key()}"
+    build = tmp_path / "build"
+    staged = native.stage_sources(build, [a / s.name for s in native.SOURCES])
+    assert [p.name for p in staged] == [s.name for s in native.SOURCES] and (build / "src" / "kernels.h").is_file()
+    times = [os.stat(p).st_mtime_ns for p in staged]
+    assert native.stage_sources(build, [b / s.name for s in native.SOURCES]) == staged   # the same build command
+    assert [os.stat(p).st_mtime_ns for p in staged] == times                            # nothing for ninja to redo
+    (b / "kernels.h").write_text((b / "kernels.h").read_text() + "\n// changed\n")
+    assert native.build_key(b) != native.build_key(a)                                  # other code, its own build

@@ -85,3 +85,13 @@ def test_the_gguf_progress_bar_shows_only_when_progress_bars_are_on(shown, capsy
             pass
     assert ("de-quantizing" in capsys.readouterr().err) == shown
     assert gguf_utils.tqdm is bar                                          # put back afterwards
+
+
+def test_a_target_that_cannot_be_loaded_is_one_line(capsys):
+    from eagle_lite.generate import main
+
+    # offline (conftest), transformers' error for an unknown hub id spans two lines
+    assert main(["--target", "no-such-org/no-such-model", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not load target 'no-such-org/no-such-model' as a hub id")
+    assert len(err.splitlines()) == 1

@@ -524,3 +524,34 @@ def test_validate_scores_exported_heads_as_training_did(runs, target, tmp_path, 
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--features" in capsys.readouterr().out
+
+
+# -- a user's mistake is one line ---------------------------------------------------------------------------------
+def test_train_refuses_zero_threads_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainers.train", "target=tiny", "data=tiny", f"paths.root={tmp_path}",
+                           "target.threads=0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: target.threads must be a whole number >= 1")
+    with pytest.raises(ValueError, match="target.threads must be"):
+        TargetConfig(kind="tiny", threads=-2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{head}", "--features", "{nowhere}", "--threads", "0"], "--threads must be a whole number >= 1"),
+    (["{nowhere}", "--features", "{nowhere}"], "no draft head at"),
+    (["{head}", "--features", "{nowhere}"], "no feature cache at"),
+    (["{head}", "--features", "{nowhere}", "--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_validate_checks_its_inputs_before_loading_the_target(args, message, tmp_path, capsys, monkeypatch):
+    import trainers.targets
+    from trainers.validate import main
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the inputs were checked")
+
+    monkeypatch.setattr(trainers.targets, "build_target", refuse)
+    head = ROOT / "eagle_lite" / "heads" / "smollm2"
+    assert main([a.format(head=head, nowhere=tmp_path / "nowhere") for a in args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1

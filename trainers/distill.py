@@ -27,6 +27,7 @@ import logging
 import lzma
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -504,7 +505,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="distill folders, e.g. runs/data/smollm2/sharegpt_all/distill (several are merged)")
     parser.add_argument("dest", help="where to write the packed copy, e.g. data/distill/smollm2-sharegpt_all")
     args = parser.parse_args(argv)
-    dest = pack(args.folders, args.dest)
+    try:
+        dest = pack(args.folders, args.dest)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     records = list(read_records(dest))
     size = sum(p.stat().st_size for p in dest.iterdir())
     print(f"{dest}: {len(records)} answered sequences, {sum(len(r['input_ids']) for r in records)} tokens, "

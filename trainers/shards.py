@@ -1,10 +1,10 @@
 """A shard file's size and a cheap checksum, recorded when it is written, so a resumed stage finds a damaged one.
 
 The checksum is BLAKE2b over the file's first and last MiB (the whole file below 2 MiB), next to its size.
-A feature shard of the default recipe is about 300 MB and a cache holds many: checking every shard on each
+A feature shard of the default recipe holds up to ~300 MB and a cache holds many: checking every shard on each
 resume then reads 2 MiB a shard, not the whole cache, and still catches the damage files meet in practice,
 a truncated or extended file (the size) and a header or tail overwritten or zeroed (the sampled ends). A change
-inside the middle of a large shard goes unseen; distill shards (well under 2 MiB) are checked whole.
+inside the middle of a large shard goes unseen; distill shards, usually under 2 MiB, are checked whole.
 """
 from __future__ import annotations
 

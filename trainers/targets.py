@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_lite.target import Target
+from eagle_lite.threads import check_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +42,7 @@ class TargetConfig:
             raise ValueError(f"target.kind must be 'pretrained' or 'tiny', got {self.kind!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"target.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_threads(self.threads, "target.threads")
 
 
 def tiny_target(cfg: TargetConfig = TargetConfig(kind="tiny", name="tiny")) -> Target:

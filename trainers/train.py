@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -331,7 +332,14 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (ValueError, FileNotFoundError, OSError) as err:  # a setting, a folder, the disk: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # while distilling or caching features (fit handles its own Ctrl-C)
+        print("\n[stopped] finished shards are kept: run the same command again to resume", file=sys.stderr)
+        sys.exit(130)
     if "export" not in result:
         ready = "answers" if result["stage"] == "distill" else "features"
         made = (f"; {result['new_tokens']} answer tokens written now at {result['new_tokens_per_s']} tokens/s"

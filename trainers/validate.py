@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
+from eagle_lite.threads import check_threads
+
 from .datamodule import DraftDataModule, LoaderConfig
+from .features import FeatureCache
 from .module import DraftLightningModule
 from .objective import ObjectiveConfig
 
@@ -62,7 +66,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("heads", nargs="+", help="exported head folders (config.json + model.safetensors)")
@@ -70,20 +74,45 @@ def main(argv: list[str] | None = None) -> None:
                         help="feature cache folders of the heads' target (trainers.features), read as one")
     parser.add_argument("--target", default="smollm2", help="the target: alias, .gguf file, folder or hub id")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
     parser.add_argument("--val-percent", type=float, default=LoaderConfig.val_percent,
                         help="the held-out share the caches were trained with (data.loader.val_percent)")
     parser.add_argument("--val-depth", type=int, default=ObjectiveConfig.val_depth,
                         help="unrolled steps for accept_len_est")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    try:
+        print(table(run(args)))
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n[stopped]", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Check what can be checked without the target, load it, and score the heads."""
+    from eagle_lite.checkpoint import read_head_config
+
     from .targets import TargetConfig, build_target
 
+    check_threads(args.threads)
+    for flag, value in (("--batch-size", args.batch_size), ("--val-depth", args.val_depth)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    LoaderConfig(batch_size=args.batch_size, val_percent=args.val_percent)   # its range checks, named as keys
+    for head in args.heads:
+        read_head_config(head)
+    for folder in args.features:
+        FeatureCache(folder)
     target = build_target(TargetConfig(spec=args.target, name=Path(args.target).stem, device=args.device,
                                        threads=args.threads))
-    print(table(validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth)))
+    return validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

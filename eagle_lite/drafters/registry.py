@@ -143,7 +143,7 @@ def _check_draft_model(o: DraftModelOptions) -> None:
     if o.draft_target is None:
         from ..loading import target_source
 
-        target_source(o.model)                       # a spec naming no file, folder or hub id
+        target_source(o.model, "draft model")        # a spec naming no file, folder or hub id
 
 
 def _check_medusa(o: MedusaOptions) -> None:

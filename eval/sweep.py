@@ -169,17 +169,29 @@ def write_outputs(out_dir: Path, records, rows, baseline: str, header: str) -> s
     return text
 
 
+def _number(c: dict, key: str, kind: type, default=None):
+    """Setting `key` as an int or float, or a ValueError naming the setting and the value."""
+    value = c.get(key, default)
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r} is not a {'whole number' if kind is int else 'number'}") from None
+
+
 def settings_from(cfg) -> EvalSettings:
     from omegaconf import OmegaConf
 
     c = OmegaConf.to_container(cfg, resolve=True)
+    threads = c.get("threads")
     return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=list(c["methods"]),
-                        baseline=c["baseline"], max_new_tokens=int(c["max_new_tokens"]), warmup=bool(c["warmup"]),
-                        tree=dict(c["tree"]), tasks=list(c["task"]["tasks"]),
-                        per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"),
+                        baseline=c["baseline"], max_new_tokens=_number(c, "max_new_tokens", int),
+                        warmup=bool(c["warmup"]), tree=dict(c["tree"]), tasks=list(c["task"]["tasks"]),
+                        per_category_limit=c["task"].get("per_category_limit"),
+                        threads=None if threads is None else _number(c, "threads", int),
                         exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"),
-                        device=c.get("device", "cpu"), temperature=float(c.get("temperature", 0.0)),
-                        top_p=float(c.get("top_p", 1.0)), top_k=int(c.get("top_k", 0)), seed=int(c.get("seed", 0)))
+                        device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
+                        top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
+                        seed=_number(c, "seed", int, 0))
 
 
 def _main() -> None:

@@ -294,3 +294,16 @@ def test_a_sweep_setting_error_is_one_line(tiny_model_dir, tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: no draft head at")
+
+
+@pytest.mark.parametrize("override, message", [("max_new_tokens=abc", "max_new_tokens='abc' is not a whole number"),
+                                               ("temperature=warm", "temperature='warm' is not a number")])
+def test_a_sweep_number_that_is_not_one_names_the_setting(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from eval.sweep import settings_from
+
+    with initialize_config_dir(str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
+        cfg = compose("sweep", overrides=[override])
+    with pytest.raises(ValueError, match=message):
+        settings_from(cfg)

@@ -479,6 +479,10 @@ def test_text_records_keep_the_conversations_own_replies(tiny_model_dir):
     assert c["input_ids"][c["spans"][0][0]:] == tok("ok", add_special_tokens=False).input_ids + [eos]
     too_long = DistillConfig(source="sharegpt_text", max_prompt_tokens=30)
     assert "skipped" in text_records(target, chats[2:], too_long)[0]
+    # text that is not valid (a lone surrogate from a JSON escape, a NUL) is read as chat reads it, not a crash
+    bad = Conversation("d", [Turn("user", "hi \ud800 there"), Turn("assistant", "fine\x00 \udfff ok")])
+    (d,) = text_records(target, [bad], cfg)
+    assert d["input_ids"][d["spans"][0][0]:] == tok("fine \ufffd ok", add_special_tokens=False).input_ids + [eos]
 
 
 def test_a_datamodule_reads_several_caches_as_one(target, tmp_path):

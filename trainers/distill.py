@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle_lite.atomic import write_atomic, write_json_atomic, write_text_atomic
-from eagle_lite.chat_format import chat_text
+from eagle_lite.chat_format import chat_text, clean_text
 from eagle_lite.target import Target
 
 from .answering import BACKENDS, generate_answers, resolve_backend
@@ -220,7 +220,7 @@ def text_records(target: Target, conversations: list, cfg: DistillConfig,
             prompt = chat.next_prompt(turn, tokenizer, cfg.max_prompt_tokens)
             if prompt is None:
                 break
-            reply = chat.replies[turn].strip()
+            reply = clean_text(chat.replies[turn]).strip()   # text conversations may hold lone surrogates or NUL
             answer = tokenizer(reply, add_special_tokens=False).input_ids if reply else []
             if not answer:
                 chat.done = True

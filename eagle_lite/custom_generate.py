@@ -17,7 +17,6 @@ forwards on its modules are left off, so plain `generate()` on the same model is
 """
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 import torch
@@ -25,8 +24,10 @@ import torch
 from .config import GenerationConfig, SamplingConfig, TreeConfig
 
 SAMPLING_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
-# model -> (its Target, {draft key: Engine}): the load-time checks and the KV caches are made once per model
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model attribute holding (its Target, {draft key: Engine}): the load-time checks and KV caches are made once per
+# model. It lives on the model itself, so model, Target and engines are freed together (a weak-key table would not
+# do: its value, the Target, holds the model).
+ENGINES_ATTR = "_eagle_lite_engines"
 
 
 def sampling_of(config, logits_processor) -> SamplingConfig:
@@ -49,10 +50,11 @@ def engine_for(model, draft):
     from .engine import Engine
     from .target import Target
 
-    if model not in _ENGINES:
+    if ENGINES_ATTR not in model.__dict__:
         name = getattr(model.config, "name_or_path", None) or type(model).__name__
-        _ENGINES[model] = (Target(model, name=name, attention="sdpa", accelerate=False), {})
-    target, engines = _ENGINES[model]
+        # object.__setattr__: not an nn.Module attribute, so the model's submodules and state_dict are unchanged
+        object.__setattr__(model, ENGINES_ATTR, (Target(model, name=name, attention="sdpa", accelerate=False), {}))
+    target, engines = model.__dict__[ENGINES_ATTR]
     key = id(draft) if isinstance(draft, DraftHead) else str(draft)
     if key not in engines:
         if draft is None:

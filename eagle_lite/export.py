@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import transformers
+
     from .loading import load_target
+
+    transformers.logging.disable_progress_bar()      # stdout holds the export's report only
 
     head = Path(args.head)
     try:

@@ -63,3 +63,18 @@ def test_what_it_cannot_do_exactly_is_refused(model, head_dir):
     with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
         model.generate(PROMPT, custom_generate=eagle_generate, draft=head_dir, max_new_tokens=4, pad_token_id=1,
                        repetition_penalty=1.3)
+
+
+def test_a_model_used_through_custom_generate_is_freed_with_its_engines(tiny_model_dir, head_dir):
+    import gc
+    import weakref
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    keys = set(model.state_dict())
+    model.generate(PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=1, custom_generate=eagle_generate,
+                   draft=head_dir)
+    assert set(model.state_dict()) == keys                 # the cached engines are not registered as submodules
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -29,6 +29,7 @@ import random
 import re
 import sys
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -565,6 +566,45 @@ def build(seed: int = 0, sharegpt_path: str | Path | None = None, passages_per_k
     _math(b, math_rounds)
     _roleplay(b)
     return b.items
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def normalized_words(text: str) -> list[str]:
+    """Lower-case words and numbers of `text` (punctuation, spacing and case do not matter)."""
+    return _WORD.findall(text.lower())
+
+
+def overlaps(prompts: dict[str, list[str]], texts: Iterable[tuple[str, str]], n: int = 12) -> list[tuple[str, str]]:
+    """(prompt id, text source) for every prompt turn that occurs in one of `texts`: a turn of fewer than `n` words
+    when a text equals it (normalized words), a longer one when a text shares any run of `n` words with it.
+
+    prompts: {id: turns}, e.g. a held-out question file; texts: (source, text) pairs, e.g. every training prompt.
+    Cost: one pass over the texts' words, joining only at words that start one of the prompts' n-grams."""
+    short: dict[str, str] = {}
+    grams: dict[str, str] = {}
+    starts: set[str] = set()
+    for key, turns in prompts.items():
+        for turn in turns:
+            words = normalized_words(turn)
+            if len(words) < n:
+                short[" ".join(words)] = key
+            for i in range(len(words) - n + 1):
+                grams[" ".join(words[i:i + n])] = key
+                starts.add(words[i])
+    found: dict[tuple[str, str], None] = {}
+    for source, text in texts:
+        words = normalized_words(text)
+        whole = " ".join(words)
+        if whole in short:
+            found[(short[whole], source)] = None
+        for i in range(len(words) - n + 1):
+            if words[i] in starts:
+                key = grams.get(" ".join(words[i:i + n]))
+                if key is not None:
+                    found[(key, source)] = None
+    return list(found)
 
 
 def write(items: list[dict], path: str | Path) -> Path:

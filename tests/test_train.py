@@ -589,9 +589,18 @@ def test_a_question_file_and_a_mix_train_with_validation_by_kind_early_stopping_
     log = json.loads((export / "train_log.json").read_text())
     assert log["summary"]["best_epoch"] == result["best_epoch"] and len(log["epochs"]) == len(epochs)
     ckpt = torch.load(Path(cfg.paths.output) / "checkpoints" / "best.ckpt", weights_only=True, map_location="cpu")
-    head = load_head(export, build_chat_target(tiny_model_dir))
+    chat = build_chat_target(tiny_model_dir)
+    head = load_head(export, chat)
     for name, tensor in head.state_dict().items():   # the exported weights are the best checkpoint's
         torch.testing.assert_close(tensor.float(), ckpt["state_dict"][f"head.{name}"].float(), atol=1e-2, rtol=1e-2)
+    from trainers.validate import table, validate_heads
+
+    # each kind scored as training scored it (up to the export's bf16 weights)
+    (row,) = validate_heads(chat, [export], [cfg.paths.features, Path(cfg.paths.data) / "syn" / "features"],
+                            batch_size=cfg.data.loader.batch_size, val_percent=25)
+    assert set(row["kinds"]) == {"qa", "math", "syn"}
+    assert abs(row["kinds"]["qa"]["accept_len_est"] - best["val_kind/qa/accept_len_est"]) < 0.3
+    assert "per kind" in table([row])
 
 
 def build_chat_target(folder):

@@ -631,7 +631,9 @@ def test_gpu_eagle3_all_composes_its_three_sources():
     assert group_names(cfg, sources) == ["sharegpt", "multi", "seed"]
     main, multi, seed = (_typed(DistillConfig, s.settings) for s in sources)
     assert (main.limit, main.source, main.multi_turn) == (100000, "sharegpt", False)
-    assert (multi.min_user_turns, multi.loss_from_turn, multi.multi_turn, multi.start_from) == (2, 1, True, None)
+    assert (multi.min_user_turns, multi.loss_from_turn, multi.multi_turn) == (2, 1, True)
+    assert (main.start_from, multi.start_from, seed.start_from) == tuple(  # each its own committed answers
+        f"data/distill/smollm2-sharegpt_all{suffix}" for suffix in ("", "-multi", "-seed"))
     assert seed.source == "prompts" and prompts_path(seed.prompts).is_file()
     assert all(s.features.endswith("features_eagle3") for s in sources) and cfg.draft.design == "eagle3"
     assert cfg.early_stopping.monitor == "val/accept_len_est" and cfg.trainer.accelerator == "gpu"

@@ -627,3 +627,23 @@ def test_folders_made_before_the_newer_settings_still_match():
     other = DistillConfig(**{**settings, "multi_turn": True, "min_user_turns": 2})
     with pytest.raises(ValueError, match="min_user_turns"):
         check_meta(folder, {**run_meta(fingerprint, other), "target": committed["target"]})
+
+
+def test_sharegpt_multi_turn_choice_counts_only_conversations_with_a_later_user_turn(tmp_path, monkeypatch):
+    import trainers.sharegpt as sharegpt
+    from trainers.distill import choose_conversations
+
+    def record(i: int, users: int) -> dict:
+        turns = [t for k in range(users) for t in ({"from": "human", "value": f"q{i}.{k}"},
+                                                   {"from": "gpt", "value": f"a{i}.{k}"})]
+        return {"id": f"c{i}_0", "conversations": turns}
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([record(i, 1 + i % 3) for i in range(300)]))
+    monkeypatch.setattr(sharegpt, "default_path", lambda: path)
+    train = sharegpt.load_conversations("train", path=path)
+    later = [c for c in train if sum(t.role == "user" for t in c.turns) >= 2]
+    cfg = DistillConfig(multi_turn=True, max_turns=3, min_user_turns=2, loss_from_turn=1, offset=5, limit=20)
+    assert [c.id for c in choose_conversations(cfg)] == [c.id for c in later[5:25]]
+    first = DistillConfig(limit=20, offset=5)   # one user turn is enough: the file's training conversations
+    assert [c.id for c in choose_conversations(first)] == [c.id for c in train[5:25]]

@@ -549,3 +549,105 @@ def test_a_base_model_without_a_chat_template_distills_in_the_plain_layout():
             alone = target.model.generate(torch.tensor([ids[:start]]), max_new_tokens=6, do_sample=False,
                                           pad_token_id=258)
         assert ids[start:end] == alone[0, start:].tolist()[:end - start]
+
+
+def chat_target():
+    from eagle_lite.target import Target
+
+    tiny = tiny_target(TargetConfig(name="tiny-chat", kind="tiny", vocab_size=260, eos_token_id=257,
+                                    pad_token_id=258, seed=3))
+    return Target(tiny.model, byte_tokenizer(), name="tiny-chat")
+
+
+def write_questions(path: Path, questions: list[tuple[str, list[str]]]) -> Path:
+    path.write_text("".join(json.dumps({"question_id": key, "category": key.split(":")[0], "turns": turns}) + "\n"
+                            for key, turns in questions))
+    return path
+
+
+def test_a_question_file_is_answered_turn_by_turn_after_the_targets_own_answers(tmp_path):
+    """source=prompts (data/prompts/seed_kinds.jsonl): each question's turns in order, each answered by the target
+    given the earlier turns with its own answers; the file's name and checksum are part of the folder's settings."""
+    from trainers.distill import read_meta
+
+    target = chat_target()
+    questions = write_questions(tmp_path / "q.jsonl", [("qa:0", ["Hi"]), ("math:0", ["1+1?", "And 2+2?"]),
+                                                       ("rag:0", ["x" * 200])])
+    cfg = DistillConfig(source="prompts", prompts=str(questions), multi_turn=True, max_turns=2, max_new_tokens=6,
+                        max_prompt_tokens=120, batch_size=2, shard_size=2)
+    summary = distill(target, cfg, tmp_path / "d", progress=False)
+    assert (summary.records, summary.skipped) == (2, 1)                 # the 200-character prompt is too long
+    qa, math = read_records(tmp_path / "d")
+    assert (qa["id"], len(qa["spans"]), math["id"], len(math["spans"])) == ("qa:0", 1, "math:0", 2)
+    assert [m["content"] for m in math["messages"] if m["role"] == "user"] == ["1+1?", "And 2+2?"]
+    ids = math["input_ids"]
+    for start, end in math["spans"]:   # the second answer follows the target's own first answer
+        with torch.no_grad():
+            alone = target.model.generate(torch.tensor([ids[:start]]), max_new_tokens=6, do_sample=False,
+                                          pad_token_id=258)
+        assert ids[start:end] == alone[0, start:].tolist()[:end - start]
+    assert read_meta(tmp_path / "d")["settings"]["prompts"].startswith("q.jsonl sha256:")
+    write_questions(questions, [("qa:0", ["Hello"])])                   # another file: refused in the same folder
+    with pytest.raises(ValueError, match="other settings.*prompts"):
+        distill(target, cfg, tmp_path / "d", progress=False)
+
+
+def test_multi_turn_data_can_keep_first_answers_as_context_only(tmp_path):
+    """min_user_turns=2 chooses conversations with a second user turn; loss_from_turn=1 learns only from the answers
+    after the first, which stays in the sequence as context."""
+    from trainers.distill import choose_conversations
+
+    target = chat_target()
+    questions = write_questions(tmp_path / "q.jsonl", [("a:0", ["Hi"]), ("b:0", ["One", "Two", "Three"]),
+                                                       ("c:0", ["Yes", "No"])])
+    cfg = DistillConfig(source="prompts", prompts=str(questions), multi_turn=True, max_turns=3, max_new_tokens=5,
+                        max_prompt_tokens=200, min_user_turns=2, loss_from_turn=1, limit=1, offset=1)
+    assert [c.id for c in choose_conversations(cfg)] == ["c:0"]   # offset and limit count the chosen ones
+    full = DistillConfig(**{**cfg.__dict__, "loss_from_turn": 0, "limit": 2, "offset": 0})
+    distill(target, DistillConfig(**{**cfg.__dict__, "limit": 2, "offset": 0}), tmp_path / "later", progress=False)
+    distill(target, full, tmp_path / "all", progress=False)
+    later, every = list(read_records(tmp_path / "later")), list(read_records(tmp_path / "all"))
+    assert [r["id"] for r in later] == [r["id"] for r in every] == ["b:0", "c:0"]
+    for one, other in zip(later, every):
+        assert one["input_ids"] == other["input_ids"] and one["spans"] == other["spans"][1:]
+    with pytest.raises(ValueError, match="loss_from_turn=1 leaves no answer"):
+        DistillConfig(loss_from_turn=1)
+    with pytest.raises(ValueError, match="prompts"):
+        DistillConfig(source="prompts")
+
+
+def test_folders_made_before_the_newer_settings_still_match():
+    """The committed data/distill/ folders record no prompts, min_user_turns or loss_from_turn: a run at their
+    defaults matches them; a run that sets one does not."""
+    from trainers.distill import check_meta, run_meta
+
+    fingerprint = {"model_type": "llama", "hidden_size": 8, "vocab_size": 10, "embedding_sha": "x"}
+    folder = Path(__file__).resolve().parents[1] / "data" / "distill" / "smollm2-sharegpt_all"
+    committed = json.loads((folder / "distill.json").read_text())
+    settings = dict(committed["settings"])
+    cfg = DistillConfig(**settings)
+    assert run_meta(fingerprint, cfg)["settings"] == settings
+    check_meta(folder, {**run_meta(fingerprint, cfg), "target": committed["target"]})
+    other = DistillConfig(**{**settings, "multi_turn": True, "min_user_turns": 2})
+    with pytest.raises(ValueError, match="min_user_turns"):
+        check_meta(folder, {**run_meta(fingerprint, other), "target": committed["target"]})
+
+
+def test_sharegpt_multi_turn_choice_counts_only_conversations_with_a_later_user_turn(tmp_path, monkeypatch):
+    import trainers.sharegpt as sharegpt
+    from trainers.distill import choose_conversations
+
+    def record(i: int, users: int) -> dict:
+        turns = [t for k in range(users) for t in ({"from": "human", "value": f"q{i}.{k}"},
+                                                   {"from": "gpt", "value": f"a{i}.{k}"})]
+        return {"id": f"c{i}_0", "conversations": turns}
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([record(i, 1 + i % 3) for i in range(300)]))
+    monkeypatch.setattr(sharegpt, "default_path", lambda: path)
+    train = sharegpt.load_conversations("train", path=path)
+    later = [c for c in train if sum(t.role == "user" for t in c.turns) >= 2]
+    cfg = DistillConfig(multi_turn=True, max_turns=3, min_user_turns=2, loss_from_turn=1, offset=5, limit=20)
+    assert [c.id for c in choose_conversations(cfg)] == [c.id for c in later[5:25]]
+    first = DistillConfig(limit=20, offset=5)   # one user turn is enough: the file's training conversations
+    assert [c.id for c in choose_conversations(first)] == [c.id for c in train[5:25]]

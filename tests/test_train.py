@@ -555,3 +555,85 @@ def test_validate_checks_its_inputs_before_loading_the_target(args, message, tmp
     assert main([a.format(head=head, nowhere=tmp_path / "nowhere") for a in args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_question_file_and_a_mix_train_with_validation_by_kind_early_stopping_and_a_curve(tmp_path, tiny_model_dir):
+    """experiment=gpu_eagle3_all's pieces on a tiny chat model: a seed-style question file (kinds in the ids) as the
+    main source beside a synthetic mix source; validation reports each kind; early stopping exports the best epoch,
+    and the export holds training_curve.png."""
+    from trainers.train import train
+
+    questions = tmp_path / "q.jsonl"
+    lines = [{"question_id": f"{kind}:{i:03d}", "category": kind,
+              "turns": [f"{kind} {i}?"] + ([f"and {i}?"] if i % 3 == 0 else [])}
+             for kind in ("qa", "math") for i in range(40)]
+    questions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = tiny_train_config(
+        tmp_path, "target.kind=pretrained", f"target.spec={tiny_model_dir}", "target.name=chat",
+        "data.distill.source=prompts", f"data.distill.prompts={questions}", "++data.distill.multi_turn=true",
+        "++data.distill.max_turns=2", "++data.distill.max_prompt_tokens=60", "data.distill.max_new_tokens=12",
+        "data.distill.limit=1000", "+data.mix.syn.distill.source=synthetic", "+data.mix.syn.distill.limit=16",
+        "+data.mix.syn.distill.prompts=null", "+data.mix.syn.distill.multi_turn=false",
+        "data.loader.val_percent=25", "trainer.max_epochs=12", "trainer.limit_train_batches=2",
+        "draft.optim.lr=3e-2", "draft.optim.warmup_steps=1",
+        "early_stopping={monitor: val/accept_len_est, mode: max, patience: 1, min_delta: 0.5}")
+    result = train(cfg)
+    epochs, export = result["epochs_log"], Path(result["export"])
+    assert len(epochs) < 12 and result["best_epoch"] < len(epochs)         # stopped early; the best epoch exported
+    best = next(row for row in epochs if row["epoch"] == result["best_epoch"])
+    assert result["val/accept_len_est"] == best["val/accept_len_est"] == max(r["val/accept_len_est"] for r in epochs)
+    for kind in ("qa", "math", "syn"):
+        assert 0.0 <= best[f"val_kind/{kind}/top1"] <= 1.0 and best[f"val_kind/{kind}/accept_len_est"] >= 1.0
+    assert (export / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Validation by kind" in (export / "train_log.md").read_text()
+    log = json.loads((export / "train_log.json").read_text())
+    assert log["summary"]["best_epoch"] == result["best_epoch"] and len(log["epochs"]) == len(epochs)
+    ckpt = torch.load(Path(cfg.paths.output) / "checkpoints" / "best.ckpt", weights_only=True, map_location="cpu")
+    chat = build_chat_target(tiny_model_dir)
+    head = load_head(export, chat)
+    for name, tensor in head.state_dict().items():   # the exported weights are the best checkpoint's
+        torch.testing.assert_close(tensor.float(), ckpt["state_dict"][f"head.{name}"].float(), atol=1e-2, rtol=1e-2)
+    from trainers.validate import table, validate_heads
+
+    # each kind scored as training scored it (up to the export's bf16 weights)
+    (row,) = validate_heads(chat, [export], [cfg.paths.features, Path(cfg.paths.data) / "syn" / "features"],
+                            batch_size=cfg.data.loader.batch_size, val_percent=25)
+    assert set(row["kinds"]) == {"qa", "math", "syn"}
+    assert abs(row["kinds"]["qa"]["accept_len_est"] - best["val_kind/qa/accept_len_est"]) < 0.3
+    assert "per kind" in table([row])
+
+
+def build_chat_target(folder):
+    from trainers.targets import build_target
+
+    return build_target(TargetConfig(name="chat", kind="pretrained", spec=str(folder)))
+
+
+def test_early_stopping_settings_are_checked():
+    from trainers.train import early_stop_of
+
+    assert early_stop_of(train_config()) is None
+    assert early_stop_of(train_config("experiment=gpu_eagle3_all")).patience == 3
+    assert early_stop_of(train_config("experiment=gpu_eagle3_all", "debug=fdr")) is None   # one batch: nothing to stop
+    with pytest.raises(ValueError, match="unknown keys"):
+        early_stop_of(train_config("early_stopping={monitor: val/loss, wait: 2}"))
+    with pytest.raises(ValueError, match="mode max or min"):
+        early_stop_of(train_config("early_stopping={monitor: val/loss, mode: lower}"))
+
+
+def test_gpu_eagle3_all_composes_its_three_sources():
+    """One GPU: every ShareGPT training prompt, multi-turn conversations after the first answer, the seed kinds."""
+    from trainers.distill import DistillConfig, prompts_path
+    from trainers.train import _typed, data_sources, group_names
+
+    cfg = train_config("experiment=gpu_eagle3_all")
+    sources = data_sources(cfg)
+    assert group_names(cfg, sources) == ["sharegpt", "multi", "seed"]
+    main, multi, seed = (_typed(DistillConfig, s.settings) for s in sources)
+    assert (main.limit, main.source, main.multi_turn) == (100000, "sharegpt", False)
+    assert (multi.min_user_turns, multi.loss_from_turn, multi.multi_turn) == (2, 1, True)
+    assert (main.start_from, multi.start_from, seed.start_from) == tuple(  # each its own committed answers
+        f"data/distill/smollm2-sharegpt_all{suffix}" for suffix in ("", "-multi", "-seed"))
+    assert seed.source == "prompts" and prompts_path(seed.prompts).is_file()
+    assert all(s.features.endswith("features_eagle3") for s in sources) and cfg.draft.design == "eagle3"
+    assert cfg.early_stopping.monitor == "val/accept_len_est" and cfg.trainer.accelerator == "gpu"

@@ -7,10 +7,14 @@ positions from 0 and attention that never crosses a segment) or padded one per r
 
   input_ids [B, T] long, hidden [B, T, H] bf16, loss_mask [B, T] bool,
   segment [B, T] long (1, 2, ... per sequence in the row; 0 = padding), position_ids [B, T] long,
-  and taps [B, T, K*H] bf16 where the caches hold the outputs of K decoder layers (EAGLE-3 heads)
+  and taps [B, T, K*H] bf16 where the caches hold the outputs of K decoder layers (EAGLE-3 heads),
+  group [B, T] long: the validation group of each token's sequence (-1 = padding; `DraftDataModule.groups`)
 
 Validation is a held-out part of the cache chosen by a hash of each record's id (all parts of a
-ShareGPT chat on one side), so it does not change when the cache grows.
+ShareGPT chat on one side), so it does not change when the cache grows. Every sequence also belongs to a
+group, reported apart in validation: its kind where its id says it ("<kind>:<n>", the seed prompts of
+data/prompts/), else its cache's name (e.g. "sharegpt", "multi"). The hash holds out about val_percent of
+each group.
 
 Several caches of the same target (e.g. distilled answers plus ShareGPT's own text, `data.mix`) are
 read as one: each index row names its cache.
@@ -55,14 +59,23 @@ class LoaderConfig:
             raise ValueError(f"data.loader.val_percent must be in (0, 100), got {self.val_percent}")
 
 
-class SequenceDataset(Dataset):
-    """Sequences of the caches (rows of their joint index), each cut to at most max_len tokens."""
+def group_of(record_id: str, cache_name: str) -> str:
+    """A sequence's validation group: the kind its id starts with ("qa:0012" -> "qa"), else its cache's name."""
+    kind, sep, _ = record_id.partition(":")
+    return kind if sep and kind else cache_name
 
-    def __init__(self, caches: list[FeatureCache], rows, max_len: int, random_crop: bool) -> None:
+
+class SequenceDataset(Dataset):
+    """Sequences of the caches (rows of their joint index), each cut to at most max_len tokens; `groups` (one index a
+    row) adds each item's validation group."""
+
+    def __init__(self, caches: list[FeatureCache], rows, max_len: int, random_crop: bool,
+                 groups: list[int] | None = None) -> None:
         self.caches = caches
         self.rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
         self.max_len = max_len
         self.random_crop = random_crop
+        self.groups = groups
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -71,7 +84,10 @@ class SequenceDataset(Dataset):
         row = self.rows[i]
         length = min(row["length"], self.max_len)
         offset = random.randint(0, row["length"] - length) if self.random_crop else 0
-        return self.caches[row["cache"]].read(row["file"], row["start"] + offset, length)
+        item = self.caches[row["cache"]].read(row["file"], row["start"] + offset, length)
+        if self.groups is not None:
+            item["group"] = self.groups[i]
+        return item
 
 
 class EpochShuffle(Sampler[int]):
@@ -124,6 +140,8 @@ def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> d
     }
     if "taps" in items[0]:
         batch["taps"] = torch.zeros(b, width, items[0]["taps"].shape[-1], dtype=items[0]["taps"].dtype)
+    if "group" in items[0]:
+        batch["group"] = torch.full((b, width), -1, dtype=torch.long)
     for r, row in enumerate(rows):
         start = 0
         for s, item in enumerate(row, start=1):
@@ -133,6 +151,8 @@ def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> d
             batch["hidden"][r, span] = item["hidden"]
             if "taps" in batch:
                 batch["taps"][r, span] = item["taps"]
+            if "group" in batch:
+                batch["group"][r, span] = int(item["group"])
             batch["loss_mask"][r, span] = item["loss_mask"]
             batch["segment"][r, span] = s
             batch["position_ids"][r, span] = torch.arange(n)
@@ -157,11 +177,18 @@ class DraftDataModule(L.LightningDataModule):
     """`folder`: one feature cache folder, or a list of them (all built for the same target)."""
 
     def __init__(self, folder: str | list[str], cfg: LoaderConfig = LoaderConfig(),
-                 expect_target: dict | None = None, feature_layers: tuple[int, ...] | None = None) -> None:
+                 expect_target: dict | None = None, feature_layers: tuple[int, ...] | None = None,
+                 names: list[str] | None = None) -> None:
         """feature_layers: the decoder layers an EAGLE-3 head reads, which every cache must hold as its taps; () or
-        None: the head reads the last hidden state, which every cache holds."""
+        None: the head reads the last hidden state, which every cache holds. names: one per folder, the validation
+        group of its sequences whose ids name no kind (default: the folder's parent's name)."""
         super().__init__()
         self.folders = [str(folder)] if isinstance(folder, (str, Path)) else [str(f) for f in folder]
+        self.names = list(names) if names is not None else [Path(f).parent.name for f in self.folders]
+        if len(self.names) != len(self.folders):
+            raise ValueError(f"{len(self.names)} names for {len(self.folders)} feature cache folders")
+        self.groups: list[str] = []          # validation groups, sorted; batches carry their index
+        self.train_groups = self.val_groups = None
         self.cfg = cfg
         self.expect_target = expect_target
         self.feature_layers = None if feature_layers is None else tuple(feature_layers)
@@ -190,6 +217,11 @@ class DraftDataModule(L.LightningDataModule):
             heldout[0] = False
         self.train_rows = index.select([i for i, h in enumerate(heldout) if not h])
         self.val_rows = index.select([i for i, h in enumerate(heldout) if h])
+        names = [group_of(i, self.names[c]) for i, c in zip(index["id"], index["cache"])]
+        self.groups = sorted(set(names))
+        number = {name: k for k, name in enumerate(self.groups)}
+        self.train_groups = [number[n] for n, h in zip(names, heldout) if not h]
+        self.val_groups = [number[n] for n, h in zip(names, heldout) if h]
 
     def state_dict(self) -> dict:
         """Saved in Lightning's checkpoints: the epoch in progress and the batches it has trained on."""
@@ -222,7 +254,8 @@ class DraftDataModule(L.LightningDataModule):
     def _loader(self, rows, train: bool) -> DataLoader:
         cfg = self.cfg
         return DataLoader(
-            SequenceDataset(self.caches, rows, cfg.max_len, random_crop=train),
+            SequenceDataset(self.caches, rows, cfg.max_len, random_crop=train,
+                            groups=self.train_groups if train else self.val_groups),
             batch_size=cfg.batch_size, sampler=self._train_order(rows) if train else None, num_workers=cfg.num_workers,
             collate_fn=partial(collate, max_len=cfg.max_len, pack=cfg.pack),
             worker_init_fn=_seed_worker, persistent_workers=cfg.num_workers > 0,

@@ -9,7 +9,14 @@ Sources:
                 target still labels every position (the head learns the target's distribution from its
                 features), and EAGLE reports such fixed data trains nearly as well as distilled data;
                 on this CPU it yields ~4x more training tokens per hour than generating.
+  "prompts"   - a question file (`prompts`: MT-bench / Spec-Bench JSONL, `question_id`, `category`, `turns`; e.g.
+                data/prompts/seed_kinds.jsonl from `trainers.seed_prompts`) answered like "sharegpt": its first
+                turn, or (multi_turn) each turn after the target's own answers to the earlier ones.
   "synthetic" - random token prompts (seeded per item); needs no tokenizer, for tiny random targets.
+
+Multi-turn data without repeating the first-turn data: `min_user_turns: 2` chooses only conversations with a second
+user turn (offset and limit count those), and `loss_from_turn: 1` keeps the first answer as context only (no span),
+so a conversation whose first answer is already a "sharegpt" record is not learned twice.
 
 Output: JSONL shards `shard-00000.jsonl`, ... of records
   {"id": str, "input_ids": [int], "spans": [[start, end], ...]}   (spans: target-written tokens)
@@ -22,6 +29,7 @@ their shards are checked by reading them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import lzma
@@ -47,10 +55,13 @@ from .targets import pad_token_id
 log = logging.getLogger("trainers.distill")
 
 META = "distill.json"
-SOURCES = ("sharegpt", "sharegpt_text", "synthetic")
+SOURCES = ("sharegpt", "sharegpt_text", "prompts", "synthetic")
 # Settings that change what a record contains: a folder must not mix records made with different ones.
 _RECORD_KEYS = ("source", "multi_turn", "max_turns", "max_prompt_tokens", "max_new_tokens", "do_sample",
                 "temperature", "top_p", "seed", "prompt_len_min", "prompt_len_max")
+# Later settings of the same kind, recorded only when they differ from these defaults (so folders made before them,
+# the committed data/distill/ ones included, keep matching); "prompts" is recorded as the file's name and checksum.
+_OPTIONAL_KEYS = {"prompts": None, "min_user_turns": 1, "loss_from_turn": 0}
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,10 @@ class DistillConfig:
     start_from: str | None = None  # a folder of finished shards (the committed data/distill/...) to start from
     prompt_len_min: int = 4       # synthetic only
     prompt_len_max: int = 16
+    prompts: str | None = None    # source "prompts": the question file (relative: to the working directory, else
+                                  # to the repository root)
+    min_user_turns: int = 1       # sharegpt / prompts: choose only conversations with at least this many user turns
+    loss_from_turn: int = 0       # answers to user turns before this one (0-based) are context, not learned from
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -85,6 +100,14 @@ class DistillConfig:
                              f"got {self.backend!r}")
         if self.offset < 0:
             raise ValueError(f"data.distill.offset must be >= 0, got {self.offset}")
+        if self.min_user_turns < 1 or self.loss_from_turn < 0:
+            raise ValueError(f"need data.distill.min_user_turns >= 1 and loss_from_turn >= 0, got "
+                             f"{self.min_user_turns}, {self.loss_from_turn}")
+        if self.loss_from_turn and self.loss_from_turn >= (self.max_turns if self.multi_turn else 1):
+            raise ValueError(f"data.distill.loss_from_turn={self.loss_from_turn} leaves no answer to learn from: it "
+                             f"needs multi_turn=true and max_turns > {self.loss_from_turn}")
+        if (self.source == "prompts") != bool(self.prompts):
+            raise ValueError("data.distill.prompts (a question file) goes with source=prompts, and only with it")
         if not 1 <= self.prompt_len_min <= self.prompt_len_max:
             raise ValueError(f"need 1 <= prompt_len_min <= prompt_len_max, got "
                              f"{self.prompt_len_min}, {self.prompt_len_max}")
@@ -174,10 +197,13 @@ class _Chat:
         self.spans.append([len(prompt), len(prompt) + len(answer)])
         self.ids = prompt + answer
 
-    def record(self) -> dict:
+    def record(self, loss_from_turn: int = 0) -> dict:
+        """The record; the answers to user turns before `loss_from_turn` are context (no span)."""
         if self.skipped or not self.spans:
             return {"id": self.id, "skipped": self.skipped or "no user turn"}
-        return {"id": self.id, "input_ids": self.ids, "spans": self.spans, "messages": self.messages}
+        if len(self.spans) <= loss_from_turn:
+            return {"id": self.id, "skipped": f"{len(self.spans)} answered turn(s), none from turn {loss_from_turn}"}
+        return {"id": self.id, "input_ids": self.ids, "spans": self.spans[loss_from_turn:], "messages": self.messages}
 
 
 def chat_records(target: Target, conversations: list, cfg: DistillConfig,
@@ -200,7 +226,7 @@ def chat_records(target: Target, conversations: list, cfg: DistillConfig,
             chat.add_answer(prompt, answer, tokenizer, eos)
     if progress is not None:  # items skipped before generating still count as processed
         progress.update(len(chats) - sum(1 for c in chats if c.spans))
-    return [c.record() for c in chats]
+    return [c.record(cfg.loss_from_turn) for c in chats]
 
 
 def text_records(target: Target, conversations: list, cfg: DistillConfig,
@@ -334,8 +360,48 @@ def read_records(folder: str | Path) -> Iterator[dict]:
 
 def run_meta(fingerprint: dict, cfg: DistillConfig) -> dict:
     """The meta a distill folder of this target and these settings holds (distill.json)."""
-    return {"format": "eagle_lite.distill", "version": 1, "target": fingerprint,
-            "settings": {k: getattr(cfg, k) for k in _RECORD_KEYS}}
+    settings = {k: getattr(cfg, k) for k in _RECORD_KEYS}
+    optional = {k: getattr(cfg, k) for k in _OPTIONAL_KEYS}
+    if cfg.prompts:
+        path = prompts_path(cfg.prompts)
+        optional["prompts"] = f"{path.name} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+    settings.update({k: v for k, v in optional.items() if v != _OPTIONAL_KEYS[k]})
+    return {"format": "eagle_lite.distill", "version": 1, "target": fingerprint, "settings": settings}
+
+
+def prompts_path(path: str | Path) -> Path:
+    """A question file: as given when it exists, else relative to the repository root (as `start_from`)."""
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[1] / path
+    if not path.is_file():
+        raise FileNotFoundError(f"data.distill.prompts={path}: no question file there")
+    return path
+
+
+def prompt_conversations(path: str | Path) -> list:
+    """A question file's questions as conversations of user turns (id: the question_id; what `chat_records`
+    answers). Lines: {"question_id": str | int, "category": str, "turns": [str, ...]}; other keys are ignored."""
+    from .sharegpt import Conversation, Turn
+
+    path = prompts_path(path)
+    conversations, seen = [], set()
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            key, turns = str(item["question_id"]), item["turns"]
+            if not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError("turns must be a non-empty list of strings")
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{number}: not a question ({err}); each line needs question_id and turns") \
+                from None
+        if key in seen:
+            raise ValueError(f"{path}:{number}: question_id {key!r} is used twice")
+        seen.add(key)
+        conversations.append(Conversation(key, [Turn("user", t) for t in turns]))
+    return conversations
 
 
 def read_meta(folder: Path) -> dict:
@@ -359,7 +425,10 @@ def check_meta(folder: Path, meta: dict, hint: str = "") -> dict:
     if any(old["target"].get(k) != meta["target"][k] for k in keys):
         raise ValueError(f"{folder} holds answers of target {old['target']}, not of {meta['target']}; "
                          + (hint or f"use another data folder (paths.data) for this target or delete {folder}"))
-    changed = {k: (old["settings"].get(k), v) for k, v in meta["settings"].items() if old["settings"].get(k) != v}
+    keys = dict.fromkeys([*meta["settings"], *old["settings"]])
+    changed = {k: (old["settings"].get(k, _OPTIONAL_KEYS.get(k)), meta["settings"].get(k, _OPTIONAL_KEYS.get(k)))
+               for k in keys}
+    changed = {k: pair for k, pair in changed.items() if pair[0] != pair[1]}
     if changed:
         raise ValueError(f"{folder} was distilled with other settings {changed} (old, new); "
                          + (hint or f"use another data folder or delete {folder} to regenerate"))
@@ -401,15 +470,31 @@ def record_shards(folder: Path, meta: dict) -> None:
     write_json_atomic(folder / META, meta)
 
 
+def user_turns(conversation) -> int:
+    return sum(1 for t in conversation.turns if t.role == "user")
+
+
+def choose_conversations(cfg: DistillConfig) -> list:
+    """The conversations `cfg` answers: ShareGPT's training split or the question file, those with at least
+    `min_user_turns` user turns, then `offset` and `limit` over them."""
+    if cfg.source == "prompts":
+        pool = [c for c in prompt_conversations(cfg.prompts) if user_turns(c) >= cfg.min_user_turns]
+        return pool[cfg.offset:cfg.offset + cfg.limit]
+    from .sharegpt import load_conversations
+
+    if cfg.min_user_turns == 1:   # streams only the start of the file
+        return load_conversations("train", limit=cfg.offset + cfg.limit)[cfg.offset:]
+    pool = [c for c in load_conversations("train") if user_turns(c) >= cfg.min_user_turns]
+    return pool[cfg.offset:cfg.offset + cfg.limit]
+
+
 def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True) -> DistillSummary:
     """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time."""
     folder = Path(folder)
-    if cfg.source in ("sharegpt", "sharegpt_text"):
-        from .sharegpt import load_conversations
-
-        chosen: list = load_conversations("train", limit=cfg.offset + cfg.limit)[cfg.offset:]
+    if cfg.source in ("sharegpt", "sharegpt_text", "prompts"):
+        chosen: list = choose_conversations(cfg)
         ids = [c.id for c in chosen]
-        make = chat_records if cfg.source == "sharegpt" else text_records
+        make = text_records if cfg.source == "sharegpt_text" else chat_records
     else:
         chosen = [(f"syn-{i:06d}", i) for i in range(cfg.offset, cfg.offset + cfg.limit)]
         ids = [item[0] for item in chosen]

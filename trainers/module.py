@@ -8,7 +8,8 @@ Logged: train/loss, train/loss_reg, train/loss_cls, train/top1 (per step and epo
 draft vocabulary, from the loss's own logits: no extra lm_head product); val/loss, val/top1, val/top3,
 val/accept_len_est and val/top1_novel (top-1 on the answer tokens no 3-gram prompt lookup proposes: a small
 target's greedy answers repeat, and copying them is easy) per validation epoch, against the target's argmax
-over its full vocabulary; see `objective.agreement`.
+over its full vocabulary; see `objective.agreement`. With validation groups (`DraftDataModule.groups`: the kinds of
+the seed prompts, the other sources by name), also val_kind/<group>/top1 and val_kind/<group>/accept_len_est.
 """
 from __future__ import annotations
 
@@ -72,12 +73,32 @@ def val_epoch_metrics(val_sums) -> tuple[dict, dict]:
     }
 
 
+GROUP_STATS = ("top1", "tokens", "accept")
+
+
+def group_metrics(group_sums, groups: tuple[str, ...]) -> dict:
+    """val_kind/<group>/top1 and /accept_len_est of the finished epoch for every group that had tokens; resets."""
+    sums = {k: float(m.compute()) for k, m in group_sums.items()}
+    for m in group_sums.values():
+        m.reset()
+    out = {}
+    for i, name in enumerate(groups):
+        tokens = sums[f"tokens_{i}"]
+        if tokens > 0:
+            out[f"val_kind/{name}/top1"] = sums[f"top1_{i}"] / tokens
+            out[f"val_kind/{name}/accept_len_est"] = sums[f"accept_{i}"] / tokens
+    return out
+
+
 class DraftLightningModule(L.LightningModule):
     def __init__(self, head: DraftHead, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor,
-                 objective_cfg: ObjectiveConfig = ObjectiveConfig(), optim_cfg: OptimConfig = OptimConfig()) -> None:
-        """lm_head_weight, embed_weight: [V, H], the target's (copied: the target may be freed)."""
+                 objective_cfg: ObjectiveConfig = ObjectiveConfig(), optim_cfg: OptimConfig = OptimConfig(),
+                 val_groups: tuple[str, ...] | list[str] = ()) -> None:
+        """lm_head_weight, embed_weight: [V, H], the target's (copied: the target may be freed). val_groups: the names
+        of the groups validation batches index (`group`), reported apart."""
         super().__init__()
         self.head = head
+        self.val_groups = tuple(val_groups)
         if head.design == "eagle3" and objective_cfg.w_reg:
             raise ValueError(f"an EAGLE-3 head predicts no target feature (its own norm and lm_head score its output): "
                              f"draft.objective.w_reg must be 0, got {objective_cfg.w_reg}")
@@ -95,6 +116,8 @@ class DraftLightningModule(L.LightningModule):
         self.val_sums = torch.nn.ModuleDict({k: SumMetric() for k in
                                              ("loss", "top1", "top3", "tokens", "accept", "roots", "batches",
                                                   "top1_novel", "novel")})
+        self.group_sums = torch.nn.ModuleDict({f"{k}_{i}": SumMetric() for i in range(len(self.val_groups))
+                                               for k in GROUP_STATS})
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -132,11 +155,19 @@ class DraftLightningModule(L.LightningModule):
         novel = novel_pairs(batch)
         features, weight = self.scored(preds)
         loss = objective(features, pairs, self.draft_weight, cfg, novel, q_weight=weight)["loss"]
-        stats = agreement(features, pairs, self.lm_weight, weight, self.head.d2t, novel)
+        groups = batch["group"][:, :-1] if self.val_groups and "group" in batch else None   # pair t: token t's
+        stats = agreement(features, pairs, self.lm_weight, weight, self.head.d2t, novel, groups=groups,
+                          num_groups=len(self.val_groups))
         add_val_batch(self.val_sums, stats, loss, self.device)
+        if groups is not None:
+            for i in range(len(self.val_groups)):
+                for key in GROUP_STATS:
+                    self.group_sums[f"{key}_{i}"].update(stats[f"group_{key}"][i])
 
     def on_validation_epoch_end(self) -> None:
         self.log_dict(val_epoch_metrics(self.val_sums)[1], prog_bar=True)
+        if self.val_groups:
+            self.log_dict(group_metrics(self.group_sums, self.val_groups))
 
     def configure_optimizers(self):
         cfg = self.optim_cfg

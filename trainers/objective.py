@@ -239,7 +239,8 @@ def lookup_predictable(ids: torch.Tensor, segment: torch.Tensor, n: int = 3) -> 
 
 @torch.no_grad()
 def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor, draft_weight: torch.Tensor,
-              d2t: torch.Tensor | None, novel: torch.Tensor | None = None) -> dict:
+              d2t: torch.Tensor | None, novel: torch.Tensor | None = None, groups: torch.Tensor | None = None,
+              num_groups: int = 0) -> dict:
     """Token agreement of draft and target, as sums and counts (so epochs can be averaged exactly).
 
     top1 / top3: the target's argmax over the full vocabulary is the draft's top-1 / among its top-3
@@ -253,12 +254,18 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
 
     novel: [B, T'] bool, the pairs whose predicted token no n-gram lookup proposes (see `lookup_predictable`);
     given, "top1_novel" / "novel" count the step-0 top-1 hits on those rows and the rows.
+
+    groups: [B, T'] long, each pair's validation group (0 .. num_groups - 1; -1: none); given, "group_top1",
+    "group_tokens" and "group_accept" are [num_groups] tensors of the same sums per group (tokens = roots).
     """
     rows = pairs.weight
     n = int(rows.sum())
     out = {"top1": 0.0, "top3": 0.0, "tokens": n, "accept": 0.0, "roots": n}
     if novel is not None:
         out.update(top1_novel=0.0, novel=float((rows & novel).sum()))
+    if groups is not None:
+        zeros = torch.zeros(num_groups, dtype=torch.float32, device=rows.device)
+        out.update(group_top1=zeros, group_tokens=zeros.clone(), group_accept=zeros.clone())
     if n == 0:
         return out
     target_top = (pairs.target[rows] @ full_weight.T).argmax(-1)   # N0 target ids
@@ -283,4 +290,10 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
         run = run & shifted
         length = length + (run & rows).float()
     out["accept"] = float(length[rows].sum())
+    if groups is not None:
+        g = groups[rows]
+        keep = g >= 0
+        for key, values in (("group_top1", hits[0][rows].float()), ("group_tokens", torch.ones_like(length[rows])),
+                            ("group_accept", length[rows])):
+            out[key] = torch.bincount(g[keep], weights=values[keep], minlength=num_groups).float()
     return out

@@ -18,8 +18,11 @@ Stages (each a no-op when its output is complete, so rerunning the same command 
                Those checkpoints are torch pickles that this same pipeline wrote; they are loaded
                with torch's restricted `weights_only=True` unpickler, and only from our own run folder.
                Exported heads are safetensors only.
+               With `early_stopping` set, fitting stops once its validation metric has not improved for
+               `patience` epochs, and the best epoch's weights (checkpoints/best.ckpt) are the ones exported.
   4. export    `save_head` (model.safetensors + config.json with the target's fingerprint), the
-               resolved config (train_config.yaml) and train_log.json / train_log.md -> paths.export
+               resolved config (train_config.yaml), train_log.json / train_log.md and training_curve.png
+               (train and validation loss, top-1 and estimated acceptance per epoch, per kind too) -> paths.export
 """
 from __future__ import annotations
 
@@ -63,8 +66,9 @@ class DataSource(NamedTuple):
 def data_sources(cfg: DictConfig) -> list[DataSource]:
     """The data's own source and one per `data.mix` entry.
 
-    A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/...`. It does
-    not inherit `start_from` (the main source's committed answers are not its own).
+    A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/distill` and
+    `<paths.data>/<entry>/<the name of paths.features>` (so an EAGLE-3 cache, `features_eagle3`, has its own folder
+    there too). It does not inherit `start_from` (the main source's committed answers are not its own).
     """
     paths = cfg.paths
     sources = [DataSource("main", cfg.data.distill, paths.distill, paths.features)]
@@ -72,7 +76,8 @@ def data_sources(cfg: DictConfig) -> list[DataSource]:
         settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True), "start_from": None,
                     **OmegaConf.to_container(entry.get("distill") or {}, resolve=True)}
         folder = Path(paths.data) / str(name)
-        sources.append(DataSource(str(name), settings, str(folder / "distill"), str(folder / "features")))
+        sources.append(DataSource(str(name), settings, str(folder / "distill"),
+                                  str(folder / Path(str(paths.features)).name)))
     return sources
 
 
@@ -117,6 +122,12 @@ def feature_layers(cfg: DictConfig, target) -> tuple[int, ...]:
     return layers
 
 
+def group_names(cfg: DictConfig, sources: list[DataSource]) -> list[str]:
+    """Each source's validation group name (for sequences whose ids name no kind): the main source by its
+    `data.distill.source` (e.g. "sharegpt"), a `data.mix` entry by its key."""
+    return [str(cfg.data.distill.source) if s.name == "main" else s.name for s in sources]
+
+
 def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple[int, ...] = ()):
     """Stages 1-2 for every source of `data_sources(cfg)`: distill and cache features (each resumes);
     returns (stage seconds, manifest, datamodule). taps: the decoder layers the head reads (`feature_layers`),
@@ -144,7 +155,7 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
         seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
     manifest = {**manifests[0], **{k: sum(m[k] for m in manifests) for k in ("total_sequences", "total_tokens")}}
     data = DraftDataModule([s.features for s in sources], _typed(LoaderConfig, cfg.data.loader),
-                           expect_target=target.fingerprint(), feature_layers=taps)
+                           expect_target=target.fingerprint(), feature_layers=taps, names=group_names(cfg, sources))
     data.setup("fit")
     return seconds, manifest, data
 
@@ -190,7 +201,8 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
                 rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
                 head.lm_head.weight.copy_(rows.float())
     return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
-                                _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim))
+                                _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim),
+                                val_groups=getattr(data, "groups", ()) if len(getattr(data, "groups", ())) > 1 else ())
 
 
 def warm_start_head(path, target, vocab_size):
@@ -211,9 +223,32 @@ def warm_start_head(path, target, vocab_size):
     return head
 
 
+class EarlyStop(NamedTuple):
+    monitor: str = "val/accept_len_est"   # a val/* metric the module logs
+    mode: str = "max"                     # max | min
+    patience: int = 3                     # epochs without improvement before stopping
+    min_delta: float = 0.0                # smaller changes are no improvement
+
+
+def early_stop_of(cfg: DictConfig) -> EarlyStop | None:
+    """cfg.early_stopping as checked settings, or None (off: null, or fast_dev_run)."""
+    node = cfg.get("early_stopping")
+    if not node or cfg.trainer.get("fast_dev_run"):
+        return None
+    values = _container(node)
+    unknown = set(values) - set(EarlyStop._fields)
+    if unknown:
+        raise ValueError(f"early_stopping has unknown keys {sorted(unknown)}: use {', '.join(EarlyStop._fields)}")
+    stop = EarlyStop(**values)
+    if stop.mode not in ("max", "min") or stop.patience < 1 or stop.min_delta < 0:
+        raise ValueError(f"early_stopping needs mode max or min, patience >= 1 and min_delta >= 0, got {values}")
+    return stop
+
+
 def fit(cfg: DictConfig, module, data):
-    """Stage 3: Lightning fit, resumed from <output>/checkpoints/last.ckpt when present and cfg.resume."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    """Stage 3: Lightning fit, resumed from <output>/checkpoints/last.ckpt when present and cfg.resume. With
+    early_stopping, the module ends up with the weights of its best validation epoch (checkpoints/best.ckpt)."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
     from .report import History
@@ -222,10 +257,17 @@ def fit(cfg: DictConfig, module, data):
     ckpt_dir = output / "checkpoints"
     history = History()
     callbacks: list = [history]
+    stop, best = early_stop_of(cfg), None
     if not cfg.trainer.get("fast_dev_run"):
         # last.ckpt: every N steps, when an exception stops the run, and at the end of training
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, save_on_exception=True,
                                          every_n_train_steps=cfg.checkpoint.every_n_train_steps))
+    if stop is not None:
+        callbacks.append(EarlyStopping(monitor=stop.monitor, mode=stop.mode, patience=stop.patience,
+                                       min_delta=stop.min_delta, check_finite=True))
+        best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=stop.monitor, mode=stop.mode, save_top_k=1,
+                               auto_insert_metric_name=False, enable_version_counter=False)
+        callbacks.append(best)
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks,
                                       logger=CSVLogger(output, name="logs"), default_root_dir=str(output))
     last = ckpt_dir / "last.ckpt"
@@ -239,6 +281,14 @@ def fit(cfg: DictConfig, module, data):
         # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
         trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
     history.fit_seconds = round(time.perf_counter() - t0, 1)
+    if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
+        # our own checkpoint, read with torch's restricted unpickler; the frozen buffers are not in it
+        state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
+        module.load_state_dict(state["state_dict"])
+        history.best = {"monitor": stop.monitor, "value": round(float(best.best_model_score), 5),
+                        "epoch": int(state["epoch"]), "step": int(state["global_step"])}
+        log.info("early_stopping: exporting epoch %d (%s %.4f)", history.best["epoch"], stop.monitor,
+                 history.best["value"])
     return trainer, history, resume_from
 
 
@@ -271,7 +321,7 @@ def train(cfg: DictConfig) -> dict:
     from eagle_lite.medusa import save_medusa
 
     from .features import describe_bytes
-    from .report import folder_bytes, write_train_log
+    from .report import folder_bytes, plot_training_curve, write_train_log
     from .targets import TargetConfig, build_target
 
     stop_after = cfg.get("stop_after") or ("features" if cfg.get("data_only", False) else None)
@@ -310,6 +360,11 @@ def train(cfg: DictConfig) -> dict:
         "disk_checkpoints": describe_bytes(folder_bytes(Path(paths.output) / "checkpoints")),
         **metrics,
     }
+    if history.best is not None:   # the exported weights are the best epoch's: so are the metrics reported
+        row = next((r for r in history.epochs if r["epoch"] == history.best["epoch"]), {})
+        metrics.update({k: v for k, v in row.items() if k.startswith("val/")})
+        summary.update({k: v for k, v in row.items() if k.startswith("val/")}, best_epoch=history.best["epoch"],
+                       best_step=history.best["step"], stopped_epoch=trainer.current_epoch)
     epochs = history.epochs
     old_log = export / "train_log.json"
     if resume_from and old_log.is_file():  # keep the epochs of the runs this one continued
@@ -326,6 +381,7 @@ def train(cfg: DictConfig) -> dict:
         save(module.head, export, target, extra={"training": training})
         write_text_atomic(export / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         write_train_log(export, summary, epochs)
+        plot_training_curve(export / "training_curve.png", epochs, summary.get("best_epoch"))
         log.info("exported the head to %s", export)
     return {**summary, "export": str(export), "epochs_log": epochs}
 

@@ -8,7 +8,9 @@ record's id, `data.loader.val_percent`), so heads trained on different data or m
 like for like. Printed per head: validation loss, top-1 / top-3 agreement with the target's greedy token (and
 top-1 on the "novel" answer tokens, those no 3-gram prompt lookup proposes: copying the rest is easy) and
 the estimated chain acceptance (`val/accept_len_est`, `val_depth` unrolled steps; see `objective.agreement`).
-Heads are loaded like any head (checked against the target); nothing is trained.
+Heads are loaded like any head (checked against the target); nothing is trained. Where the caches hold several
+kinds of data (the seed prompts' kinds, named in their ids, or several caches, named by their folders' parents), a
+second table gives each head's top-1 and estimated acceptance per kind.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ METRICS = ("val/top1", "val/top1_novel", "val/top3", "val/accept_len_est", "val/
 def validate_heads(target, heads: list[str | Path], features: list[str | Path], batch_size: int = 8,
                    val_percent: float = LoaderConfig.val_percent,
                    val_depth: int = ObjectiveConfig.val_depth) -> list[dict]:
-    """One row per head: {"head", "sequences", "tokens", and METRICS}, all on the same validation rows."""
+    """One row per head: {"head", "sequences", "tokens", METRICS, and "kinds": {kind: {"top1", "accept_len_est"}}
+    where the validation rows are of several kinds}, all on the same validation rows."""
     import lightning.pytorch as L
 
     from eagle_lite.checkpoint import load_head
@@ -43,6 +46,7 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
                         enable_model_summary=False, enable_checkpointing=False)
     rows = []
     held = data.caches[0].feature_layers
+    groups = data.groups if len(data.groups) > 1 else []
     for path in heads:
         head = load_head(path, target).float().eval()
         if head.feature_layers and head.feature_layers != held:
@@ -51,9 +55,12 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
         # an EAGLE-3 head has no feature to regress (its loss is the token loss alone, as it was trained)
         losses = {"w_reg": 0.0, "w_cls": 1.0} if head.design == "eagle3" else {}
         module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
-                                      ObjectiveConfig(val_depth=val_depth, **losses))
+                                      ObjectiveConfig(val_depth=val_depth, **losses), val_groups=groups)
         metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
-        rows.append({"head": str(path), **split, **{k: float(metrics[k]) for k in METRICS}})
+        kinds = {g: {k: float(metrics[f"val_kind/{g}/{k}"]) for k in ("top1", "accept_len_est")}
+                 for g in groups if f"val_kind/{g}/top1" in metrics}
+        rows.append({"head": str(path), **split, **{k: float(metrics[k]) for k in METRICS},
+                     **({"kinds": kinds} if kinds else {})})
     return rows
 
 
@@ -63,6 +70,14 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['head']} | {r['sequences']} | {r['tokens']} | {r['val/top1']:.3f} | {r['val/top1_novel']:.3f} "
                      f"| {r['val/top3']:.3f} | {r['val/accept_len_est']:.2f} | {r['val/loss']:.3f} |")
+    kinds = list(dict.fromkeys(k for r in rows for k in r.get("kinds", {})))
+    if kinds:   # per kind: estimated acceptance (top-1)
+        lines += ["", "| head | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+        for r in rows:
+            cells = [f"{r['kinds'][k]['accept_len_est']:.2f} ({r['kinds'][k]['top1']:.3f})" if k in r.get("kinds", {})
+                     else "" for k in kinds]
+            lines.append(f"| {r['head']} | " + " | ".join(cells) + " |")
+        lines.append("\nper kind: estimated accepted length (top-1)")
     return "\n".join(lines)
 
 

@@ -27,9 +27,14 @@ def attention_mask(prefix_len: int, visible: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DraftTree:
+    """probes: nodes whose target outputs the drafter reads back after the verify forward (`Drafter.observe`), e.g.
+    lookahead's Jacobi window. They are verified and may be accepted like any other node: a node's context is its
+    ancestors, so every node the target agrees with is a token it would have chosen."""
+
     tokens: torch.Tensor                 # [N] token ids, node 0 = root
     parents: list[int]                   # parents[0] = -1
     q_draft: torch.Tensor | None = None  # [N, V] distribution node i was *sampled* from; None: chosen deterministically
+    probes: list[int] = field(default_factory=list)
     depths: torch.Tensor = field(init=False)     # [N]
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool, self included
     children: list[list[int]] = field(init=False)
@@ -48,6 +53,8 @@ class DraftTree:
             depth[i] = depth[p] + 1
             children[p].append(i)
             anc[i] |= anc[p]
+        if any(not 0 <= i < n for i in self.probes):
+            raise ValueError(f"probes {self.probes} name nodes outside the tree's {n}")
         self.depths = torch.tensor(depth, device=self.tokens.device)
         self.ancestors = anc.to(self.tokens.device)
         self.children = children
@@ -86,7 +93,7 @@ def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
         node = child
     if len(tokens) == len(tree):
         return tree
-    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents)
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents, probes=tree.probes)
 
 
 def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[torch.Tensor, list[int]]:

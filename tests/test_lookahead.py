@@ -120,6 +120,10 @@ def test_the_tree_holds_the_candidates_trie_then_the_window_with_the_papers_mask
     assert tree.parents == [-1, 0, 1, 0, 3, 3, 0, 6, 7, 6, 7, 8]
     assert tree.children[0] == [1, 3, 6]                # candidates first among the root's children
     assert tree.probes == [9, 10, 11]                   # the top level's outputs continue the columns
+    assert tree.likely_path() == [0, 1, 2]              # the latest candidate, never the window
+    alone = LookaheadDrafter(window=3, ngram=3, candidates=0)
+    alone.levels = [[10, 11, 12]]
+    assert alone.propose(DraftInput([1, 2, 9], torch.zeros(1, 4)), None).likely_path() == [0]
     level0, level1 = [6, 7, 8], [9, 10, 11]
     for i, node in enumerate(level1):                   # level 1 column i sees root, level 0 up to i, itself
         seen = {int(s) for s in torch.nonzero(tree.ancestors[node]).flatten()}
@@ -150,6 +154,17 @@ def test_observe_fills_the_window_then_pools_its_columns_and_moves_up():
     drafter.observe(tree, Rows({tree.probes[0]: 50, tree.probes[1]: 51}))
     assert drafter.levels == [[40, 41], [50, 51]]       # full: level 0 dropped, the new tokens on top
     assert (40, 50) in drafter.pool.latest(start[0], 2) and (41, 51) in drafter.pool.latest(start[1], 2)
+
+
+def test_a_tree_checks_its_probes_and_likely_path():
+    from eagle_lite.tree import DraftTree
+
+    tokens = torch.tensor([1, 2, 3, 4])
+    assert DraftTree(tokens, [-1, 0, 0, 2], likely=[0, 2, 3]).likely_path() == [0, 2, 3]
+    assert DraftTree(tokens, [-1, 0, 0, 2]).likely_path() == [0, 1]
+    for kwargs in ({"probes": [4]}, {"likely": [0, 1, 3]}, {"likely": [1, 2]}):
+        with pytest.raises(ValueError):
+            DraftTree(tokens, [-1, 0, 0, 2], **kwargs)
 
 
 def test_the_pool_keeps_the_latest_distinct_ngrams_per_first_token():

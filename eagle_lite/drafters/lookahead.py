@@ -77,7 +77,7 @@ class NgramPool:
 class LookaheadDrafter:
     name = "lookahead"
 
-    def __init__(self, window: int = 4, ngram: int = 3, candidates: int = 2, seed: int = 0) -> None:
+    def __init__(self, window: int = 1, ngram: int = 3, candidates: int = 2, seed: int = 0) -> None:
         """window (W): Jacobi streams, each one verify row per level; ngram (N): the length of the n-grams collected
         and verified (the window has N - 1 levels); candidates (G): pool n-grams verified per step. A step verifies
         at most 1 + (W + G) * (N - 1) nodes. W = 0: no window (the pool holds the text's n-grams alone); N = 2:
@@ -127,6 +127,7 @@ class LookaheadDrafter:
                     parents.append(node)
                     child[(node, token)] = len(tokens) - 1
                 node = child[(node, token)]
+        likely = list(range(len(tokens)))[:self.ngram]    # the latest candidate: root, then its tail's nodes
         # the lookahead branch: level 0 a chain under the root, each higher level under the level below
         rows: list[list[int]] = []
         for j, level in enumerate(self.levels):
@@ -136,7 +137,9 @@ class LookaheadDrafter:
                 parents.append(rows[j - 1][i] if j else (row[i - 1] if i else 0))
                 row.append(len(tokens) - 1)
             rows.append(row)
-        return DraftTree(torch.tensor(tokens, device=inp.hidden.device), parents, probes=rows[-1] if rows else [])
+        # likely: the walk's probable reads are the latest candidate's, never the window's (lm_head rows cost)
+        return DraftTree(torch.tensor(tokens, device=inp.hidden.device), parents, probes=rows[-1] if rows else [],
+                         likely=likely)
 
     def observe(self, tree: DraftTree, nodes) -> None:
         """The target's greedy tokens at the top level continue the window's columns (see the module's doc)."""

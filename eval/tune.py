@@ -283,8 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
                    help="eagle: these trees instead of the grid, each depth,top_k,total_tokens[,lookup[,min_prob]]")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
-    g.add_argument("--lookahead-windows", type=counts, default=[2, 4], help="lookahead: window widths W")
-    g.add_argument("--lookahead-ngrams", type=ints, default=[3, 4], help="lookahead: n-gram lengths N (>= 2)")
+    g.add_argument("--lookahead-windows", type=counts, default=[1, 2, 4], help="lookahead: window widths W")
+    g.add_argument("--lookahead-ngrams", type=ints, default=[2, 3], help="lookahead: n-gram lengths N (>= 2)")
     g.add_argument("--lookahead-candidates", type=counts, default=[2], help="lookahead: pool n-grams verified G")
     return p.parse_args(argv)
 

@@ -30,7 +30,8 @@ class DraftTree:
     """probes: nodes whose target outputs the drafter reads back after the verify forward (`Drafter.observe`), e.g.
     lookahead's Jacobi window. They are verified and may be accepted like any other node: a node's context is its
     ancestors, so every node the target agrees with is a token it would have chosen.
-    likely: the drafter's likeliest path (root first) where it is not root, then each first child (`likely_path`)."""
+    likely: the path (root first) acceptance will probably walk, where that is not the root then each first child
+    (`likely_path`); lookahead names its latest candidate, never its window."""
 
     tokens: torch.Tensor                 # [N] token ids, node 0 = root
     parents: list[int]                   # parents[0] = -1

@@ -299,6 +299,24 @@ def test_python_api_and_eval_methods_take_it(tiny_model_dir, llama):
     assert runs["lookahead"].token_ids == runs["vanilla"].token_ids
 
 
+def test_the_sweep_config_sets_its_sizes(tiny_model_dir, tmp_path):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from test_eval import sweep_overrides, two_question_file
+
+    from eval.sweep import evaluate, settings_from
+
+    overrides = sweep_overrides(tiny_model_dir, two_question_file(tmp_path))
+    overrides[2] = "methods=[vanilla,lookahead]"
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
+        settings = settings_from(compose("sweep", overrides=[*overrides, "baseline=vanilla", "lookahead.window=2",
+                                                             "lookahead.candidates=3"]))
+    assert settings.lookahead == {"window": 2, "candidates": 3}
+    records, _, _ = evaluate(settings, progress=False)
+    assert {r.method for r in records} == {"vanilla", "lookahead"} and all(r.identical_to_baseline for r in records)
+
+
 def test_benchmark_and_tune_take_its_flags(capsys, monkeypatch):
     import eagle_lite.loading
     import eval.sweep

@@ -6,7 +6,8 @@ alone. The path of a token:
   2. draft:   the drafter proposes a tree of continuations under the root (drafters/).
   3. verify:  the target reads the whole tree in one forward with the tree mask (target.py, tree.py).
   4. accept:  the longest path the target agrees with, plus one bonus token (accept.py); the lm_head
-              projects only the nodes that walk reads (lm_head.NodeLogits; greedy: their certified argmax).
+              projects only the nodes that walk reads (lm_head.NodeLogits; greedy: their certified argmax),
+              and the tree's probes, whose outputs the drafter reads back (`observe`: lookahead's window).
   5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
 """
 from __future__ import annotations
@@ -148,6 +149,7 @@ class Engine:
             return out
 
         taps = getattr(self.drafter, "feature_layers", ())  # EAGLE-3 heads read several layers' outputs
+        observe = getattr(self.drafter, "observe", None)      # drafters that learn from each verify (lookahead)
 
         def read(tokens: torch.Tensor, *tree) -> tuple[torch.Tensor, torch.Tensor]:
             """(final hidden states for the lm_head, the features the drafter reads) of a target forward."""
@@ -176,8 +178,13 @@ class Engine:
             # 3. verify every node in one forward  4. accept  5. commit the accepted path
             hidden, features = read(tree.tokens, tree.ancestors, tree.depths)  # N H, N H'
             t2 = time.perf_counter()
-            nodes = NodeLogits(target.lm, hidden, likely=tree.likely_path())   # the likeliest path in one product
+            likely = tree.likely_path()
+            nodes = NodeLogits(target.lm, hidden, likely=likely)   # the likeliest path in one product
+            if tree.probes:
+                nodes.prefetch(tree.probes + likely)   # with the rows the drafter reads back: one product
             path, bonus = accept(tree, nodes, sampling, generator)
+            if observe is not None:
+                observe(tree, nodes)   # the target's outputs at the nodes it verified (e.g. a Jacobi window)
             self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
             cache.compact(torch.tensor(path, device=target.device))
             features = features[path]  # the accepted nodes' features feed the drafter next round

@@ -18,7 +18,7 @@ import logging
 import sys
 
 from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
-from .drafters.registry import AUTO, NAMES, options_from_flags
+from .drafters.registry import AUTO, NAMES, LookaheadOptions, options_from_flags
 from .threads import check_threads
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
     p.add_argument("--method", default="auto",
                    choices=[AUTO, *NAMES],
-                   help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); draft_model: a "
+                   help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); lookahead: "
+                        "lookahead decoding, a Jacobi window and an n-gram pool (training-free); draft_model: a "
                         "smaller LM drafts (needs --draft-model); layer_skip: the target's first --exit-layer "
                         "layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
                         "vanilla: one target forward per token; "
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--medusa-choices", default=None, metavar="JSON",
                    help="--method medusa: the tree as rank paths, e.g. '[[0],[1],[0,0]]', or a .json file "
                         "(default: a 12-node tree)")
+    add_lookahead_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     g = p.add_argument_group("sampling (temperature 0 = greedy)")
     g.add_argument("--temperature", type=float, default=sampling.temperature)
@@ -85,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
     return p
+
+
+def add_lookahead_flags(p: argparse.ArgumentParser) -> None:
+    """--lookahead-window, --lookahead-ngram, --lookahead-candidates (unset: LookaheadOptions' defaults)."""
+    o = LookaheadOptions()
+    p.add_argument("--lookahead-window", type=int, default=None, metavar="W",
+                   help=f"--method lookahead: Jacobi window width, W verify rows per level; 0: no window "
+                        f"(default {o.window})")
+    p.add_argument("--lookahead-ngram", type=int, default=None, metavar="N",
+                   help=f"--method lookahead: n-gram length, >= 2 (the window has N - 1 levels; default {o.ngram})")
+    p.add_argument("--lookahead-candidates", type=int, default=None, metavar="G",
+                   help=f"--method lookahead: pool n-grams verified per step (default {o.candidates})")
+
+
+def lookahead_flags(args: argparse.Namespace) -> dict:
+    """The --lookahead-* flags as `options_from_flags` keywords."""
+    return {"lookahead_window": args.lookahead_window, "lookahead_ngram": args.lookahead_ngram,
+            "lookahead_candidates": args.lookahead_candidates}
 
 
 def tree_flags(args: argparse.Namespace) -> dict:
@@ -240,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
-                                     medusa_choices=args.medusa_choices)
+                                     medusa_choices=args.medusa_choices, **lookahead_flags(args))
         lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
                   attention=args.attention)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

@@ -97,11 +97,20 @@ class NodeLogits:
         self._likely = likely if self.lazy and likely and len(likely) > 1 and head.grid is not None else None
         self.projected = 0 if self.lazy else hidden.shape[0]   # nodes whose logits or argmax were computed
 
+    def prefetch(self, nodes: list[int]) -> None:
+        """Project these nodes' logits in one product (the lm_head weight read once for all of them) for the reads
+        that follow: rows a drafter reads back after acceptance (`DraftTree.probes`) beside the walk's."""
+        if self._all is not None:
+            return
+        rows = [n for n in dict.fromkeys(nodes) if n not in self._rows]
+        if rows:
+            self._rows.update(zip(rows, self.head.logits(self.hidden[rows])))
+            self.projected += len(rows)
+
     def _project_likely(self, node: int) -> None:
         if self._likely is not None and node in self._likely:
             rows, self._likely = self._likely, None
-            self._rows.update(zip(rows, self.head.logits(self.hidden[rows])))
-            self.projected += len(rows)
+            self.prefetch(rows)
 
     def top_token(self, node: int) -> int:
         """The target's greedy token at `node` (its logits' argmax); lazily, without an fp32 row on CPU."""

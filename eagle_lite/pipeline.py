@@ -99,7 +99,8 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
 
     method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
     else prompt lookup (training-free, as exact). options: that method's options dataclass
-    (`drafters.EagleOptions`, `LookupOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
+    (`drafters.EagleOptions`, `LookupOptions`, `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`,
+    `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
     """
     if draft is not None and method in (registry.AUTO, "eagle"):

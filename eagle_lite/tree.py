@@ -27,9 +27,17 @@ def attention_mask(prefix_len: int, visible: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DraftTree:
+    """probes: nodes whose target outputs the drafter reads back after the verify forward (`Drafter.observe`), e.g.
+    lookahead's Jacobi window. They are verified and may be accepted like any other node: a node's context is its
+    ancestors, so every node the target agrees with is a token it would have chosen.
+    likely: the path (root first) acceptance will probably walk, where that is not the root then each first child
+    (`likely_path`); lookahead names its latest candidate, never its window."""
+
     tokens: torch.Tensor                 # [N] token ids, node 0 = root
     parents: list[int]                   # parents[0] = -1
     q_draft: torch.Tensor | None = None  # [N, V] distribution node i was *sampled* from; None: chosen deterministically
+    probes: list[int] = field(default_factory=list)
+    likely: list[int] | None = None
     depths: torch.Tensor = field(init=False)     # [N]
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool, self included
     children: list[list[int]] = field(init=False)
@@ -48,6 +56,11 @@ class DraftTree:
             depth[i] = depth[p] + 1
             children[p].append(i)
             anc[i] |= anc[p]
+        if any(not 0 <= i < n for i in self.probes):
+            raise ValueError(f"probes {self.probes} name nodes outside the tree's {n}")
+        if self.likely is not None and (self.likely[:1] != [0] or any(
+                not 0 < c < n or self.parents[c] != p for p, c in zip(self.likely, self.likely[1:]))):
+            raise ValueError(f"likely {self.likely} is not a path from the root of the tree")
         self.depths = torch.tensor(depth, device=self.tokens.device)
         self.ancestors = anc.to(self.tokens.device)
         self.children = children
@@ -57,7 +70,9 @@ class DraftTree:
 
     def likely_path(self) -> list[int]:
         """Root, then each node's first child: the drafter's likeliest path where children come best first
-        (EAGLE's top-k expansion and rerank keep that order)."""
+        (EAGLE's top-k expansion and rerank keep that order); `likely` where the drafter gave it."""
+        if self.likely is not None:
+            return list(self.likely)
         path = [0]
         while self.children[path[-1]]:
             path.append(self.children[path[-1]][0])
@@ -86,7 +101,7 @@ def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
         node = child
     if len(tokens) == len(tree):
         return tree
-    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents)
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents, probes=tree.probes, likely=tree.likely)
 
 
 def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[torch.Tensor, list[int]]:

@@ -15,15 +15,16 @@ import sys
 from pathlib import Path
 
 from eagle_lite.config import TreeConfig
+from eagle_lite.generate import add_lookahead_flags
 from eagle_lite.threads import check_threads
 
 from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
-# also available: layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both
-# --draft-model SPEC), medusa (--medusa PATH|random),
-# llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added by default when importable)
+# also available: lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates), layer_skip (--exit-layer),
+# draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC), medusa (--medusa PATH or
+# random), llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added by default when importable)
 
 
 def default_methods() -> list[str]:
@@ -65,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-model", default=None,
                    help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
     p.add_argument("--medusa", default=None, help="method medusa: a heads folder or 'random'")
+    add_lookahead_flags(p)
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)
 
@@ -84,6 +86,9 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
                               "min_prob": args.tree_min_prob},
                         threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
                         medusa=args.medusa, temperature=args.temperature, top_p=args.top_p,
+                        lookahead={k: v for k, v in (("window", args.lookahead_window),
+                                                     ("ngram", args.lookahead_ngram),
+                                                     ("candidates", args.lookahead_candidates)) if v is not None},
                         top_k=args.top_k, seed=args.seed)
 
 

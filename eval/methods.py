@@ -3,7 +3,7 @@
 `hf_generate`, `hf_prompt_lookup` and `hf_assisted` (assisted generation with the draft_model's smaller LM) are
 transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
-(lookup, draft_model, layer_skip, medusa) run through the same engine and verifier. `llama_cpp` is
+(lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `llama_cpp` is
 llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
 `llama-cpp-python`; it runs the file's quantized weights, so its tokens may differ from the fp32 target's).
 """

@@ -49,6 +49,7 @@ class EvalSettings:
     exit_layer: int | None = None   # layer_skip's draft depth (None: half the layers)
     draft_model: str | None = None  # draft_model's smaller LM (any load_target spec)
     medusa: str | None = None       # medusa's heads: a folder from `experiment=medusa`, or "random"
+    lookahead: dict = field(default_factory=dict)   # lookahead's window / ngram / candidates (None: default)
     temperature: float = 0.0        # 0: greedy, and outputs are checked against the baseline's; else sampled
     top_p: float = 1.0
     top_k: int = 0
@@ -87,7 +88,11 @@ def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
 def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
     """Each engine method's options (`eagle_lite.drafters.registry`) from the settings."""
     eagle = registry.EagleOptions(head=head) if head is not None else registry.EagleOptions(draft=s.draft)
+    unknown = sorted(set(s.lookahead) - {"window", "ngram", "candidates"})
+    if unknown:
+        raise ValueError(f"unknown lookahead setting(s) {unknown}: lookahead has window, ngram, candidates")
     return {"eagle": eagle,
+            "lookahead": registry.lookahead_options(**s.lookahead),
             "draft_model": registry.DraftModelOptions(model=s.draft_model),
             "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
             "medusa": registry.MedusaOptions(heads=s.medusa)}
@@ -95,9 +100,9 @@ def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
 
 def check_settings(s: EvalSettings) -> None:
     """Refuse every setting that is wrong whatever the target, before it loads (20-80 s): unknown methods or
-    dtype, a baseline not among the methods, threads, tree and sampling values, and the draft head, draft model,
-    Medusa heads and GGUF file the methods need (the registry's checks). Raises ValueError / FileNotFoundError
-    naming the setting."""
+    dtype, a baseline not among the methods, threads, tree and sampling values, lookahead's sizes, and the draft
+    head, draft model, Medusa heads and GGUF file the methods need (the registry's checks). Raises ValueError /
+    FileNotFoundError naming the setting."""
     unknown = [m for m in s.methods if m not in NAMES]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(NAMES)}")
@@ -189,6 +194,7 @@ def settings_from(cfg) -> EvalSettings:
                         per_category_limit=c["task"].get("per_category_limit"),
                         threads=None if threads is None else _number(c, "threads", int),
                         exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"),
+                        lookahead={k: v for k, v in (c.get("lookahead") or {}).items() if v is not None},
                         device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
                         seed=_number(c, "seed", int, 0))

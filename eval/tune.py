@@ -2,6 +2,7 @@
 
     python -m eval.tune --method eagle --task humaneval            # tree depth x top_k x total_tokens
     python -m eval.tune --method lookup --task sharegpt            # chain length K (num_tokens)
+    python -m eval.tune --method lookahead --task sharegpt         # window W x n-gram N x candidates G
     python -m eval.tune --method layer_skip --exit-layer 12        # K of the early-exit draft
     python -m eval.tune --method draft_model --draft-model SPEC    # K of a smaller draft model
     python -m eval.tune --method medusa --medusa HEADS_DIR         # Medusa tree size (nodes)
@@ -15,7 +16,8 @@ the best setting whose output is identical to vanilla's is printed last, with ho
 `--save-tree` records eagle's best tree in the head folder's config.json, where the CLI, the Python API
 and the benchmark take it as their default tree.
 Chain drafters sweep a fixed K (adaptive off) plus their default adaptive K; eagle sweeps the tree
-grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`).
+grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`); lookahead sweeps
+its window x n-gram x candidates grid.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from . import report, runner
 from .methods import Method, engine_method
 from .tasks import Question
 
-METHODS = ("eagle", "lookup", "draft_model", "layer_skip", "medusa")
+METHODS = ("eagle", "lookup", "lookahead", "draft_model", "layer_skip", "medusa")
 BASELINE = "vanilla"
 
 
@@ -125,6 +127,18 @@ def medusa_candidates(target: Target, heads, sizes: list[int]) -> list[Candidate
     return out
 
 
+def lookahead_candidates(target: Target, windows: list[int], ngrams: list[int],
+                         candidates: list[int]) -> list[Candidate]:
+    """Every (window, ngram, candidates) of the grid, each with its own LookaheadDrafter."""
+    out = []
+    for window, ngram, count in itertools.product(windows, ngrams, candidates):
+        options = registry.LookaheadOptions(window, ngram, count)
+        registry.check("lookahead", options)
+        out.append(Candidate(f"lookahead W={window} N={ngram} G={count}", dataclasses.asdict(options),
+                             lambda o=options: engine_method(Engine(target, registry.build("lookahead", target, o)))))
+    return out
+
+
 def tune(target: Target, questions: list[Question], candidates: list[Candidate], max_new_tokens: int = 64,
          warmup: bool = True) -> list[dict]:
     """Run vanilla decoding and every candidate on `questions`; one 'overall' summary row per method,
@@ -155,6 +169,9 @@ def how_to_select(method: str, setting: dict) -> str:
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
                 f"--tree-total-tokens {setting['total_tokens']} --tree-lookup {setting.get('lookup', 0)}"
                 f" --tree-min-prob {setting.get('min_prob', 0.0):g}")
+    if method == "lookahead":
+        return (f"--lookahead-window {setting['window']} --lookahead-ngram {setting['ngram']} "
+                f"--lookahead-candidates {setting['candidates']}")
     if method == "medusa":
         return f"--medusa-choices '{json.dumps(setting['choices'], separators=(',', ':'))}'"
     cls = {"lookup": "PromptLookupDrafter", "draft_model": "DraftModelDrafter",
@@ -179,6 +196,17 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def counts(text: str) -> list[int]:
+    """Comma-separated integers >= 0, e.g. 0,2,4."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,2,4, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
     return values
 
 
@@ -255,6 +283,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
                    help="eagle: these trees instead of the grid, each depth,top_k,total_tokens[,lookup[,min_prob]]")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
+    g.add_argument("--lookahead-windows", type=counts, default=[1, 2, 4], help="lookahead: window widths W")
+    g.add_argument("--lookahead-ngrams", type=ints, default=[2, 3], help="lookahead: n-gram lengths N (>= 2)")
+    g.add_argument("--lookahead-candidates", type=counts, default=[2], help="lookahead: pool n-grams verified G")
     return p.parse_args(argv)
 
 
@@ -272,6 +303,10 @@ def check_args(args: argparse.Namespace) -> None:
                          "auto or a head folder")
     if args.method == "eagle" and args.trees is None:
         tree_grid(args.depths, args.top_ks, args.totals)
+    if args.method == "lookahead":
+        for window, ngram, count in itertools.product(args.lookahead_windows, args.lookahead_ngrams,
+                                                      args.lookahead_candidates):
+            registry.check("lookahead", registry.LookaheadOptions(window, ngram, count))
     registry.check(args.method, registry.options_from_flags(
         args.method, draft=args.draft, draft_model=args.draft_model, exit_layer=args.exit_layer, medusa=args.medusa))
 
@@ -297,6 +332,8 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
         else:
             heads = load_medusa(args.medusa, target)
         return medusa_candidates(target, heads, args.nodes)
+    if args.method == "lookahead":
+        return lookahead_candidates(target, args.lookahead_windows, args.lookahead_ngrams, args.lookahead_candidates)
     draft_target = None
     if args.method == "draft_model":
         if args.draft_model is None:

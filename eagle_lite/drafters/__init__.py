@@ -4,6 +4,7 @@ from .base import Drafter, DraftInput, NoDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .layer_skip import LayerSkipDrafter
+from .lookahead import LookaheadDrafter
 from .lookup_graft import LookupGraft
 from .medusa import MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -14,6 +15,7 @@ from .registry import (
                        DraftModelOptions,
                        EagleOptions,
                        LayerSkipOptions,
+                       LookaheadOptions,
                        LookupOptions,
                        MedusaOptions,
                        VanillaOptions,
@@ -24,6 +26,6 @@ from .registry import (
 )
 
 __all__ = ["DraftInput", "Drafter", "NoDrafter", "EagleDrafter", "PromptLookupDrafter", "LookupGraft",
-           "DraftModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "AUTO", "METHODS", "NAMES", "build", "check",
-           "resolve", "load_eagle_head", "EagleOptions", "LookupOptions", "DraftModelOptions", "LayerSkipOptions",
-           "MedusaOptions", "VanillaOptions"]
+           "DraftModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "LookaheadDrafter", "AUTO", "METHODS", "NAMES",
+           "build", "check", "resolve", "load_eagle_head", "EagleOptions", "LookupOptions", "DraftModelOptions",
+           "LayerSkipOptions", "MedusaOptions", "LookaheadOptions", "VanillaOptions"]

@@ -35,7 +35,10 @@ class DraftInput:
 
 class Drafter(Protocol):
     """A drafter may also name `feature_layers`, the target's decoder layers it reads (EAGLE-3 heads): the engine
-    then passes their outputs as `DraftInput.hidden` (`Target.forward`'s taps) instead of the last hidden state."""
+    then passes their outputs as `DraftInput.hidden` (`Target.forward`'s taps) instead of the last hidden state.
+    It may also define `observe(tree, nodes)`: called after each acceptance with the tree it proposed and the
+    target's logits of its nodes (`lm_head.NodeLogits`: `nodes.top_token(i)`, `nodes[i]`), the rows of
+    `tree.probes` already projected; lookahead reads its Jacobi window's next tokens there."""
 
     name: str
 

@@ -71,6 +71,18 @@ class MedusaOptions:
 
 
 @dataclass(frozen=True)
+class LookaheadOptions:
+    """window (W): Jacobi streams; ngram (N): n-gram length (the window has N - 1 levels); candidates (G): pool
+    n-grams verified per step. A step verifies at most 1 + (W + G) * (N - 1) nodes (drafters/lookahead.py). The
+    defaults suit a CPU, where each verified row costs a good fraction of a one-token forward: wider windows find
+    more n-grams but pay only where extra rows are nearly free (a GPU)."""
+
+    window: int = 1
+    ngram: int = 3
+    candidates: int = 2
+
+
+@dataclass(frozen=True)
 class VanillaOptions:
     """Plain decoding: nothing to set."""
 
@@ -90,6 +102,18 @@ def _lookup(target, o: LookupOptions) -> Drafter:
     from .prompt_lookup import PromptLookupDrafter
 
     return PromptLookupDrafter(o.max_ngram, o.min_ngram, o.num_tokens, o.adaptive)
+
+
+def _lookahead(target, o: LookaheadOptions) -> Drafter:
+    from .lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(o.window, o.ngram, o.candidates)
+
+
+def _check_lookahead(o: LookaheadOptions) -> None:
+    from .lookahead import check_sizes
+
+    check_sizes(o.window, o.ngram, o.candidates)
 
 
 def _draft_model(target, o: DraftModelOptions) -> Drafter:
@@ -170,6 +194,8 @@ METHODS: dict[str, Method] = {
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
                     _check_eagle),
     "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
+    "lookahead": Method(LookaheadOptions, _lookahead, "lookahead decoding: Jacobi window + n-gram pool (training-free)",
+                        _check_lookahead),
     "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain", _check_draft_model),
     "layer_skip": Method(LayerSkipOptions, _layer_skip, "the target's first layers draft (no extra weights)"),
     "medusa": Method(MedusaOptions, _medusa, "Medusa heads' static tree", _check_medusa),
@@ -180,16 +206,26 @@ AUTO = "auto"   # eagle where a head is given or ships for the target, else look
 
 
 def options_from_flags(name: str, draft: str | None = "auto", draft_model: str | None = None,
-                       exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None) -> Any:
+                       exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None,
+                       lookahead_window: int | None = None, lookahead_ngram: int | None = None,
+                       lookahead_candidates: int | None = None) -> Any:
     """The options of method `name` from the command-line flags every entry point shares (each flag belongs to
-    one method; the others are ignored)."""
+    one method; the others are ignored; None: the method's default)."""
     if name in (AUTO, "eagle"):
         return EagleOptions(draft=draft)
     _method(name)
     return {"lookup": LookupOptions, "vanilla": VanillaOptions,
+            "lookahead": lambda: lookahead_options(lookahead_window, lookahead_ngram, lookahead_candidates),
             "draft_model": lambda: DraftModelOptions(model=draft_model),
             "layer_skip": lambda: LayerSkipOptions(exit_layer=exit_layer),
             "medusa": lambda: MedusaOptions(heads=medusa, choices=medusa_choices)}[name]()
+
+
+def lookahead_options(window: int | None = None, ngram: int | None = None,
+                      candidates: int | None = None) -> LookaheadOptions:
+    """LookaheadOptions with the sizes given (None: the default)."""
+    given = {"window": window, "ngram": ngram, "candidates": candidates}
+    return LookaheadOptions(**{k: v for k, v in given.items() if v is not None})
 
 
 def options_for(name: str, options: Any = None) -> Any:
@@ -204,7 +240,8 @@ def options_for(name: str, options: Any = None) -> Any:
 
 def check(name: str, options: Any = None) -> None:
     """Refuse a method or options that cannot work, before any model is loaded: an unknown method, one without
-    what it needs, a head or Medusa folder that is missing or of another kind, a draft model spec naming nothing."""
+    what it needs, a head or Medusa folder that is missing or of another kind, a draft model spec naming nothing,
+    lookahead sizes out of range."""
     if name == AUTO:
         if isinstance(options, EagleOptions):
             _check_eagle(options)

@@ -1,0 +1,154 @@
+"""Lookahead decoding (Fu et al., 2024): Jacobi iteration over a window of future positions, a pool of the n-grams
+its trajectories produce, and candidate n-grams from the pool verified in the same target forward.
+
+Training-free like prompt lookup, but it also finds continuations that are not in the text: the target generates
+them itself, W streams at a time, on extra rows of the verify forward it runs anyway.
+
+The window: N - 1 levels of W tokens. Level 0 is a chain under the root (column i at depth i + 1); level j column i
+hangs under level j - 1 column i (depth i + 1 + j). So a window token attends to the prefix, the root, level 0 up
+to its own column and the lower levels of its column: the paper's window mask is a tree, and one step is one
+DraftTree: the root, the candidates (a trie of the latest G pool n-grams that start with the root's token), then
+the window. The engine verifies all of it in one forward.
+
+After acceptance (`observe`) the target's greedy tokens at the top level's W nodes continue the W columns: each
+column, level 0 to the top plus its new token, is an N-gram the target generated; it goes into the pool keyed by
+its first token, and the window moves up a level (level 0 dropped, the new tokens the top level). While the window
+fills (its first N - 2 steps) the new tokens are added as a level. The text's own N-grams (prompt and answer) go
+into the pool as the text grows. With `reset(keep > 0)` (the next turn of a chat) pool and window are kept.
+
+Exact whatever the pool holds: the tree is chosen deterministically (from argmaxes of earlier verifies), so greedy
+and sampled acceptance are the target's own (accept.py). The window's nodes are verified like the candidates': a
+node's context is its ancestors, so a window token the target agrees with is a token it would have chosen, and the
+walk may take it (Jacobi decoding's own acceptance); the candidates come first among the root's children, so where
+both hold the same token the walk follows the candidate. The window's KV entries, written past the committed
+prefix by the verify forward, are overwritten by the next one unless accepted (kv_cache.StaticKVCache.compact).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from ..config import TreeConfig
+from ..tree import DraftTree
+from .base import DraftInput
+
+LEAST = {"window": 0, "ngram": 2, "candidates": 0}
+
+
+def check_sizes(window: int, ngram: int, candidates: int) -> None:
+    """Refuse sizes no lookahead drafter can take: ValueError naming the flag."""
+    for name, value in (("window", window), ("ngram", ngram), ("candidates", candidates)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < LEAST[name]:
+            raise ValueError(f"lookahead {name} (--lookahead-{name}) must be an integer >= {LEAST[name]}, "
+                             f"got {value!r}")
+
+
+class NgramPool:
+    """The latest `per_key` distinct n-grams seen for each first token; an n-gram seen again becomes the latest."""
+
+    def __init__(self, per_key: int) -> None:
+        self.per_key = per_key
+        self._tails: dict[int, dict[tuple[int, ...], None]] = {}   # first token -> tails, oldest first
+
+    def add(self, ngram: Sequence[int]) -> None:
+        if self.per_key == 0:
+            return
+        tails = self._tails.setdefault(ngram[0], {})
+        tail = tuple(ngram[1:])
+        tails.pop(tail, None)
+        tails[tail] = None
+        if len(tails) > self.per_key:
+            del tails[next(iter(tails))]
+
+    def latest(self, token: int, k: int) -> list[tuple[int, ...]]:
+        """Up to k tails of the n-grams that start with `token`, latest first."""
+        tails = self._tails.get(token)
+        return list(reversed(tails))[:k] if tails else []
+
+    def clear(self) -> None:
+        self._tails.clear()
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tails.values())
+
+
+class LookaheadDrafter:
+    name = "lookahead"
+
+    def __init__(self, window: int = 1, ngram: int = 3, candidates: int = 2, seed: int = 0) -> None:
+        """window (W): Jacobi streams, each one verify row per level; ngram (N): the length of the n-grams collected
+        and verified (the window has N - 1 levels); candidates (G): pool n-grams verified per step. A step verifies
+        at most 1 + (W + G) * (N - 1) nodes. W = 0: no window (the pool holds the text's n-grams alone); N = 2:
+        plain Jacobi decoding of W tokens, with 2-grams verified beside it. seed: the window's first tokens, drawn
+        from the prompt."""
+        check_sizes(window, ngram, candidates)
+        self.window, self.ngram, self.candidates = window, ngram, candidates
+        self.pool = NgramPool(candidates)
+        self.levels: list[list[int]] = []   # the window, level 0 first
+        self._text: list[int] = []           # the text whose n-grams are in the pool
+        self.seed = seed
+        self._rng = random.Random(seed)
+
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        if keep == 0:
+            self.pool.clear()
+            self.levels, self._text = [], []
+            self._rng = random.Random(self.seed)
+        return keep
+
+    def max_tree_nodes(self, tree: TreeConfig) -> int:
+        return 1 + (self.window + self.candidates) * (self.ngram - 1)
+
+    def _index(self, tokens: list[int]) -> None:
+        """Pool the N-grams of `tokens` that the pool does not hold yet (those past the text indexed before)."""
+        done = len(self._text)
+        if tokens[:done] != self._text:           # not an extension (an edited turn): from where they part
+            done = next((i for i, (a, b) in enumerate(zip(tokens, self._text)) if a != b), len(tokens))
+            del self._text[done:]
+        self._text += tokens[done:]
+        n = self.ngram
+        for start in range(max(0, done - n + 1), len(tokens) - n + 1):
+            self.pool.add(tokens[start:start + n])
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        self._index(inp.tokens)
+        if self.window and not self.levels:       # the first step: level 0 drawn from the prompt
+            self.levels = [[self._rng.choice(inp.tokens) for _ in range(self.window)]]
+        tokens, parents = [inp.root], [-1]
+        # the verification branch: the candidates' trie under the root, so that their children are distinct tokens
+        child: dict[tuple[int, int], int] = {}
+        for tail in self.pool.latest(inp.root, self.candidates):
+            node = 0
+            for token in tail:
+                if (node, token) not in child:
+                    tokens.append(token)
+                    parents.append(node)
+                    child[(node, token)] = len(tokens) - 1
+                node = child[(node, token)]
+        likely = list(range(len(tokens)))[:self.ngram]    # the latest candidate: root, then its tail's nodes
+        # the lookahead branch: level 0 a chain under the root, each higher level under the level below
+        rows: list[list[int]] = []
+        for j, level in enumerate(self.levels):
+            row: list[int] = []
+            for i, token in enumerate(level):
+                tokens.append(token)
+                parents.append(rows[j - 1][i] if j else (row[i - 1] if i else 0))
+                row.append(len(tokens) - 1)
+            rows.append(row)
+        # likely: the walk's probable reads are the latest candidate's, never the window's (lm_head rows cost)
+        return DraftTree(torch.tensor(tokens, device=inp.hidden.device), parents, probes=rows[-1] if rows else [],
+                         likely=likely)
+
+    def observe(self, tree: DraftTree, nodes) -> None:
+        """The target's greedy tokens at the top level continue the window's columns (see the module's doc)."""
+        if not tree.probes:
+            return
+        new = [nodes.top_token(i) for i in tree.probes]
+        if len(self.levels) < self.ngram - 1:     # still filling
+            self.levels.append(new)
+            return
+        for column in zip(*self.levels, new):
+            self.pool.add(column)
+        self.levels = self.levels[1:] + [new]

@@ -275,11 +275,15 @@ def test_a_target_the_static_cache_runs_wrong_is_refused(monkeypatch):
 
 
 # -- compiled ------------------------------------------------------------------------------------------
-def test_steps_compile_whole_and_stay_exact():
+@pytest.mark.parametrize("attention", ["sdpa", "gqa"])
+def test_steps_compile_whole_and_stay_exact(attention):
     """torch.compile(fullgraph=True) traces the draft step and the verify step without a graph break (a break
     raises), and the compiled steps give transformers' output. aot_eager: dynamo and AOTAutograd trace it all; only
-    inductor's C++ code generation (~45 s a step on a 2-core CPU, the slow test below) is left out."""
-    target = make_target("llama")
+    inductor's C++ code generation (~45 s a step on a 2-core CPU, the slow test below) is left out. The target keeps
+    its CPU speed-ups (the compiled steps set them aside) and its backend (gqa: the one `auto` picks on a CPU)."""
+    from eagle_lite.target import Target
+
+    target = Target(make_target("llama").model, name="tiny-llama", attention=attention)
     prompt = list(range(3, 14))
     ref = reference_greedy(target, prompt, 12)
     torch.manual_seed(0)

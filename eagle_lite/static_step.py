@@ -213,7 +213,8 @@ class StaticEngine:
     by default); "reduce-overhead"
     (`torch.compile` with its CUDA graphs); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per
     bucket and replayed); "auto": "cuda-graph" on CUDA, else "eager". max_len: the cache slots to allocate up front
-    (None: grown as prompts need, in blocks of `SLOT_BLOCK`; each growth recaptures). profile: synchronise
+    (more are allocated when a call needs them, in blocks of `SLOT_BLOCK`: each growth recaptures or recompiles the
+    steps; every step attends over all slots, so a benchmark sets it once, to about its longest call). profile: synchronise
     between draft and verify to time them (stats.draft_seconds / verify_seconds): a measurement, not a speed run.
     """
 
@@ -413,7 +414,7 @@ class StaticEngine:
 
     # -- running them ---------------------------------------------------------------------------------
     def _runner(self, kind: str) -> Callable[[], None]:
-        key = (kind, self._shape, id(self._cache))
+        key = (kind, self._shape)       # `_prepare` forgets them all when it rebuilds a buffer
         run = self._steps.get(key)
         if run is None:
             fn = self.draft_step if kind == "draft" else self.verify_step
@@ -452,10 +453,7 @@ class StaticEngine:
         target, dev = self.target, self.target.device
         depth = tree.depth if self.head is not None else 0
         width = tree.top_k * max(tree.depth - 1, 0) if self.head is not None else 0
-        size = self._fixed_len or -(-need // SLOT_BLOCK) * SLOT_BLOCK
-        if size < need:
-            raise ContextOverflowError(f"{need} cache slots are needed but the static step was built with max_len "
-                                       f"{self._fixed_len}")
+        size = max(self._fixed_len or 0, -(-need // SLOT_BLOCK) * SLOT_BLOCK)
         if self._cache is None or self._cache.slots < size:
             if self._cache is not None:
                 size = max(size, min(2 * self._cache.slots, -(-target.max_context // SLOT_BLOCK) * SLOT_BLOCK))
@@ -479,10 +477,11 @@ class StaticEngine:
                 tree=StaticTree.empty(bucket, dev))
             self._shape = shape
             self._steps.clear()
-            if self.mode == "reduce-overhead":
-                for t in [*self._state.small(), self._cache.keys, self._cache.values,
-                          *([self._draft_cache.keys, self._draft_cache.values] if self.head is not None else [])]:
-                    torch._dynamo.mark_static_address(t)
+        if not self._steps and self.mode == "reduce-overhead":   # what the steps change in place stays put
+            for t in [*self._state.small(), self._cache.keys, self._cache.values,
+                      *([self._lm_weight, self._draft_cache.keys, self._draft_cache.values] if self.head is not None
+                        else [])]:
+                torch._dynamo.mark_static_address(t)
 
     def _prefill(self, prompt_ids: list[int]) -> int:
         """The prompt through the target (and the draft head), eagerly; returns the first new token."""

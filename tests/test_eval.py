@@ -103,6 +103,21 @@ def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_ident
     assert len(rows) == 3 and all(line.rstrip().endswith("| — |") for line in rows)   # identity not claimed
 
 
+def test_a_benchmark_compares_the_static_step_with_the_engine(tiny_model_dir, tmp_path, capsys):
+    """vanilla_graph and eagle_graph (the fixed-shape step; eager on a CPU) beside the engine's methods, one run."""
+    from eval import benchmark
+
+    args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,vanilla_graph,eagle,eagle_graph",
+            "--draft", "random", "--tasks", "", "--questions", str(two_question_file(tmp_path)), "--per-task", "1",
+            "--max-new-tokens", "12", "--tree-depth", "3", "--tree-top-k", "3", "--tree-total-tokens", "6",
+            "--attention", "sdpa", "--static-max-len", "300"]
+    assert benchmark.main(args) == 0
+    out = capsys.readouterr().out
+    assert "vanilla_graph, eagle_graph: static step, mode auto" in out and "attention sdpa" in out
+    rows = [line for line in out.splitlines() if line.startswith("| overall |")]
+    assert len(rows) == 5 and all("| 100% |" in line for line in rows), rows
+
+
 def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(chat_target):
     from eagle_lite.config import SamplingConfig
 
@@ -268,6 +283,8 @@ def no_target_load(monkeypatch):
     ("benchmark", ["--methods", "vanilla,draft_model"], "needs --draft-model SPEC"),
     ("benchmark", ["--threads", "0"], "--threads must be a whole number >= 1"),
     ("benchmark", ["--tree-depth", "0"], "tree depth must be >= 1"),
+    ("benchmark", ["--methods", "vanilla,eagle_graph", "--temperature", "0.7"], "decode greedily"),
+    ("benchmark", ["--methods", "vanilla,eagle_graph", "--draft", "{nowhere}"], "no draft head at"),
     ("tune", ["--method", "lookup", "--questions", "{empty}"], "holds no questions"),
     ("tune", ["--method", "eagle", "--draft", "{nowhere}"], "no draft head at"),
     ("tune", ["--method", "eagle", "--depths", "1", "--top-ks", "1", "--totals", "4"], "no valid tree"),

@@ -593,6 +593,19 @@ class StaticEngine:
                 yield out
 
 
+def eagle_head(target, options=None):
+    """The EAGLE head the static step runs for method eagle: the one `options` (drafters.EagleOptions) holds or
+    names, the shipped one by default."""
+    from .drafters import registry
+
+    options = options or registry.EagleOptions()
+    head = options.head if options.head is not None else registry.load_eagle_head(target, options.draft)
+    if head is None:
+        raise FileNotFoundError(f"no draft head ships for target '{target.name}': the static step's eagle needs a "
+                                f"head (--draft PATH, or --draft random: untrained, exact but slow)")
+    return head
+
+
 def _has_gqa() -> bool:
     try:
         resolve_backend("gqa", "cpu")

@@ -24,6 +24,7 @@ from eagle_lite.config import GenerationConfig
 from eagle_lite.drafters import registry
 from eagle_lite.engine import Engine
 from eagle_lite.loading import gguf_file
+from eagle_lite.static_step import StaticEngine, eagle_head
 from eagle_lite.target import Target
 
 
@@ -126,8 +127,6 @@ def engine_method(engine: Engine) -> Method:
 
 def static_method(target: Target, head=None, mode: str = "auto", max_len: int | None = None) -> Method:
     """The fixed-shape step (static_step.StaticEngine): plain decoding (head None) or EAGLE with `head`."""
-    from eagle_lite.static_step import StaticEngine
-
     return engine_method(StaticEngine(target, head, mode=mode, max_len=max_len))
 
 
@@ -165,7 +164,7 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
         raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
     factories = {
         "vanilla_graph": lambda: static_method(target, None, static_mode, static_max_len),
-        "eagle_graph": lambda: static_method(target, static_head(target, options.get("eagle")), static_mode,
+        "eagle_graph": lambda: static_method(target, eagle_head(target, options.get("eagle")), static_mode,
                                              static_max_len),
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
@@ -175,12 +174,3 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
     return {n: factories[n]() if n in factories else
             engine_method(Engine(target, registry.build(n, target, options.get(n)))) for n in names}
 
-
-def static_head(target: Target, options: registry.EagleOptions | None):
-    """The EAGLE head eagle_graph runs: the one `options` holds or names (the shipped one by default)."""
-    options = options or registry.EagleOptions()
-    head = options.head if options.head is not None else registry.load_eagle_head(target, options.draft)
-    if head is None:
-        raise FileNotFoundError(f"no draft head ships for target '{target.name}': method eagle_graph needs --draft "
-                                f"PATH (a trained head) or --draft random")
-    return head

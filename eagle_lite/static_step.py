@@ -160,6 +160,15 @@ class StaticTree:
         return cls(torch.zeros(size, dtype=torch.long, device=device), parents, (torch.arange(size, device=device) > 0).long(),
                    tree_ancestors(parents, 1), torch.arange(size, device=device) == 0)
 
+    @classmethod
+    def build(cls, tokens: list[int], parents: list[int], size: int, device="cpu") -> StaticTree:
+        """A tree given as the engine's DraftTree gives it (parents[0] == -1), padded to `size` nodes."""
+        n, pad = len(tokens), size - len(tokens)
+        p = torch.tensor([0] + list(parents[1:]) + [0] * pad, device=device)
+        anc = tree_ancestors(p, n)
+        return cls(torch.tensor(list(tokens) + [0] * pad, device=device), p, anc.sum(1) - 1, anc,
+                   torch.arange(size, device=device) < n)
+
     def fill(self, other: StaticTree) -> None:
         """Copy `other` (same bucket) into these buffers (they stay where a captured graph reads them)."""
         for f in fields(self):

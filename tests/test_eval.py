@@ -247,6 +247,19 @@ def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
     assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out
 
 
+def test_step_cost_times_verify_against_tree_size_and_the_draft_step(capsys, tmp_path):
+    from eval.step_cost import main as step_cost
+
+    out_file = tmp_path / "cost.json"
+    assert step_cost(["--tiny", "--sizes", "1,4,16", "--reps", "1", "--trees", "2,2,3", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "| 16 |" in out and "| d=2 k=2 n=3 |" in out and "vs 1 node (eager)" in out
+    numbers = json.loads(out_file.read_text())["tiny"]
+    assert set(numbers["verify"]["eager"]) == {"1", "4", "16"} and numbers["draft"]["eager"]["d=2 k=2 n=3"] > 0
+    assert step_cost(["--tiny", "--modes", "cuda-graph"]) == 1
+    assert "captures CUDA graphs" in capsys.readouterr().err
+
+
 # -- a user's mistake is one line, found before the target loads ---------------------------------------------------
 def test_a_question_file_without_questions_is_an_error(tmp_path):
     empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"

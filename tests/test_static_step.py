@@ -36,12 +36,7 @@ def random_parents(n: int, seed: int) -> list[int]:
 
 def static_tree(tokens: list[int], parents: list[int], bucket: int) -> StaticTree:
     """A DraftTree's nodes as the static step holds them, padded to `bucket`."""
-    n = len(tokens)
-    pad = bucket - n
-    p = torch.tensor([0] + parents[1:] + [0] * pad)
-    anc = tree_ancestors(p, bucket)
-    return StaticTree(torch.tensor(tokens + [0] * pad), p, anc.sum(1) - 1, anc,
-                      torch.tensor([True] * n + [False] * pad))
+    return StaticTree.build(tokens, parents, bucket)
 
 
 # -- the pieces ----------------------------------------------------------------------------------------

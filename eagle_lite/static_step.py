@@ -225,10 +225,12 @@ class StaticEngine:
     (more are allocated when a call needs them, in blocks of `SLOT_BLOCK`: each growth recaptures or recompiles the
     steps; every step attends over all slots, so a benchmark sets it once, to about its longest call). profile: synchronise
     between draft and verify to time them (stats.draft_seconds / verify_seconds): a measurement, not a speed run.
+    lookahead: queue each step before reading the one before it (`_ahead`; None: on CUDA, where the device then
+    never waits for the host; on a CPU, where nothing runs asynchronously, it would only add a wasted last step).
     """
 
     def __init__(self, target, head=None, mode: str = "auto", max_len: int | None = None,
-                 profile: bool = False, compile_backend: str = "inductor") -> None:
+                 profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
@@ -238,6 +240,7 @@ class StaticEngine:
                              f"{target.device} (use 'eager' or 'compile')")
         self.target, self.head, self.mode, self.profile = target, head, mode, profile
         self.compile_backend = compile_backend
+        self.lookahead = target.device.type == "cuda" if lookahead is None else lookahead
         self._cache_keyword = cache_keyword(type(target.decoder).forward)   # what the decoder calls its cache
         self.taps = tuple(getattr(head, "feature_layers", ())) if head is not None else ()
         if self.taps:
@@ -554,10 +557,10 @@ class StaticEngine:
         bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
         depth = tree.depth if self.head is not None else 0
         self._tree_cfg = tree
-        self._prepare(n_prompt + budget + bucket + depth + 1, tree)
+        # the budget, the last step's tree, and on CUDA one more step queued ahead (`_ahead`)
+        self._prepare(n_prompt + budget + 2 * (bucket + depth + 1), tree)
         eos = target.eos_token_ids if cfg.stop_at_eos else set()
         stats.prompt_tokens = n_prompt
-        sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
         start = time.perf_counter()
 
         def emit(new: list[int]) -> list[int]:
@@ -575,32 +578,73 @@ class StaticEngine:
             return out
 
         with self._running():
+            start = time.perf_counter()        # the backend switch above is the benchmark's, not the method's
             first = self._prefill(prompt_ids)
             stats.target_forwards = 1
             stats.prefill_seconds = time.perf_counter() - start
             yield emit([first])
+            if stats.stop_reason:
+                return
             draft = self._runner("draft") if self.head is not None else None
             verify = self._runner("verify")
-            while not stats.stop_reason:
-                t0 = time.perf_counter()
-                if draft is not None:
-                    draft()
-                if self.profile:
-                    sync()
-                t1 = time.perf_counter()
-                verify()
-                if self.profile:
-                    sync()
-                back = self._state.readback.tolist()                      # the step's one read from the device
-                t2 = time.perf_counter()
+            ahead = self.lookahead and not self.profile
+            for back in (self._ahead(draft, verify) if ahead else self._in_turn(draft, verify, stats)):
                 stats.target_forwards += 1
-                if self.profile:
-                    stats.draft_seconds += t1 - t0
-                    stats.verify_seconds += t2 - t1
                 out = emit(back[1:1 + back[0]])
                 stats.accept_lengths.append(len(out))
                 yield out
+                if stats.stop_reason:
+                    break
 
+    def _launch(self, draft, verify) -> None:
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        if draft is not None:
+            draft()
+        verify()
+
+    def _in_turn(self, draft, verify, stats: GenerationStats) -> Iterator[list[int]]:
+        """Each step's read-back, read before the next step starts (a CPU; or timing the parts: `profile`)."""
+        sync = torch.cuda.synchronize if self.target.device.type == "cuda" else (lambda: None)
+        while True:
+            t0 = time.perf_counter()
+            if self.mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            if draft is not None:
+                draft()
+            if self.profile:
+                sync()
+            t1 = time.perf_counter()
+            verify()
+            back = self._state.readback.tolist()                          # the step's one read from the device
+            if self.profile:
+                stats.draft_seconds += t1 - t0
+                stats.verify_seconds += time.perf_counter() - t1
+            yield back
+
+    def _ahead(self, draft, verify) -> Iterator[list[int]]:
+        """Each step's read-back on CUDA, with the next step already queued behind it: its [n, tokens] go to pinned
+        host memory by an asynchronous copy, and the host reads them while the device runs the next step, so the
+        device never waits for the host. The step queued after the last one read is wasted (its cache slots are
+        past the budget; `stream` reserves them)."""
+        cuda = self.target.device.type == "cuda"    # elsewhere the same order, run synchronously (tests)
+        host = [torch.empty(self._state.readback.numel(), dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+        def queue(slot: int) -> None:
+            self._launch(draft, verify)
+            host[slot].copy_(self._state.readback, non_blocking=cuda)
+            if cuda:
+                done[slot].record()
+
+        queue(0)
+        slot = 0
+        while True:
+            queue(1 - slot)
+            if cuda:
+                done[slot].synchronize()
+            yield host[slot].tolist()
+            slot = 1 - slot
 
 def eagle_head(target, options=None):
     """The EAGLE head the static step runs for method eagle: the one `options` (drafters.EagleOptions) holds or

@@ -3,6 +3,7 @@ greedy generate(), token for token, and that torch.compile traces its draft and 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -206,10 +207,13 @@ def test_oracle_draft_accepts_everything_and_stays_exact(target, prompt_len):
     assert result.stats.target_forwards == 9
 
 
-def test_max_new_tokens_and_eos_inside_an_accepted_path(llama):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_max_new_tokens_and_eos_inside_an_accepted_path(llama, lookahead):
+    """Also with the next step queued before each read (what CUDA runs): the queued step past the end is dropped."""
     prompt = [7, 8, 9]
     ref = reference_greedy(llama, prompt, 40)
     engine = OracleStatic(llama, prompt + ref)
+    engine.lookahead = lookahead
     for budget in (1, 2, 4, 7, 13):
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=budget, stop_at_eos=False, tree=ORACLE_TREE))
         assert result.token_ids == ref[:budget] and result.stats.stop_reason == "length"
@@ -234,13 +238,21 @@ def test_one_engine_serves_prompts_trees_and_growth(llama):
     assert engine._cache.slots == 512                                  # grown once, in whole blocks
 
 
-def test_static_matches_the_engine_step_for_step(llama):
-    """Plain decoding: the static step and the engine emit the same tokens with the same forwards."""
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_static_matches_the_engine_step_for_step(llama, lookahead):
+    """The static step and the engine emit the same tokens with the same forwards (plain decoding; eagle with the
+    same head), reading each step in turn or one step behind the device."""
     prompt = list(range(30, 45))
     cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
-    static = StaticEngine(llama).generate(prompt, cfg)
+    static = StaticEngine(llama, lookahead=lookahead).generate(prompt, cfg)
     engine = Engine(llama).generate(prompt, cfg)
     assert static.token_ids == engine.token_ids and static.stats.target_forwards == engine.stats.target_forwards
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
+    static = StaticEngine(llama, head, lookahead=lookahead).generate(prompt, replace(cfg, tree=tree))
+    assert static.token_ids == engine.token_ids
+    assert static.stats.target_forwards == 1 + len(static.stats.accept_lengths)
 
 
 def test_refusals(llama, caplog):

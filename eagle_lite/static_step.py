@@ -267,6 +267,8 @@ class StaticEngine:
         model = self.target.model
         current = model.config._attn_implementation
         with contextlib.ExitStack() as stack:
+            if self.target.device.type == "cuda":     # graphs, streams and events on the target's GPU
+                stack.enter_context(torch.cuda.device(self.target.device))
             if current not in [KEYS[b] for b in STATIC_BACKENDS]:
                 model.set_attn_implementation(select_attention("gqa" if _has_gqa() else "sdpa", model))
                 stack.callback(model.set_attn_implementation, current)
@@ -437,7 +439,11 @@ class StaticEngine:
                                     **({"backend": self.compile_backend} if self.mode == "compile"
                                        else {"mode": "reduce-overhead"}))
             else:
-                run = self._capture(fn)
+                try:
+                    run = self._capture(fn)
+                except Exception as err:  # noqa: BLE001 (whatever stops the capture, the user needs another mode)
+                    raise RuntimeError(f"capturing the static {kind} step in a CUDA graph failed ({type(err).__name__}: "
+                                       f"{err}); run it in mode 'eager' or 'compile'") from err
             self._steps[key] = run
         return run
 

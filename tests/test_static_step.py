@@ -320,7 +320,8 @@ def cuda_target(family: str = "llama"):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = make_target(family).model.to("cuda", torch.bfloat16)
-    return Target(model, name=f"tiny-{family}-cuda-bf16", attention="auto")
+    # gqa: the engine and the static step then run the same SDPA kernel (bf16 sums in other orders could flip a tie)
+    return Target(model, name=f"tiny-{family}-cuda-bf16", attention="gqa")
 
 
 @pytest.mark.gpu
@@ -340,3 +341,14 @@ def test_static_step_on_cuda_in_bf16_equals_the_engine(mode, method):
         want = engine.generate(prompt, cfg).token_ids
         assert static.generate(prompt, cfg).token_ids == want
         assert static.generate(prompt, cfg).token_ids == want           # replayed graphs
+
+
+@pytest.mark.gpu
+def test_step_cost_runs_on_cuda(capsys):
+    from eval.step_cost import main as step_cost
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert step_cost(["--device", "cuda", "--targets", "tiny", "--sizes", "1,8,64", "--reps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "verify cuda-graph ms" in out and "| 64 |" in out

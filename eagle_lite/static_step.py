@@ -157,8 +157,9 @@ class StaticTree:
     def empty(cls, size: int, device) -> StaticTree:
         """The root alone, padded to `size` nodes."""
         parents = torch.zeros(size, dtype=torch.long, device=device)
-        return cls(torch.zeros(size, dtype=torch.long, device=device), parents, (torch.arange(size, device=device) > 0).long(),
-                   tree_ancestors(parents, 1), torch.arange(size, device=device) == 0)
+        nodes = torch.arange(size, device=device)
+        return cls(torch.zeros(size, dtype=torch.long, device=device), parents, (nodes > 0).long(),
+                   tree_ancestors(parents, 1), nodes == 0)
 
     @classmethod
     def build(cls, tokens: list[int], parents: list[int], size: int, device="cpu") -> StaticTree:
@@ -219,12 +220,13 @@ class StaticEngine:
     """Greedy generation through the fixed-shape step: plain decoding (head None) or EAGLE with `head`.
 
     mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
-    by default); "reduce-overhead"
-    (`torch.compile` with its CUDA graphs); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per
-    bucket and replayed); "auto": "cuda-graph" on CUDA, else "eager". max_len: the cache slots to allocate up front
-    (more are allocated when a call needs them, in blocks of `SLOT_BLOCK`: each growth recaptures or recompiles the
-    steps; every step attends over all slots, so a benchmark sets it once, to about its longest call). profile: synchronise
-    between draft and verify to time them (stats.draft_seconds / verify_seconds): a measurement, not a speed run.
+    by default); "reduce-overhead" (`torch.compile` with its CUDA graphs); "cuda-graph" (each step captured once in
+    a `torch.cuda.CUDAGraph` per bucket and replayed); "auto": "cuda-graph" on CUDA, else "eager".
+    max_len: the cache slots to allocate up front (more are allocated when a call needs them, in blocks of
+    `SLOT_BLOCK`: each growth recaptures or recompiles the steps; every step attends over all slots, so a benchmark
+    sets it once, to about its longest call).
+    profile: synchronise between draft and verify to time them (stats.draft_seconds / verify_seconds): a
+    measurement, not a speed run.
     lookahead: queue each step before reading the one before it (`_ahead`; None: on CUDA, where the device then
     never waits for the host; on a CPU, where nothing runs asynchronously, it would only add a wasted last step).
     """
@@ -390,7 +392,10 @@ class StaticEngine:
         slot_of = torch.zeros(scores.numel(), dtype=torch.long, device=dev).index_copy(
             0, kept, torch.arange(1, kept.numel() + 1, device=dev))
         tree_parents = torch.where(parents < 0, 0, slot_of[parents.clamp(min=0)])
-        valid = scores[kept] >= math.log(tree_cfg.min_prob) if tree_cfg.min_prob > 0 else torch.ones_like(kept, dtype=torch.bool)
+        if tree_cfg.min_prob > 0:                                          # unlikely nodes: verified, never accepted
+            valid = scores[kept] >= math.log(tree_cfg.min_prob)
+        else:
+            valid = torch.ones_like(kept, dtype=torch.bool)
         pad = s.tree.tokens.numel() - 1 - kept.numel()
         zeros = torch.zeros(pad, dtype=torch.long, device=dev)
         all_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), tree_parents, zeros])
@@ -442,8 +447,8 @@ class StaticEngine:
                 try:
                     run = self._capture(fn)
                 except Exception as err:  # noqa: BLE001 (whatever stops the capture, the user needs another mode)
-                    raise RuntimeError(f"capturing the static {kind} step in a CUDA graph failed ({type(err).__name__}: "
-                                       f"{err}); run it in mode 'eager' or 'compile'") from err
+                    raise RuntimeError(f"capturing the static {kind} step in a CUDA graph failed "
+                                       f"({type(err).__name__}: {err}); run it in mode 'eager' or 'compile'") from err
             self._steps[key] = run
         return run
 
@@ -491,7 +496,7 @@ class StaticEngine:
                 length=torch.zeros((), dtype=torch.long, device=dev),
                 root=torch.zeros(1, dtype=torch.long, device=dev),
                 readback=torch.zeros(depth + 2, dtype=torch.long, device=dev),
-                feats=torch.zeros(depth + 1, features, dtype=target.dtype, device=dev) if self.head is not None else None,
+                feats=None if self.head is None else torch.zeros(depth + 1, features, dtype=target.dtype, device=dev),
                 tree=StaticTree.empty(bucket, dev))
             self._shape = shape
             self._steps.clear()

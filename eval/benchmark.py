@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="the target's tree-verification backend (docs/attention.md); vanilla_graph and eagle_graph "
                         "run an SDPA backend (gqa unless this is sdpa)")
-    p.add_argument("--static-mode", default="auto", choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
+    p.add_argument("--static-mode", default="auto",
+                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
                    help="vanilla_graph / eagle_graph: auto = CUDA graphs on CUDA, eager on a CPU")
     p.add_argument("--static-max-len", type=int, default=2048,
                    help="vanilla_graph / eagle_graph: cache slots allocated once (each step attends over all of them)")

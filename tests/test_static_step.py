@@ -230,8 +230,9 @@ def test_max_new_tokens_and_eos_inside_an_accepted_path(llama, lookahead):
 def test_one_engine_serves_prompts_trees_and_growth(llama):
     """Calls of different lengths and trees on one engine: the buffers are rebuilt when needed, outputs exact."""
     engine = static_eagle(llama)
-    calls = [([1, 2, 3], TREES["dynamic"]), ([t % VOCAB for t in range(10, 300)], TREES["dynamic"]), ([4], TREES["wide"]),
-             ([1, 2, 3], TREES["dynamic"])]
+    long = [t % VOCAB for t in range(10, 300)]
+    dynamic, wide = TREES["dynamic"], TREES["wide"]
+    calls = [([1, 2, 3], dynamic), (long, dynamic), ([4], wide), ([1, 2, 3], dynamic)]
     for prompt, tree in calls:
         cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False, tree=tree)
         assert engine.generate(prompt, cfg).token_ids == reference_greedy(llama, prompt, 12)

@@ -22,9 +22,10 @@ tensor op:
 - commit: the accepted path's keys/values move next to the prefix by one gather and one `index_copy_` of a fixed
   D + 1 slots (D: the tree's depth); slots past the accepted length are beyond the new length, and overwritten.
 
-What crosses to the host per step: one `.tolist()` of `readback` ([1 + D + 1] integers: the accepted length, then
-the new tokens), which the caller needs anyway to print, stop at EOS and count the budget. The prompt's prefill
-runs eagerly (its length varies); so does the draft head's read of the prompt.
+What crosses to the host per step: `readback` ([1 + D + 1] integers: the accepted length, then the new tokens),
+which the caller needs anyway to print, stop at EOS and count the budget; on CUDA by an asynchronous copy read
+while the next step already runs (`StaticEngine._ahead`). The prompt's prefill runs eagerly (its length varies);
+so does the draft head's read of the prompt.
 
 `StaticEngine` runs it with the engine's interface (`generate`, `stream`). Greedy only: sampling stays with the
 engine (a clear error here). The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left
@@ -376,7 +377,7 @@ class StaticEngine:
             cum = (front_scores[:, None] + scores).flatten()               # k*k
             cand_scores.append(cum)
             cand_tokens.append(tokens.flatten())
-            cand_parents.append(front.repeat_interleave(k))
+            cand_parents.append(front[:, None].expand(k, k).reshape(-1))   # each frontier node, k times
             best = cum.topk(k).indices
             parent_row = best // k
             front = base + best

@@ -353,3 +353,22 @@ def test_step_cost_runs_on_cuda(capsys):
     assert step_cost(["--device", "cuda", "--targets", "tiny", "--sizes", "1,8,64", "--reps", "3"]) == 0
     out = capsys.readouterr().out
     assert "verify cuda-graph ms" in out and "| 64 |" in out
+
+
+@pytest.mark.gpu
+def test_static_steps_never_wait_for_the_device():
+    """The draft and verify steps, run eagerly on CUDA, make no synchronising call (CUDA's sync debug mode raises
+    on one): the step's only read is the read-back the engine makes after it."""
+    target = cuda_target()
+    torch.manual_seed(0)
+    engine = StaticEngine(target, DraftHead.for_target(target), mode="eager")
+    engine.generate([3, 4, 5, 6], GenerationConfig(max_new_tokens=8, stop_at_eos=False,
+                                                   tree=TreeConfig(depth=4, top_k=4, total_tokens=15)))
+    with torch.inference_mode(), engine._running():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.draft_step()
+            engine.verify_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

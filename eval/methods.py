@@ -173,4 +173,3 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
     }
     return {n: factories[n]() if n in factories else
             engine_method(Engine(target, registry.build(n, target, options.get(n)))) for n in names}
-

@@ -40,6 +40,8 @@ class StaticKVCache:
     (`update`, `get_seq_length`), so the library's own model classes run unchanged on top of it.
     """
 
+    # Not compileable: the committed length is a host int and `update` returns the first length + T slots, a shape
+    # that changes every step. static_step.DeviceKVCache is the compileable form (slots by tensor, a device length).
     is_compileable = False
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,

@@ -441,6 +441,9 @@ class StaticEngine:
             if self.mode == "eager":
                 run = fn
             elif self.mode in ("compile", "reduce-overhead"):
+                # one compiled graph per bucket and tree setting, all of the same two methods: room for many
+                config = torch._dynamo.config
+                config.recompile_limit = max(getattr(config, "recompile_limit", 8), 64)
                 run = torch.compile(fn, fullgraph=True, dynamic=False,
                                     **({"backend": self.compile_backend} if self.mode == "compile"
                                        else {"mode": "reduce-overhead"}))

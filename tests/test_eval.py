@@ -245,6 +245,10 @@ def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
                          "--max-new-tokens", "6", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out
+    assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "2,2,3",
+                         "--max-new-tokens", "6", "--prompt", "hi", "--static"]) == 0
+    out = capsys.readouterr().out
+    assert "| vanilla_graph | — |" in out and "| eagle d=2 k=2 n=3 graph |" in out
 
 
 def test_step_cost_times_verify_against_tree_size_and_the_draft_step(capsys, tmp_path):

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads that wait for a busy core stall every step")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
+    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
+                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
+                   help="greedy decoding through the fixed-shape step (methods eagle, without the lookup graft, and "
+                        "vanilla): MODE auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, "
+                        "reduce-overhead, cuda-graph (docs/gpu.md)")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
@@ -129,6 +134,12 @@ def check_flags(args: argparse.Namespace) -> None:
     GenerationConfig(max_new_tokens=args.max_new_tokens,
                      sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
     check_threads(args.threads)
+    if args.static is not None:
+        if args.temperature > 0:
+            raise ValueError("--static decodes greedily: drop --temperature (or --static)")
+        from .pipeline import check_static
+
+        check_static(args.method, args.static)
 
 
 def stats_line(stats) -> str:
@@ -262,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                                      exit_layer=args.exit_layer, medusa=args.medusa,
                                      medusa_choices=args.medusa_choices, **lookahead_flags(args))
         lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
-                  attention=args.attention)
+                  attention=args.attention, static=args.static)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

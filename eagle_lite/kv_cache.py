@@ -7,7 +7,6 @@ commits them, and whatever was rejected is simply overwritten by the next forwar
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -17,11 +16,16 @@ class ContextOverflowError(ValueError):
     """The tokens do not fit the cache (the model's context window, or the size it was built with)."""
 
 
-@functools.cache
+_KEYWORDS: dict = {}   # forward -> its cache keyword (a plain dict: torch.compile traces a lookup in it)
+
+
 def cache_keyword(forward) -> str:
     """The keyword a transformers module's `forward` takes its KV cache by: `cache` since transformers 5.24
     (which still maps `past_key_values` onto it, with a deprecation warning), `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    keyword = _KEYWORDS.get(forward)
+    if keyword is None:
+        keyword = _KEYWORDS[forward] = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return keyword
 
 
 def with_cache(module, cache) -> dict:
@@ -36,6 +40,8 @@ class StaticKVCache:
     (`update`, `get_seq_length`), so the library's own model classes run unchanged on top of it.
     """
 
+    # Not compileable: the committed length is a host int and `update` returns the first length + T slots, a shape
+    # that changes every step. static_step.DeviceKVCache is the compileable form (slots by tensor, a device length).
     is_compileable = False
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,

@@ -30,13 +30,14 @@ class Output:
 
 
 class Pipeline:
-    """A target with one drafter (`drafters.build`); `generate`/`stream` take text or chat messages."""
+    """A target with one drafter (`drafters.build`); `generate`/`stream` take text or chat messages.
+    engine: what generates instead of `Engine(target, drafter)` (the static step: `static_step.StaticEngine`)."""
 
-    def __init__(self, target: Target, drafter: Drafter, method: str) -> None:
+    def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None) -> None:
         self.target, self.method = target, method
-        self.engine = Engine(target, drafter)
+        self.engine = engine if engine is not None else Engine(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the library default
-        self.tree: TreeConfig = resolve_tree(getattr(drafter, "recommended_tree", None))
+        self.tree: TreeConfig = resolve_tree(getattr(drafter if engine is None else engine, "recommended_tree", None))
 
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
@@ -94,7 +95,7 @@ class Pipeline:
 
 
 def load(target: str | None = None, method: str = "auto", options=None, draft: str | None = None,
-         dtype: str = "float32", device: str = "cpu", attention: str = "auto") -> Pipeline:
+         dtype: str = "float32", device: str = "cpu", attention: str = "auto", static: str | None = None) -> Pipeline:
     """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
     method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
@@ -102,6 +103,9 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     (`drafters.EagleOptions`, `LookupOptions`, `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`,
     `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
+    static: decode greedily through the fixed-shape step (static_step.py) in this mode ("auto": CUDA graphs on CUDA,
+    eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft) and vanilla, shown as
+    eagle_graph / vanilla_graph. None: the engine.
     """
     if draft is not None and method in (registry.AUTO, "eagle"):
         if options is not None:
@@ -114,6 +118,25 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
     registry.check(method, options)              # before the (slow) target load
+    if static is not None:
+        check_static(method, static)
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     method, options = registry.resolve(method, tgt, options)
+    if static is not None:
+        from .static_step import StaticEngine, eagle_head
+
+        check_static(method, static)
+        head = eagle_head(tgt, options) if method == "eagle" else None
+        return Pipeline(tgt, None, f"{method}_graph", StaticEngine(tgt, head, mode=static))
     return Pipeline(tgt, registry.METHODS[method].build(tgt, options), method)
+
+
+def check_static(method: str, mode: str) -> None:
+    """Refuse what the static step cannot run: a method other than eagle and vanilla ("auto" resolves to one of
+    them, or to lookup, which is refused once resolved), an unknown mode."""
+    from .static_step import MODES
+
+    if mode not in MODES:
+        raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
+    if method not in (registry.AUTO, "eagle", "vanilla"):
+        raise ValueError(f"the static step runs methods eagle and vanilla, not '{method}'")

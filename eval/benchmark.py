@@ -4,6 +4,7 @@ decoding and EAGLE, measured in one run on the same prompts (interleaved), print
     python -m eval.benchmark                                # 3 held-out ShareGPT + 3 HumanEval prompts
     python -m eval.benchmark --per-task 10 --max-new-tokens 256 --out runs/bench
     python -m eval.benchmark --questions mt_bench.jsonl     # any MT-bench / Spec-Bench question file
+    python -m eval.benchmark --device cuda --dtype bfloat16 --methods vanilla,vanilla_graph,eagle,eagle_graph
 
 The same runner as `python -m eval.sweep` (Hydra, for sweeps), with plain flags for a quick check.
 """
@@ -25,6 +26,7 @@ ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 # also available: lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates), layer_skip (--exit-layer),
 # draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC), medusa (--medusa PATH or
 # random), llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added by default when importable)
+# vanilla_graph and eagle_graph (the fixed-shape step, static_step.py: CUDA graphs on CUDA; greedy only)
 
 
 def default_methods() -> list[str]:
@@ -62,6 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
+                   help="the target's tree-verification backend (docs/attention.md); vanilla_graph and eagle_graph "
+                        "run an SDPA backend (gqa unless this is sdpa)")
+    p.add_argument("--static-mode", default="auto",
+                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
+                   help="vanilla_graph / eagle_graph: auto = CUDA graphs on CUDA, eager on a CPU")
+    p.add_argument("--static-max-len", type=int, default=2048,
+                   help="vanilla_graph / eagle_graph: cache slots allocated once (each step attends over all of them)")
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
     p.add_argument("--draft-model", default=None,
                    help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
@@ -89,7 +99,9 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
                         lookahead={k: v for k, v in (("window", args.lookahead_window),
                                                      ("ngram", args.lookahead_ngram),
                                                      ("candidates", args.lookahead_candidates)) if v is not None},
-                        top_k=args.top_k, seed=args.seed)
+                        top_k=args.top_k, seed=args.seed, attention=args.attention, static_mode=args.static_mode,
+                        static_max_len=args.static_max_len)
+# vanilla_graph and eagle_graph (the fixed-shape step, static_step.py: CUDA graphs on CUDA; greedy only)
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,9 @@
 `hf_generate`, `hf_prompt_lookup` and `hf_assisted` (assisted generation with the draft_model's smaller LM) are
 transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
-(lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `llama_cpp` is
+(lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `vanilla_graph` and
+`eagle_graph` are the same two decodings through the fixed-shape step (static_step.py): captured in CUDA graphs on
+CUDA, eager on a CPU (greedy only; eagle_graph drafts without the prompt-lookup graft). `llama_cpp` is
 llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
 `llama-cpp-python`; it runs the file's quantized weights, so its tokens may differ from the fp32 target's).
 """
@@ -22,6 +24,7 @@ from eagle_lite.config import GenerationConfig
 from eagle_lite.drafters import registry
 from eagle_lite.engine import Engine
 from eagle_lite.loading import gguf_file
+from eagle_lite.static_step import StaticEngine, eagle_head
 from eagle_lite.target import Target
 
 
@@ -122,20 +125,29 @@ def engine_method(engine: Engine) -> Method:
     return run
 
 
+def static_method(target: Target, head=None, mode: str = "auto", max_len: int | None = None) -> Method:
+    """The fixed-shape step (static_step.StaticEngine): plain decoding (head None) or EAGLE with `head`."""
+    return engine_method(StaticEngine(target, head, mode=mode, max_len=max_len))
+
+
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
-NAMES = (*HF_METHODS[:3], *registry.NAMES, "llama_cpp")   # every method eval can run
+STATIC_METHODS = ("vanilla_graph", "eagle_graph")   # greedy only
+NAMES = (*HF_METHODS[:3], *registry.NAMES, *STATIC_METHODS, "llama_cpp")   # every method eval can run
 
 
 def build_methods(target: Target, names: list[str], options: dict[str, Any] | None = None,
-                  gguf: Path | None = None, threads: int | None = None) -> dict[str, Method]:
+                  gguf: Path | None = None, threads: int | None = None, static_mode: str = "auto",
+                  static_max_len: int | None = None) -> dict[str, Method]:
     """Method name -> callable. The engine's methods are the drafter registry's (`eagle_lite.drafters.NAMES`), each
     built with `options[name]` (its options dataclass; None: defaults). Besides them: hf_generate, hf_prompt_lookup
-    and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM), and llama_cpp
-    (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads)."""
+    and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM), llama_cpp
+    (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads), and vanilla_graph and
+    eagle_graph (the fixed-shape step in `static_mode`, its caches `static_max_len` slots; eagle_graph takes the
+    head of `options["eagle"]`)."""
     options = dict(options or {})
-    unknown = [n for n in names if n not in registry.METHODS and n not in HF_METHODS]
+    unknown = [n for n in names if n not in registry.METHODS and n not in HF_METHODS and n not in STATIC_METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted([*registry.NAMES, *HF_METHODS])}")
+        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(NAMES)}")
     if "hf_assisted" in names or "draft_model" in names:
         # both run the same smaller LM: load it once
         o = options.get("draft_model") or registry.DraftModelOptions()
@@ -151,6 +163,9 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
     if "llama_cpp" in names and gguf is None:
         raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
     factories = {
+        "vanilla_graph": lambda: static_method(target, None, static_mode, static_max_len),
+        "eagle_graph": lambda: static_method(target, eagle_head(target, options.get("eagle")), static_mode,
+                                             static_max_len),
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
         "hf_assisted": lambda: hf_generate(target, assistant=options["draft_model"].draft_target),

@@ -22,11 +22,13 @@ from tqdm import tqdm
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 from eagle_lite.draft import DraftHead
 from eagle_lite.drafters import registry
+from eagle_lite.kernels.attention import BACKENDS
 from eagle_lite.loading import load_target
+from eagle_lite.static_step import MODES
 from eagle_lite.threads import check_threads
 
 from . import plots, report, runner
-from .methods import NAMES, build_methods, gguf_of
+from .methods import NAMES, STATIC_METHODS, build_methods, gguf_of
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -54,6 +56,9 @@ class EvalSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0                   # sampling: each method draws with this seed on every prompt
+    attention: str = "auto"         # the target's tree-verification backend (kernels/attention.py)
+    static_mode: str = "auto"       # vanilla_graph / eagle_graph: how their steps run (static_step.MODES)
+    static_max_len: int | None = 2048   # their cache slots, allocated once (more if a call needs them)
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -111,6 +116,13 @@ def check_settings(s: EvalSettings) -> None:
     if not isinstance(getattr(torch, str(s.dtype), None), torch.dtype):
         raise ValueError(f"unknown dtype {s.dtype!r}: use float32 or bfloat16")
     check_threads(s.threads, "threads")
+    if s.attention not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown attention backend {s.attention!r}; choose one of: auto, {', '.join(BACKENDS)}")
+    static = [m for m in s.methods if m in STATIC_METHODS]
+    if static and s.static_mode not in MODES:
+        raise ValueError(f"unknown static step mode {s.static_mode!r}: choose one of {', '.join(MODES)}")
+    if static and s.temperature > 0:
+        raise ValueError(f"method(s) {static} decode greedily: drop them or set temperature 0")
     TreeConfig.check_overrides(s.tree)
     GenerationConfig(max_new_tokens=s.max_new_tokens,
                      sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
@@ -120,6 +132,8 @@ def check_settings(s: EvalSettings) -> None:
     for name in s.methods:
         if name in registry.METHODS:
             registry.check(name, options.get(name))
+    if "eagle_graph" in s.methods:       # the eagle method's head, through the static step
+        registry.check("eagle", options["eagle"])
     if "llama_cpp" in s.methods:
         gguf_of(s.target)
 
@@ -132,11 +146,12 @@ def evaluate(s: EvalSettings, progress: bool = True):
         raise ValueError("no questions to run: check the task settings (each task's limit, per_category_limit)")
     if s.threads is not None:
         torch.set_num_threads(s.threads)
-    target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device)
-    head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
+    target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device, attention=s.attention)
+    head, note = head_for(target, s.draft) if {"eagle", "eagle_graph"} & set(s.methods) else (None, "")
     options = method_options(s, head)
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
-    methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads)
+    methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads, static_mode=s.static_mode,
+                            static_max_len=s.static_max_len)
     tree = tree_for(head, s.tree)
     sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree, sampling=sampling, seed=s.seed)
@@ -148,11 +163,14 @@ def evaluate(s: EvalSettings, progress: bool = True):
 
         records = runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup,
                              on_record=on_record)
-    header = (f"target {target.name} · {s.dtype} · {torch.get_num_threads()} threads · max_new_tokens "
+    static = [m for m in s.methods if m in STATIC_METHODS]
+    header = (f"target {target.name} · {s.dtype} · {target.device} · attention "
+              f"{target.config._attn_implementation} · {torch.get_num_threads()} threads · max_new_tokens "
               f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
               f"{tree.total_tokens}, lookup {tree.lookup}"
               + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
                  f"top_k {sampling.top_k}, seed {s.seed} (outputs differ by draw: no identity check)")
+              + (f" · {', '.join(static)}: static step, mode {s.static_mode}, no lookup graft" if static else "")
               + (f" · {note}" if note else ""))
     return records, report.summarize(records, s.baseline), header
 
@@ -197,7 +215,8 @@ def settings_from(cfg) -> EvalSettings:
                         lookahead={k: v for k, v in (c.get("lookahead") or {}).items() if v is not None},
                         device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
-                        seed=_number(c, "seed", int, 0))
+                        seed=_number(c, "seed", int, 0), attention=c.get("attention", "auto"),
+                        static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048))
 
 
 def _main() -> None:

@@ -37,6 +37,22 @@ def test_one_shot_json_eagle_equals_vanilla(tiny_model_dir, capsys):
     assert 1 <= eagle["new_tokens"] <= 24 and eagle["method"] == "eagle"
 
 
+def test_static_step_answers_as_the_engine_does(tiny_model_dir, capsys):
+    """--static: the fixed-shape step (eager on a CPU) gives the engine's greedy answer; what it cannot run is
+    refused before the model loads."""
+    common = ["--target", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "20"]
+    vanilla = run_json(capsys, *common, "--method", "vanilla")
+    for method in ("vanilla", "eagle"):
+        out = run_json(capsys, *common, "--method", method, "--draft", "random", "--static")
+        assert out["token_ids"] == vanilla["token_ids"] and out["method"] == f"{method}_graph"
+    assert main([*common, "--static", "--temperature", "0.5"]) == 2
+    assert "--static decodes greedily" in capsys.readouterr().err
+    assert main([*common, "--static", "--method", "lookup"]) == 2
+    assert "runs methods eagle and vanilla" in capsys.readouterr().err
+    assert main([*common, "--static", "cuda-graph", "--method", "vanilla"]) == 1     # a CPU target
+    assert "captures CUDA graphs" in capsys.readouterr().err
+
+
 def test_seeded_sampling_is_reproducible(tiny_model_dir, capsys):
     common = ["--target", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "16", "--temperature", "0.9",
               "--seed", "3", "--method", "eagle", "--draft", "random"]

@@ -103,6 +103,21 @@ def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_ident
     assert len(rows) == 3 and all(line.rstrip().endswith("| — |") for line in rows)   # identity not claimed
 
 
+def test_a_benchmark_compares_the_static_step_with_the_engine(tiny_model_dir, tmp_path, capsys):
+    """vanilla_graph and eagle_graph (the fixed-shape step; eager on a CPU) beside the engine's methods, one run."""
+    from eval import benchmark
+
+    args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,vanilla_graph,eagle,eagle_graph",
+            "--draft", "random", "--tasks", "", "--questions", str(two_question_file(tmp_path)), "--per-task", "1",
+            "--max-new-tokens", "12", "--tree-depth", "3", "--tree-top-k", "3", "--tree-total-tokens", "6",
+            "--attention", "sdpa", "--static-max-len", "300"]
+    assert benchmark.main(args) == 0
+    out = capsys.readouterr().out
+    assert "vanilla_graph, eagle_graph: static step, mode auto" in out and "attention sdpa" in out
+    rows = [line for line in out.splitlines() if line.startswith("| overall |")]
+    assert len(rows) == 5 and all("| 100% |" in line for line in rows), rows
+
+
 def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(chat_target):
     from eagle_lite.config import SamplingConfig
 
@@ -230,6 +245,23 @@ def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
                          "--max-new-tokens", "6", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out
+    assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "2,2,3",
+                         "--max-new-tokens", "6", "--prompt", "hi", "--static"]) == 0
+    out = capsys.readouterr().out
+    assert "| vanilla_graph | — |" in out and "| eagle d=2 k=2 n=3 graph |" in out
+
+
+def test_step_cost_times_verify_against_tree_size_and_the_draft_step(capsys, tmp_path):
+    from eval.step_cost import main as step_cost
+
+    out_file = tmp_path / "cost.json"
+    assert step_cost(["--tiny", "--sizes", "1,4,16", "--reps", "1", "--trees", "2,2,3", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "| 16 |" in out and "| d=2 k=2 n=3 |" in out and "vs 1 node (eager)" in out
+    numbers = json.loads(out_file.read_text())["tiny"]
+    assert set(numbers["verify"]["eager"]) == {"1", "4", "16"} and numbers["draft"]["eager"]["d=2 k=2 n=3"] > 0
+    assert step_cost(["--tiny", "--modes", "cuda-graph"]) == 1
+    assert "captures CUDA graphs" in capsys.readouterr().err
 
 
 # -- a user's mistake is one line, found before the target loads ---------------------------------------------------
@@ -268,6 +300,8 @@ def no_target_load(monkeypatch):
     ("benchmark", ["--methods", "vanilla,draft_model"], "needs --draft-model SPEC"),
     ("benchmark", ["--threads", "0"], "--threads must be a whole number >= 1"),
     ("benchmark", ["--tree-depth", "0"], "tree depth must be >= 1"),
+    ("benchmark", ["--methods", "vanilla,eagle_graph", "--temperature", "0.7"], "decode greedily"),
+    ("benchmark", ["--methods", "vanilla,eagle_graph", "--draft", "{nowhere}"], "no draft head at"),
     ("tune", ["--method", "lookup", "--questions", "{empty}"], "holds no questions"),
     ("tune", ["--method", "eagle", "--draft", "{nowhere}"], "no draft head at"),
     ("tune", ["--method", "eagle", "--depths", "1", "--top-ks", "1", "--totals", "4"], "no valid tree"),

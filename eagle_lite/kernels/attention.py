@@ -351,14 +351,16 @@ def _gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0
     if softcap is not None:                        # Gemma 2: no SDPA kernel soft-caps scores; plain torch does
         return _softcapped(query, key, value, attention_mask, _scale(query, scaling), softcap)
     mask, causal = attention_mask, attention_mask is None and t > 1
-    if (t == s and t > NATIVE_MAX_QUERIES and isinstance(mask, torch.Tensor)
+    # under torch.compile (the static step) neither the host-side mask check nor the native op is traced: SDPA
+    compiling = torch.compiler.is_compiling()
+    if (not compiling and t == s and t > NATIVE_MAX_QUERIES and isinstance(mask, torch.Tensor)
             and _per_forward("causal", mask, t, s, query.device, _is_plain_causal)):
         # a prompt from an empty cache: SDPA's causal kernel skips the blocks above the diagonal, which a
         # mask makes it compute and discard (half the attention of a 2,400-token prefill: ~2 of ~9 s here)
         mask, causal = None, True
     if causal and t != s:                                              # causal after a cache: bottom-right
         mask, causal = _causal(t, s, query.device), False
-    if _native_fits(query, key, value, mask):                          # CPU, a few queries: one native loop
+    if not compiling and _native_fits(query, key, value, mask):        # CPU, a few queries: one native loop
         if causal:
             mask = _causal(t, s, query.device)
         visible = None if mask is None else mask[0, 0].expand(t, s)

@@ -1,0 +1,689 @@
+"""The speculative step in fixed shapes on device tensors: draft -> verify -> accept -> cache commit, with one
+small read-back per step and nothing else crossing to the host, so that it can be captured in CUDA graphs or
+compiled with `torch.compile(fullgraph=True)`.
+
+The engine (engine.py) walks the draft tree in Python: `.tolist()` of the tree, `int(argmax)` per node, the
+ancestors built in a loop, a cache compaction sized by the accepted length. Each of those waits for the device.
+On a GPU, for a small target, that waiting and the kernel launches are most of a step. Here every decision is a
+tensor op:
+
+- caches (`DeviceKVCache`): the target's and the draft head's keys/values in one preallocated buffer each. A
+  forward writes its T new entries at slots given by a tensor (`index_copy_`) and attends over all S slots of the
+  buffer under a boolean mask [1, 1, T, S] (`slot_mask`): the committed prefix, plus the tree block's own
+  ancestors. The committed length lives on the device.
+- the draft tree: EAGLE-2's top-k expansion with a fixed `top_k` and `depth`, reranked to `total_tokens` by
+  cumulative log-probability, exactly as drafters/eagle.py does, but in tensors: parents by index arithmetic, the
+  ancestor mask by `depth` gathers (`tree_ancestors`), then padded to a bucket size (`BUCKETS`) with masked-out
+  nodes that can never be accepted. A tree's shapes depend only on (top_k, depth, total_tokens), so each bucket
+  has one verify graph.
+- acceptance (`accept_greedy`): node i matches when its token is the target's argmax at its parent; a node is
+  accepted when all its ancestors match; the deepest accepted node ends the path, and its argmax is the bonus.
+  That is the target's greedy output, token for token, as accept.py's walk is.
+- commit: the accepted path's keys/values move next to the prefix by one gather and one `index_copy_` of a fixed
+  D + 1 slots (D: the tree's depth); slots past the accepted length are beyond the new length, and overwritten.
+
+What crosses to the host per step: `readback` ([1 + D + 1] integers: the accepted length, then the new tokens),
+which the caller needs anyway to print, stop at EOS and count the budget; on CUDA by an asynchronous copy read
+while the next step already runs (`StaticEngine._ahead`). The prompt's prefill runs eagerly (its length varies);
+so does the draft head's read of the prompt.
+
+`StaticEngine` runs it with the engine's interface (`generate`, `stream`). Greedy only: sampling stays with the
+engine (a clear error here). The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left
+out; `min_prob` masks nodes instead of shrinking the tree. On CUDA the draft step and each bucket's verify step
+are captured in CUDA graphs (`mode="cuda-graph"`), or compiled (`mode="compile"` or `"reduce-overhead"`); on a
+CPU the same code runs eagerly, or compiled. docs/gpu.md has the design and the GPU commands.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import GenerationConfig, TreeConfig
+from .engine import GenerationResult, GenerationStats
+from .kernels.accelerate import stock
+from .kernels.attention import KEYS, resolve_backend, select_attention
+from .kv_cache import ContextOverflowError, cache_keyword
+
+log = logging.getLogger("eagle_lite")
+
+# Tree sizes (root included) the verify step is built for: a tree pads to the next one.
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+SLOT_BLOCK = 256   # cache sizes are rounded up to this many slots, so most prompts reuse the same graphs
+MODES = ("auto", "eager", "compile", "reduce-overhead", "cuda-graph")
+# attention backends the static step runs: SDPA kernels over a dense mask of the whole buffer. The split backends
+# (lse_merge, flash) need the prefix as the first keys, and flex builds its BlockMask per forward on the host.
+STATIC_BACKENDS = ("sdpa", "gqa")
+
+
+def bucket_for(nodes: int) -> int:
+    """The smallest bucket holding a tree of `nodes` nodes (root included)."""
+    for size in BUCKETS:
+        if size >= nodes:
+            return size
+    raise ValueError(f"a tree of {nodes} nodes is larger than the static step's largest bucket ({BUCKETS[-1]}): "
+                     f"lower total_tokens")
+
+
+# -- caches ------------------------------------------------------------------------------------------
+class DeviceKVCache:
+    """Keys/values of every layer: [layers, 1, H_kv, slots, D] each, written at slots given by a tensor.
+
+    There is no host-side length: the caller keeps it on the device and masks what a forward may see.
+    `writer(slots)` is what a model's layers receive as their cache during one forward.
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, 1, kv_heads, slots, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = slots
+
+    def writer(self, slots: torch.Tensor) -> SlotWriter:
+        return SlotWriter(self, slots)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the entries at slots `src` to slots `dst` (all layers; a gather first, so overlaps are safe)."""
+        self.keys.index_copy_(3, dst, self.keys.index_select(3, src))
+        self.values.index_copy_(3, dst, self.values.index_select(3, src))
+
+
+class SlotWriter:
+    """The cache a model's layers see during one forward: `update` writes the T new keys/values at `slots` [T]
+    and returns the whole buffer (the mask hides what the tokens may not see). It duck-types the two methods of
+    `transformers.Cache` that decoder layers and the Llama-family models call."""
+
+    is_compileable = True
+
+    def __init__(self, cache: DeviceKVCache, slots: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: [1, H_kv, T, D] -> all keys/values: [1, H_kv, slots, D]."""
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(2, self.slots, key_states.to(keys.dtype))
+        values.index_copy_(2, self.slots, value_states.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("the static step gives every forward its position ids; a model that asks its cache for "
+                           "its length cannot run it (use the engine)")
+
+
+def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int) -> torch.Tensor:
+    """The boolean mask [1, 1, T, slots] of T tokens whose own block sits at slots [start, start + W): every slot
+    before `start` (the committed prefix) is visible, and inside the block what `visible` [T, W] says. Slots after
+    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read)."""
+    t, w = visible.shape
+    cols = torch.arange(slots, device=visible.device)
+    mask = (cols < start).expand(t, slots).clone()
+    mask.index_copy_(1, start + torch.arange(w, device=visible.device), visible)
+    return mask.view(1, 1, t, slots)
+
+
+# -- trees -------------------------------------------------------------------------------------------
+def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """[N, N] bool, row i marking node i and its ancestors, for a tree given by `parents` [N] (the root, node 0,
+    its own parent) of at most `depth` levels below the root: `depth` gathers up the parent pointers."""
+    n = parents.numel()
+    rows = torch.arange(n, device=parents.device)
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    up = rows
+    for _ in range(depth):
+        up = parents[up]
+        anc = anc.index_put((rows, up), torch.ones(n, dtype=torch.bool, device=parents.device))
+    return anc
+
+
+@dataclass
+class StaticTree:
+    """A draft tree padded to a bucket of B nodes: node 0 is the root. Padding nodes hang off the root, are not
+    `valid` and so are never accepted; nothing valid attends to them."""
+
+    tokens: torch.Tensor     # [B] long (node 0: the root)
+    parents: torch.Tensor    # [B] long, the root's own parent is 0
+    depths: torch.Tensor     # [B] long
+    ancestors: torch.Tensor  # [B, B] bool, self included
+    valid: torch.Tensor      # [B] bool
+
+    @classmethod
+    def empty(cls, size: int, device) -> StaticTree:
+        """The root alone, padded to `size` nodes."""
+        parents = torch.zeros(size, dtype=torch.long, device=device)
+        nodes = torch.arange(size, device=device)
+        return cls(torch.zeros(size, dtype=torch.long, device=device), parents, (nodes > 0).long(),
+                   tree_ancestors(parents, 1), nodes == 0)
+
+    @classmethod
+    def build(cls, tokens: list[int], parents: list[int], size: int, device="cpu") -> StaticTree:
+        """A tree given as the engine's DraftTree gives it (parents[0] == -1), padded to `size` nodes."""
+        n, pad = len(tokens), size - len(tokens)
+        p = torch.tensor([0] + list(parents[1:]) + [0] * pad, device=device)
+        anc = tree_ancestors(p, n)
+        return cls(torch.tensor(list(tokens) + [0] * pad, device=device), p, anc.sum(1) - 1, anc,
+                   torch.arange(size, device=device) < n)
+
+    def fill(self, other: StaticTree) -> None:
+        """Copy `other` (same bucket) into these buffers (they stay where a captured graph reads them)."""
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name))
+
+
+def accept_greedy(tree: StaticTree, top: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance in tensor ops. top: [B] the target's argmax at each node. depth: the tree's most levels
+    below the root (D). Returns (path [D + 1]: the accepted nodes from the root, padded with 0; n: the tokens this
+    step emits, accepted nodes plus the bonus, 0-d; bonus: the target's token after the path, 0-d)."""
+    b = tree.tokens.numel()
+    nodes = torch.arange(b, device=top.device)
+    match = ((tree.tokens == top[tree.parents]) & tree.valid) | (nodes == 0)
+    accepted = ~(tree.ancestors & ~match[None, :]).any(dim=1)            # every node on its path matches
+    best = torch.where(accepted, tree.depths, -1).argmax().view(1)       # the deepest: ends the accepted path
+    levels = torch.arange(depth + 1, device=top.device)
+    on_path = tree.ancestors.index_select(0, best) & (tree.depths[None, :] == levels[:, None])   # D+1 B
+    path = on_path.long().argmax(dim=1)                                  # the path's node at each level, else 0
+    return path, tree.depths.index_select(0, best)[0] + 1, top.index_select(0, best)[0]
+
+
+# -- the engine ----------------------------------------------------------------------------------------
+@dataclass
+class StepState:
+    """What one step reads and writes on the device; the buffers never move (captured graphs read them)."""
+
+    length: torch.Tensor     # [] long: tokens in the target's cache; the root's position
+    root: torch.Tensor       # [1] long: the last chosen token, not yet in the cache
+    readback: torch.Tensor   # [D + 2] long: the tokens the last step emitted (n), then those tokens, bonus last
+    feats: torch.Tensor | None   # [D + 1, F]: target features of the emitted tokens' predecessors (the draft reads)
+    tree: StaticTree
+
+    @property
+    def n(self) -> torch.Tensor:
+        return self.readback[0]
+
+    @property
+    def emitted(self) -> torch.Tensor:
+        return self.readback[1:]
+
+    def small(self) -> list[torch.Tensor]:
+        """Every buffer but the caches (what a step may change besides the slots past the committed length)."""
+        return [self.length, self.root, self.readback, *([self.feats] if self.feats is not None else []),
+                *(getattr(self.tree, f.name) for f in fields(self.tree))]
+
+
+class StaticEngine:
+    """Greedy generation through the fixed-shape step: plain decoding (head None) or EAGLE with `head`.
+
+    mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
+    by default); "reduce-overhead" (`torch.compile` with its CUDA graphs); "cuda-graph" (each step captured once in
+    a `torch.cuda.CUDAGraph` per bucket and replayed); "auto": "cuda-graph" on CUDA, else "eager".
+    max_len: the cache slots to allocate up front (more are allocated when a call needs them, in blocks of
+    `SLOT_BLOCK`: each growth recaptures or recompiles the steps; every step attends over all slots, so a benchmark
+    sets it once, to about its longest call).
+    profile: synchronise between draft and verify to time them (stats.draft_seconds / verify_seconds): a
+    measurement, not a speed run.
+    lookahead: queue each step before reading the one before it (`_ahead`; None: on CUDA, where the device then
+    never waits for the host; on a CPU, where nothing runs asynchronously, it would only add a wasted last step).
+    """
+
+    def __init__(self, target, head=None, mode: str = "auto", max_len: int | None = None,
+                 profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
+        if mode == "auto":
+            mode = "cuda-graph" if target.device.type == "cuda" else "eager"
+        if mode in ("cuda-graph", "reduce-overhead") and target.device.type != "cuda":
+            raise ValueError(f"static step mode {mode!r} captures CUDA graphs; target '{target.name}' is on "
+                             f"{target.device} (use 'eager' or 'compile')")
+        self.target, self.head, self.mode, self.profile = target, head, mode, profile
+        self.compile_backend = compile_backend
+        self.lookahead = target.device.type == "cuda" if lookahead is None else lookahead
+        self._cache_keyword = cache_keyword(type(target.decoder).forward)   # what the decoder calls its cache
+        self.taps = tuple(getattr(head, "feature_layers", ())) if head is not None else ()
+        if self.taps:
+            target.check_taps(self.taps)
+        self.drafter_name = "eagle" if head is not None else "vanilla"
+        self.recommended_tree = getattr(head, "tree", None)
+        self._lm_weight = None if head is None else head.output_weight(target.lm_head.weight).detach().contiguous()
+        self._fixed_len = max_len
+        self._cache: DeviceKVCache | None = None
+        self._draft_cache: DeviceKVCache | None = None
+        self._state: StepState | None = None
+        self._shape: tuple = ()            # (bucket, depth, top_k, total_tokens, min_prob) the state was built for
+        self._steps: dict = {}             # (kind, shape) -> the callable that runs that step
+        self._pool = None                  # the CUDA graphs' shared memory pool
+        self._warned_lookup = False
+        self._check_static_forward()
+
+    # -- the model calls --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Run a block as the steps need the models: attention through an SDPA backend (`STATIC_BACKENDS`: the
+        target's own if it is one, else gqa), and, where the steps are compiled, the modules' own forwards (the
+        CPU speed-ups of kernels/ are native ops and packed weights that torch.compile does not trace)."""
+        model = self.target.model
+        current = model.config._attn_implementation
+        with contextlib.ExitStack() as stack:
+            if self.target.device.type == "cuda":     # graphs, streams and events on the target's GPU
+                stack.enter_context(torch.cuda.device(self.target.device))
+            if current not in [KEYS[b] for b in STATIC_BACKENDS]:
+                model.set_attn_implementation(select_attention("gqa" if _has_gqa() else "sdpa", model))
+                stack.callback(model.set_attn_implementation, current)
+            if self.mode in ("compile", "reduce-overhead"):
+                stack.enter_context(stock(model))
+                if self.head is not None:
+                    stack.enter_context(stock(self.head))
+            yield
+
+    def _check_static_forward(self) -> None:
+        """Refuse a target that the static step would run wrong: a prompt, then two sibling nodes after it, through
+        the static cache, must give the target's own full forwards' logits (as `Target._check_tree_forward`)."""
+        target, dev = self.target, self.target.device
+        ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
+        sibling = (ids[4:5] + 1) % target.vocab_size
+        saved, problem = self._cache, None
+        try:
+            with torch.inference_mode(), self._running():
+                want = torch.stack([target.model(input_ids=ids[None]).logits[0, 4],
+                                    target.model(input_ids=torch.cat([ids[:4], sibling])[None]).logits[0, -1]])
+                self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
+                zero, ar = torch.zeros((), dtype=torch.long, device=dev), torch.arange(4, device=dev)
+                causal = torch.ones(4, 4, dtype=torch.bool, device=dev).tril_()
+                self._target_forward(ids[:4], ar, slot_mask(zero, causal, 16), ar)
+                four = zero + 4
+                hidden, _ = self._target_forward(torch.cat([ids[4:5], sibling]), four.expand(2),
+                                                 slot_mask(four, torch.eye(2, dtype=torch.bool, device=dev), 16),
+                                                 four + torch.arange(2, device=dev))
+                got = target.logits(hidden).float()
+            tolerance = 1e-3 if target.dtype == torch.float32 else 3e-2
+            if float((got - want.float()).norm()) > tolerance * float(want.float().norm()) + 1e-5:
+                problem = "its logits over a draft tree through the static cache differ from its own full forward"
+        except Exception as err:  # noqa: BLE001 (any failure here means the target cannot run this way)
+            problem = f"a forward through the static cache fails ({type(err).__name__}: {err})"
+        finally:
+            self._cache = saved
+        if problem:
+            raise ValueError(f"target '{target.name}' cannot run the static step: {problem}; use the engine")
+
+    def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                        slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [T, H], the features the draft head reads [T, F]) of T tokens; their keys and
+        values land at `slots` of the target's cache."""
+        t = tokens.numel()
+        out = self.target.decoder(input_ids=tokens.view(1, t), attention_mask=mask, position_ids=positions.view(1, t),
+                                  use_cache=True, output_hidden_states=bool(self.taps),
+                                  **{self._cache_keyword: self._cache.writer(slots)})
+        hidden = out.last_hidden_state[0]
+        if not self.taps:
+            return hidden, hidden
+        return hidden, torch.cat([out.hidden_states[i + 1][0] for i in self.taps], dim=-1)
+
+    def _top(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token after each final hidden state [T, H] -> [T] long."""
+        logits = self.target.lm_head(hidden)
+        finish = self.target.lm.finish
+        return (logits if finish is None else finish(logits)).argmax(dim=-1)
+
+    def _head(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+              slots: torch.Tensor) -> torch.Tensor:
+        """The draft head over T pairs (feature, next token) at `positions`, written at `slots`: [T, H]."""
+        embeds = self.target.embed_tokens(tokens)
+        return self.head(feats[None], embeds[None], positions[None], mask, self._draft_cache.writer(slots))[0]
+
+    def _head_top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [R, H] -> (log-probs [R, k], target token ids [R, k]) of the draft's k likeliest next tokens."""
+        logits = self.head.logit_features(h) @ self._lm_weight.t()
+        scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
+
+    # -- the steps ------------------------------------------------------------------------------------
+    def draft_step(self) -> None:
+        """Read the features the last step produced, then grow the tree under the root into `state.tree`."""
+        s, tree_cfg = self._state, self._tree_cfg
+        k, depth, dev = tree_cfg.top_k, tree_cfg.depth, s.length.device
+        slots = self._draft_cache.slots
+        # 1. the pairs (f_t, x_{t+1}) of the tokens the last step emitted, at positions length - n ... length - 1
+        rows = s.feats.shape[0]
+        start = s.length - s.n
+        causal = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril_()
+        ar = torch.arange(rows, device=dev)
+        h = self._head(s.feats, s.emitted, start + ar, slot_mask(start, causal, slots), start + ar)   # rows H
+        h_root = h.index_select(0, (s.n - 1).view(1))                      # 1 H: predicts the root's feature
+        # 2. the root's children, then depth - 1 expansions of the best-k frontier (drafters/eagle.py)
+        width = k * (depth - 1)                                            # draft-cache slots the expansions write
+        scores, tokens = self._head_top_k(h_root, k)                       # 1 k
+        cand_scores, cand_tokens = [scores[0]], [tokens[0]]
+        cand_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        front = torch.arange(k, device=dev)                                # candidate index of each frontier node
+        front_scores, front_tokens = scores[0], tokens[0]
+        front_h = h_root.expand(k, -1)
+        front_anc = torch.zeros(k, max(width, 1), dtype=torch.bool, device=dev)   # ancestors among written slots
+        written = torch.zeros(max(width, 1), max(width, 1), dtype=torch.bool, device=dev)
+        kk = torch.arange(k, device=dev)
+        base = k
+        for d in range(1, depth):
+            own = (d - 1) * k + kk                                         # this level's slots past the root
+            vis = front_anc.index_put((kk, own), torch.ones(k, dtype=torch.bool, device=dev))
+            h = self._head(front_h, front_tokens, (s.length + d - 1).expand(k),
+                           slot_mask(s.length, vis, slots), s.length + own)   # k H
+            written = written.index_copy(0, own, vis)
+            scores, tokens = self._head_top_k(h, k)                        # k k
+            cum = (front_scores[:, None] + scores).flatten()               # k*k
+            cand_scores.append(cum)
+            cand_tokens.append(tokens.flatten())
+            cand_parents.append(front[:, None].expand(k, k).reshape(-1))   # each frontier node, k times
+            best = cum.topk(k).indices
+            parent_row = best // k
+            front = base + best
+            base += k * k
+            front_scores, front_tokens = cum[best], tokens.flatten()[best]
+            front_h = h[parent_row]
+            front_anc = written[own[parent_row]]
+        # 3. rerank: the total_tokens best candidates by cumulative log-probability (tree.rerank, in tensors)
+        scores = torch.cat(cand_scores).nan_to_num(nan=-math.inf)
+        order = torch.sort(scores, descending=True, stable=True).indices[:tree_cfg.total_tokens]
+        kept = torch.sort(order).values                                    # candidate order is topological
+        parents = torch.cat(cand_parents)[kept]
+        slot_of = torch.zeros(scores.numel(), dtype=torch.long, device=dev).index_copy(
+            0, kept, torch.arange(1, kept.numel() + 1, device=dev))
+        tree_parents = torch.where(parents < 0, 0, slot_of[parents.clamp(min=0)])
+        if tree_cfg.min_prob > 0:                                          # unlikely nodes: verified, never accepted
+            valid = scores[kept] >= math.log(tree_cfg.min_prob)
+        else:
+            valid = torch.ones_like(kept, dtype=torch.bool)
+        pad = s.tree.tokens.numel() - 1 - kept.numel()
+        zeros = torch.zeros(pad, dtype=torch.long, device=dev)
+        all_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), tree_parents, zeros])
+        anc = tree_ancestors(all_parents, depth)
+        s.tree.fill(StaticTree(
+            tokens=torch.cat([s.root, torch.cat(cand_tokens)[kept], zeros]),
+            parents=all_parents,
+            depths=anc.sum(dim=1) - 1,
+            ancestors=anc,
+            valid=torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid, zeros.bool()])))
+
+    def verify_step(self) -> None:
+        """Verify `state.tree` in one target forward, accept its longest greedy path, commit it; `readback` then
+        holds the accepted length and the new tokens."""
+        s = self._state
+        tree, dev, depth = s.tree, s.length.device, s.readback.numel() - 2
+        b = tree.tokens.numel()
+        tokens = torch.cat([s.root, tree.tokens[1:]])
+        slots = s.length + torch.arange(b, device=dev)
+        hidden, feats = self._target_forward(tokens, s.length + tree.depths,
+                                             slot_mask(s.length, tree.ancestors, self._cache.slots), slots)
+        top = self._top(hidden)                                            # B
+        path, n, bonus = accept_greedy(StaticTree(tokens, tree.parents, tree.depths, tree.ancestors, tree.valid),
+                                       top, depth)
+        levels = torch.arange(depth + 1, device=dev)
+        # commit: the path's entries next to the prefix (slots past length + n are overwritten by the next step)
+        self._cache.move(s.length + path, s.length + levels)
+        emitted = torch.where(levels == n - 1, bonus, torch.cat([tokens[path[1:]], bonus.view(1)]))
+        emitted = torch.where(levels < n, emitted, 0)
+        if s.feats is not None:
+            s.feats.copy_(feats.index_select(0, path))
+        s.readback.copy_(torch.cat([n.view(1), emitted]))
+        s.root.copy_(bonus.view(1))
+        s.length.add_(n)
+
+    # -- running them ---------------------------------------------------------------------------------
+    def _runner(self, kind: str) -> Callable[[], None]:
+        key = (kind, self._shape)       # `_prepare` forgets them all when it rebuilds a buffer
+        run = self._steps.get(key)
+        if run is None:
+            fn = self.draft_step if kind == "draft" else self.verify_step
+            if self.mode == "eager":
+                run = fn
+            elif self.mode in ("compile", "reduce-overhead"):
+                # one compiled graph per bucket and tree setting, all of the same two methods: room for many
+                config = torch._dynamo.config
+                config.recompile_limit = max(getattr(config, "recompile_limit", 8), 64)
+                run = torch.compile(fn, fullgraph=True, dynamic=False,
+                                    **({"backend": self.compile_backend} if self.mode == "compile"
+                                       else {"mode": "reduce-overhead"}))
+            else:
+                try:
+                    run = self._capture(fn)
+                except Exception as err:  # noqa: BLE001 (whatever stops the capture, the user needs another mode)
+                    raise RuntimeError(f"capturing the static {kind} step in a CUDA graph failed "
+                                       f"({type(err).__name__}: {err}); run it in mode 'eager' or 'compile'") from err
+            self._steps[key] = run
+        return run
+
+    def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` recorded once in a CUDA graph (after a warm-up run whose effects on the step state are undone: a
+        step writes the caches only past the committed length) and replayed from then on."""
+        saved = [t.clone() for t in self._state.small()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, v in zip(self._state.small(), saved):
+            t.copy_(v)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        return graph.replay
+
+    def _prepare(self, need: int, tree: TreeConfig) -> None:
+        """Caches of at least `need` slots and step buffers for `tree`; rebuilt (and graphs recaptured) only
+        when either changes."""
+        target, dev = self.target, self.target.device
+        depth = tree.depth if self.head is not None else 0
+        width = tree.top_k * max(tree.depth - 1, 0) if self.head is not None else 0
+        size = max(self._fixed_len or 0, -(-need // SLOT_BLOCK) * SLOT_BLOCK)
+        if self._cache is None or self._cache.slots < size:
+            if self._cache is not None:
+                size = max(size, min(2 * self._cache.slots, -(-target.max_context // SLOT_BLOCK) * SLOT_BLOCK))
+            self._cache = self._draft_cache = None   # the old buffers go before the new ones come
+            self._cache = DeviceKVCache(*cache_shape(target.config), size, target.dtype, dev)
+            self._steps.clear()
+        if self.head is not None and (self._draft_cache is None or self._draft_cache.slots < size + width + depth + 1):
+            _, kv_heads, head_dim = cache_shape(self.head.config)
+            self._draft_cache = DeviceKVCache(1, kv_heads, head_dim, self._cache.slots + width + depth + 1,
+                                              self._lm_weight.dtype, dev)
+            self._steps.clear()
+        bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
+        shape = (bucket, depth, tree.top_k, tree.total_tokens, tree.min_prob)
+        if shape != self._shape or self._state is None:
+            features = len(self.taps) * target.hidden_size if self.taps else target.hidden_size
+            self._state = StepState(
+                length=torch.zeros((), dtype=torch.long, device=dev),
+                root=torch.zeros(1, dtype=torch.long, device=dev),
+                readback=torch.zeros(depth + 2, dtype=torch.long, device=dev),
+                feats=None if self.head is None else torch.zeros(depth + 1, features, dtype=target.dtype, device=dev),
+                tree=StaticTree.empty(bucket, dev))
+            self._shape = shape
+            self._steps.clear()
+        if not self._steps and self.mode == "reduce-overhead":   # what the steps change in place stays put
+            for t in [*self._state.small(), self._cache.keys, self._cache.values,
+                      *([self._lm_weight, self._draft_cache.keys, self._draft_cache.values] if self.head is not None
+                        else [])]:
+                torch._dynamo.mark_static_address(t)
+
+    def _prefill(self, prompt_ids: list[int]) -> int:
+        """The prompt through the target (and the draft head), eagerly; returns the first new token."""
+        s, dev = self._state, self.target.device
+        p = len(prompt_ids)
+        ids = torch.tensor(prompt_ids, device=dev)
+        ar = torch.arange(p, device=dev)
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril_()
+        hidden, feats = self._target_forward(ids, ar, slot_mask(zero, causal, self._cache.slots), ar)
+        first = self._top(hidden[-1:])                                     # 1
+        if self.head is not None and p > 1:                                # pairs (f_t, x_{t+1}) for t < p - 1
+            self._head(feats[:-1], ids[1:], ar[:-1], slot_mask(zero, causal[:-1, :-1], self._draft_cache.slots),
+                       ar[:-1])
+        s.length.fill_(p)
+        s.root.copy_(first)
+        s.readback.zero_()
+        s.readback[0] = 1
+        s.readback[1] = first[0]
+        if s.feats is not None:                                            # f_{p-1}: the draft reads it next step
+            s.feats.zero_()
+            s.feats[0] = feats[-1]
+        return int(first[0])
+
+    # -- the engine's interface -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Nothing is kept between calls (every call reads its whole prompt)."""
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
+        stats = GenerationStats()
+        tokens = [t for step in self.stream(prompt_ids, cfg, stats) for t in step]
+        return GenerationResult(tokens, stats)
+
+    def _tree(self, cfg: GenerationConfig) -> TreeConfig:
+        tree = cfg.tree
+        if self.head is not None and tree.lookup:
+            if not self._warned_lookup:
+                log.warning("the static step drafts without the prompt-lookup graft: tree lookup=%d is ignored",
+                            tree.lookup)
+                self._warned_lookup = True
+            tree = TreeConfig(tree.depth, tree.top_k, tree.total_tokens, 0, tree.min_prob)
+        return tree
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
+               stats: GenerationStats | None = None) -> Iterator[list[int]]:
+        stats = stats if stats is not None else GenerationStats()
+        target = self.target
+        if not cfg.sampling.greedy:
+            raise ValueError("the static step decodes greedily (temperature 0); sampling runs on the engine "
+                             "(drop static / use the method without _graph)")
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n_prompt >= target.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
+                f"{target.max_context}: shorten the prompt (or drop earlier chat turns)")
+        tree = self._tree(cfg)
+        budget = min(cfg.max_new_tokens, target.max_context - n_prompt)
+        bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
+        depth = tree.depth if self.head is not None else 0
+        self._tree_cfg = tree
+        # the budget, the last step's tree, and on CUDA one more step queued ahead (`_ahead`)
+        self._prepare(n_prompt + budget + 2 * (bucket + depth + 1), tree)
+        eos = target.eos_token_ids if cfg.stop_at_eos else set()
+        stats.prompt_tokens = n_prompt
+        start = time.perf_counter()
+
+        def emit(new: list[int]) -> list[int]:
+            out = []
+            for tok in new:
+                out.append(tok)
+                if tok in eos:
+                    stats.stop_reason = "eos"
+                    break
+                if stats.new_tokens + len(out) == budget:
+                    stats.stop_reason = "length" if budget == cfg.max_new_tokens else "context"
+                    break
+            stats.new_tokens += len(out)
+            stats.seconds = time.perf_counter() - start
+            return out
+
+        with self._running():
+            start = time.perf_counter()        # the backend switch above is the benchmark's, not the method's
+            first = self._prefill(prompt_ids)
+            stats.target_forwards = 1
+            stats.prefill_seconds = time.perf_counter() - start
+            yield emit([first])
+            if stats.stop_reason:
+                return
+            draft = self._runner("draft") if self.head is not None else None
+            verify = self._runner("verify")
+            ahead = self.lookahead and not self.profile
+            for back in (self._ahead(draft, verify) if ahead else self._in_turn(draft, verify, stats)):
+                stats.target_forwards += 1
+                out = emit(back[1:1 + back[0]])
+                stats.accept_lengths.append(len(out))
+                yield out
+                if stats.stop_reason:
+                    break
+
+    def _launch(self, draft, verify) -> None:
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        if draft is not None:
+            draft()
+        verify()
+
+    def _in_turn(self, draft, verify, stats: GenerationStats) -> Iterator[list[int]]:
+        """Each step's read-back, read before the next step starts (a CPU; or timing the parts: `profile`)."""
+        sync = torch.cuda.synchronize if self.target.device.type == "cuda" else (lambda: None)
+        while True:
+            t0 = time.perf_counter()
+            if self.mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            if draft is not None:
+                draft()
+            if self.profile:
+                sync()
+            t1 = time.perf_counter()
+            verify()
+            back = self._state.readback.tolist()                          # the step's one read from the device
+            if self.profile:
+                stats.draft_seconds += t1 - t0
+                stats.verify_seconds += time.perf_counter() - t1
+            yield back
+
+    def _ahead(self, draft, verify) -> Iterator[list[int]]:
+        """Each step's read-back on CUDA, with the next step already queued behind it: its [n, tokens] go to pinned
+        host memory by an asynchronous copy, and the host reads them while the device runs the next step, so the
+        device never waits for the host. The step queued after the last one read is wasted (its cache slots are
+        past the budget; `stream` reserves them)."""
+        cuda = self.target.device.type == "cuda"    # elsewhere the same order, run synchronously (tests)
+        host = [torch.empty(self._state.readback.numel(), dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+        def queue(slot: int) -> None:
+            self._launch(draft, verify)
+            host[slot].copy_(self._state.readback, non_blocking=cuda)
+            if cuda:
+                done[slot].record()
+
+        queue(0)
+        slot = 0
+        while True:
+            queue(1 - slot)
+            if cuda:
+                done[slot].synchronize()
+            yield host[slot].tolist()
+            slot = 1 - slot
+
+def eagle_head(target, options=None):
+    """The EAGLE head the static step runs for method eagle: the one `options` (drafters.EagleOptions) holds or
+    names, the shipped one by default."""
+    from .drafters import registry
+
+    options = options or registry.EagleOptions()
+    head = options.head if options.head is not None else registry.load_eagle_head(target, options.draft)
+    if head is None:
+        raise FileNotFoundError(f"no draft head ships for target '{target.name}': the static step's eagle needs a "
+                                f"head (--draft PATH, or --draft random: untrained, exact but slow)")
+    return head
+
+
+def _has_gqa() -> bool:
+    try:
+        resolve_backend("gqa", "cpu")
+    except ValueError:
+        return False
+    return True
+
+
+def cache_shape(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, kv_heads, head_dim

@@ -1,0 +1,374 @@
+"""The fixed-shape step (static_step.py): its pieces against the engine's, its output against transformers'
+greedy generate(), token for token, and that torch.compile traces its draft and verify steps whole."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import VOCAB, make_target, reference_greedy
+from test_engine import TREES
+
+from eagle_lite.accept import accept_greedy as walk_greedy
+from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
+from eagle_lite.draft import DraftHead
+from eagle_lite.drafters import DraftInput
+from eagle_lite.drafters.eagle import EagleDrafter
+from eagle_lite.engine import Engine
+from eagle_lite.static_step import (
+    BUCKETS,
+    StaticEngine,
+    StaticTree,
+    accept_greedy,
+    bucket_for,
+    slot_mask,
+    tree_ancestors,
+)
+from eagle_lite.tree import DraftTree
+
+STATIC_TREES = {name: tree for name, tree in TREES.items() if not tree.lookup}
+
+
+def random_parents(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(i, (1,), generator=g)) for i in range(1, n)]
+
+
+def static_tree(tokens: list[int], parents: list[int], bucket: int) -> StaticTree:
+    """A DraftTree's nodes as the static step holds them, padded to `bucket`."""
+    return StaticTree.build(tokens, parents, bucket)
+
+
+# -- the pieces ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,seed", [(1, 0), (2, 1), (7, 2), (24, 3), (40, 4)])
+def test_tree_ancestors_and_depths_are_the_draft_trees(n, seed):
+    parents = random_parents(n, seed)
+    tree = DraftTree(torch.zeros(n, dtype=torch.long), parents)
+    anc = tree_ancestors(torch.tensor([0] + parents[1:]), int(tree.depths.max()))
+    assert torch.equal(anc, tree.ancestors)
+    assert torch.equal(anc.sum(1) - 1, tree.depths)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tensor_acceptance_is_the_walk(seed):
+    """Random trees with random argmaxes, some children carrying them: the same path and bonus as accept.py."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 30, (1,), generator=g))
+    parents = random_parents(n, seed)
+    top = torch.randint(5, (n,), generator=g)                          # few tokens: many children match
+    tokens = [0]
+    for i in range(1, n):                                              # siblings distinct, as a drafter gives them
+        taken = {tokens[c] for c in range(1, i) if parents[c] == parents[i]}
+        tok = int(top[parents[i]]) if torch.rand((), generator=g) < 0.6 else int(torch.randint(5, (1,), generator=g))
+        tokens.append(tok if tok not in taken else next(t for t in range(5, 50) if t not in taken))
+    tree = DraftTree(torch.tensor(tokens), parents)
+    want_path, want_bonus = walk_greedy(tree, torch.nn.functional.one_hot(top, 50).float())
+    depth = int(tree.depths.max())
+    path, n_emit, bonus = accept_greedy(static_tree(tokens, parents, bucket_for(n)), top_padded(top, bucket_for(n)),
+                                        depth)
+    assert int(n_emit) == len(want_path)
+    assert path[:len(want_path)].tolist() == want_path and int(bonus) == want_bonus
+
+
+def top_padded(top: torch.Tensor, bucket: int) -> torch.Tensor:
+    return torch.cat([top, torch.full((bucket - top.numel(),), 0)])
+
+
+def test_padding_nodes_are_never_accepted():
+    """A padding node's token 0 equals the root's argmax: it must still not be accepted."""
+    tree = static_tree([5, 7], [-1, 0], 4)
+    path, n, bonus = accept_greedy(tree, torch.tensor([0, 3, 9, 9]), 1)
+    assert int(n) == 1 and int(bonus) == 0 and path.tolist() == [0, 0]
+
+
+def test_slot_mask_shows_the_prefix_and_the_block():
+    visible = torch.tensor([[True, False], [True, True]])
+    mask = slot_mask(torch.tensor(3), visible, 8)[0, 0]
+    assert mask.tolist() == [[True] * 4 + [False] * 4, [True] * 5 + [False] * 3]
+
+
+def test_buckets():
+    assert [bucket_for(n) for n in (1, 2, 3, 9, 25, 61, 128)] == [1, 2, 4, 16, 32, 64, 128]
+    assert BUCKETS[-1] == 128
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket_for(129)
+
+
+# -- whole generations against transformers ------------------------------------------------------------
+def test_static_vanilla_equals_transformers_generate(any_family):
+    prompt = list(range(3, 20))
+    ref = reference_greedy(any_family, prompt, 24)
+    result = StaticEngine(any_family).generate(prompt, GenerationConfig(max_new_tokens=24, stop_at_eos=False))
+    assert result.token_ids == ref
+    assert result.stats.accept_lengths == [1] * 23 and result.stats.target_forwards == 24
+
+
+def static_eagle(target, seed: int = 0, **options) -> StaticEngine:
+    torch.manual_seed(seed)
+    return StaticEngine(target, DraftHead.for_target(target, **options))
+
+
+@pytest.mark.parametrize("tree", list(STATIC_TREES), ids=list(STATIC_TREES))
+@pytest.mark.parametrize("prompt_len", [1, 9, 47])
+def test_static_eagle_equals_transformers_generate(target, tree, prompt_len):
+    prompt = torch.randint(VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    ref = reference_greedy(target, prompt, 30)
+    result = static_eagle(target).generate(prompt, GenerationConfig(max_new_tokens=30, tree=STATIC_TREES[tree],
+                                                                    stop_at_eos=False))
+    assert result.token_ids == ref
+    assert result.stats.new_tokens == 30
+    assert result.stats.target_forwards == 1 + len(result.stats.accept_lengths)
+
+
+def test_static_draft_tree_is_the_eagle_drafters_tree(llama):
+    """The tensor drafting (expansion, rerank, parents, ancestors) proposes the tree drafters/eagle.py does."""
+    torch.manual_seed(3)
+    head = DraftHead.for_target(llama)
+    tree_cfg = TreeConfig(depth=4, top_k=3, total_tokens=10)
+    prompt = [4, 8, 15, 16, 23, 42, 7]
+    engine = StaticEngine(llama, head)
+    with torch.inference_mode(), engine._running():
+        engine._tree_cfg = tree_cfg
+        engine._prepare(64, tree_cfg)
+        first = engine._prefill(prompt)
+        engine.draft_step()
+        static = engine._state.tree
+        drafter = EagleDrafter(llama, head, round_head=False)
+        drafter.reset(64)
+        _, hidden = llama.forward(torch.tensor(prompt), llama.new_cache(64))
+        want = drafter.propose(DraftInput(prompt + [first], hidden), tree_cfg)
+    n = len(want)
+    assert static.tokens[:n].tolist() == want.tokens.tolist()
+    assert static.parents[1:n].tolist() == want.parents[1:]
+    assert torch.equal(static.ancestors[:n, :n], want.ancestors)
+    assert torch.equal(static.depths[:n], want.depths)
+    assert static.valid[:n].all() and not static.valid[n:].any()
+
+
+def test_reduced_draft_vocabulary_and_min_prob_stay_exact(llama):
+    prompt = [9, 8, 7, 6]
+    ref = reference_greedy(llama, prompt, 30)
+    d2t = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:24]
+    for tree in (TreeConfig(depth=3, top_k=4, total_tokens=10), TreeConfig(depth=5, top_k=4, total_tokens=16,
+                                                                            min_prob=0.05)):
+        result = static_eagle(llama, d2t=d2t).generate(prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False,
+                                                                                tree=tree))
+        assert result.token_ids == ref
+
+
+def test_eagle3_head_stays_exact():
+    target = make_target("llama", layers=4)
+    prompt = list(range(5, 25))
+    ref = reference_greedy(target, prompt, 20)
+    engine = static_eagle(target, feature_layers=(0, 1, 2), design="eagle3")
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False,
+                                                      tree=TreeConfig(depth=3, top_k=3, total_tokens=8)))
+    assert result.token_ids == ref
+
+
+class OracleStatic(StaticEngine):
+    """The static step with a draft that knows the target's greedy continuation and hides it among `width - 1`
+    random siblings per level (as test_engine's OracleDrafter): long accepted paths scattered through the tree,
+    so the cache commit really moves entries. The tree is built on the host (a test needs no graph)."""
+
+    def __init__(self, target, sequence: list[int], depth: int = 4, width: int = 3) -> None:
+        torch.manual_seed(0)
+        super().__init__(target, DraftHead.for_target(target))
+        self.sequence, self.depth, self.width = sequence, depth, width
+        self.rng = torch.Generator().manual_seed(0)
+
+    def draft_step(self) -> None:
+        s = self._state
+        n = int(s.length) + 1                                          # tokens so far, the root included
+        tokens, parents, on_path = [int(s.root)], [-1], 0
+        for tok in self.sequence[n:n + self.depth]:
+            slot = int(torch.randint(self.width, (1,), generator=self.rng))
+            parent, first = on_path, len(tokens)
+            for j in range(self.width):
+                wrong = int(torch.randint(VOCAB, (1,), generator=self.rng))
+                tokens.append(tok if j == slot else (wrong if wrong != tok else (wrong + 1) % VOCAB))
+                parents.append(parent)
+            on_path = first + slot
+        s.tree.fill(static_tree(tokens, parents, s.tree.tokens.numel()))
+
+
+ORACLE_TREE = TreeConfig(depth=4, top_k=3, total_tokens=12)   # the buffers the oracle fills: 13 nodes in 16
+
+
+@pytest.mark.parametrize("prompt_len", [2, 30])
+def test_oracle_draft_accepts_everything_and_stays_exact(target, prompt_len):
+    prompt = list(range(5, 5 + prompt_len))
+    ref = reference_greedy(target, prompt, 41)
+    result = OracleStatic(target, prompt + ref).generate(prompt, GenerationConfig(max_new_tokens=41, stop_at_eos=False,
+                                                                                  tree=ORACLE_TREE))
+    assert result.token_ids == ref
+    assert result.stats.accept_lengths == [5] * 8                    # 4 drafted + the bonus, every step
+    assert result.stats.target_forwards == 9
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_max_new_tokens_and_eos_inside_an_accepted_path(llama, lookahead):
+    """Also with the next step queued before each read (what CUDA runs): the queued step past the end is dropped."""
+    prompt = [7, 8, 9]
+    ref = reference_greedy(llama, prompt, 40)
+    engine = OracleStatic(llama, prompt + ref)
+    engine.lookahead = lookahead
+    for budget in (1, 2, 4, 7, 13):
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=budget, stop_at_eos=False, tree=ORACLE_TREE))
+        assert result.token_ids == ref[:budget] and result.stats.stop_reason == "length"
+    eos = ref[6]
+    llama.model.generation_config.eos_token_id = eos
+    try:
+        expected = reference_greedy(llama, prompt, 40, eos=eos)
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=ORACLE_TREE))
+        assert result.token_ids == expected and result.stats.stop_reason == "eos"
+    finally:
+        llama.model.generation_config.eos_token_id = None
+
+
+def test_one_engine_serves_prompts_trees_and_growth(llama):
+    """Calls of different lengths and trees on one engine: the buffers are rebuilt when needed, outputs exact."""
+    engine = static_eagle(llama)
+    long = [t % VOCAB for t in range(10, 300)]
+    dynamic, wide = TREES["dynamic"], TREES["wide"]
+    calls = [([1, 2, 3], dynamic), (long, dynamic), ([4], wide), ([1, 2, 3], dynamic)]
+    for prompt, tree in calls:
+        cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False, tree=tree)
+        assert engine.generate(prompt, cfg).token_ids == reference_greedy(llama, prompt, 12)
+    assert engine._cache.slots == 512                                  # grown once, in whole blocks
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_static_matches_the_engine_step_for_step(llama, lookahead):
+    """The static step and the engine emit the same tokens with the same forwards (plain decoding; eagle with the
+    same head), reading each step in turn or one step behind the device."""
+    prompt = list(range(30, 45))
+    cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    static = StaticEngine(llama, lookahead=lookahead).generate(prompt, cfg)
+    engine = Engine(llama).generate(prompt, cfg)
+    assert static.token_ids == engine.token_ids and static.stats.target_forwards == engine.stats.target_forwards
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
+    static = StaticEngine(llama, head, lookahead=lookahead).generate(prompt, replace(cfg, tree=tree))
+    assert static.token_ids == engine.token_ids
+    assert static.stats.target_forwards == 1 + len(static.stats.accept_lengths)
+
+
+def test_refusals(llama, caplog):
+    engine = static_eagle(llama)
+    with pytest.raises(ValueError, match="greedily"):
+        engine.generate([1, 2], GenerationConfig(sampling=SamplingConfig(temperature=0.7)))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([], GenerationConfig())
+    with pytest.raises(ValueError, match="context window"):
+        engine.generate([1] * 512, GenerationConfig())
+    with pytest.raises(ValueError, match="unknown static step mode"):
+        StaticEngine(llama, mode="fast")
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        StaticEngine(llama, mode="cuda-graph")
+    with caplog.at_level(logging.WARNING, logger="eagle_lite"):
+        cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False, tree=TREES["with_lookup"])
+        assert engine.generate([3, 4, 5], cfg).token_ids == reference_greedy(llama, [3, 4, 5], 6)
+    assert "lookup" in caplog.text
+
+
+def test_a_target_the_static_cache_runs_wrong_is_refused(monkeypatch):
+    target = make_target("llama")
+    monkeypatch.setattr("eagle_lite.static_step.slot_mask",
+                        lambda start, visible, slots: torch.ones(1, 1, visible.shape[0], slots, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot run the static step"):
+        StaticEngine(target)
+
+
+# -- compiled ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["sdpa", "gqa"])
+def test_steps_compile_whole_and_stay_exact(attention):
+    """torch.compile(fullgraph=True) traces the draft step and the verify step without a graph break (a break
+    raises), and the compiled steps give transformers' output. aot_eager: dynamo and AOTAutograd trace it all; only
+    inductor's C++ code generation (~45 s a step on a 2-core CPU, the slow test below) is left out. The target keeps
+    its CPU speed-ups (the compiled steps set them aside) and its backend (gqa: the one `auto` picks on a CPU)."""
+    from eagle_lite.target import Target
+
+    target = Target(make_target("llama").model, name="tiny-llama", attention=attention)
+    prompt = list(range(3, 14))
+    ref = reference_greedy(target, prompt, 12)
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target)
+    cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
+    for engine in (StaticEngine(target, head, mode="compile", compile_backend="aot_eager"),
+                   StaticEngine(target, mode="compile", compile_backend="aot_eager")):
+        assert engine.generate(prompt, cfg).token_ids == ref
+        assert engine._steps and all(hasattr(run, "_torchdynamo_orig_callable") for run in engine._steps.values())
+
+
+@pytest.mark.slow
+def test_steps_compile_with_inductor_on_cpu():
+    target = make_target("llama")
+    prompt = list(range(3, 14))
+    ref = reference_greedy(target, prompt, 12)
+    torch.manual_seed(0)
+    engine = StaticEngine(target, DraftHead.for_target(target), mode="compile")
+    cfg = GenerationConfig(max_new_tokens=12, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
+    assert engine.generate(prompt, cfg).token_ids == ref
+
+
+# -- on a GPU (skipped on CPU; run with -m gpu) ------------------------------------------------------------
+def cuda_target(family: str = "llama"):
+    from eagle_lite.target import Target
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = make_target(family).model.to("cuda", torch.bfloat16)
+    # gqa: the engine and the static step then run the same SDPA kernel (bf16 sums in other orders could flip a tie)
+    return Target(model, name=f"tiny-{family}-cuda-bf16", attention="gqa")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "cuda-graph", "reduce-overhead"])
+@pytest.mark.parametrize("method", ["vanilla", "eagle"])
+def test_static_step_on_cuda_in_bf16_equals_the_engine(mode, method):
+    """Greedy in bf16: the static step (eager, captured, compiled) emits what the engine emits in the same dtype."""
+    from conftest import eagle_drafter
+
+    target = cuda_target()
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target) if method == "eagle" else None
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=15))
+    engine = Engine(target, eagle_drafter(target, head) if head is not None else None)
+    static = StaticEngine(target, head, mode=mode)
+    for prompt in ([3, 4, 5], list(range(10, 90))):
+        want = engine.generate(prompt, cfg).token_ids
+        assert static.generate(prompt, cfg).token_ids == want
+        assert static.generate(prompt, cfg).token_ids == want           # replayed graphs
+
+
+@pytest.mark.gpu
+def test_step_cost_runs_on_cuda(capsys):
+    from eval.step_cost import main as step_cost
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert step_cost(["--device", "cuda", "--targets", "tiny", "--sizes", "1,8,64", "--reps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "verify cuda-graph ms" in out and "| 64 |" in out
+
+
+@pytest.mark.gpu
+def test_static_steps_never_wait_for_the_device():
+    """The draft and verify steps, run eagerly on CUDA, make no synchronising call (CUDA's sync debug mode raises
+    on one): the step's only read is the read-back the engine makes after it."""
+    target = cuda_target()
+    torch.manual_seed(0)
+    engine = StaticEngine(target, DraftHead.for_target(target), mode="eager")
+    engine.generate([3, 4, 5, 6], GenerationConfig(max_new_tokens=8, stop_at_eos=False,
+                                                   tree=TreeConfig(depth=4, top_k=4, total_tokens=15)))
+    with torch.inference_mode(), engine._running():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.draft_step()
+            engine.verify_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,22 @@ from .base import Drafter, NoDrafter
 log = logging.getLogger("eagle_lite")
 
 
+DRAFT_SAMPLING = ("q", "match")   # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
+
+
 @dataclass(frozen=True)
 class EagleOptions:
     """draft: "auto" (the head shipped for the target), "random" (untrained: exact but slow, for tests), or a head
-    folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft."""
+    folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft.
+    draft_sampling: with temperature > 0, "q" draws the tree from the head's distribution and accepts sibling by
+    sibling by recursive rejection (EAGLE's sampling); "match" drafts the head's top-k as in greedy decoding and
+    accepts by sample-and-match (drafters/eagle.py). Both are exact; greedy decoding ignores it."""
 
     draft: str | None = "auto"
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True
+    draft_sampling: str = "q"
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,8 @@ def _eagle(target, o: EagleOptions) -> Drafter:
     if head is None:
         raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
                                 f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
-    return LookupGraft(EagleDrafter(target, head, round_head=o.round_head), copy_mode=o.copy_mode)
+    return LookupGraft(EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling),
+                       copy_mode=o.copy_mode)
 
 
 def _lookup(target, o: LookupOptions) -> Drafter:
@@ -133,6 +141,8 @@ def _check_folder(path: str | Path, method: str) -> None:
 
 
 def _check_eagle(o: EagleOptions) -> None:
+    if o.draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {o.draft_sampling!r}")
     if o.head is None and o.draft not in (None, AUTO, "random"):
         _check_folder(o.draft, "eagle")
 
@@ -220,7 +230,7 @@ def resolve(name: str, target, options: Any = None) -> tuple[str, Any]:
     eagle = options if isinstance(options, EagleOptions) else EagleOptions()
     head = eagle.head if eagle.head is not None else load_eagle_head(target, eagle.draft)
     if head is not None:
-        return "eagle", EagleOptions(eagle.draft, head, eagle.round_head, eagle.copy_mode)
+        return "eagle", replace(eagle, head=head)
     log.warning("no draft head ships for target '%s': drafting by prompt lookup (training-free); train a head "
                 "with `python -m trainers.train` and pass it with --draft for EAGLE", target.name)
     return "lookup", LookupOptions()

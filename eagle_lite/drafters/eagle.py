@@ -63,6 +63,9 @@ class EagleDrafter:
         shared = head.d2t is None and head.lm_head is None
         self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight)
         self.cache: StaticKVCache | None = None
+        self.keep_features = False                 # keep the target's features by position (for `probe`)
+        self._features: torch.Tensor | None = None  # [>= cache.length, H']: row t is f_t of the head's pair t
+        self.probe_top: list[int] = []             # the head's greedy tokens of the last `probe` (see propose)
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
         self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
 
@@ -83,6 +86,9 @@ class EagleDrafter:
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         return 1 + tree.total_tokens
 
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.head.d2t is None else self.head.d2t[ids]
+
     def sit_out(self, inp: DraftInput) -> None:
         """Another drafter proposed this step (a lookup chain): keep its features for the next `propose`."""
         self._queued.append(inp.hidden)
@@ -92,7 +98,25 @@ class EagleDrafter:
         h = self.head.logit_features(h)                      # an EAGLE-3 head's own final norm, else h
         return few_rows_product(h, self.lm_weight, self.lm_grid).float()
 
-    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+    def _keep(self, n: int, features: torch.Tensor) -> None:
+        """Store the target's features of positions n.. (rows of the head's pairs) for later probes."""
+        need = n + features.shape[0]
+        if self._features is None or self._features.shape[0] < need or self._features.shape[1] != features.shape[1]:
+            grown = features.new_empty(max(need, 2 * (0 if self._features is None else self._features.shape[0]),
+                                           1024), features.shape[1])
+            if self._features is not None and self._features.shape[1] == features.shape[1]:
+                grown[:n] = self._features[:n]
+            self._features = grown
+        self._features[n:need] = features
+
+    def propose(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None) -> DraftTree:
+        """probe: (start, chain), a guess of the tokens after the root copied from tokens[start:] (a prompt-lookup
+        match: tokens[start - 1] is an earlier occurrence of the root), with keep_features on. The head then also
+        reads the chain in the same forward as its catch-up, each token paired with the target's feature at the
+        position it was copied from (the features here are not known yet; those of the copied context stand in),
+        and `probe_top` becomes the head's greedy token after the root, then after each chain token: where the
+        head would take the chain, and what it would say where it leaves it. Approximate, as it only decides what
+        to propose."""
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
             self._queued = []
@@ -103,10 +127,20 @@ class EagleDrafter:
         n = cache.length                                     # real pairs already in the draft cache
         if n + m + 1 != len(inp.tokens):
             raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived with {m} new features")
-        next_tokens = torch.tensor(inp.tokens[-m:], device=dev)
-        h = self.head.step(inp.hidden, embed(next_tokens), cache, torch.arange(n, n + m, device=dev),
-                           torch.ones(m, m, dtype=torch.bool, device=dev).tril_())  # m H
-        cache.commit(m)
+        if self.keep_features:
+            self._keep(n, inp.hidden)
+        features, next_tokens = inp.hidden, inp.tokens[-m:]
+        start, chain = probe if probe is not None and self.keep_features else (0, [])
+        if chain:    # pair (f_{start-1+j}, chain[j]) at the root's position + j
+            features = torch.cat([features, self._features[start - 1:start - 1 + len(chain)]])
+            next_tokens = next_tokens + chain
+        t = m + len(chain)
+        h = self.head.step(features, embed(torch.tensor(next_tokens, device=dev)), cache,
+                           torch.arange(n, n + t, device=dev), torch.ones(t, t, dtype=torch.bool, device=dev).tril_())
+        cache.commit(m)                                      # the chain's slots are overwritten by the tree's
+        logits = self._logits(h[m - 1:])                     # the root's, then (probe) each chain token's
+        self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
+        h, root_logits = h[:m], logits[:1]
         n += m                                               # = the root's position
         # 2. The tree: each expansion reads the frontier's parents' predicted features and the frontier's tokens,
         # at the next position, each node seeing its own ancestors among the tree nodes written so far.
@@ -128,7 +162,7 @@ class EagleDrafter:
 
         sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
         try:
-            return grow_tree(inp.root, self._logits(h[-1:]), expand, tree, sampling, inp.generator, self.head.d2t,
+            return grow_tree(inp.root, root_logits, expand, tree, sampling, inp.generator, self.head.d2t,
                              self.target.vocab_size)
         finally:
             cache.truncate(n)                                # drop the tree nodes; the real pairs stay

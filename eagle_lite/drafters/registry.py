@@ -82,7 +82,7 @@ class VanillaOptions:
     """Plain decoding: nothing to set."""
 
 
-def _eagle(target, o: EagleOptions) -> Drafter:
+def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     from .eagle import EagleDrafter
     from .lookup_graft import LookupGraft
 
@@ -91,7 +91,11 @@ def _eagle(target, o: EagleOptions) -> Drafter:
         raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
                                 f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
     return LookupGraft(EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling),
-                       copy_mode=o.copy_mode)
+                       copy_mode=o.copy_mode, staged=staged)
+
+
+def _staged(target, o: EagleOptions) -> Drafter:
+    return _eagle(target, o, staged=True)
 
 
 def _lookup(target, o: LookupOptions) -> Drafter:
@@ -179,6 +183,8 @@ class Method:
 METHODS: dict[str, Method] = {
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
                     _check_eagle),
+    "staged": Method(EagleOptions, _staged, "eagle whose head reads the prompt-lookup chain in its own forward and "
+                     "grafts the part it agrees with plus its next token", _check_eagle),
     "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
     "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain", _check_draft_model),
     "layer_skip": Method(LayerSkipOptions, _layer_skip, "the target's first layers draft (no extra weights)"),
@@ -189,12 +195,16 @@ NAMES = tuple(METHODS)
 AUTO = "auto"   # eagle where a head is given or ships for the target, else lookup
 
 
+HEAD_METHODS = ("eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
+
+
 def options_from_flags(name: str, draft: str | None = "auto", draft_model: str | None = None,
-                       exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None) -> Any:
+                       exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None,
+                       draft_sampling: str | None = None) -> Any:
     """The options of method `name` from the command-line flags every entry point shares (each flag belongs to
-    one method; the others are ignored)."""
-    if name in (AUTO, "eagle"):
-        return EagleOptions(draft=draft)
+    one method; the others are ignored). draft_sampling None: EagleOptions' default."""
+    if name == AUTO or name in HEAD_METHODS:
+        return EagleOptions(draft=draft, **({"draft_sampling": draft_sampling} if draft_sampling else {}))
     _method(name)
     return {"lookup": LookupOptions, "vanilla": VanillaOptions,
             "draft_model": lambda: DraftModelOptions(model=draft_model),
@@ -244,12 +254,17 @@ def build(name: str, target, options: Any = None) -> Drafter:
 
 def load_eagle_head(target, draft: str | Path | None):
     """The EAGLE head `draft` names for `target`: "auto"/None -> the shipped one (None if none ships), "random" ->
-    an untrained head, else a head folder."""
+    an untrained head (the same one each time: with draft_sampling "q" the draws depend on the head, and a seed
+    reproduces them), else a head folder."""
+    import torch
+
     from ..checkpoint import default_head_path, load_head
     from ..draft import DraftHead
 
     if draft == "random":
-        return DraftHead.for_target(target)
+        with torch.random.fork_rng(devices=[]):          # the caller's random state is left as it was
+            torch.manual_seed(0)
+            return DraftHead.for_target(target)
     if draft in (None, AUTO):
         path = default_head_path(target.name)
         return load_head(path, target) if path is not None else None

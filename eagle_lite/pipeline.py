@@ -99,14 +99,15 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
 
     method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
     else prompt lookup (training-free, as exact). options: that method's options dataclass
-    (`drafters.EagleOptions`, `LookupOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
-    draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
+    (`drafters.EagleOptions` for eagle and staged, `LookupOptions`, `DraftModelOptions`, `LayerSkipOptions`,
+    `MedusaOptions`). draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow)
+    or a head folder.
     """
-    if draft is not None and method in (registry.AUTO, "eagle"):
+    if draft is not None and (method == registry.AUTO or method in registry.HEAD_METHODS):
         if options is not None:
             raise ValueError("pass the head either as draft=... or inside options, not both")
         options = registry.EagleOptions(draft=draft)
-        method = "eagle" if draft != registry.AUTO else method
+        method = "eagle" if draft != registry.AUTO and method == registry.AUTO else method
     elif draft not in (None, registry.AUTO):
         raise ValueError(f"draft={draft!r} names an EAGLE head, but method is '{method}'")
     torch_dtype = getattr(torch, dtype, None)

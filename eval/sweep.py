@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from eagle_lite.loading import load_target
 from eagle_lite.threads import check_threads
 
 from . import plots, report, runner
-from .methods import NAMES, build_methods, gguf_of
+from .methods import NAMES, build_methods, gguf_of, registry_method
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -53,6 +53,7 @@ class EvalSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0                   # sampling: each method draws with this seed on every prompt
+    draft_sampling: str | None = None   # eagle and staged with temperature > 0: "q" or "match" (None: the default)
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -87,7 +88,9 @@ def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
 def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
     """Each engine method's options (`eagle_lite.drafters.registry`) from the settings."""
     eagle = registry.EagleOptions(head=head) if head is not None else registry.EagleOptions(draft=s.draft)
-    return {"eagle": eagle,
+    if s.draft_sampling is not None:
+        eagle = replace(eagle, draft_sampling=s.draft_sampling)
+    return {"eagle": eagle, "staged": eagle,
             "draft_model": registry.DraftModelOptions(model=s.draft_model),
             "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
             "medusa": registry.MedusaOptions(heads=s.medusa)}
@@ -113,8 +116,9 @@ def check_settings(s: EvalSettings) -> None:
     if "hf_assisted" in s.methods:       # runs the draft_model method's smaller LM
         registry.check("draft_model", options["draft_model"])
     for name in s.methods:
-        if name in registry.METHODS:
-            registry.check(name, options.get(name))
+        method = registry_method(name, options)
+        if method is not None:
+            registry.check(*method)
     if "llama_cpp" in s.methods:
         gguf_of(s.target)
 
@@ -128,7 +132,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device)
-    head, note = head_for(target, s.draft) if "eagle" in s.methods else (None, "")
+    uses_head = any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS for m in s.methods)
+    head, note = head_for(target, s.draft) if uses_head else (None, "")
     options = method_options(s, head)
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads)
@@ -147,7 +152,9 @@ def evaluate(s: EvalSettings, progress: bool = True):
               f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
               f"{tree.total_tokens}, lookup {tree.lookup}"
               + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
-                 f"top_k {sampling.top_k}, seed {s.seed} (outputs differ by draw: no identity check)")
+                 f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
+                 f"{s.draft_sampling or registry.EagleOptions().draft_sampling} (outputs differ by draw: no identity "
+                 f"check)")
               + (f" · {note}" if note else ""))
     return records, report.summarize(records, s.baseline), header
 
@@ -179,7 +186,8 @@ def settings_from(cfg) -> EvalSettings:
                         per_category_limit=c["task"].get("per_category_limit"), threads=c.get("threads"),
                         exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"),
                         device=c.get("device", "cpu"), temperature=float(c.get("temperature", 0.0)),
-                        top_p=float(c.get("top_p", 1.0)), top_k=int(c.get("top_k", 0)), seed=int(c.get("seed", 0)))
+                        top_p=float(c.get("top_p", 1.0)), top_k=int(c.get("top_k", 0)), seed=int(c.get("seed", 0)),
+                        draft_sampling=c.get("draft_sampling"))
 
 
 def _main() -> None:

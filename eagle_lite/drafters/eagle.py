@@ -172,12 +172,21 @@ def _draw(logits: torch.Tensor, k: int, sampling: SamplingConfig,
           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: [R, V_draft] -> (q [R, V_draft]: the draft's sampling distribution, temperature / top-k / top-p
     applied as to the target's; p [R, k]: the q of each token drawn; ids [R, k]: k tokens drawn from each row
-    without replacement, in draw order). Gumbel-top-k: the order of log q - log E (E ~ Exp(1), i.e. log q plus
-    Gumbel noise) is that of successive draws, each from q with the earlier ones removed. Where q has fewer than k
-    possible tokens, the slots past them hold no draw (p = 0)."""
+    without replacement, in draw order). One token (k = 1, the CPU tree): the inverse of q's CDF at a uniform draw,
+    as accept.sample. Several: Gumbel-top-k, the order of log q - log E (E ~ Exp(1), i.e. log q plus Gumbel noise)
+    being that of successive draws, each from q with the earlier ones removed. Where q has fewer than k possible
+    tokens, the slots past them hold no draw (p = 0). Uniforms are float64: no token's share is lost to rounding."""
     q = target_probs(logits, sampling)                       # R V_draft
-    noise = torch.empty_like(q).exponential_(generator=generator)
-    keys, ids = (q.log() - noise.log()).topk(min(k, q.shape[-1]), dim=-1)
+    u = torch.rand(q.shape[0], 1 if k == 1 else q.shape[1], generator=generator, dtype=torch.float64,
+                   device=q.device)
+    if k == 1:
+        cdf = q.double().cumsum(-1)                          # R V_draft
+        ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)      # R 1: the first token whose CDF exceeds u
+        last = q.shape[1] - 1 - (q.flip(-1) > 0).int().argmax(-1, keepdim=True)   # u rounded onto the total
+        ids = torch.minimum(ids, last)
+        return q, q.gather(-1, ids), ids
+    noise = u.neg_().log1p_().neg_().log_()                  # log E, E = -log(1 - u) ~ Exp(1)
+    keys, ids = (q.double().log() - noise).topk(min(k, q.shape[-1]), dim=-1)
     p = q.gather(-1, ids).masked_fill_(keys == -math.inf, 0.0)
     return q, p, ids
 

@@ -18,7 +18,7 @@ import logging
 import sys
 
 from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
-from .drafters.registry import AUTO, NAMES, LookaheadOptions, options_from_flags
+from .drafters.registry import AUTO, DRAFT_SAMPLING, NAMES, EagleOptions, LookaheadOptions, options_from_flags
 from .threads import check_threads
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
@@ -42,12 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
     p.add_argument("--method", default="auto",
                    choices=[AUTO, *NAMES],
-                   help="eagle: EAGLE draft head; lookup: prompt n-gram lookup (training-free); lookahead: "
-                        "lookahead decoding, a Jacobi window and an n-gram pool (training-free); draft_model: a "
-                        "smaller LM drafts (needs --draft-model); layer_skip: the target's first --exit-layer "
-                        "layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
+                   help="eagle: EAGLE draft head; staged: eagle whose head reads the prompt-lookup chain in its own "
+                        "forward and proposes the part it agrees with; lookup: prompt n-gram lookup (training-free); "
+                        "lookahead: lookahead decoding, a Jacobi window and an n-gram pool (training-free); "
+                        "draft_model: a smaller LM drafts (needs --draft-model); layer_skip: the target's first "
+                        "--exit-layer layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
                         "vanilla: one target forward per token; "
                         "auto: eagle if a head exists, else lookup (training-free)")
+    p.add_argument("--draft-sampling", default=None, choices=DRAFT_SAMPLING,
+                   help="--method eagle/staged with --temperature > 0: 'q' draws the tree from the head's distribution "
+                        "and accepts sibling by sibling by recursive rejection (EAGLE's sampling); 'match' drafts the "
+                        "head's top-k and accepts the child the target's sample matches. Both exact (default: "
+                        f"{EagleOptions().draft_sampling})")
     p.add_argument("--draft-model", default=None, metavar="SPEC",
                    help="--method draft_model: the smaller model (same tokenizer as the target), given like --target")
     p.add_argument("--exit-layer", type=int, default=None, metavar="N",
@@ -271,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
-                                     medusa_choices=args.medusa_choices, **lookahead_flags(args))
+                                     medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,
+                                     **lookahead_flags(args))
         lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
                   attention=args.attention, static=args.static)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

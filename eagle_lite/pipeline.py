@@ -100,18 +100,18 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
 
     method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
     else prompt lookup (training-free, as exact). options: that method's options dataclass
-    (`drafters.EagleOptions`, `LookupOptions`, `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`,
-    `MedusaOptions`).
+    (`drafters.EagleOptions` for eagle and staged, `LookupOptions`, `LookaheadOptions`, `DraftModelOptions`,
+    `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
     static: decode greedily through the fixed-shape step (static_step.py) in this mode ("auto": CUDA graphs on CUDA,
     eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft) and vanilla, shown as
     eagle_graph / vanilla_graph. None: the engine.
     """
-    if draft is not None and method in (registry.AUTO, "eagle"):
+    if draft is not None and (method == registry.AUTO or method in registry.HEAD_METHODS):
         if options is not None:
             raise ValueError("pass the head either as draft=... or inside options, not both")
         options = registry.EagleOptions(draft=draft)
-        method = "eagle" if draft != registry.AUTO else method
+        method = "eagle" if draft != registry.AUTO and method == registry.AUTO else method
     elif draft not in (None, registry.AUTO):
         raise ValueError(f"draft={draft!r} names an EAGLE head, but method is '{method}'")
     torch_dtype = getattr(torch, dtype, None)

@@ -3,6 +3,10 @@
 Node 0 is always the root: the last token already chosen (by the target) but not yet in its KV cache.
 Every other node is a drafted guess; `parents[i] < i`, so nodes are in topological order and a
 node's depth is its distance from the root (its position is prefix_len + depth).
+
+A tree whose nodes were *sampled* carries `q_draft`: row i is the distribution node i was drawn from, which
+sibling-wise rejection (accept.py) needs. A dense [N, V] tensor (a draft model's chain), or `SampledRows`, which
+builds each row from the few distributions the nodes were drawn from when acceptance reads it.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ class DraftTree:
 
     tokens: torch.Tensor                 # [N] token ids, node 0 = root
     parents: list[int]                   # parents[0] = -1
-    q_draft: torch.Tensor | None = None  # [N, V] distribution node i was *sampled* from; None: chosen deterministically
+    q_draft: torch.Tensor | SampledRows | None = None  # row i: the distribution node i was *sampled* from;
+    #                                                       None: every node chosen deterministically
     probes: list[int] = field(default_factory=list)
     likely: list[int] | None = None
     depths: torch.Tensor = field(init=False)     # [N]
@@ -84,12 +89,62 @@ class DraftTree:
         return cls(tokens, list(range(-1, tokens.numel() - 1)), q_draft)
 
 
+class SampledRows:
+    """q_draft of a tree whose nodes were drawn from a few distributions (an EAGLE head's, one per expanded node),
+    each row built when acceptance reads it: [N, V] dense rows would cost N x 49k floats a step.
+
+    dists: [P, V_d] the distributions drawn from, over the drafter's vocabulary; vocab: [V_d] the target id of each
+    of its tokens (None: V_d is the target's vocabulary); size: the target's vocabulary size V. For node i:
+    source[i] is the row of `dists` it was drawn from, and excluded[i] the target ids of the siblings drawn before it
+    from that row (drawn without replacement: its row is dists[source[i]] with those removed, renormalized).
+    source[i] = -1: a node chosen deterministically; its row is a point mass on its own token (tokens[i]), with
+    which sibling-wise rejection accepts it with the target's (residual) probability of that token, exactly as
+    sample-and-match would. The root's row (node 0) is never read.
+    """
+
+    def __init__(self, dists: torch.Tensor, vocab: torch.Tensor | None, size: int, tokens: list[int],
+                 source: list[int], excluded: list[list[int]]) -> None:
+        if not len(tokens) == len(source) == len(excluded):
+            raise ValueError(f"{len(tokens)} nodes need as many sources and exclusions, got {len(source)}, "
+                             f"{len(excluded)}")
+        self.dists, self.vocab, self.size = dists, vocab, size
+        self.tokens, self.source, self.excluded = tokens, source, excluded
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        row = torch.zeros(self.size, dtype=torch.float32, device=self.dists.device)
+        src = self.source[node]
+        if src < 0:
+            row[self.tokens[node]] = 1.0
+            return row
+        if self.vocab is None:
+            row[:self.dists.shape[1]] = self.dists[src]
+        else:
+            row[self.vocab] = self.dists[src].float()
+        if self.excluded[node]:
+            row[self.excluded[node]] = 0.0
+            row /= row.sum()
+        return row
+
+    def with_chosen(self, tokens: list[int]) -> SampledRows:
+        """These rows followed by deterministic nodes (point masses) of `tokens`."""
+        return SampledRows(self.dists, self.vocab, self.size, self.tokens + list(tokens),
+                           self.source + [-1] * len(tokens), self.excluded + [[] for _ in tokens])
+
+
 def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
     """`tree` with the path root -> chain[0] -> chain[1] ... added: existing nodes are followed where their
     tokens match, new nodes are appended (in topological order) from the first token that differs.
-    Children stay distinct tokens, so acceptance stays exact. Only for trees chosen deterministically."""
-    if tree.q_draft is not None:
-        raise ValueError("graft_chain takes deterministic trees (q_draft is None)")
+    Children stay distinct tokens, so acceptance stays exact.
+
+    A sampled tree (q_draft `SampledRows`) takes the new nodes as deterministic ones (point-mass rows), each the
+    last child of its parent: acceptance tries it after the sampled siblings, and whether it is there depends on
+    those earlier siblings alone (the chain's token is among them or not), so sibling-wise rejection stays exact.
+    A dense q_draft is refused."""
+    if tree.q_draft is not None and not isinstance(tree.q_draft, SampledRows):
+        raise ValueError("graft_chain takes deterministic trees or SampledRows trees, not a dense q_draft")
     tokens, parents = tree.tokens.tolist(), list(tree.parents)
     node = 0
     for tok in chain:
@@ -101,7 +156,9 @@ def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
         node = child
     if len(tokens) == len(tree):
         return tree
-    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents, probes=tree.probes, likely=tree.likely)
+    q_draft = None if tree.q_draft is None else tree.q_draft.with_chosen(tokens[len(tree):])
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents, q_draft, probes=tree.probes,
+                     likely=tree.likely)
 
 
 def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[torch.Tensor, list[int]]:

@@ -23,10 +23,12 @@ from . import report
 from .sweep import EvalSettings, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
-# also available: lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates), layer_skip (--exit-layer),
-# draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC), medusa (--medusa PATH or
-# random), llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added by default when importable)
-# vanilla_graph and eagle_graph (the fixed-shape step, static_step.py: CUDA graphs on CUDA; greedy only)
+# also available: staged (eagle whose head checks the lookup chain), eagle_q and eagle_match (eagle with one sampling
+# rule each, to compare both in one run), lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates),
+# layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC),
+# medusa (--medusa PATH|random), llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added
+# by default when importable), vanilla_graph and eagle_graph (the fixed-shape step, static_step.py: CUDA graphs on
+# CUDA; greedy only)
 
 
 def default_methods() -> list[str]:
@@ -62,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
+    p.add_argument("--draft-sampling", default=None, choices=["q", "match"],
+                   help="eagle and staged when sampling: 'q' (the head's draws, recursive rejection) or 'match' (top-k, "
+                        "sample-and-match); unset: the default. Methods eagle_q and eagle_match run one rule each")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
@@ -100,8 +105,7 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
                                                      ("ngram", args.lookahead_ngram),
                                                      ("candidates", args.lookahead_candidates)) if v is not None},
                         top_k=args.top_k, seed=args.seed, attention=args.attention, static_mode=args.static_mode,
-                        static_max_len=args.static_max_len)
-# vanilla_graph and eagle_graph (the fixed-shape step, static_step.py: CUDA graphs on CUDA; greedy only)
+                        static_max_len=args.static_max_len, draft_sampling=args.draft_sampling)
 
 
 def main(argv=None) -> int:

@@ -3,9 +3,10 @@
 `hf_generate`, `hf_prompt_lookup` and `hf_assisted` (assisted generation with the draft_model's smaller LM) are
 transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
-(lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `vanilla_graph` and
-`eagle_graph` are the same two decodings through the fixed-shape step (static_step.py): captured in CUDA graphs on
-CUDA, eager on a CPU (greedy only; eagle_graph drafts without the prompt-lookup graft). `llama_cpp` is
+(staged, lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `eagle_q`
+and `eagle_match` are eagle with one sampling rule each (EagleOptions.draft_sampling), so that one run compares them.
+`vanilla_graph` and `eagle_graph` are the same two decodings through the fixed-shape step (static_step.py): captured
+in CUDA graphs on CUDA, eager on a CPU (greedy only; eagle_graph drafts without the prompt-lookup graft). `llama_cpp` is
 llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
 `llama-cpp-python`; it runs the file's quantized weights, so its tokens may differ from the fp32 target's).
 """
@@ -132,20 +133,31 @@ def static_method(target: Target, head=None, mode: str = "auto", max_len: int | 
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
 STATIC_METHODS = ("vanilla_graph", "eagle_graph")   # greedy only
-NAMES = (*HF_METHODS[:3], *registry.NAMES, *STATIC_METHODS, "llama_cpp")   # every method eval can run
+# eval's names for a registry method with some options set: (method, EagleOptions fields)
+VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"})}
+NAMES = (*HF_METHODS[:3], *registry.NAMES, *VARIANTS, *STATIC_METHODS, "llama_cpp")   # every method eval can run
+
+
+def registry_method(name: str, options: dict[str, Any]) -> tuple[str, Any] | None:
+    """(registry method, its options) that eval's method `name` runs; None for the HF, llama.cpp and static-step
+    methods. options: each registry method's options (None: defaults)."""
+    if name in VARIANTS:
+        base, fields = VARIANTS[name]
+        return base, replace(options.get(base) or registry.METHODS[base].options(), **fields)
+    return (name, options.get(name)) if name in registry.METHODS else None
 
 
 def build_methods(target: Target, names: list[str], options: dict[str, Any] | None = None,
                   gguf: Path | None = None, threads: int | None = None, static_mode: str = "auto",
                   static_max_len: int | None = None) -> dict[str, Method]:
     """Method name -> callable. The engine's methods are the drafter registry's (`eagle_lite.drafters.NAMES`), each
-    built with `options[name]` (its options dataclass; None: defaults). Besides them: hf_generate, hf_prompt_lookup
-    and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM), llama_cpp
-    (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads), and vanilla_graph and
-    eagle_graph (the fixed-shape step in `static_mode`, its caches `static_max_len` slots; eagle_graph takes the
+    built with `options[name]` (its options dataclass; None: defaults), and their VARIANTS. Besides them: hf_generate,
+    hf_prompt_lookup and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM),
+    llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads), and vanilla_graph
+    and eagle_graph (the fixed-shape step in `static_mode`, its caches `static_max_len` slots; eagle_graph takes the
     head of `options["eagle"]`)."""
     options = dict(options or {})
-    unknown = [n for n in names if n not in registry.METHODS and n not in HF_METHODS and n not in STATIC_METHODS]
+    unknown = [n for n in names if n not in NAMES]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(NAMES)}")
     if "hf_assisted" in names or "draft_model" in names:
@@ -157,9 +169,10 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
 
             o = replace(o, draft_target=load_target(o.model, dtype=target.dtype, device=str(target.device)))
         options["draft_model"] = o
-    for name in names:
-        if name in registry.METHODS:
-            registry.check(name, options.get(name))
+    engine = {n: registry_method(n, options) for n in names}
+    for method in engine.values():
+        if method is not None:
+            registry.check(*method)
     if "llama_cpp" in names and gguf is None:
         raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
     factories = {
@@ -172,4 +185,4 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
         "llama_cpp": lambda: llama_cpp(target, gguf, threads),
     }
     return {n: factories[n]() if n in factories else
-            engine_method(Engine(target, registry.build(n, target, options.get(n)))) for n in names}
+            engine_method(Engine(target, registry.build(engine[n][0], target, engine[n][1]))) for n in names}

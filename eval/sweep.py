@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from eagle_lite.static_step import MODES
 from eagle_lite.threads import check_threads
 
 from . import plots, report, runner
-from .methods import NAMES, STATIC_METHODS, build_methods, gguf_of
+from .methods import NAMES, STATIC_METHODS, build_methods, gguf_of, registry_method
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -59,6 +59,7 @@ class EvalSettings:
     attention: str = "auto"         # the target's tree-verification backend (kernels/attention.py)
     static_mode: str = "auto"       # vanilla_graph / eagle_graph: how their steps run (static_step.MODES)
     static_max_len: int | None = 2048   # their cache slots, allocated once (more if a call needs them)
+    draft_sampling: str | None = None   # eagle and staged with temperature > 0: "q" or "match" (None: the default)
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -93,10 +94,12 @@ def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
 def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
     """Each engine method's options (`eagle_lite.drafters.registry`) from the settings."""
     eagle = registry.EagleOptions(head=head) if head is not None else registry.EagleOptions(draft=s.draft)
+    if s.draft_sampling is not None:
+        eagle = replace(eagle, draft_sampling=s.draft_sampling)
     unknown = sorted(set(s.lookahead) - {"window", "ngram", "candidates"})
     if unknown:
         raise ValueError(f"unknown lookahead setting(s) {unknown}: lookahead has window, ngram, candidates")
-    return {"eagle": eagle,
+    return {"eagle": eagle, "staged": eagle,
             "lookahead": registry.lookahead_options(**s.lookahead),
             "draft_model": registry.DraftModelOptions(model=s.draft_model),
             "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
@@ -130,8 +133,9 @@ def check_settings(s: EvalSettings) -> None:
     if "hf_assisted" in s.methods:       # runs the draft_model method's smaller LM
         registry.check("draft_model", options["draft_model"])
     for name in s.methods:
-        if name in registry.METHODS:
-            registry.check(name, options.get(name))
+        method = registry_method(name, options)
+        if method is not None:
+            registry.check(*method)
     if "eagle_graph" in s.methods:       # the eagle method's head, through the static step
         registry.check("eagle", options["eagle"])
     if "llama_cpp" in s.methods:
@@ -147,7 +151,9 @@ def evaluate(s: EvalSettings, progress: bool = True):
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device, attention=s.attention)
-    head, note = head_for(target, s.draft) if {"eagle", "eagle_graph"} & set(s.methods) else (None, "")
+    uses_head = "eagle_graph" in s.methods or any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS
+                                                  for m in s.methods)
+    head, note = head_for(target, s.draft) if uses_head else (None, "")
     options = method_options(s, head)
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads, static_mode=s.static_mode,
@@ -169,7 +175,9 @@ def evaluate(s: EvalSettings, progress: bool = True):
               f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
               f"{tree.total_tokens}, lookup {tree.lookup}"
               + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
-                 f"top_k {sampling.top_k}, seed {s.seed} (outputs differ by draw: no identity check)")
+                 f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
+                 f"{s.draft_sampling or registry.EagleOptions().draft_sampling} (outputs differ by draw: no identity "
+                 f"check)")
               + (f" · {', '.join(static)}: static step, mode {s.static_mode}, no lookup graft" if static else "")
               + (f" · {note}" if note else ""))
     return records, report.summarize(records, s.baseline), header
@@ -216,7 +224,8 @@ def settings_from(cfg) -> EvalSettings:
                         device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
                         seed=_number(c, "seed", int, 0), attention=c.get("attention", "auto"),
-                        static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048))
+                        static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048),
+                        draft_sampling=c.get("draft_sampling"))
 
 
 def _main() -> None:

@@ -53,6 +53,17 @@ def test_static_step_answers_as_the_engine_does(tiny_model_dir, capsys):
     assert "captures CUDA graphs" in capsys.readouterr().err
 
 
+def test_staged_and_both_sampling_rules_run_from_the_command_line(tiny_model_dir, capsys):
+    common = ["--target", str(tiny_model_dir), "--prompt", "hello hello hello", "--max-new-tokens", "16",
+              "--draft", "random", "--tree-lookup", "3"]
+    vanilla = run_json(capsys, *common, "--method", "vanilla")
+    staged = run_json(capsys, *common, "--method", "staged")
+    assert staged["method"] == "staged" and staged["token_ids"] == vanilla["token_ids"]
+    for rule in ("q", "match"):
+        sampled = [*common, "--method", "eagle", "--temperature", "0.9", "--seed", "3", "--draft-sampling", rule]
+        assert run_json(capsys, *sampled)["token_ids"] == run_json(capsys, *sampled)["token_ids"]
+
+
 def test_seeded_sampling_is_reproducible(tiny_model_dir, capsys):
     common = ["--target", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "16", "--temperature", "0.9",
               "--seed", "3", "--method", "eagle", "--draft", "random"]

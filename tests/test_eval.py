@@ -118,6 +118,23 @@ def test_a_benchmark_compares_the_static_step_with_the_engine(tiny_model_dir, tm
     assert len(rows) == 5 and all("| 100% |" in line for line in rows), rows
 
 
+def test_benchmark_runs_staged_and_each_sampling_rule(tiny_model_dir, tmp_path, capsys):
+    """staged beside eagle (greedy: identical to the baseline), and eagle_q / eagle_match sampled in one run."""
+    from eval import benchmark
+
+    common = ["--target", str(tiny_model_dir), "--draft", "random", "--tasks", "", "--questions",
+              str(two_question_file(tmp_path)), "--per-task", "1", "--max-new-tokens", "12", "--tree-lookup", "3"]
+    assert benchmark.main(common + ["--methods", "vanilla,eagle,staged"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| overall |")]
+    assert len(rows) == 3 and all(line.rstrip().endswith("| 100% |") for line in rows)
+    sampled = ["--methods", "vanilla,eagle_q,eagle_match,eagle", "--temperature", "0.8", "--draft-sampling", "match"]
+    assert benchmark.main(common + sampled) == 0
+    out = capsys.readouterr().out
+    assert "eagle's draft sampling match" in out
+    assert {m for m in ("eagle_q", "eagle_match", "eagle") if f"| overall | {m} |" in out} == {"eagle_q", "eagle_match",
+                                                                                              "eagle"}
+
+
 def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(chat_target):
     from eagle_lite.config import SamplingConfig
 
@@ -198,13 +215,13 @@ def test_sweep_runs_every_drafter(tiny_model_dir, tmp_path):
     from eval.sweep import evaluate, settings_from
 
     overrides = sweep_overrides(tiny_model_dir, two_question_file(tmp_path))
-    overrides[2] = "methods=[vanilla,lookup,eagle,layer_skip,draft_model,medusa,hf_assisted]"
+    overrides[2] = "methods=[vanilla,lookup,eagle,staged,layer_skip,draft_model,medusa,hf_assisted]"
     overrides += [f"draft_model={tiny_model_dir}", "exit_layer=1", "medusa=random"]
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
         settings = settings_from(compose("sweep", overrides=overrides + ["baseline=vanilla"]))
     records, rows, _ = evaluate(settings, progress=False)
-    assert {r.method for r in records} == {"vanilla", "lookup", "eagle", "layer_skip", "draft_model", "medusa",
-                                           "hf_assisted"}   # transformers' own assisted generation, same draft model
+    assert {r.method for r in records} == {"vanilla", "lookup", "eagle", "staged", "layer_skip", "draft_model",
+                                           "medusa", "hf_assisted"}   # transformers' own assisted generation, same draft model
     assert all(r.identical_to_baseline for r in records)
     # the model drafting for itself is accepted in full
     assert min(r.accept_length_mean for r in records if r.method == "draft_model" and r.new_tokens > 4) > 1.5

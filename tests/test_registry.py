@@ -13,10 +13,12 @@ def test_every_registered_method_builds_a_drafter_with_its_default_options(monke
     target = make_target("llama")
     built = {}
     for name in registry.NAMES:
-        options = {"eagle": registry.EagleOptions(draft="random"), "medusa": registry.MedusaOptions(heads="random"),
+        options = {"eagle": registry.EagleOptions(draft="random"), "staged": registry.EagleOptions(draft="random"),
+                   "medusa": registry.MedusaOptions(heads="random"),
                    "draft_model": registry.DraftModelOptions(draft_target=target)}.get(name)
         built[name] = registry.build(name, target, options)
     assert isinstance(built["eagle"], LookupGraft) and built["eagle"].inner.name == "eagle"
+    assert built["staged"].name == "staged" and built["staged"].staged and not built["eagle"].staged
     assert built["vanilla"].max_tree_nodes(TreeConfig()) == 1
     assert {type(d).__name__ for d in built.values()} >= {"PromptLookupDrafter", "NoDrafter", "MedusaDrafter"}
 
@@ -38,6 +40,15 @@ def test_options_are_checked_before_a_model_loads():
         registry.check("nope")
     with pytest.raises(TypeError, match="takes LookupOptions"):
         registry.options_for("lookup", registry.EagleOptions())
+    with pytest.raises(ValueError, match="draft_sampling must be one of q, match"):
+        registry.check("staged", registry.EagleOptions(draft_sampling="greedy"))
+
+
+def test_flags_reach_the_eagle_options():
+    for name in ("eagle", "staged", "auto"):
+        assert registry.options_from_flags(name, draft="random", draft_sampling="match") == registry.EagleOptions(
+            draft="random", draft_sampling="match")
+    assert registry.options_from_flags("eagle").draft_sampling == registry.EagleOptions().draft_sampling
 
 
 def test_the_tree_is_defaults_then_the_recommendation_then_the_flags():

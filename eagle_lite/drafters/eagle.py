@@ -1,29 +1,56 @@
 """EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it
 (optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`). A prompt-lookup path is
-grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle."""
+grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle.
+
+Sampling (temperature > 0) has two rules, `draft_sampling`:
+- "match": the tree is the head's top-k, as in greedy decoding, and acceptance draws the target's token and
+  follows the child that carries it (sample-and-match, accept.py). Exact; it accepts with the target's mass on
+  the children.
+- "q" (EAGLE's own sampling): each expanded node's children are *drawn* from the head's sampling distribution
+  q (the head's logits under the target's temperature / top-k / top-p), without replacement, and acceptance
+  tries them in draw order by sibling-wise recursive rejection: child c with min(1, p(c) / q_c(c)), else p <-
+  norm(max(p - q_c, 0)) (q_c: q less the siblings drawn before c). It accepts more where q is close to p.
+
+  That rule is exact only if, whenever acceptance reaches a child, the child is distributed as its q_c row
+  given everything acceptance has seen. So the tree that is kept may not depend on a node's own token except
+  through its descendants: the frontier and the final rerank rank a child by a *value* computed before it is
+  drawn, its parent's path probability times the q mass not drawn before it (1 - sum of its earlier siblings'
+  q). Values never increase from a node to its children or to its later siblings, and equal values rank the
+  earlier-made slot first, so whether a slot is kept is decided by the slots ranked above it, none of which
+  depends on the slot's own draw; the kept siblings are a prefix of the draw order, and the tree is connected.
+  (Ranking children by their own probability, as the top-k tree does, or verifying the deterministic top-k with
+  their softmax probabilities as q, over-accepts the likeliest tokens: tests/test_eagle_sampling.py shows both.)
+"""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from ..config import TreeConfig
+from ..accept import target_probs
+from ..config import SamplingConfig, TreeConfig
 from ..draft import DraftHead
 from ..kernels import accelerate_head
 from ..kernels.accelerate import draft_vocab_grid
 from ..kernels.cpu_linear import few_rows_product
 from ..kv_cache import StaticKVCache
-from ..tree import DraftTree, rerank
+from ..tree import DraftTree, SampledRows, rerank
 from .base import DraftInput
+from .registry import DRAFT_SAMPLING
 
 
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, target, head: DraftHead, round_head: bool = True) -> None:
+    def __init__(self, target, head: DraftHead, round_head: bool = True, draft_sampling: str = "q") -> None:
         """round_head: on CPU, run the head's linears from Q8_0 codes rounded from its fp32 weights (a
         quarter of the bytes; proposals barely move and acceptance keeps the output exact); else oneDNN's
-        packed fp32 product. No-op elsewhere."""
+        packed fp32 product. No-op elsewhere. draft_sampling: how a sampled (temperature > 0) tree is drafted
+        and accepted, one of DRAFT_SAMPLING (module docstring); greedy decoding ignores it."""
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {draft_sampling!r}")
+        self.draft_sampling = draft_sampling
         self.target = target
         self.head = head.eval()
         self.feature_layers = head.feature_layers   # the target's layers the head reads (EAGLE-3), else ()
@@ -36,6 +63,9 @@ class EagleDrafter:
         shared = head.d2t is None and head.lm_head is None
         self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight)
         self.cache: StaticKVCache | None = None
+        self.keep_features = False                 # keep the target's features by position (for `probe`)
+        self._features: torch.Tensor | None = None  # [>= cache.length, H']: row t is f_t of the head's pair t
+        self.probe_top: list[int] = []             # the head's greedy tokens of the last `probe` (see propose)
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
         self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
 
@@ -56,67 +86,203 @@ class EagleDrafter:
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         return 1 + tree.total_tokens
 
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.head.d2t is None else self.head.d2t[ids]
+
     def sit_out(self, inp: DraftInput) -> None:
         """Another drafter proposed this step (a lookup chain): keep its features for the next `propose`."""
         self._queued.append(inp.hidden)
 
-    def _top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: [R, H] -> (log-probs [R, k], target token ids [R, k]) of the k likeliest next tokens."""
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [R, H] predicted features -> the head's logits over its vocabulary [R, V_draft] (float32)."""
         h = self.head.logit_features(h)                      # an EAGLE-3 head's own final norm, else h
-        logp = torch.log_softmax(few_rows_product(h, self.lm_weight, self.lm_grid).float(), dim=-1)  # R V_draft
-        scores, ids = logp.topk(k, dim=-1)
-        return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
+        return few_rows_product(h, self.lm_weight, self.lm_grid).float()
 
-    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+    def _keep(self, n: int, features: torch.Tensor) -> None:
+        """Store the target's features of positions n.. (rows of the head's pairs) for later probes."""
+        need = n + features.shape[0]
+        if self._features is None or self._features.shape[0] < need or self._features.shape[1] != features.shape[1]:
+            grown = features.new_empty(max(need, 2 * (0 if self._features is None else self._features.shape[0]),
+                                           1024), features.shape[1])
+            if self._features is not None and self._features.shape[1] == features.shape[1]:
+                grown[:n] = self._features[:n]
+            self._features = grown
+        self._features[n:need] = features
+
+    def propose(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None) -> DraftTree:
+        """probe: (start, chain), a guess of the tokens after the root copied from tokens[start:] (a prompt-lookup
+        match: tokens[start - 1] is an earlier occurrence of the root), with keep_features on. The head then also
+        reads the chain in the same forward as its catch-up, each token paired with the target's feature at the
+        position it was copied from (the features here are not known yet; those of the copied context stand in),
+        and `probe_top` becomes the head's greedy token after the root, then after each chain token: where the
+        head would take the chain, and what it would say where it leaves it. Approximate, as it only decides what
+        to propose."""
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
             self._queued = []
-        cache, embed, k = self.cache, self.target.embed_tokens, tree.top_k
+        cache, embed = self.cache, self.target.embed_tokens
         dev = inp.hidden.device
         # 1. Catch up on the real features: pair (f_t, x_{t+1}) sits at x_t's position t.
         m = inp.hidden.shape[0]
         n = cache.length                                     # real pairs already in the draft cache
         if n + m + 1 != len(inp.tokens):
             raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived with {m} new features")
-        next_tokens = torch.tensor(inp.tokens[-m:], device=dev)
-        h = self.head.step(inp.hidden, embed(next_tokens), cache, torch.arange(n, n + m, device=dev),
-                           torch.ones(m, m, dtype=torch.bool, device=dev).tril_())  # m H
-        cache.commit(m)
+        if self.keep_features:
+            self._keep(n, inp.hidden)
+        features, next_tokens = inp.hidden, inp.tokens[-m:]
+        start, chain = probe if probe is not None and self.keep_features else (0, [])
+        if chain:    # pair (f_{start-1+j}, chain[j]) at the root's position + j
+            features = torch.cat([features, self._features[start - 1:start - 1 + len(chain)]])
+            next_tokens = next_tokens + chain
+        t = m + len(chain)
+        h = self.head.step(features, embed(torch.tensor(next_tokens, device=dev)), cache,
+                           torch.arange(n, n + t, device=dev), torch.ones(t, t, dtype=torch.bool, device=dev).tril_())
+        cache.commit(m)                                      # the chain's slots are overwritten by the tree's
+        logits = self._logits(h[m - 1:])                     # the root's, then (probe) each chain token's
+        self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
+        h, root_logits = h[:m], logits[:1]
         n += m                                               # = the root's position
-        # 2. The root's children, then `depth - 1` expansions of the best-k frontier.
-        scores, tokens = self._top_k(h[-1:], k)              # 1 k
-        cand_scores, cand_tokens = [scores[0]], [tokens[0]]
-        cand_parents = [torch.full((k,), -1, device=dev)]
-        front = torch.arange(k, device=dev)                  # candidate index of each frontier node
-        front_scores, front_tokens = scores[0], tokens[0]    # k
-        front_h = h[-1:].expand(k, -1)                       # k H: the feature each frontier node reads
-        front_vis_parent = torch.zeros(k, 0, dtype=torch.bool, device=dev)  # k W: parent's view of written nodes
-        written_vis = torch.zeros(0, 0, dtype=torch.bool, device=dev)       # W W
-        floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf   # path log-prob worth verifying
-        for depth in range(1, tree.depth):
-            if tree.min_prob > 0 and float(front_scores.max()) < floor:
-                break                                        # nothing left worth expanding
-            vis = torch.cat([front_vis_parent, torch.eye(k, dtype=torch.bool, device=dev)], dim=1)  # k W+k
-            h = self.head.step(front_h, embed(front_tokens), cache,
-                               torch.full((k,), n + depth - 1, device=dev), vis)  # k H
-            cache.commit(k)
-            w = written_vis.shape[0]
-            written_vis = torch.cat([torch.nn.functional.pad(written_vis, (0, k)), vis], dim=0)  # W+k W+k
-            scores, tokens = self._top_k(h, k)               # k k
-            cum = (front_scores[:, None] + scores).flatten()  # k*k
-            base = sum(s.numel() for s in cand_scores)
-            cand_scores.append(cum)
-            cand_tokens.append(tokens.flatten())
-            cand_parents.append(front.repeat_interleave(k))
-            best = cum.topk(k).indices                       # k, into the k*k grid
-            parent_row = best // k                           # which frontier node each came from
-            front = base + best
-            front_scores, front_tokens = cum[best], tokens.flatten()[best]
-            front_h = h[parent_row]
-            front_vis_parent = written_vis[w + parent_row]
-        cache.truncate(n)                                    # drop the tree nodes; the real pairs stay
-        scores = torch.cat(cand_scores)
-        budget = tree.total_tokens if tree.min_prob <= 0 else min(tree.total_tokens, int((scores >= floor).sum()))
-        kept, parents = rerank(scores, torch.cat(cand_parents), budget)
-        root = torch.tensor([inp.root], device=dev)
-        return DraftTree(torch.cat([root, torch.cat(cand_tokens)[kept]]), [-1] + parents)
+        # 2. The tree: each expansion reads the frontier's parents' predicted features and the frontier's tokens,
+        # at the next position, each node seeing its own ancestors among the tree nodes written so far.
+        state = {"h": h[-1:], "vis": torch.zeros(0, 0, dtype=torch.bool, device=dev), "last": 0, "depth": 0}
+
+        def expand(parent_row: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            r, written = parent_row.numel(), state["vis"]
+            parent_vis = (written[state["last"] + parent_row] if state["depth"]
+                          else torch.zeros(r, 0, dtype=torch.bool, device=dev))         # r W
+            vis = torch.cat([parent_vis, torch.eye(r, dtype=torch.bool, device=dev)], dim=1)  # r W+r
+            state["depth"] += 1
+            out = self.head.step(state["h"][parent_row], embed(tokens), cache,
+                                 torch.full((r,), n + state["depth"] - 1, device=dev), vis)  # r H
+            cache.commit(r)
+            state["last"] = written.shape[0]
+            state["vis"] = torch.cat([torch.nn.functional.pad(written, (0, r)), vis], dim=0)  # W+r W+r
+            state["h"] = out
+            return self._logits(out)
+
+        sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
+        try:
+            return grow_tree(inp.root, root_logits, expand, tree, sampling, inp.generator, self.head.d2t,
+                             self.target.vocab_size)
+        finally:
+            cache.truncate(n)                                # drop the tree nodes; the real pairs stay
+
+
+def _draw(logits: torch.Tensor, k: int, sampling: SamplingConfig,
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: [R, V_draft] -> (q [R, V_draft]: the draft's sampling distribution, temperature / top-k / top-p
+    applied as to the target's; p [R, k]: the q of each token drawn; ids [R, k]: k tokens drawn from each row
+    without replacement, in draw order). One token (k = 1, the CPU tree): the inverse of q's CDF at a uniform draw,
+    as accept.sample. Several: Gumbel-top-k, the order of log q - log E (E ~ Exp(1), i.e. log q plus Gumbel noise)
+    being that of successive draws, each from q with the earlier ones removed. Where q has fewer than k possible
+    tokens, the slots past them hold no draw (p = 0). Uniforms are float64: no token's share is lost to rounding."""
+    q = target_probs(logits, sampling)                       # R V_draft
+    u = torch.rand(q.shape[0], 1 if k == 1 else q.shape[1], generator=generator, dtype=torch.float64,
+                   device=q.device)
+    if k == 1:
+        cdf = q.double().cumsum(-1)                          # R V_draft
+        ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)      # R 1: the first token whose CDF exceeds u
+        last = q.shape[1] - 1 - (q.flip(-1) > 0).int().argmax(-1, keepdim=True)   # u rounded onto the total
+        ids = torch.minimum(ids, last)
+        return q, q.gather(-1, ids), ids
+    noise = u.neg_().log1p_().neg_().log_()                  # log E, E = -log(1 - u) ~ Exp(1)
+    keys, ids = (q.double().log() - noise).topk(min(k, q.shape[-1]), dim=-1)
+    p = q.gather(-1, ids).masked_fill_(keys == -math.inf, 0.0)
+    return q, p, ids
+
+
+def sampled_values(parent_cum: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parent_cum [R] (log path probabilities), p [R, k] (the q of each child drawn, in draw order) -> (values,
+    cum) [R, k]. Child i's value: its parent's path probability times the mass not drawn before it, 1 - sum of p
+    over siblings 0..i-1: it depends on the parent and the earlier siblings, never on the child's own token, and
+    it never exceeds the parent's value nor an earlier sibling's (the rerank keeps a connected tree whose siblings
+    are a prefix of the draw order). A child's cum is its parent's times its own q, capped at its value; -inf for
+    slots that hold no draw."""
+    drawn_before = torch.nn.functional.pad(p.cumsum(-1)[:, :-1], (1, 0))   # exclusive: monotone as floats too
+    values = parent_cum[:, None] + (1.0 - drawn_before).clamp_min(1e-30).log()
+    values = values.masked_fill(p <= 0, -math.inf)
+    cum = torch.minimum(parent_cum[:, None] + p.log(), values)
+    return values, cum
+
+
+def grow_tree(root: int, root_logits: torch.Tensor, expand: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              tree: TreeConfig, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+              vocab: torch.Tensor | None = None, size: int | None = None) -> DraftTree:
+    """EAGLE-2's dynamic tree from a draft's logits: the root's children, then `depth - 1` expansions of the best
+    frontier, then the rerank to `total_tokens` (and `min_prob`).
+
+    root_logits: [1, V_draft] the draft's logits after the root. expand(parent_row [r], tokens [r]) -> [r, V_draft]:
+    the draft's logits after each frontier node, given its parent's row in the previous call's output (the root's:
+    0) and its own token. vocab: [V_draft] the target id of each draft token (None: the same ids); size: the
+    target's vocabulary size (sampled trees).
+    sampling None: each node's k likeliest children, ranked by path log-probability. Else children are drawn from
+    q = target_probs(logits, sampling) and ranked by value (`sampled_values`); the tree carries `SampledRows`.
+    Each candidate has a value (what the frontier and the rerank rank by) and a path log-probability `cum` (its
+    children's values start from it); for the top-k tree both are the cumulative log-probability."""
+    k, dev = tree.top_k, root_logits.device
+    sampled = sampling is not None
+    dists: list[torch.Tensor] = []                           # sampled: the q of each expanded node, root first
+
+    def children(logits: torch.Tensor, parent_cum: torch.Tensor):
+        if not sampled:
+            scores, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+            values = parent_cum[:, None] + scores
+            return values, values, ids if vocab is None else vocab[ids]
+        q, p, ids = _draw(logits, k, sampling, generator)
+        dists.append(q)
+        values, cum = sampled_values(parent_cum, p)
+        return values, cum, ids if vocab is None else vocab[ids]
+
+    values, cum, tokens = children(root_logits, torch.zeros(1, device=dev))   # 1 k
+    valid = int((values[0] > -math.inf).sum()) if sampled else values.shape[1]
+    cand_values, cand_tokens = [values[0]], [tokens[0]]
+    cand_parents = [torch.full((values.shape[1],), -1, device=dev)]
+    cand_source = [torch.zeros(values.shape[1], dtype=torch.long, device=dev)]  # sampled: the row in `dists`
+    front = torch.arange(valid, device=dev)                  # candidate index of each frontier node
+    front_cum, front_tokens = cum[0, :valid], tokens[0, :valid]   # r
+    parent_row = torch.zeros(valid, dtype=torch.long, device=dev)
+    floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf   # path log-prob worth verifying
+    for _ in range(1, tree.depth):
+        r = front.numel()
+        if r == 0 or (tree.min_prob > 0 and float(front_cum.max()) < floor):
+            break                                            # nothing left worth expanding
+        first_row = sum(d.shape[0] for d in dists)           # frontier node j's q will be row first_row + j
+        values, cum, tokens = children(expand(parent_row, front_tokens), front_cum)    # r k
+        per = values.shape[1]
+        values, cum, tokens = values.flatten(), cum.flatten(), tokens.flatten()       # r*k
+        base = sum(v.numel() for v in cand_values)
+        cand_values.append(values)
+        cand_tokens.append(tokens)
+        cand_parents.append(front.repeat_interleave(per))
+        cand_source.append((first_row + torch.arange(r, device=dev)).repeat_interleave(per))
+        if sampled:    # the frontier in candidate order; equal values rank the earlier candidate first
+            best = torch.sort(values, descending=True, stable=True).indices[:k]
+            best = best[values[best] > -math.inf].sort().values
+        else:
+            best = values.topk(min(k, values.numel())).indices    # into the r*k grid
+        parent_row = best // per                             # which frontier node each came from
+        front = base + best
+        front_cum, front_tokens = cum[best], tokens[best]
+    values = torch.cat(cand_values)
+    budget = tree.total_tokens if tree.min_prob <= 0 else min(tree.total_tokens, int((values >= floor).sum()))
+    if sampled:
+        budget = min(budget, int((values > -math.inf).sum()))     # never a slot that holds no draw
+    kept, parents = rerank(values, torch.cat(cand_parents), budget)
+    tokens = torch.cat([torch.tensor([root], device=dev), torch.cat(cand_tokens)[kept]])
+    parents = [-1] + parents
+    if not sampled:
+        return DraftTree(tokens, parents)
+    return DraftTree(tokens, parents, sampled_rows(torch.cat(dists), vocab, size, tokens.tolist(), parents,
+                                                   [-1] + torch.cat(cand_source)[kept].tolist()))
+
+
+def sampled_rows(dists: torch.Tensor, vocab: torch.Tensor | None, size: int | None, tokens: list[int],
+                 parents: list[int], source: list[int]) -> SampledRows:
+    """A sampled tree's q_draft: node i's row is the q it was drawn from, less its earlier siblings (a kept
+    node's earlier siblings are all kept: siblings are a prefix of the draw order)."""
+    excluded: list[list[int]] = [[] for _ in tokens]
+    drawn: dict[int, list[int]] = {}
+    for i in range(1, len(tokens)):
+        excluded[i] = list(drawn.setdefault(parents[i], []))
+        drawn[parents[i]].append(tokens[i])
+    return SampledRows(dists, vocab, size if size is not None else dists.shape[1], tokens, source, excluded)

@@ -6,6 +6,15 @@ last 2-5 tokens become one more path of the tree (tree.graft_chain adds only the
 the target accepted such a chain whole, the answer is copying its context: the next tree is the lookup chain
 alone, longer (doubling while accepted whole, up to `copy_cap`), and the inner drafter sits the step out
 (`sit_out`: it reads the features it missed when it drafts again), so copying costs no draft time.
+
+Staged (method staged; Spector and Re 2023's staged speculation, with prompt lookup as the draft's own drafter):
+the inner EagleDrafter reads the lookup chain in the same head forward as its catch-up (`EagleDrafter.propose`'s
+probe), each chain token paired with the target's feature where the chain was copied from, since a head's later
+steps read its own outputs and cannot run side by side otherwise. Greedy on the head's argmax, the head accepts
+the longest prefix of the chain it agrees with and adds its own next token there: the path grafted is that chain,
+the head's own (approximate) greedy path, as deep as the head's agreement for one head forward instead of one a
+token. Where the head rejects the chain's first token, the tree is the head's alone. The target verifies every
+tree, so the output is exact either way; the stage only decides what is proposed.
 """
 from __future__ import annotations
 
@@ -34,9 +43,9 @@ class LookupGraft:
     (one that reads the target's features must learn of the steps it did not draft).
     """
 
-    def __init__(self, inner: Drafter, copy_mode: bool = True) -> None:
+    def __init__(self, inner: Drafter, copy_mode: bool = True, staged: bool = False) -> None:
         self.inner = inner
-        self.name = inner.name
+        self.name = "staged" if staged else inner.name
         self.feature_layers = getattr(inner, "feature_layers", ())
         self.recommended_tree = getattr(inner, "recommended_tree", None)
         # the longest earlier match of the last 2-5 tokens
@@ -44,6 +53,13 @@ class LookupGraft:
         self.copy_mode = copy_mode and hasattr(inner, "sit_out")
         self._graft: tuple[int, list[int]] = (0, [])   # (sequence length, lookup chain) of the last proposal
         self.copy_steps = 0                              # proposals that were the lookup chain alone
+        # staged: the inner drafter (an EagleDrafter) reads each lookup chain in its catch-up forward and the chain
+        # grafted is the part it agrees with plus its own next token (module docstring)
+        self.staged = staged and hasattr(inner, "keep_features")
+        if self.staged:
+            inner.keep_features = True
+        self.probes = 0                                  # staged proposals whose lookup chain the head read
+        self.probe_agreed = 0                            # chain tokens the head agreed with (head steps not run)
 
     def __getattr__(self, name: str):
         inner = self.__dict__.get("inner")               # the inner drafter's own state (cache, head, ...)
@@ -57,7 +73,8 @@ class LookupGraft:
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         copy = 1 + COPY_MAX if self.copy_mode and tree.lookup else 0
-        return max(self.inner.max_tree_nodes(tree) + tree.lookup, copy)
+        staged = 1 if self.staged and tree.lookup else 0     # the head's token past the chain it agrees with
+        return max(self.inner.max_tree_nodes(tree) + tree.lookup + staged, copy)
 
     def _copying(self, tokens: list[int]) -> bool:
         """Whether the last proposal's lookup chain was accepted whole: the answer copies its context."""
@@ -77,7 +94,25 @@ class LookupGraft:
                 self._graft = (len(inp.tokens), chain)
                 self.copy_steps += 1
                 return DraftTree.chain(torch.tensor([inp.root] + chain, device=inp.hidden.device))
+        if self.staged:
+            return self._propose_staged(inp, tree)
         drafted = self.inner.propose(inp, tree)
         chain = self.lookup.lookup(inp.tokens, tree.lookup)
         self._graft = (len(inp.tokens), chain)
         return graft_chain(drafted, chain)
+
+    def _propose_staged(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        start, chain = self.lookup.match(inp.tokens, tree.lookup)
+        drafted = self.inner.propose(inp, tree, probe=(start, chain) if chain else None)
+        if not chain:
+            self._graft = (len(inp.tokens), [])
+            return drafted
+        top = self.inner.probe_top                       # the head's token after the root, after chain[0], ...
+        agreed = 0
+        while agreed < len(chain) and chain[agreed] == top[agreed]:
+            agreed += 1
+        staged = chain[:agreed] + [top[agreed]]
+        self.probes += 1
+        self.probe_agreed += agreed
+        self._graft = (len(inp.tokens), chain)           # whether the answer copies: whether it took the lookup chain
+        return graft_chain(drafted, staged)

@@ -79,13 +79,18 @@ class PromptLookupDrafter:
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the most recent earlier match of the longest suffix n-gram."""
+        return self.match(tokens, k)[1]
+
+    def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(where the continuation starts in `tokens`, the continuation): `lookup` with the place it copies from
+        (tokens[start - 1] is the earlier occurrence of the last token). (0, []) where nothing matches."""
         self.index.update(tokens)
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             start = self.index.latest(tuple(tokens[n_tok - n:]))
             if start is not None:
-                return tokens[start + n:start + n + k]
-        return []
+                return start + n, tokens[start + n:start + n + k]
+        return 0, []
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         if self.adaptive:

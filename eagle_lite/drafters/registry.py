@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,22 @@ from .base import Drafter, NoDrafter
 log = logging.getLogger("eagle_lite")
 
 
+DRAFT_SAMPLING = ("q", "match")   # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
+
+
 @dataclass(frozen=True)
 class EagleOptions:
     """draft: "auto" (the head shipped for the target), "random" (untrained: exact but slow, for tests), or a head
-    folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft."""
+    folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft.
+    draft_sampling: with temperature > 0, "q" draws the tree from the head's distribution and accepts sibling by
+    sibling by recursive rejection (EAGLE's sampling); "match" drafts the head's top-k as in greedy decoding and
+    accepts by sample-and-match (drafters/eagle.py). Both are exact; greedy decoding ignores it."""
 
     draft: str | None = "auto"
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True
+    draft_sampling: str = "q"
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class VanillaOptions:
     """Plain decoding: nothing to set."""
 
 
-def _eagle(target, o: EagleOptions) -> Drafter:
+def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     from .eagle import EagleDrafter
     from .lookup_graft import LookupGraft
 
@@ -95,7 +102,12 @@ def _eagle(target, o: EagleOptions) -> Drafter:
     if head is None:
         raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
                                 f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
-    return LookupGraft(EagleDrafter(target, head, round_head=o.round_head), copy_mode=o.copy_mode)
+    return LookupGraft(EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling),
+                       copy_mode=o.copy_mode, staged=staged)
+
+
+def _staged(target, o: EagleOptions) -> Drafter:
+    return _eagle(target, o, staged=True)
 
 
 def _lookup(target, o: LookupOptions) -> Drafter:
@@ -157,6 +169,8 @@ def _check_folder(path: str | Path, method: str) -> None:
 
 
 def _check_eagle(o: EagleOptions) -> None:
+    if o.draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {o.draft_sampling!r}")
     if o.head is None and o.draft not in (None, AUTO, "random"):
         _check_folder(o.draft, "eagle")
 
@@ -193,6 +207,8 @@ class Method:
 METHODS: dict[str, Method] = {
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
                     _check_eagle),
+    "staged": Method(EagleOptions, _staged, "eagle whose head reads the prompt-lookup chain in its own forward and "
+                     "grafts the part it agrees with plus its next token", _check_eagle),
     "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
     "lookahead": Method(LookaheadOptions, _lookahead, "lookahead decoding: Jacobi window + n-gram pool (training-free)",
                         _check_lookahead),
@@ -205,14 +221,17 @@ NAMES = tuple(METHODS)
 AUTO = "auto"   # eagle where a head is given or ships for the target, else lookup
 
 
+HEAD_METHODS = ("eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
+
+
 def options_from_flags(name: str, draft: str | None = "auto", draft_model: str | None = None,
                        exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None,
-                       lookahead_window: int | None = None, lookahead_ngram: int | None = None,
-                       lookahead_candidates: int | None = None) -> Any:
+                       draft_sampling: str | None = None, lookahead_window: int | None = None,
+                       lookahead_ngram: int | None = None, lookahead_candidates: int | None = None) -> Any:
     """The options of method `name` from the command-line flags every entry point shares (each flag belongs to
     one method; the others are ignored; None: the method's default)."""
-    if name in (AUTO, "eagle"):
-        return EagleOptions(draft=draft)
+    if name == AUTO or name in HEAD_METHODS:
+        return EagleOptions(draft=draft, **({"draft_sampling": draft_sampling} if draft_sampling else {}))
     _method(name)
     return {"lookup": LookupOptions, "vanilla": VanillaOptions,
             "lookahead": lambda: lookahead_options(lookahead_window, lookahead_ngram, lookahead_candidates),
@@ -257,7 +276,7 @@ def resolve(name: str, target, options: Any = None) -> tuple[str, Any]:
     eagle = options if isinstance(options, EagleOptions) else EagleOptions()
     head = eagle.head if eagle.head is not None else load_eagle_head(target, eagle.draft)
     if head is not None:
-        return "eagle", EagleOptions(eagle.draft, head, eagle.round_head, eagle.copy_mode)
+        return "eagle", replace(eagle, head=head)
     log.warning("no draft head ships for target '%s': drafting by prompt lookup (training-free); train a head "
                 "with `python -m trainers.train` and pass it with --draft for EAGLE", target.name)
     return "lookup", LookupOptions()
@@ -271,12 +290,17 @@ def build(name: str, target, options: Any = None) -> Drafter:
 
 def load_eagle_head(target, draft: str | Path | None):
     """The EAGLE head `draft` names for `target`: "auto"/None -> the shipped one (None if none ships), "random" ->
-    an untrained head, else a head folder."""
+    an untrained head (the same one each time: with draft_sampling "q" the draws depend on the head, and a seed
+    reproduces them), else a head folder."""
+    import torch
+
     from ..checkpoint import default_head_path, load_head
     from ..draft import DraftHead
 
     if draft == "random":
-        return DraftHead.for_target(target)
+        with torch.random.fork_rng(devices=[]):          # the caller's random state is left as it was
+            torch.manual_seed(0)
+            return DraftHead.for_target(target)
     if draft in (None, AUTO):
         path = default_head_path(target.name)
         return load_head(path, target) if path is not None else None

@@ -65,6 +65,24 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def emit_tokens(new: list[int], stats: GenerationStats, eos: set[int], budget: int, max_new_tokens: int,
+                start: float) -> list[int]:
+    """`new` cut exactly where the target alone would stop (at EOS or the token budget); `stats` counts them and the
+    wall time since `start`, and records why it stopped."""
+    out = []
+    for tok in new:
+        out.append(tok)
+        if tok in eos:
+            stats.stop_reason = "eos"
+            break
+        if stats.new_tokens + len(out) == budget:
+            stats.stop_reason = "length" if budget == max_new_tokens else "context"
+            break
+    stats.new_tokens += len(out)
+    stats.seconds = time.perf_counter() - start
+    return out
+
+
 class Engine:
     """Generates from one target with one drafter.
 
@@ -134,19 +152,7 @@ class Engine:
         start = time.perf_counter()
 
         def emit(new: list[int]) -> list[int]:
-            """Cut `new` exactly where the target alone would stop: at EOS or the token budget."""
-            out = []
-            for tok in new:
-                out.append(tok)
-                if tok in eos:
-                    stats.stop_reason = "eos"
-                    break
-                if stats.new_tokens + len(out) == budget:
-                    stats.stop_reason = "length" if budget == cfg.max_new_tokens else "context"
-                    break
-            stats.new_tokens += len(out)
-            stats.seconds = time.perf_counter() - start
-            return out
+            return emit_tokens(new, stats, eos, budget, cfg.max_new_tokens, start)
 
         taps = getattr(self.drafter, "feature_layers", ())  # EAGLE-3 heads read several layers' outputs
         observe = getattr(self.drafter, "observe", None)      # drafters that learn from each verify (lookahead)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .config import GenerationConfig, TreeConfig
-from .engine import GenerationResult, GenerationStats
+from .engine import GenerationResult, GenerationStats, emit_tokens
 from .kernels.accelerate import stock
 from .kernels.attention import KEYS, resolve_backend, select_attention
 from .kv_cache import ContextOverflowError, cache_keyword
@@ -579,18 +579,7 @@ class StaticEngine:
         start = time.perf_counter()
 
         def emit(new: list[int]) -> list[int]:
-            out = []
-            for tok in new:
-                out.append(tok)
-                if tok in eos:
-                    stats.stop_reason = "eos"
-                    break
-                if stats.new_tokens + len(out) == budget:
-                    stats.stop_reason = "length" if budget == cfg.max_new_tokens else "context"
-                    break
-            stats.new_tokens += len(out)
-            stats.seconds = time.perf_counter() - start
-            return out
+            return emit_tokens(new, stats, eos, budget, cfg.max_new_tokens, start)
 
         with self._running():
             start = time.perf_counter()        # the backend switch above is the benchmark's, not the method's

@@ -183,4 +183,5 @@ def recommended_tree(config: dict, path: Path | str = "", device: str = "cpu") -
     try:
         return TreeConfig(**tree)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"draft head config {Path(path) / 'config.json'} has an invalid \"{key}\" {tree!r}: {err}") from err
+        raise ValueError(f"draft head config {Path(path) / 'config.json'} has an invalid \"{key}\" "
+                         f"{tree!r}: {err}") from err

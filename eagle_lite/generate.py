@@ -39,14 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any "
                         "transformers causal LM whose cached tree forward matches its own (checked at load)")
     p.add_argument("--draft", default="auto",
-                   help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), or a folder")
+                   help="draft head: 'auto' (shipped for the target), 'random' (untrained, exact but slow), "
+                        "or a folder")
     p.add_argument("--method", default="auto",
                    choices=[AUTO, *NAMES],
                    help="eagle: EAGLE draft head; staged: eagle whose head reads the prompt-lookup chain in its own "
                         "forward and proposes the part it agrees with; lookup: prompt n-gram lookup (training-free); "
                         "lookahead: lookahead decoding, a Jacobi window and an n-gram pool (training-free); "
                         "draft_model: a smaller LM drafts (needs --draft-model); layer_skip: the target's first "
-                        "--exit-layer layers draft (no extra weights); medusa: Medusa heads' static tree (needs --medusa); "
+                        "--exit-layer layers draft (no extra weights); "
+                        "medusa: Medusa heads' static tree (needs --medusa); "
                         "vanilla: one target forward per token; "
                         "auto: eagle if a head exists, else lookup (training-free)")
     p.add_argument("--draft-sampling", default=None, choices=DRAFT_SAMPLING,

@@ -24,7 +24,8 @@ def cache_keyword(forward) -> str:
     (which still maps `past_key_values` onto it, with a deprecation warning), `past_key_values` before."""
     keyword = _KEYWORDS.get(forward)
     if keyword is None:
-        keyword = _KEYWORDS[forward] = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+        keyword = _KEYWORDS[forward] = ("cache" if "cache" in inspect.signature(forward).parameters
+                                        else "past_key_values")
     return keyword
 
 

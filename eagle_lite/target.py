@@ -38,7 +38,8 @@ class Target:
             raise ValueError(f"target '{name}' is an encoder-decoder model; eagle_lite needs a causal LM")
         if not (getattr(model, "_supports_attention_backend", False) or getattr(model, "_supports_sdpa", False)):
             raise unverifiable(name, model, "its attention takes neither transformers' attention interface nor SDPA "
-                                            "(state-space and recurrent models such as Mamba have no attention to mask)")
+                                            "(state-space and recurrent models such as Mamba have no attention "
+                                            "to mask)")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name

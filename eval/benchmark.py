@@ -65,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
     p.add_argument("--draft-sampling", default=None, choices=["q", "match"],
-                   help="eagle and staged when sampling: 'q' (the head's draws, recursive rejection) or 'match' (top-k, "
-                        "sample-and-match); unset: the default. Methods eagle_q and eagle_match run one rule each")
+                   help="eagle and staged when sampling: 'q' (the head's draws, recursive rejection) or 'match' "
+                        "(top-k, sample-and-match); unset: the default. "
+                        "Methods eagle_q and eagle_match run one rule each")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],

@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     ids = chat_ids(target.tokenizer, [{"role": "user", "content": args.prompt}])
-    rows = [("vanilla", profile(Engine(target, registry.build("vanilla", target)), ids, GenerationConfig(args.max_new_tokens)))]
+    rows = [("vanilla", profile(Engine(target, registry.build("vanilla", target)), ids,
+                                GenerationConfig(args.max_new_tokens)))]
     if args.static:
         rows.append(("vanilla_graph", profile(StaticEngine(target, None, mode=args.static, profile=True), ids,
                                               GenerationConfig(args.max_new_tokens))))

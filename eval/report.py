@@ -33,7 +33,8 @@ def summarize(records: list[Record], baseline: str) -> list[dict]:
 
 
 def markdown_table(rows: list[dict], baseline: str) -> str:
-    lines = [f"| task | method | turns | new tokens | tokens/s | speedup vs {baseline} | mean accepted length | identical output |",
+    lines = [f"| task | method | turns | new tokens | tokens/s | speedup vs {baseline} | mean accepted length "
+             "| identical output |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         accept = "—" if r["accept_length_mean"] is None else f"{r['accept_length_mean']:.2f}"

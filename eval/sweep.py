@@ -40,12 +40,14 @@ class EvalSettings:
     draft: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"          # torch device of the target (and of the drafts that run on it)
-    methods: list[str] = field(default_factory=lambda: ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"])
+    methods: list[str] = field(
+        default_factory=lambda: ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"])
     baseline: str = "hf_generate"
     max_new_tokens: int = 128
     warmup: bool = True
     tree: dict = field(default_factory=dict)  # depth/top_k/total_tokens set over the head's recommended tree
-    tasks: list[dict] = field(default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
+    tasks: list[dict] = field(
+        default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
     per_category_limit: int | None = None
     threads: int | None = None   # torch CPU threads; None: torch's default (one per core)
     exit_layer: int | None = None   # layer_skip's draft depth (None: half the layers)

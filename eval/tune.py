@@ -260,7 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...; --save-tree records the tree for this kind of device (default: cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the target: cpu, cuda, ...; --save-tree records the tree for this kind of "
+                        "device (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")

@@ -66,7 +66,8 @@ class _Block(nn.Module):
 
     def __init__(self, bias: bool) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(48, 48, bias), nn.Linear(48, 16, bias), nn.Linear(48, 16, bias)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(48, 48, bias), nn.Linear(48, 16, bias),
+                                                 nn.Linear(48, 16, bias))
         self.gate_proj, self.up_proj = nn.Linear(48, 96, bias=False), nn.Linear(48, 96, bias=False)
 
     def forward(self, x):

@@ -5,8 +5,8 @@ The Monte-Carlo tests run the real tree builder (`drafters.eagle.grow_tree`) and
 over a Markov toy: the target's next token after token a is drawn from P[a], the draft's from Q[a] (a different,
 sharper matrix), over 6 tokens. Each draw decodes speculative steps from token 0 until two tokens are out, and the
 law of those two tokens is compared with the exact P[0, a] P[a, b] by total variation (36 outcomes; with 12k
-draws the estimate's own noise is ~0.02, TV_BOUND 0.035), and by a chi-square bound. The negative controls run the same test on rules that
-are not exact, and it fails them: the test can tell.
+draws the estimate's own noise is ~0.02, TV_BOUND 0.035), and by a chi-square bound. The negative controls run the
+same test on rules that are not exact, and it fails them: the test can tell.
 """
 from __future__ import annotations
 

@@ -233,11 +233,13 @@ def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
         first = drafter.propose(DraftInput(tokens, hidden(len(tokens) - 1)), tree_cfg)
         assert drafter.copy_steps == 0 and len(first) > 1 + tree_cfg.lookup
         sizes = []
-        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]), (passage[15:27], passage[27])):
+        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]),
+                                (passage[15:27], passage[27])):
             tokens = tokens + accepted + [bonus]            # the last chain accepted whole, then the target's token
             tree = drafter.propose(DraftInput(tokens, hidden(len(accepted) + 1)), tree_cfg)
             follow = (passage + [90] + passage)[bonus - 10 + 1:]
-            assert tree.tokens.tolist() == [bonus] + follow[:len(tree) - 1] and tree.parents == list(range(-1, len(tree) - 1))
+            assert (tree.tokens.tolist() == [bonus] + follow[:len(tree) - 1]
+                    and tree.parents == list(range(-1, len(tree) - 1)))
             sizes.append(len(tree) - 1)
         assert sizes[:2] == [6, 12] and 12 < sizes[2] <= COPY_MAX and drafter.copy_steps == 3
         assert drafter.cache.length == len(passage) + 5 - 1    # the head has not read the copied stretch yet
@@ -262,7 +264,8 @@ def test_copy_chains_stop_shorter_after_a_long_context(llama, monkeypatch):
     with torch.inference_mode():
         drafter.propose(DraftInput(tokens, hidden(len(tokens) - 1)), tree_cfg)
         sizes = []
-        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]), (passage[15:23], passage[23])):
+        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]),
+                                (passage[15:23], passage[23])):
             tokens = tokens + accepted + [bonus]
             sizes.append(len(drafter.propose(DraftInput(tokens, hidden(len(accepted) + 1)), tree_cfg)) - 1)
     assert sizes == [6, eagle.COPY_MAX_LONG, eagle.COPY_MAX_LONG]
@@ -281,7 +284,8 @@ def test_min_prob_verifies_only_nodes_the_draft_finds_likely(llama):
     sizes = {}
     for min_prob in (0.0, 1e-12, 0.005, 0.999):
         drafter.reset(64)
-        inp = DraftInput(tokens, torch.randn(len(tokens) - 1, llama.hidden_size, generator=torch.Generator().manual_seed(0)))
+        inp = DraftInput(tokens, torch.randn(len(tokens) - 1, llama.hidden_size,
+                                             generator=torch.Generator().manual_seed(0)))
         with torch.inference_mode():
             tree = drafter.propose(inp, TreeConfig(depth=3, top_k=4, total_tokens=12, min_prob=min_prob))
         sizes[min_prob] = tree
@@ -290,5 +294,6 @@ def test_min_prob_verifies_only_nodes_the_draft_finds_likely(llama):
     assert len(sizes[0.999]) == 1
     mid = sizes[0.005]
     assert 1 < len(mid) < len(full)
-    paths = lambda t: {tuple(int(t.tokens[j]) for j in range(len(t)) if t.ancestors[i, j]) for i in range(len(t))}  # noqa: E731
+    paths = lambda t: {tuple(int(t.tokens[j]) for j in range(len(t)) if t.ancestors[i, j])  # noqa: E731
+                       for i in range(len(t))}
     assert paths(mid) <= paths(full)

@@ -33,7 +33,8 @@ def test_runner_compares_every_method_to_the_baseline(chat_target, tmp_path):
     ]))
     questions = load_question_file(qfile)
     torch.manual_seed(0)
-    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], {"eagle": EagleOptions(head=DraftHead.for_target(chat_target))})
+    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"],
+                            {"eagle": EagleOptions(head=DraftHead.for_target(chat_target))})
     cfg = GenerationConfig(max_new_tokens=10, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
     records = runner.run(chat_target, questions, methods, cfg, baseline="hf_generate", warmup=False)
     assert len(records) == 3 * 3                      # 3 turns (2 + 1) x 3 methods
@@ -67,7 +68,8 @@ def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_prompts(ti
     target = load_target(str(base_model_dir(tiny_model_dir, tmp_path)))
     assert not getattr(target.tokenizer, "chat_template", None)
     questions = load_question_file(two_question_file(tmp_path))
-    methods = build_methods(target, ["hf_generate", "vanilla", "eagle"], {"eagle": EagleOptions(head=DraftHead.for_target(target))})
+    methods = build_methods(target, ["hf_generate", "vanilla", "eagle"],
+                            {"eagle": EagleOptions(head=DraftHead.for_target(target))})
     cfg = GenerationConfig(max_new_tokens=8, tree=TreeConfig(depth=2, top_k=2, total_tokens=3))
     records = runner.run(target, questions, methods, cfg, baseline="hf_generate")
     assert records and all(r.identical_to_baseline for r in records)
@@ -84,7 +86,8 @@ def test_a_base_model_takes_text_and_messages_in_the_plain_layout(tiny_model_dir
     lm = load(str(base_model_dir(tiny_model_dir, tmp_path)), method="vanilla")
     tok = lm.target.tokenizer
     assert lm.prompt_ids("hi") == tok("hi\n\n", add_special_tokens=False).input_ids
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "?"}]
     assert lm.prompt_ids(messages) == tok("hi\n\nyo" + tok.eos_token + "\n\n?\n\n", add_special_tokens=False).input_ids
     assert lm.prompt_ids("hi", chat_template=False) == tok.encode("hi")          # --raw: the text as it is
     assert lm.generate(messages, lm.config(max_new_tokens=4)).token_ids
@@ -94,8 +97,8 @@ def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_ident
     from eval import benchmark
 
     args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,eagle", "--draft", "random",
-            "--tasks", "", "--questions", str(two_question_file(tmp_path)), "--per-task", "1", "--max-new-tokens", "12", "--temperature", "0.8",
-            "--top-p", "0.9", "--seed", "3"]
+            "--tasks", "", "--questions", str(two_question_file(tmp_path)), "--per-task", "1", "--max-new-tokens", "12",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]
     assert benchmark.main(args) == 0
     out = capsys.readouterr().out
     assert "sampling: temperature 0.8, top_p 0.9, top_k 0, seed 3" in out
@@ -139,7 +142,8 @@ def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(ch
     from eagle_lite.config import SamplingConfig
 
     torch.manual_seed(0)
-    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"], {"eagle": EagleOptions(head=DraftHead.for_target(chat_target))})
+    methods = build_methods(chat_target, ["hf_generate", "vanilla", "eagle"],
+                            {"eagle": EagleOptions(head=DraftHead.for_target(chat_target))})
     cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=1.0), seed=5,
                            tree=TreeConfig(depth=2, top_k=2, total_tokens=2))
     prompt = [3, 4, 5, 6]
@@ -220,8 +224,9 @@ def test_sweep_runs_every_drafter(tiny_model_dir, tmp_path):
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
         settings = settings_from(compose("sweep", overrides=overrides + ["baseline=vanilla"]))
     records, rows, _ = evaluate(settings, progress=False)
+    # hf_assisted: transformers' own assisted generation, same draft model
     assert {r.method for r in records} == {"vanilla", "lookup", "eagle", "staged", "layer_skip", "draft_model",
-                                           "medusa", "hf_assisted"}   # transformers' own assisted generation, same draft model
+                                           "medusa", "hf_assisted"}
     assert all(r.identical_to_baseline for r in records)
     # the model drafting for itself is accepted in full
     assert min(r.accept_length_mean for r in records if r.method == "draft_model" and r.new_tokens > 4) > 1.5
@@ -250,7 +255,8 @@ def test_multirun_sweep_from_the_command_line(tiny_model_dir, tmp_path):
 
 def test_malformed_question_file_names_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok"]}\n{"question_id": 2, "turns": ["no category"]}\n')
+    bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok"]}\n'
+                   '{"question_id": 2, "turns": ["no category"]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
         load_question_file(bad)
 

@@ -257,7 +257,8 @@ def test_engine_answers_with_the_shipped_head_are_the_targets_greedy_answers(tar
     for i, record in enumerate(read_records(tmp_path / "answers")):
         prompt = synthetic_prompt(i, cfg, other)
         with torch.no_grad():
-            alone = other.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            alone = other.model.generate(torch.tensor([prompt]),
+                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                          max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=1)
         expected = alone[0, len(prompt):].tolist()
         if 1 in expected:

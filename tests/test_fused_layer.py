@@ -83,7 +83,8 @@ def test_the_stack_runs_few_token_forwards_and_the_model_the_rest(monkeypatch):
     target = make_target("llama", grid=True)
     calls = []
     call = fused_layer.FusedStack.__call__
-    monkeypatch.setattr(fused_layer.FusedStack, "__call__", lambda self, *a: calls.append(a[0].numel()) or call(self, *a))
+    monkeypatch.setattr(fused_layer.FusedStack, "__call__",
+                        lambda self, *a: calls.append(a[0].numel()) or call(self, *a))
     cache = target.new_cache(128)
     with torch.inference_mode():
         for n in (40, 5, 1):              # a prefill past MAX_FUSED_ROWS, a chain, a step

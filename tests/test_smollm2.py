@@ -50,7 +50,8 @@ def test_shipped_head_is_the_default_and_exact(smollm2):
     with smollm2.stock():
         ref = smollm2.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
     ref = ref[0, len(ids):].tolist()
-    out = Engine(smollm2, eagle_drafter(smollm2, head)).generate(ids, GenerationConfig(max_new_tokens=64, tree=head.tree))
+    out = Engine(smollm2, eagle_drafter(smollm2, head)).generate(
+        ids, GenerationConfig(max_new_tokens=64, tree=head.tree))
     assert out.token_ids == ref
     assert out.stats.accept_length_mean > 1.5
 

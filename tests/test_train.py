@@ -186,10 +186,12 @@ def test_copy_weight_scales_the_loss_of_lookup_copyable_tokens(target):
     weight = target.lm_head.weight
     pred = [pairs.target + 0.3 * torch.randn_like(pairs.target)]
     plain = objective(pred, pairs, weight, ObjectiveConfig())
-    assert torch.allclose(objective(pred, pairs, weight, ObjectiveConfig(copy_weight=1.0), novel)["loss"], plain["loss"])
+    assert torch.allclose(objective(pred, pairs, weight, ObjectiveConfig(copy_weight=1.0), novel)["loss"],
+                          plain["loss"])
     only_novel = objective(pred, pairs, weight, ObjectiveConfig(copy_weight=0.0), novel)
     expected = objective(pred, dataclasses.replace(pairs, weight=pairs.weight & novel), weight, ObjectiveConfig())
-    assert torch.allclose(only_novel["loss"], expected["loss"]) and not torch.allclose(only_novel["loss"], plain["loss"])
+    assert (torch.allclose(only_novel["loss"], expected["loss"])
+            and not torch.allclose(only_novel["loss"], plain["loss"]))
     with pytest.raises(ValueError, match="copy_weight"):
         objective(pred, pairs, weight, ObjectiveConfig(copy_weight=0.5))
     with pytest.raises(ValueError, match="copy_weight"):
@@ -255,7 +257,8 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     out = Engine(target, eagle_drafter(target, head)).generate(
-        prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6)))
+        prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False,
+                                 tree=TreeConfig(depth=3, top_k=3, total_tokens=6)))
     assert out.token_ids == ref
     plain = train(tiny_train_config(tmp_path, "debug=fdr", "name=plain", *deep))  # a plain head reads the same cache
     assert load_head(plain["export"], target).feature_layers == ()
@@ -274,7 +277,8 @@ def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly
 
     deep = ["target.num_layers=8", "target.name=tiny8"]
     result = train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "draft.vocab_size=48", *deep))
-    assert FeatureCache(tiny_train_config(tmp_path, "experiment=eagle3", *deep).paths.features).feature_layers == (1, 3, 4)
+    assert (FeatureCache(tiny_train_config(tmp_path, "experiment=eagle3", *deep).paths.features).feature_layers
+            == (1, 3, 4))
     target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
     head = load_head(result["export"], target)
     assert head.design == "eagle3" and head.feature_layers == (1, 3, 4) and head.lm_head.weight.shape[0] == 48

@@ -36,7 +36,8 @@ def resolve_backend(backend: str, target: Target) -> str:
     return backend
 
 
-def generate_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progress: tqdm | None = None) -> list[list[int]]:
+def generate_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
+                     progress: tqdm | None = None) -> list[list[int]]:
     """The target's answers to `prompts` (token ids), each cut after its first EOS (kept).
 
     `cfg` is a `DistillConfig`: max_new_tokens, do_sample/temperature/top_p, batch_size and backend.
@@ -46,7 +47,8 @@ def generate_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, prog
     return batched_answers(target, prompts, cfg, progress)
 
 
-def batched_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progress: tqdm | None = None) -> list[list[int]]:
+def batched_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
+                    progress: tqdm | None = None) -> list[list[int]]:
     """Batched `model.generate` with left padding; prompts are grouped by length to waste little padding."""
     pad = pad_token_id(target)
     eos = sorted(target.eos_token_ids)
@@ -76,7 +78,8 @@ def batched_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progr
     return answers
 
 
-def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg, progress: tqdm | None = None) -> list[list[int]]:
+def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
+                   progress: tqdm | None = None) -> list[list[int]]:
     """One prompt at a time through eagle_lite's engine (speculative, hence exactly the target's answers).
 
     Sampled answers draw from a generator seeded from torch's global RNG, which `distill` seeds per shard,

@@ -39,7 +39,8 @@ class ObjectiveConfig:
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
-            raise ValueError(f"draft.objective.ttt_steps must be >= 1 (1 = no training-time test), got {self.ttt_steps}")
+            raise ValueError("draft.objective.ttt_steps must be >= 1 (1 = no training-time test), "
+                             f"got {self.ttt_steps}")
         if self.val_depth < 1:
             raise ValueError(f"draft.objective.val_depth must be >= 1, got {self.val_depth}")
         if self.noise not in ("uniform", "gaussian", "none"):

@@ -63,10 +63,10 @@ CONCEPTS = ["photosynthesis", "inflation", "a black hole", "an algorithm", "grav
 DEFINE = ["What is {x}?", "What is {x}? Answer in one or two sentences.", "Briefly, what is {x}?",
           "Can you explain what {x} is in simple words?"]
 LANDMARKS = ["the Eiffel Tower", "Machu Picchu", "the Taj Mahal", "the Colosseum", "Angkor Wat", "Petra",
-             "Stonehenge", "Mount Kilimanjaro", "the Acropolis", "Chichen Itza", "the Sagrada Familia", "Table Mountain",
-             "the Statue of Liberty", "Neuschwanstein Castle", "the Alhambra", "Uluru", "Mount Fuji", "the Blue Mosque",
-             "the Leaning Tower of Pisa", "the Christ the Redeemer statue", "the Burj Khalifa", "the Parthenon",
-             "the Golden Gate Bridge", "Big Ben", "the Great Pyramid of Giza"]
+             "Stonehenge", "Mount Kilimanjaro", "the Acropolis", "Chichen Itza", "the Sagrada Familia",
+             "Table Mountain", "the Statue of Liberty", "Neuschwanstein Castle", "the Alhambra", "Uluru", "Mount Fuji",
+             "the Blue Mosque", "the Leaning Tower of Pisa", "the Christ the Redeemer statue", "the Burj Khalifa",
+             "the Parthenon", "the Golden Gate Bridge", "Big Ben", "the Great Pyramid of Giza"]
 WHERE = ["In which country is {x}?", "Where is {x} located?", "Which city is {x} in?"]
 ELEMENTS = ["gold", "silver", "iron", "sodium", "potassium", "oxygen", "hydrogen", "carbon", "helium", "copper",
             "lead", "mercury", "calcium", "nitrogen", "tin", "zinc", "uranium", "neon", "chlorine", "magnesium"]
@@ -181,7 +181,8 @@ SUMMARIZE = [
     "TL;DR:\n\n{p}", "{p}\n\nSummarize the text above in one short paragraph.",
     "Explain the main idea of this passage to a 12-year-old in a few sentences.\n\n{p}",
     "Write a headline and a two-sentence summary for this text.\n\n{p}",
-    "What is the main point of the following text? Answer briefly.\n\n{p}", "Condense this into a single sentence:\n\n{p}",
+    "What is the main point of the following text? Answer briefly.\n\n{p}",
+    "Condense this into a single sentence:\n\n{p}",
     "Summarize the key points as a short list.\n\n{p}",
 ]
 SUMMARY_FOLLOW_UP = ["Now make it even shorter.", "Rewrite the summary in a more formal tone.",
@@ -227,17 +228,21 @@ DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"]
 # -- roleplay ------------------------------------------------------------------------------------------------
 ROLES = [
     ("a pirate captain", "Tell your new crew where we are sailing and why."),
-    ("a librarian in a small-town library", "A teenager asks you to recommend a book for a school project about space."),
-    ("a customer support agent for an internet provider", "I'm calling because my internet has been down since this morning."),
+    ("a librarian in a small-town library",
+     "A teenager asks you to recommend a book for a school project about space."),
+    ("a customer support agent for an internet provider",
+     "I'm calling because my internet has been down since this morning."),
     ("a personal fitness coach", "It's my first session and I haven't exercised in years."),
     ("a detective in 1940s Los Angeles", "A nervous client walks into your office with a missing-person case."),
     ("a wise old wizard", "A young apprentice asks you what the most important lesson of magic is."),
     ("a flight attendant", "Give the welcome announcement before takeoff."),
     ("a chef running a food truck", "A customer asks what today's special is and whether it's spicy."),
     ("a guide at a natural history museum", "Introduce the dinosaur hall to a group of schoolchildren."),
-    ("an astronaut on the International Space Station", "A student on a video call asks what you eat for breakfast in space."),
+    ("an astronaut on the International Space Station",
+     "A student on a video call asks what you eat for breakfast in space."),
     ("a shopkeeper in a fantasy village", "An adventurer asks what supplies to buy before crossing the desert."),
-    ("a tech support volunteer at a senior center", "I can't figure out how to video-call my grandson on my new tablet."),
+    ("a tech support volunteer at a senior center",
+     "I can't figure out how to video-call my grandson on my new tablet."),
     ("a travel agent", "I want a one-week vacation somewhere warm in February on a modest budget."),
     ("a medieval blacksmith", "A farmer asks you to fix a broken plow before the harvest."),
     ("a kindergarten teacher", "Explain to the class why we wash our hands before lunch."),
@@ -274,8 +279,9 @@ ROLE_GENERIC = ["Introduce yourself and describe what a typical day looks like f
                 "What advice would you give to someone who wants to do what you do?",
                 "Describe your favorite part of the job.",
                 "I ask you something you don't know the answer to. How do you respond?"]
-ROLE_FOLLOW_UP = ["Thank you! One more question: what do you do when things go wrong?", "Can you tell me more about that?",
-                  "What should I do next?", "That's great. Any last advice before I go?"]
+ROLE_FOLLOW_UP = ["Thank you! One more question: what do you do when things go wrong?",
+                  "Can you tell me more about that?", "What should I do next?",
+                  "That's great. Any last advice before I go?"]
 
 
 @dataclass(frozen=True)
@@ -412,13 +418,15 @@ def _passage_kinds(b: _Builder, passages: list[Passage], per_kind: int) -> None:
             question, template = others_questions[k % len(others_questions)], RAG[1]
         else:
             question, template = passage.question, rng.choice(RAG)
-        first = template.format(p=passage.text, q=question if template != RAG[4] else question[0].lower() + question[1:])
+        first = template.format(p=passage.text,
+                                q=question if template != RAG[4] else question[0].lower() + question[1:])
         b.add("rag", b.maybe_follow_up(first, RAG_FOLLOW_UP), passage.source)
     for passage in summary:
         first = rng.choice(SUMMARIZE).format(p=passage.text, n=rng.choice(["two", "three"]))
         b.add("summarization", b.maybe_follow_up(first, SUMMARY_FOLLOW_UP), passage.source)
     for passage in extraction:
-        template = EXTRACT_NUMBERS if re.search(r"\d", passage.text) and rng.random() < 0.5 else rng.choice(EXTRACT_TEXT)
+        template = (EXTRACT_NUMBERS if re.search(r"\d", passage.text) and rng.random() < 0.5
+                    else rng.choice(EXTRACT_TEXT))
         b.add("extraction", [template.format(p=passage.text)], passage.source)
 
 
@@ -459,7 +467,8 @@ def _structured_texts(rng: random.Random) -> list[tuple[str, str]]:
         out.append((f"{org} invites you to {event} on {_date(rng)} from {start}:00 to {start + rng.randint(2, 4)}:00 "
                     f"at the {rng.choice(['town hall', 'community center', 'public library', 'old mill'])} in "
                     f"{rng.choice(CITIES)}. Tickets cost ${adult} for adults and ${child} for children under 12. "
-                    f"All proceeds go to {rng.choice(['the local food bank', 'a new playground', 'the animal shelter'])}.",
+                    f"All proceeds go to "
+                    f"{rng.choice(['the local food bank', 'a new playground', 'the animal shelter'])}.",
                     "Put the event name, organizer, date, time, venue and ticket prices into a table."))
     for _ in range(20):
         name, company = _person(rng), rng.choice(["Brightline Media", "Northwind Logistics", "Aster Health",
@@ -511,6 +520,8 @@ def _math_problems(rng: random.Random) -> list[str]:
     start, step, ratio = rng.randint(1, 20), rng.randint(2, 9), rng.choice([2, 3])
     slices, people, each = rng.choice([8, 10, 12]), rng.randint(2, 3), rng.randint(1, 2)
     fahrenheit, km = rng.randint(20, 100), rng.randint(5, 50)
+    arithmetic = ", ".join(str(start + step * i) for i in range(4))
+    geometric = ", ".join(str(start * ratio ** i) for i in range(4))
     return [
         f"What is {a} x {b}?",
         f"What is {q * d} divided by {d}?",
@@ -518,7 +529,8 @@ def _math_problems(rng: random.Random) -> list[str]:
         f"A {rng.choice(ITEMS)} costs ${price}. It is on sale for {off}% off. What is the sale price?",
         f"Solve for x: {k}x + {c0} = {k * x + c0}.",
         f"A train travels at {v} km/h for {t} hours. How far does it go?",
-        f"{name} has {a} marbles. She gives {d} to {other} and then buys {c0} more. How many marbles does she have now?",
+        f"{name} has {a} marbles. She gives {d} to {other} and then buys {c0} more. "
+        f"How many marbles does she have now?",
         f"What is the average of {', '.join(map(str, nums[:-1]))} and {nums[-1]}?",
         f"What is {fa}/{fb} + {fc}/{fd}? Give the answer as a simplified fraction.",
         f"A rectangle is {w} cm wide and {h} cm long. What are its area and its perimeter?",
@@ -533,7 +545,7 @@ def _math_problems(rng: random.Random) -> list[str]:
         f"{later}?",
         f"A carton holds {box} eggs. How many cartons are needed for {eggs} eggs?",
         f"What are the next two numbers in the sequence "
-        f"{', '.join(str(start + step * i) for i in range(4)) if rng.random() < 0.5 else ', '.join(str(start * ratio ** i) for i in range(4))}?",
+        f"{arithmetic if rng.random() < 0.5 else geometric}?",
         f"A pizza is cut into {slices} equal slices. If {people} people each eat {each} slices, what fraction of the "
         f"pizza is left?",
         f"Convert {fahrenheit} degrees Fahrenheit to Celsius." if rng.random() < 0.5 else f"How many miles is {km} km?",

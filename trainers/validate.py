@@ -1,6 +1,7 @@
 """Score exported draft heads on a feature cache's validation split, with the metrics training logs.
 
-    python -m trainers.validate eagle_lite/heads/smollm2 path/to/other/head --features runs/data/smollm2/sharegpt/features
+    python -m trainers.validate eagle_lite/heads/smollm2 path/to/other/head \\
+        --features runs/data/smollm2/sharegpt/features
     python -m trainers.validate HEAD --features DIR [DIR ...] --target smollm2 --threads 2
 
 Every head is scored on the same sequences: the cache's held-out split as training draws it (a hash of each
@@ -68,8 +69,9 @@ def table(rows: list[dict]) -> str:
     lines = ["| head | sequences | answer tokens | top-1 | top-1 novel | top-3 | accept_len_est | loss |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['head']} | {r['sequences']} | {r['tokens']} | {r['val/top1']:.3f} | {r['val/top1_novel']:.3f} "
-                     f"| {r['val/top3']:.3f} | {r['val/accept_len_est']:.2f} | {r['val/loss']:.3f} |")
+        lines.append(f"| {r['head']} | {r['sequences']} | {r['tokens']} | {r['val/top1']:.3f} "
+                     f"| {r['val/top1_novel']:.3f} | {r['val/top3']:.3f} | {r['val/accept_len_est']:.2f} "
+                     f"| {r['val/loss']:.3f} |")
     kinds = list(dict.fromkeys(k for r in rows for k in r.get("kinds", {})))
     if kinds:   # per kind: estimated acceptance (top-1)
         lines += ["", "| head | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]

@@ -126,7 +126,8 @@ class EagleDrafter:
         m = inp.hidden.shape[0]
         n = cache.length                                     # real pairs already in the draft cache
         if n + m + 1 != len(inp.tokens):
-            raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived with {m} new features")
+            raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived "
+                               f"with {m} new features")
         if self.keep_features:
             self._keep(n, inp.hidden)
         features, next_tokens = inp.hidden, inp.tokens[-m:]

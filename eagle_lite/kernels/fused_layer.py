@@ -91,7 +91,8 @@ def _structured(layer: nn.Module) -> bool:
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
     return (all(isinstance(getattr(m, n, None), nn.Linear) for m, n in names)
             and all(n is not None and getattr(n, "fused_eps", None) is not None for n in norms)
-            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation") and isinstance(getattr(attn, "layer_idx", None), int)
+            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and isinstance(getattr(attn, "layer_idx", None), int)
             and isinstance(getattr(attn, "head_dim", None), int) and isinstance(getattr(attn, "scaling", None), float)
             and "forward" not in layer.__dict__)
 
@@ -165,7 +166,8 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
         return False
     scale = float(own.abs().max())
     return (bool(torch.isfinite(own).all()) and torch.allclose(fused, own, rtol=1e-4, atol=1e-5 * scale)
-            and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max() + 1)) for a, b in zip(fused_kv, own_kv)))
+            and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max() + 1))
+                    for a, b in zip(fused_kv, own_kv)))
 
 
 def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -> int:

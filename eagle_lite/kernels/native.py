@@ -3,9 +3,9 @@
 `torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py),
 `tree_attention` (attention.py's gqa backend) and `decoder_layer` (fused_layer.py) are AVX2 C++
 (csrc/, their shared pieces in csrc/kernels.h) compiled by torch's own extension builder on first use
-(about a minute; cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen (no C++ compiler,
-no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False after one
-warning and every caller keeps its torch path: slower, never wrong. EAGLE_LITE_NATIVE=0 turns them off
+(about a minute; cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen
+(no C++ compiler, no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False
+after one warning and every caller keeps its torch path: slower, never wrong. EAGLE_LITE_NATIVE=0 turns them off
 (for A/B timings).
 
 The build is named by a hash of what goes into it (`build_key`: the csrc/ files' text, the compiler flags, and
@@ -116,7 +116,8 @@ def kernel_available() -> bool:
     """Whether the native kernels run here: x86-64 with AVX2 and a C++ compiler (built once, cached)."""
     if os.environ.get("EAGLE_LITE_NATIVE", "1") == "0":
         return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if (platform.machine().lower() not in ("x86_64", "amd64")
+            or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")):
         return False
     try:
         from torch.utils.cpp_extension import load

@@ -7,15 +7,15 @@ ancestors built in a loop, a cache compaction sized by the accepted length. Each
 On a GPU, for a small target, that waiting and the kernel launches are most of a step. Here every decision is a
 tensor op:
 
-- caches (`DeviceKVCache`): the target's and the draft head's keys/values in one preallocated buffer each. A
-  forward writes its T new entries at slots given by a tensor (`index_copy_`) and attends over all S slots of the
-  buffer under a boolean mask [1, 1, T, S] (`slot_mask`): the committed prefix, plus the tree block's own
-  ancestors. The committed length lives on the device.
-- the draft tree: EAGLE-2's top-k expansion with a fixed `top_k` and `depth`, reranked to `total_tokens` by
-  cumulative log-probability, exactly as drafters/eagle.py does, but in tensors: parents by index arithmetic, the
-  ancestor mask by `depth` gathers (`tree_ancestors`), then padded to a bucket size (`BUCKETS`) with masked-out
-  nodes that can never be accepted. A tree's shapes depend only on (top_k, depth, total_tokens), so each bucket
-  has one verify graph.
+- caches (`device_kv_cache.DeviceKVCache`): the target's and the draft head's keys/values in one preallocated
+  buffer each. A forward writes its T new entries at slots given by a tensor (`index_copy_`) and attends over all
+  S slots of the buffer under a boolean mask [1, 1, T, S] (`slot_mask`): the committed prefix, plus the tree
+  block's own ancestors. The committed length lives on the device.
+- the draft tree (`static_tree.py`): EAGLE-2's top-k expansion with a fixed `top_k` and `depth`, reranked to
+  `total_tokens` by cumulative log-probability, exactly as drafters/eagle.py does, but in tensors: parents by index
+  arithmetic, the ancestor mask by `depth` gathers (`tree_ancestors`), then padded to a bucket size (`BUCKETS`) with
+  masked-out nodes that can never be accepted. A tree's shapes depend only on (top_k, depth, total_tokens), so each
+  bucket has one verify graph.
 - acceptance (`accept_greedy`): node i matches when its token is the target's argmax at its parent; a node is
   accepted when all its ancestors match; the deepest accepted node ends the path, and its argmax is the bonus.
   That is the target's greedy output, token for token, as accept.py's walk is.
@@ -45,151 +45,20 @@ from dataclasses import dataclass, fields
 import torch
 
 from .config import GenerationConfig, TreeConfig
+from .device_kv_cache import DeviceKVCache, slot_mask
 from .engine import GenerationResult, GenerationStats, emit_tokens
 from .kernels.accelerate import stock
 from .kernels.attention import KEYS, resolve_backend, select_attention
 from .kv_cache import ContextOverflowError, cache_keyword
+from .static_tree import StaticTree, accept_greedy, bucket_for, tree_ancestors
 
 log = logging.getLogger("eagle_lite")
 
-# Tree sizes (root included) the verify step is built for: a tree pads to the next one.
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 SLOT_BLOCK = 256   # cache sizes are rounded up to this many slots, so most prompts reuse the same graphs
 MODES = ("auto", "eager", "compile", "reduce-overhead", "cuda-graph")
 # attention backends the static step runs: SDPA kernels over a dense mask of the whole buffer. The split backends
 # (lse_merge, flash) need the prefix as the first keys, and flex builds its BlockMask per forward on the host.
 STATIC_BACKENDS = ("sdpa", "gqa")
-
-
-def bucket_for(nodes: int) -> int:
-    """The smallest bucket holding a tree of `nodes` nodes (root included)."""
-    for size in BUCKETS:
-        if size >= nodes:
-            return size
-    raise ValueError(f"a tree of {nodes} nodes is larger than the static step's largest bucket ({BUCKETS[-1]}): "
-                     f"lower total_tokens")
-
-
-# -- caches ------------------------------------------------------------------------------------------
-class DeviceKVCache:
-    """Keys/values of every layer: [layers, 1, H_kv, slots, D] each, written at slots given by a tensor.
-
-    There is no host-side length: the caller keeps it on the device and masks what a forward may see.
-    `writer(slots)` is what a model's layers receive as their cache during one forward.
-    """
-
-    is_compileable = True
-
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, 1, kv_heads, slots, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.slots = slots
-
-    def writer(self, slots: torch.Tensor) -> SlotWriter:
-        return SlotWriter(self, slots)
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the entries at slots `src` to slots `dst` (all layers; a gather first, so overlaps are safe)."""
-        self.keys.index_copy_(3, dst, self.keys.index_select(3, src))
-        self.values.index_copy_(3, dst, self.values.index_select(3, src))
-
-
-class SlotWriter:
-    """The cache a model's layers see during one forward: `update` writes the T new keys/values at `slots` [T]
-    and returns the whole buffer (the mask hides what the tokens may not see). It duck-types the two methods of
-    `transformers.Cache` that decoder layers and the Llama-family models call."""
-
-    is_compileable = True
-
-    def __init__(self, cache: DeviceKVCache, slots: torch.Tensor) -> None:
-        self.cache, self.slots = cache, slots
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states: [1, H_kv, T, D] -> all keys/values: [1, H_kv, slots, D]."""
-        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        keys.index_copy_(2, self.slots, key_states.to(keys.dtype))
-        values.index_copy_(2, self.slots, value_states.to(values.dtype))
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise RuntimeError("the static step gives every forward its position ids; a model that asks its cache for "
-                           "its length cannot run it (use the engine)")
-
-
-def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int) -> torch.Tensor:
-    """The boolean mask [1, 1, T, slots] of T tokens whose own block sits at slots [start, start + W): every slot
-    before `start` (the committed prefix) is visible, and inside the block what `visible` [T, W] says. Slots after
-    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read)."""
-    t, w = visible.shape
-    cols = torch.arange(slots, device=visible.device)
-    mask = (cols < start).expand(t, slots).clone()
-    mask.index_copy_(1, start + torch.arange(w, device=visible.device), visible)
-    return mask.view(1, 1, t, slots)
-
-
-# -- trees -------------------------------------------------------------------------------------------
-def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """[N, N] bool, row i marking node i and its ancestors, for a tree given by `parents` [N] (the root, node 0,
-    its own parent) of at most `depth` levels below the root: `depth` gathers up the parent pointers."""
-    n = parents.numel()
-    rows = torch.arange(n, device=parents.device)
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
-    up = rows
-    for _ in range(depth):
-        up = parents[up]
-        anc = anc.index_put((rows, up), torch.ones(n, dtype=torch.bool, device=parents.device))
-    return anc
-
-
-@dataclass
-class StaticTree:
-    """A draft tree padded to a bucket of B nodes: node 0 is the root. Padding nodes hang off the root, are not
-    `valid` and so are never accepted; nothing valid attends to them."""
-
-    tokens: torch.Tensor     # [B] long (node 0: the root)
-    parents: torch.Tensor    # [B] long, the root's own parent is 0
-    depths: torch.Tensor     # [B] long
-    ancestors: torch.Tensor  # [B, B] bool, self included
-    valid: torch.Tensor      # [B] bool
-
-    @classmethod
-    def empty(cls, size: int, device) -> StaticTree:
-        """The root alone, padded to `size` nodes."""
-        parents = torch.zeros(size, dtype=torch.long, device=device)
-        nodes = torch.arange(size, device=device)
-        return cls(torch.zeros(size, dtype=torch.long, device=device), parents, (nodes > 0).long(),
-                   tree_ancestors(parents, 1), nodes == 0)
-
-    @classmethod
-    def build(cls, tokens: list[int], parents: list[int], size: int, device="cpu") -> StaticTree:
-        """A tree given as the engine's DraftTree gives it (parents[0] == -1), padded to `size` nodes."""
-        n, pad = len(tokens), size - len(tokens)
-        p = torch.tensor([0] + list(parents[1:]) + [0] * pad, device=device)
-        anc = tree_ancestors(p, n)
-        return cls(torch.tensor(list(tokens) + [0] * pad, device=device), p, anc.sum(1) - 1, anc,
-                   torch.arange(size, device=device) < n)
-
-    def fill(self, other: StaticTree) -> None:
-        """Copy `other` (same bucket) into these buffers (they stay where a captured graph reads them)."""
-        for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
-
-
-def accept_greedy(tree: StaticTree, top: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy acceptance in tensor ops. top: [B] the target's argmax at each node. depth: the tree's most levels
-    below the root (D). Returns (path [D + 1]: the accepted nodes from the root, padded with 0; n: the tokens this
-    step emits, accepted nodes plus the bonus, 0-d; bonus: the target's token after the path, 0-d)."""
-    b = tree.tokens.numel()
-    nodes = torch.arange(b, device=top.device)
-    match = ((tree.tokens == top[tree.parents]) & tree.valid) | (nodes == 0)
-    accepted = ~(tree.ancestors & ~match[None, :]).any(dim=1)            # every node on its path matches
-    best = torch.where(accepted, tree.depths, -1).argmax().view(1)       # the deepest: ends the accepted path
-    levels = torch.arange(depth + 1, device=top.device)
-    on_path = tree.ancestors.index_select(0, best) & (tree.depths[None, :] == levels[:, None])   # D+1 B
-    path = on_path.long().argmax(dim=1)                                  # the path's node at each level, else 0
-    return path, tree.depths.index_select(0, best)[0] + 1, top.index_select(0, best)[0]
 
 
 # -- the engine ----------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from eagle_lite.config import TreeConfig
-from eagle_lite.static_step import BUCKETS, StaticEngine, StaticTree, bucket_for
+from eagle_lite.static_step import StaticEngine
+from eagle_lite.static_tree import BUCKETS, StaticTree, bucket_for
 from eagle_lite.threads import check_threads
 
 from .tune import ints, tree_spec

@@ -12,19 +12,13 @@ from test_engine import TREES
 
 from eagle_lite.accept import accept_greedy as walk_greedy
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
+from eagle_lite.device_kv_cache import slot_mask
 from eagle_lite.draft import DraftHead
 from eagle_lite.drafters import DraftInput
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.engine import Engine
-from eagle_lite.static_step import (
-    BUCKETS,
-    StaticEngine,
-    StaticTree,
-    accept_greedy,
-    bucket_for,
-    slot_mask,
-    tree_ancestors,
-)
+from eagle_lite.static_step import StaticEngine
+from eagle_lite.static_tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
 from eagle_lite.tree import DraftTree
 
 STATIC_TREES = {name: tree for name, tree in TREES.items() if not tree.lookup}

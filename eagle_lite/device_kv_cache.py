@@ -1,0 +1,64 @@
+"""The static step's caches: every layer's keys/values in one preallocated buffer, written at slots given by a
+tensor and read under a boolean mask over all slots, with the committed length kept on the device (static_step.py).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class DeviceKVCache:
+    """Keys/values of every layer: [layers, 1, H_kv, slots, D] each, written at slots given by a tensor.
+
+    There is no host-side length: the caller keeps it on the device and masks what a forward may see.
+    `writer(slots)` is what a model's layers receive as their cache during one forward.
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, 1, kv_heads, slots, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = slots
+
+    def writer(self, slots: torch.Tensor) -> SlotWriter:
+        return SlotWriter(self, slots)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the entries at slots `src` to slots `dst` (all layers; a gather first, so overlaps are safe)."""
+        self.keys.index_copy_(3, dst, self.keys.index_select(3, src))
+        self.values.index_copy_(3, dst, self.values.index_select(3, src))
+
+
+class SlotWriter:
+    """The cache a model's layers see during one forward: `update` writes the T new keys/values at `slots` [T]
+    and returns the whole buffer (the mask hides what the tokens may not see). It duck-types the two methods of
+    `transformers.Cache` that decoder layers and the Llama-family models call."""
+
+    is_compileable = True
+
+    def __init__(self, cache: DeviceKVCache, slots: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: [1, H_kv, T, D] -> all keys/values: [1, H_kv, slots, D]."""
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(2, self.slots, key_states.to(keys.dtype))
+        values.index_copy_(2, self.slots, value_states.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("the static step gives every forward its position ids; a model that asks its cache for "
+                           "its length cannot run it (use the engine)")
+
+
+def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int) -> torch.Tensor:
+    """The boolean mask [1, 1, T, slots] of T tokens whose own block sits at slots [start, start + W): every slot
+    before `start` (the committed prefix) is visible, and inside the block what `visible` [T, W] says. Slots after
+    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read)."""
+    t, w = visible.shape
+    cols = torch.arange(slots, device=visible.device)
+    mask = (cols < start).expand(t, slots).clone()
+    mask.index_copy_(1, start + torch.arange(w, device=visible.device), visible)
+    return mask.view(1, 1, t, slots)

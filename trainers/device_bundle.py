@@ -111,7 +111,8 @@ def device_calls(folders: list[Path], root: Path) -> list[str]:
     rel = [os.path.relpath(f, root) for f in folders]
     calls = [f'run(carry=["{r}"], command="mkdir -p /tmp/carry && cp {r}/* /tmp/carry/")' for r in rel]
     calls.append('run(command="python3 -m trainers.device_bundle join /tmp/carry /tmp/wheels && python3 -m pip '
-                 'install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site /tmp/wheels/* && '
+                 'install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site '
+                 '/tmp/wheels/* && '
                  'export PYTHONPATH=/tmp/site:$PWD && ...")   # the same export starts every later call')
     return calls
 

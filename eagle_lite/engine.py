@@ -65,6 +65,19 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def token_budget(n_prompt: int, target: Target, max_new_tokens: int) -> int:
+    """How many new tokens a prompt of `n_prompt` tokens may get: `max_new_tokens`, cut to the context window left.
+    An empty prompt, or one that fills the window, is refused."""
+    if n_prompt == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if n_prompt >= target.max_context:
+        raise ContextOverflowError(
+            f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
+            f"{target.max_context}: shorten the prompt (or drop earlier chat turns)"
+        )
+    return min(max_new_tokens, target.max_context - n_prompt)
+
+
 def emit_tokens(new: list[int], stats: GenerationStats, eos: set[int], budget: int, max_new_tokens: int,
                 start: float) -> list[int]:
     """`new` cut exactly where the target alone would stop (at EOS or the token budget); `stats` counts them and the
@@ -133,14 +146,7 @@ class Engine:
         stats = stats if stats is not None else GenerationStats()
         target, sampling = self.target, cfg.sampling
         n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n_prompt >= target.max_context:
-            raise ContextOverflowError(
-                f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
-                f"{target.max_context}: shorten the prompt (or drop earlier chat turns)"
-            )
-        budget = min(cfg.max_new_tokens, target.max_context - n_prompt)
+        budget = token_budget(n_prompt, target, cfg.max_new_tokens)
         tree_nodes = self.drafter.max_tree_nodes(cfg.tree)
         cache, keep = self._cache_for(prompt_ids, n_prompt + budget + tree_nodes)
         eos = target.eos_token_ids if cfg.stop_at_eos else set()

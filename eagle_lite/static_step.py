@@ -46,10 +46,10 @@ import torch
 
 from .config import GenerationConfig, TreeConfig
 from .device_kv_cache import DeviceKVCache, slot_mask
-from .engine import GenerationResult, GenerationStats, emit_tokens
+from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
 from .kernels.accelerate import stock
 from .kernels.attention import KEYS, resolve_backend, select_attention
-from .kv_cache import ContextOverflowError, cache_keyword
+from .kv_cache import cache_keyword
 from .static_tree import StaticTree, accept_greedy, bucket_for, tree_ancestors
 
 log = logging.getLogger("eagle_lite")
@@ -430,14 +430,8 @@ class StaticEngine:
             raise ValueError("the static step decodes greedily (temperature 0); sampling runs on the engine "
                              "(drop static / use the method without _graph)")
         n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n_prompt >= target.max_context:
-            raise ContextOverflowError(
-                f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
-                f"{target.max_context}: shorten the prompt (or drop earlier chat turns)")
+        budget = token_budget(n_prompt, target, cfg.max_new_tokens)
         tree = self._tree(cfg)
-        budget = min(cfg.max_new_tokens, target.max_context - n_prompt)
         bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
         depth = tree.depth if self.head is not None else 0
         self._tree_cfg = tree

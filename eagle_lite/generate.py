@@ -163,7 +163,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
 
     Ctrl-C keeps what was generated: the text so far, then "[stopped]" and the stats (with --json, the object
     with stop_reason "interrupted"), and STOPPED."""
-    from .engine import GenerationStats
+    from .decoding.engine import GenerationStats
 
     stats, ids = GenerationStats(), []
     try:
@@ -196,9 +196,9 @@ def read_turn() -> str:
 
 
 def chat(lm, cfg: GenerationConfig) -> None:
-    from .engine import GenerationStats
+    from .decoding.engine import GenerationStats
     from .kv_cache import ContextOverflowError
-    from .loading import one_line
+    from .targets.loading import one_line
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()

@@ -2,7 +2,7 @@
 
 engine.py       the host-side loop, prefill -> draft -> verify -> accept -> cache commit -> next, for every
                 method (drafters/) and every sampling setting; the reference every other path is tested against.
-drafter.py      the contract a drafter implements (`Drafter`: prefill / draft / observe) and the input it gets.
+drafter.py      the contract a drafter implements (`Drafter`: reset, max_tree_nodes, propose; optionally observe).
 accept.py       which drafted nodes the target accepts: the greedy walk, and exact rejection sampling for trees.
 static_step.py  the same step in fixed shapes on device tensors (static_tree.py: the EAGLE-2 tree and tensor
                 acceptance; device_kv_cache.py: slot-indexed caches), for CUDA graphs and torch.compile.

@@ -1,4 +1,4 @@
-"""Proposers behind one protocol (base.py), built by name through one registry (registry.py); the engine and
+"""Proposers behind one protocol (decoding/drafter.py), built by name through one registry (registry.py); the engine and
 verifier are the same for all of them."""
 from ..decoding.drafter import Drafter, DraftInput, NoDrafter
 from .draft_model import DraftModelDrafter

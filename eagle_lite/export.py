@@ -1,4 +1,5 @@
-"""`python -m eagle_lite.export HEAD --format eagle|eagle3|medusa --out DIR`: a head in the layout others serve.
+"""`python -m eagle_lite.export HEAD --format eagle|eagle3|medusa --out DIR`: a head in the layout others serve;
+`python -m eagle_lite.export --target smollm2 --out DIR`: the target as a standard Hugging Face folder.
 
   python -m eagle_lite.export eagle_lite/heads/smollm2 --format eagle --out smollm2-eagle
   python -m eagle_lite.export runs/train/.../head --format eagle3 --out my-eagle3     # experiment=eagle3's head
@@ -8,6 +9,8 @@ eagle:  official EAGLE (EaModel, use_eagle3=False), vLLM (speculative_config met
         (--speculative-algorithm EAGLE); a reduced draft vocabulary goes with it as SGLang's hot-token map.
 eagle3: official EAGLE-3, vLLM (method "eagle3"), SGLang (EAGLE3), SpecForge's layout.
 medusa: vLLM (method "medusa") and FasterDecoding/Medusa.
+No HEAD: the target itself (formats/hf_target.py), the folder vLLM, official EAGLE, OpenVINO's converter and
+        transformers 4.x and 5.x load as they are; reloaded once with transformers and checked against the original.
 What a loader will do differently with the head is printed as notes; a head the format cannot express is refused
 with the reason. docs/deploy.md has the serving commands.
 """
@@ -92,14 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Write a draft head in the layout official EAGLE, SpecForge, vLLM and "
                                             "SGLang load (see docs/deploy.md for the serving commands).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("head", help="the head folder: eagle_lite's own, or any published layout --draft/--medusa read")
-    p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
+    p.add_argument("head", nargs="?", default=None,
+                   help="the head folder: eagle_lite's own, or any published layout --draft/--medusa read; "
+                        "leave out to export the target (--target) as a Hugging Face folder")
+    p.add_argument("--format", default=None, choices=FORMATS, help="the layout to write (required with a head)")
     p.add_argument("--out", required=True, help="the folder to write (created; its head files are replaced)")
     p.add_argument("--target", default=None,
                    help="the target (as --target of eagle_lite.generate); default: the one the head records")
     p.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="dtype of the written weights (default: the head's stored dtype, else bfloat16)")
+                   help="dtype of the written weights (default: the head's stored dtype, else bfloat16; a target: "
+                        "float32, the weights eagle_lite runs)")
     return p
+
+
+def export_target(spec: str, out: str | Path, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Write target `spec` as a standard Hugging Face folder (formats/hf_target.py), reload it with transformers
+    and check its logits equal the original's on a few tokens; returns the files written."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .formats.hf_target import write_target
+    from .loading import model_folder
+
+    folder = model_folder(spec)
+    if Path(out).resolve() == Path(folder).resolve():
+        raise ValueError(f"--out {out} is the target's own folder: give another folder")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    files = write_target(model, tokenizer, out, dtype)
+    check_target_folder(model, out, dtype)
+    return files
+
+
+def check_target_folder(model: torch.nn.Module, out: str | Path, dtype: torch.dtype) -> None:
+    """Reload `out` with transformers: its logits on a few tokens must equal `model`'s exactly."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    ids = torch.arange(1, 17).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        if not torch.equal(model(ids).logits, reloaded(ids).logits):
+            raise RuntimeError(f"the folder written to {out} does not reload to the same model (logits differ)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.disable_progress_bar()      # stdout holds the export's report only
 
+    if args.head is None:
+        return main_target(args)
+    if args.format is None:
+        print("error: --format is required with a head folder (eagle, eagle3 or medusa)", file=sys.stderr)
+        return 1
     head = Path(args.head)
     try:
         if not head.is_dir():
@@ -131,6 +171,24 @@ def main(argv: list[str] | None = None) -> int:
         for server, flags in serving_flags(tree).items():
             print(f"{server}: {flags}   (the head's recommended tree: depth {tree['depth']}, top_k {tree['top_k']}, "
                   f"{tree['total_tokens']} nodes)")
+    return 0
+
+
+def main_target(args) -> int:
+    """`--target SPEC --out DIR` with no head: the target as a Hugging Face folder."""
+    if args.format is not None:
+        print(f"error: --format {args.format} needs a head folder; leave both out to export the target",
+              file=sys.stderr)
+        return 1
+    if args.target is None:
+        print("error: give a head folder, or --target SPEC to export the target itself", file=sys.stderr)
+        return 1
+    try:
+        files = export_target(args.target, args.out, getattr(torch, args.dtype or "float32"))
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    print(f"wrote target {args.target} to {args.out}: {', '.join(files)} (reloaded with transformers: same logits)")
     return 0
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 FORMATS = ("eagle", "eagle3", "medusa")
+ENGINES = ("official", "sglang", "vllm")
+EAGLE3_ENGINES = ("openvino", "speculators")          # --format eagle3 only
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -48,9 +50,15 @@ def target_spec(path: Path, given: str | None) -> str:
     return name
 
 
-def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype) -> list[str]:
+class LossyExport(ValueError):
+    """An engine would run the head inexactly and --allow-lossy was not given."""
+
+
+def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype, engine: str = "all",
+           allow_lossy: bool = False, verifier: str | None = None) -> list[str]:
     """Write the head at `head_path` (any folder --draft / --medusa take) for `target` in format `fmt` to `out`;
-    returns the notes for the user."""
+    returns the notes for the user. engine (format eagle): the engine the folder is for, "all" for every one;
+    a head some of them cannot run exactly is refused (LossyExport) with the measured loss unless allow_lossy."""
     from .formats import load_head, load_medusa
     from .formats.eagle import write_eagle
     from .formats.eagle3 import write_eagle3
@@ -64,8 +72,29 @@ def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torc
     meta = {"target": target.fingerprint(), **head_record(head_path), "exported_from": str(head_path)}
     if fmt == "medusa":
         return write_medusa(load_medusa(head_path, target), target, out, meta, dtype)
-    write = write_eagle if fmt == "eagle" else write_eagle3
-    return write(load_head(head_path, target), target, out, meta, dtype)
+    if fmt == "eagle" and engine in EAGLE3_ENGINES:
+        raise ValueError(f"--engine {engine} is a layout of EAGLE-3 drafts only: export an EAGLE-3 head with "
+                         f"--format eagle3")
+    head = load_head(head_path, target)
+    if fmt == "eagle3":
+        return write_eagle3(head, target, out, meta, dtype, engine, verifier)
+    losses = eagle_losses(head, target, engine)
+    if losses and not allow_lossy:
+        exact = [n for n in ENGINES if n not in losses and engine in ("all", n)]
+        hint = (f"--engine {exact[0]} writes it exactly for {exact[0]}; " if exact else "")
+        raise LossyExport(f"{' '.join(f'{v}.' for v in losses.values())} Not written: {hint}--allow-lossy writes "
+                          f"it anyway")
+    notes = write_eagle(head, target, out, meta, dtype, engine="vllm" if engine == "vllm" else "all")
+    return notes + [f"lossy, written with --allow-lossy: {v}" for v in losses.values()]
+
+
+def eagle_losses(head, target, engine: str) -> dict[str, str]:
+    """What each engine the eagle folder is for loses of `head`, measured (formats/fidelity.py)."""
+    from .formats.fidelity import losses_report
+
+    if head.design == "eagle3" or head.fuse is not None:
+        return {}                                   # write_eagle refuses these with its own reason
+    return losses_report(head, target, ENGINES if engine == "all" else (engine,), vllm_layout=engine == "vllm")
 
 
 def vllm_tree(depth: int, top_k: int, total_tokens: int) -> list[tuple[int, ...]]:
@@ -102,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write (created; its head files are replaced)")
     p.add_argument("--target", default=None,
                    help="the target (as --target of eagle_lite.generate); default: the one the head records")
+    p.add_argument("--engine", default="all", choices=("all", *ENGINES, *EAGLE3_ENGINES),
+                   help="the engine the folder is for. eagle: vllm writes the layout that carries an fc bias "
+                        "exactly in vLLM; all: one folder for every engine, refused if any would lose something. "
+                        "eagle3: openvino adds the embedding optimum-cli export openvino needs; speculators writes "
+                        "the speculators package's layout (vLLM reads it for EAGLE-3)")
+    p.add_argument("--verifier", default=None,
+                   help="--engine speculators: the target's name or path the config records (default: --target)")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="write a folder an engine runs inexactly (the export says what it loses, measured)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="dtype of the written weights (default: the head's stored dtype, else bfloat16; a target: "
                         "float32, the weights eagle_lite runs)")
@@ -114,7 +152,7 @@ def export_target(spec: str, out: str | Path, dtype: torch.dtype = torch.float32
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .formats.hf_target import write_target
-    from .loading import model_folder
+    from .targets.loading import model_folder
 
     folder = model_folder(spec)
     if Path(out).resolve() == Path(folder).resolve():
@@ -158,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
         dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
         target = load_target(target_spec(head, args.target))
-        notes = export(head, args.format, args.out, target, dtype)
+        notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,
+                       args.verifier or args.target)
     except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1

@@ -1,0 +1,111 @@
+"""Exporting a head to an engine that cannot build part of it: never silently approximated.
+
+formats/fidelity.py says per engine what it runs of an EAGLE-1/2 head; the export refuses a folder some engine
+would run inexactly unless --allow-lossy, and then states the loss as a measured first-token agreement. A head
+without an fc bias exports exactly; a head with one whose layer normalizes its input exports exactly to vLLM too,
+through the vLLM layout (the bias on the identity layer 0's o_proj, which vLLM builds with attention_bias).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_target
+from interop_reference import eagle1_forward
+from safetensors.torch import load_file
+from test_interop import assert_same_tensors, head_out, tokens_and_hidden, trained_like
+
+from eagle_lite.checkpoint import load_head, save_head
+from eagle_lite.draft import DraftHead
+from eagle_lite.export import LossyExport, export
+from eagle_lite.formats.fidelity import (
+    View,
+    engine_view,
+    first_token_agreement,
+    first_token_drafts,
+    reference_sequences,
+)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_target("llama")
+
+
+def saved(target, tmp_path, name, fc_bias=True, input_norm=True, d2t=None, seed=0):
+    torch.manual_seed(seed)
+    head = trained_like(DraftHead.for_target(target, d2t, fc_bias=fc_bias, input_norm=input_norm))
+    if fc_bias:
+        with torch.no_grad():
+            head.fc.bias.copy_(torch.randn(head.fc.bias.shape) * 2.0)     # a bias that changes the drafts
+    save_head(head, tmp_path / name, target, dtype=torch.float32)
+    return head, tmp_path / name
+
+
+def test_a_head_with_an_fc_bias_is_refused_for_vllm_with_the_measured_loss(llama, tmp_path):
+    head, path = saved(llama, tmp_path, "biased", input_norm=False)
+    with pytest.raises(LossyExport) as err:
+        export(path, "eagle", tmp_path / "out", llama, torch.float32)
+    message = str(err.value)
+    assert message.startswith("vLLM builds fc without its bias (norm ")
+    assert "its first drafted token is the target's on " in message and "% of " in message
+    assert "--engine official writes it exactly" in message and "--allow-lossy" in message
+    assert not (tmp_path / "out").exists()                                  # nothing written
+    notes = export(path, "eagle", tmp_path / "out", llama, torch.float32, allow_lossy=True)
+    assert [n for n in notes if n.startswith("lossy, written with --allow-lossy: vLLM builds fc without")]
+    assert_same_tensors(head, load_head(tmp_path / "out", llama))          # the folder itself is exact
+
+
+def test_the_measured_figure_is_the_agreement_of_the_engines_view(llama, tmp_path):
+    head, _ = saved(llama, tmp_path, "biased", input_norm=False)
+    seqs = reference_sequences(llama, new_tokens=24)
+    exact, n = first_token_agreement(head, llama, seqs, View())
+    dropped, m = first_token_agreement(head, llama, seqs, View(drop_bias=True))
+    assert n == m == sum(ids.numel() - max(prompt, 2) for ids, prompt in seqs)
+    drafts = [p for p, _ in first_token_drafts(head, llama, seqs, View())]
+    without = [p for p, _ in first_token_drafts(head, llama, seqs, View(drop_bias=True))]
+    assert any(not torch.equal(a, b) for a, b in zip(drafts, without))     # the bias changes what is drafted
+    assert torch.count_nonzero(head.fc.bias) > 0                            # and the head was left as it was
+    # by hand: the head's argmax at each continuation position against the target's next token
+    ids, prompt = seqs[0]
+    with torch.no_grad(), llama.stock():
+        hidden = llama.decoder(ids[None]).last_hidden_state[0, :-2]
+    out, logits = head_out(head, llama, hidden, ids[1:-1])
+    hits = (logits.argmax(-1) == ids[2:])[prompt - 2:]
+    one, total = first_token_agreement(head, llama, seqs[:1], View())
+    assert (one, total) == (int(hits.sum()), hits.numel())
+
+
+def test_heads_without_the_bias_export_exactly_to_every_engine(llama, tmp_path):
+    head, path = saved(llama, tmp_path, "plain", fc_bias=False)
+    assert all(engine_view(load_head(path, llama), e).exact for e in ("official", "sglang", "vllm"))
+    notes = export(path, "eagle", tmp_path / "out", llama, torch.float32)
+    assert not [n for n in notes if "lossy" in n]
+    assert_same_tensors(head, load_head(tmp_path / "out", llama))
+
+
+def test_a_reduced_vocabulary_is_a_loss_for_official_eagle_and_vllm_only(llama, tmp_path):
+    _, path = saved(llama, tmp_path, "reduced", fc_bias=False, d2t=torch.arange(0, 60, 2))
+    with pytest.raises(LossyExport, match="official EAGLE drafts over the full vocabulary, not the head's 30 tokens"):
+        export(path, "eagle", tmp_path / "o1", llama, torch.float32)
+    export(path, "eagle", tmp_path / "o2", llama, torch.float32, engine="sglang")     # the hot-token map: exact
+
+
+def test_the_vllm_layout_carries_the_bias_exactly(llama, tmp_path):
+    head, path = saved(llama, tmp_path, "biased")                            # input norm: the two-layer form
+    notes = export(path, "eagle", tmp_path / "out", llama, torch.float32, engine="vllm")
+    assert not [n for n in notes if "lossy" in n] and [n for n in notes if "written for vLLM only" in n]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    w = load_file(tmp_path / "out" / "model.safetensors")
+    # vLLM's Llama layer: attention_bias -> o_proj bias; qkv_bias false -> no q/k/v bias; fc never has one
+    assert cfg["attention_bias"] is True and cfg["qkv_bias"] is False and "fc.bias" not in w
+    assert torch.equal(w["layers.0.self_attn.o_proj.bias"], head.fc.bias.detach())
+    assert not w["layers.1.self_attn.o_proj.bias"].any()
+    assert not any(k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for k in w)
+    # what vLLM computes (fc without bias, layer 0 without input norm, o_proj biases) is the head's output
+    tokens, hidden = tokens_and_hidden(llama.hidden_size)
+    expected, _ = head_out(head, llama, hidden, tokens)
+    got = eagle1_forward(w, cfg, llama.embed_tokens(tokens).detach(), hidden, torch.arange(tokens.numel()))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_same_tensors(head, load_head(tmp_path / "out", llama))           # and it reads back as the same head

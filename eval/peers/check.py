@@ -117,7 +117,7 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path) -> tuple[dict[str,
         jobs += [("vllm vanilla", peer),
                  (f"vllm eagle (shipped head), k={k}", peer + ["--head", str(EXPORTS / "eagle-vllm"), "--k", str(k)]),
                  (f"vllm eagle3 speculators (untrained head), k={k}",
-                  peer + ["--head", str(EXPORTS / "eagle3-speculators"), "--method", "", "--k", str(k)])]
+                  peer + ["--head", str(EXPORTS / "eagle3-speculators"), "--speculators", "--k", str(k)])]
     if "openvino" in engines:
         ov = ROOT / "ov"
         convert = [("smollm2", EXPORTS / "smollm2"), ("eagle3", EXPORTS / "eagle3-openvino")]

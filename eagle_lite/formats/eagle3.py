@@ -146,9 +146,10 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
         tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
         config = speculators_config(head, config, meta, verifier)
         write_folder(out, tensors, config)
-        return [f"written in the speculators {SPECULATORS_VERSION} layout (vLLM reads it without a method: "
-                f"--speculative-config '{{\"model\": \"{out}\"}}'; taps named as vLLM reads them, inputs of layers "
-                f"{config['eagle_aux_hidden_state_layer_ids']}); SGLang and official EAGLE-3 read the default layout"]
+        return [f"written in the speculators {SPECULATORS_VERSION} layout: vLLM serves it as the model (`vllm serve "
+                f"{out}`: the verifier it records, {config['speculators_config']['verifier']['name_or_path']}, is the "
+                f"target), taps named as vLLM reads them, inputs of layers "
+                f"{config['eagle_aux_hidden_state_layer_ids']}; SGLang and official EAGLE-3 read the default layout"]
     layers = target.config.num_hidden_layers
     try:
         default = published_feature_layers(layers)

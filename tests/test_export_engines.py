@@ -16,9 +16,8 @@ from interop_reference import eagle1_forward
 from safetensors.torch import load_file
 from test_interop import assert_same_tensors, head_out, tokens_and_hidden, trained_like
 
-from eagle_lite.checkpoint import load_head, save_head
-from eagle_lite.draft import DraftHead
 from eagle_lite.export import LossyExport, export
+from eagle_lite.formats import load_head
 from eagle_lite.formats.fidelity import (
     View,
     engine_view,
@@ -26,6 +25,8 @@ from eagle_lite.formats.fidelity import (
     first_token_drafts,
     reference_sequences,
 )
+from eagle_lite.heads.checkpoint import save_head
+from eagle_lite.heads.draft import DraftHead
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def deep():
 
 
 def eagle3_head(target, tmp_path):
-    from eagle_lite.draft import published_feature_layers
+    from eagle_lite.heads.draft import published_feature_layers
 
     torch.manual_seed(0)
     taps = published_feature_layers(target.config.num_hidden_layers)

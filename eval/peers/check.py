@@ -47,9 +47,9 @@ def export_all(target, fresh: bool) -> dict[str, list[str]]:
     """The folders the peers load, written by eagle_lite.export; returns each export's notes."""
     import torch
 
-    from eagle_lite.checkpoint import default_head_path, save_head
-    from eagle_lite.draft import DraftHead, published_feature_layers
     from eagle_lite.export import export, export_target
+    from eagle_lite.heads.checkpoint import default_head_path, save_head
+    from eagle_lite.heads.draft import DraftHead, published_feature_layers
 
     notes: dict[str, list[str]] = {}
     folder = EXPORTS / "smollm2"
@@ -80,10 +80,10 @@ def prompts(target, count: int) -> list[list[int]]:
 
 def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int) -> dict[str, dict]:
     """eagle_lite vanilla and eagle (each head as a chain of k) on the prompts: tokens, seconds, forwards."""
-    from eagle_lite.checkpoint import load_head
     from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.decoding.engine import Engine
     from eagle_lite.drafters import EagleOptions, registry
-    from eagle_lite.engine import Engine
+    from eagle_lite.formats import load_head
 
     chain = TreeConfig(depth=k, top_k=1, total_tokens=k, lookup=0)
     heads = {"eagle (shipped head)": None, "eagle3 (untrained head)": load_head(ROOT / "heads" / "eagle3-random",
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import torch
 
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
 
     torch.set_num_threads(args.threads)
     RUN.mkdir(parents=True, exist_ok=True)

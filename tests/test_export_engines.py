@@ -157,3 +157,18 @@ def test_eagle3_for_openvino_carries_the_target_embedding(deep, tmp_path):
     assert w.keys() == default.keys() and all(torch.equal(w[k], default[k]) for k in w)
     with pytest.raises(ValueError, match="layout of EAGLE-3 drafts only"):
         export(path, "eagle", tmp_path / "x", deep, torch.float32, engine="openvino")
+
+
+def test_a_full_vocabulary_eagle3_head_is_written_without_a_vocabulary_map(deep, tmp_path):
+    from eagle_lite.heads.draft import published_feature_layers
+
+    torch.manual_seed(0)
+    taps = published_feature_layers(deep.config.num_hidden_layers)
+    head = trained_like(DraftHead.for_target(deep, feature_layers=taps, design="eagle3"))
+    save_head(head, tmp_path / "full", deep, dtype=torch.float32)
+    for engine in ("all", "speculators"):
+        export(tmp_path / "full", "eagle3", tmp_path / engine, deep, torch.float32, engine=engine)
+        w = load_file(tmp_path / engine / "model.safetensors")
+        assert "d2t" not in w and "t2d" not in w       # vLLM refuses a d2t when draft_vocab_size == vocab_size
+        assert json.loads((tmp_path / engine / "config.json").read_text())["draft_vocab_size"] == deep.vocab_size
+    assert_same_tensors(head, load_head(tmp_path / "all", deep))

@@ -137,8 +137,11 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     if engine == "openvino":
         tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
-    tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()     # offsets, int64
-    tensors["t2d"] = t2d
+    if head.d2t is not None:
+        # a full-vocabulary head has no map: vLLM builds draft_id_to_target_id only for a smaller draft vocabulary
+        # and refuses a d2t it has no place for; official EAGLE-3 drops it; OpenVINO's zeros mean the identity
+        tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()     # offsets, int64
+        tensors["t2d"] = t2d
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
               "draft_vocab_size": int(ids.numel()), "eagle_lite": meta}
     notes = []

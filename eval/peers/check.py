@@ -105,13 +105,14 @@ def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int) -> dict[
     return out
 
 
-def peer_runs(engines: list[str], k: int, prompts_file: Path) -> tuple[dict[str, dict], list[str]]:
+def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> tuple[dict[str, dict], list[str]]:
     """Each peer's runs (vanilla, then with its head), through its script in its venv; failures as notes."""
     py = {e: str(ROOT / e / "bin" / "python") for e in PEERS}
     target = str(EXPORTS / "smollm2")
     jobs: list[tuple[str, list[str]]] = []
     if "hf4" in engines:
-        jobs.append(("hf4 generate", [py["hf4"], "eval/peers/hf4_peer.py", "--target", target]))
+        jobs.append(("hf4 generate", [py["hf4"], "eval/peers/hf4_peer.py", "--target", target, "--threads",
+                                      str(threads)]))
     if "vllm" in engines:
         peer = [py["vllm"], "eval/peers/vllm_peer.py", "--target", target]
         jobs += [("vllm vanilla", peer),
@@ -129,7 +130,8 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path) -> tuple[dict[str,
                        RUN / f"convert-{name}.log")
                 except RuntimeError as err:
                     failed = str(err)
-        peer = [py["openvino"], "eval/peers/openvino_peer.py", "--target", str(ov / "smollm2")]
+        peer = [py["openvino"], "eval/peers/openvino_peer.py", "--target", str(ov / "smollm2"), "--threads",
+                str(threads)]
         if failed is None or (ov / "smollm2" / "openvino_model.xml").is_file():
             jobs.append(("openvino vanilla", peer))
         if (ov / "eagle3" / "openvino_model.xml").is_file():
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=3, help="drafted tokens per step (a chain), every engine")
     p.add_argument("--engines", default=",".join(PEERS))
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of eagle_lite, transformers 4.x and OpenVINO (vLLM's CPU build runs torch on one)")
     p.add_argument("--fresh", action="store_true", help="re-export the target and re-make the EAGLE-3 head")
     args = p.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
@@ -221,11 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file.write_text(json.dumps({"prompts": ids, "max_new_tokens": args.max_new_tokens}))
     runs = {f"eagle_lite {k}": v for k, v in eagle_lite_runs(target, ids, args.max_new_tokens, args.k).items()}
     del target
-    peers, failures = peer_runs(engines, args.k, prompts_file)
+    peers, failures = peer_runs(engines, args.k, prompts_file, args.threads)
     runs.update(peers)
     eos = set(load_eos())
     lines = [f"{started}, {len(ids)} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1, fp32, "
-             f"{args.threads} CPU threads", "", *table(runs, eos)]
+             f"{args.threads} thread(s) each", "", *table(runs, eos)]
     lines += [f"- {f}" for f in failures]
     print("\n".join(lines))
     (RUN / "table.md").write_text("\n".join(lines) + "\n")

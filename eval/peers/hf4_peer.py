@@ -17,12 +17,13 @@ def main() -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     spec = json.loads(open(args.prompts).read())
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).eval()

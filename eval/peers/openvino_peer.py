@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3, help="num_assistant_tokens")
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=1, help="INFERENCE_NUM_THREADS")
     args = p.parse_args()
     import numpy as np
     import openvino as ov
@@ -54,6 +55,7 @@ def main() -> None:
     spec = json.loads(open(args.prompts).read())
     prompts, max_new = spec["prompts"], int(spec["max_new_tokens"])
     start = time.perf_counter()
+    EXACT["INFERENCE_NUM_THREADS"] = args.threads
     extra = {}
     if args.draft:
         extra["draft_model"] = genai.draft_model(args.draft, "CPU", **EXACT)

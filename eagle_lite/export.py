@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import entry_point
+
 FORMATS = ("eagle", "eagle3", "medusa")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import transformers
@@ -112,17 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.disable_progress_bar()      # stdout holds the export's report only
 
     head = Path(args.head)
-    try:
-        if not head.is_dir():
-            raise FileNotFoundError(f"no head folder at {head}")
-        config_file = head / "config.json"
-        stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
-        dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
-        target = load_target(target_spec(head, args.target))
-        notes = export(head, args.format, args.out, target, dtype)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+    if not head.is_dir():
+        raise FileNotFoundError(f"no head folder at {head}")
+    config_file = head / "config.json"
+    stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
+    dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
+    target = load_target(target_spec(head, args.target))
+    notes = export(head, args.format, args.out, target, dtype)
     out = Path(args.out)
     print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     for note in notes:

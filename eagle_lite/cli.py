@@ -159,5 +159,12 @@ def entry_point(main: Callable[..., int | None] | None = None, *, stopped: str =
 def hydra_entry(hydra_main: Callable[[], None], stopped: str = "[stopped]") -> int:
     """Run a `@hydra.main` function under the boundary. HYDRA_FULL_ERROR makes Hydra raise what failed, in its own
     set-up too (a run folder it cannot create), instead of printing a trimmed traceback itself."""
+    previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    return run(hydra_main, stopped)
+    try:
+        return run(hydra_main, stopped)
+    finally:
+        if previous is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous

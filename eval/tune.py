@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from eagle_lite.cli import entry_point
+from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
@@ -296,16 +296,17 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse every flag that is wrong whatever the target, before it loads (20-80 s): counts, threads, the tree
     grid, and the draft head, Medusa heads or draft model the method needs. Raises ValueError /
     FileNotFoundError naming the flag or the path."""
-    for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
-                               ("--max-new-tokens", args.max_new_tokens, 1)):
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    check_threads(args.threads)
-    if args.save_tree and (args.method != "eagle" or args.draft == "random"):
-        raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle with --draft "
-                         "auto or a head folder")
-    if args.method == "eagle" and args.trees is None:
-        tree_grid(args.depths, args.top_ks, args.totals)
+    with arguments():   # the flags alone: a bad one is exit status 2
+        for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
+                                   ("--max-new-tokens", args.max_new_tokens, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        check_threads(args.threads)
+        if args.save_tree and (args.method != "eagle" or args.draft == "random"):
+            raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle with --draft "
+                             "auto or a head folder")
+        if args.method == "eagle" and args.trees is None:
+            tree_grid(args.depths, args.top_ks, args.totals)
     if args.method == "lookahead":
         for window, ngram, count in itertools.product(args.lookahead_windows, args.lookahead_ngrams,
                                                       args.lookahead_candidates):

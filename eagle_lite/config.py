@@ -9,6 +9,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+DRAFT_SAMPLING = ("q", "match")  # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
+
 SEEDS = 1 << 64   # torch generators take seeds in [0, 2**64)
 
 

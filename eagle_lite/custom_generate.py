@@ -44,11 +44,11 @@ def sampling_of(config, logits_processor) -> SamplingConfig:
 
 def engine_for(model, draft):
     """The Engine for `model` and `draft` (cached per model)."""
-    from .checkpoint import load_head
-    from .draft import DraftHead
+    from .decoding.engine import Engine
     from .drafters import EagleOptions, build
-    from .engine import Engine
-    from .target import Target
+    from .formats import load_head
+    from .heads.draft import DraftHead
+    from .targets.model import Target
 
     if ENGINES_ATTR not in model.__dict__:
         name = getattr(model.config, "name_or_path", None) or type(model).__name__

@@ -50,11 +50,10 @@ def target_spec(path: Path, given: str | None) -> str:
 def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype) -> list[str]:
     """Write the head at `head_path` (any folder --draft / --medusa take) for `target` in format `fmt` to `out`;
     returns the notes for the user."""
-    from .checkpoint import load_head
+    from .formats import load_head, load_medusa
     from .formats.eagle import write_eagle
     from .formats.eagle3 import write_eagle3
     from .formats.medusa import write_medusa
-    from .medusa import load_medusa
 
     head_path, out = Path(head_path), Path(out)
     if fmt not in FORMATS:
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import transformers
 
-    from .loading import load_target
+    from .targets.loading import load_target
 
     transformers.logging.disable_progress_bar()      # stdout holds the export's report only
 

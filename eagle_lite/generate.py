@@ -161,7 +161,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
 
     Ctrl-C (or SIGTERM) keeps what was generated: the text so far, then "[stopped]" and the stats (with --json,
     the object with stop_reason "interrupted"), and STOPPED (TERMINATED)."""
-    from .engine import GenerationStats
+    from .decoding.engine import GenerationStats
 
     stats, ids, status = GenerationStats(), [], 0
     try:
@@ -195,7 +195,7 @@ def read_turn() -> str:
 
 
 def chat(lm, cfg: GenerationConfig) -> None:
-    from .engine import GenerationStats
+    from .decoding.engine import GenerationStats
     from .kv_cache import ContextOverflowError
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)

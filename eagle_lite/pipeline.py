@@ -15,11 +15,11 @@ import torch
 
 from .chat_format import chat_ids, clean_text
 from .config import GenerationConfig, TreeConfig, resolve_tree
+from .decoding.drafter import Drafter
+from .decoding.engine import Engine, GenerationStats
 from .drafters import registry
-from .drafters.base import Drafter
-from .engine import Engine, GenerationStats
-from .loading import load_target
-from .target import Target
+from .targets.loading import load_target
+from .targets.model import Target
 
 
 @dataclass
@@ -123,7 +123,8 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     method, options = registry.resolve(method, tgt, options)
     if static is not None:
-        from .static_step import StaticEngine, eagle_head
+        from .decoding.static_step import StaticEngine
+        from .drafters.registry import eagle_head
 
         check_static(method, static)
         head = eagle_head(tgt, options) if method == "eagle" else None
@@ -134,7 +135,7 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
 def check_static(method: str, mode: str) -> None:
     """Refuse what the static step cannot run: a method other than eagle and vanilla ("auto" resolves to one of
     them, or to lookup, which is refused once resolved), an unknown mode."""
-    from .static_step import MODES
+    from .decoding.static_step import MODES
 
     if mode not in MODES:
         raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 
 from eagle_lite.config import GenerationConfig
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
-from eagle_lite.engine import Engine
-from eagle_lite.loading import gguf_file
-from eagle_lite.static_step import StaticEngine, eagle_head
-from eagle_lite.target import Target
+from eagle_lite.drafters.registry import eagle_head
+from eagle_lite.targets.loading import gguf_file
+from eagle_lite.targets.model import Target
 
 
 @dataclass
@@ -165,7 +166,7 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
         o = options.get("draft_model") or registry.DraftModelOptions()
         registry.check("draft_model", o)
         if o.draft_target is None:
-            from eagle_lite.loading import load_target
+            from eagle_lite.targets.loading import load_target
 
             o = replace(o, draft_target=load_target(o.model, dtype=target.dtype, device=str(target.device)))
         options["draft_model"] = o

@@ -19,10 +19,10 @@ import torch
 from eagle_lite.chat_format import chat_ids
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
-from eagle_lite.engine import Engine
-from eagle_lite.loading import load_target
-from eagle_lite.static_step import StaticEngine
+from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads
 
 from .sweep import head_for

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from eagle_lite.chat_format import chat_ids
 from eagle_lite.config import GenerationConfig
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 from .methods import Method
 from .tasks import Question

@@ -30,8 +30,8 @@ import torch
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
-from eagle_lite.static_step import StaticEngine
-from eagle_lite.static_tree import BUCKETS, StaticTree, bucket_for
+from eagle_lite.decoding.static_step import StaticEngine
+from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
 from eagle_lite.threads import check_threads
 
 from .tune import ints, tree_spec
@@ -47,7 +47,7 @@ def random_llama(sizes: dict, name: str, device: str, dtype: torch.dtype, attent
     """A Llama of these sizes with random weights, built on `device` (no download), as a Target."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle_lite.target import Target
+    from eagle_lite.targets.model import Target
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -57,9 +57,9 @@ def random_llama(sizes: dict, name: str, device: str, dtype: torch.dtype, attent
 
 def load(spec: str, device: str, dtype: torch.dtype, attention: str):
     """(target, head, note) for a --targets entry."""
-    from eagle_lite.draft import DraftHead
     from eagle_lite.drafters import registry
-    from eagle_lite.loading import load_target
+    from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.targets.loading import load_target
 
     if spec == "llama1b":
         target = random_llama(LLAMA_1B, "llama-1b-random", device, dtype, attention)
@@ -228,8 +228,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    from eagle_lite.loading import check_device
-    from eagle_lite.static_step import MODES
+    from eagle_lite.decoding.static_step import MODES
+    from eagle_lite.targets.loading import check_device
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

@@ -23,11 +23,11 @@ from tqdm import tqdm
 from eagle_lite.atomic import write_atomic, write_text_atomic
 from eagle_lite.cli import hydra_entry
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
-from eagle_lite.draft import DraftHead
+from eagle_lite.decoding.static_step import MODES
 from eagle_lite.drafters import registry
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.attention import BACKENDS
-from eagle_lite.loading import load_target
-from eagle_lite.static_step import MODES
+from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads
 
 from . import plots, report, runner

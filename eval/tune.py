@@ -35,10 +35,10 @@ import torch
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
-from eagle_lite.engine import Engine
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads
 
 from . import report, runner
@@ -316,8 +316,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
-    from eagle_lite.loading import load_target
-    from eagle_lite.medusa import MedusaHeads, load_medusa
+    from eagle_lite.formats import load_medusa
+    from eagle_lite.heads.medusa import MedusaHeads
+    from eagle_lite.targets.loading import load_target
 
     from .sweep import head_for
 
@@ -351,8 +352,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    from eagle_lite.checkpoint import default_head_path
-    from eagle_lite.loading import load_target
+    from eagle_lite.heads.checkpoint import default_head_path
+    from eagle_lite.targets.loading import load_target
 
     from .sweep import load_questions
 
@@ -389,7 +390,7 @@ def main(argv=None) -> int:
     print(f"\nbest: {top['method']} at {top['tokens_per_s']:.1f} tokens/s{speedup}; "
           f"select it with {how_to_select(args.method, top['setting'])}")
     if args.save_tree:
-        from eagle_lite.checkpoint import recommend_tree
+        from eagle_lite.heads.checkpoint import recommend_tree
 
         folder = default_head_path(target.name) if args.draft == "auto" else args.draft
         command = "python -m eval.tune " + shlex.join(sys.argv[1:] if argv is None else argv)

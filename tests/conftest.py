@@ -23,7 +23,7 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from eagle_lite.target import Target  # noqa: E402
+from eagle_lite.targets.model import Target  # noqa: E402
 
 VOCAB = 96
 
@@ -91,7 +91,7 @@ def llama() -> Target:
 def exact_continuations(target: Target, prompt: list[int], sampling, length: int = 3) -> dict[tuple, float]:
     """The target's exact distribution over `length`-token continuations, enumerated over the
     support of its sampling distribution (keep top_k small so the tree stays small)."""
-    from eagle_lite.accept import target_probs
+    from eagle_lite.decoding.accept import target_probs
 
     exact: dict[tuple, float] = {}
 

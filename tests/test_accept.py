@@ -14,10 +14,10 @@ import torch
 from conftest import exact_continuations, make_target
 from test_grid_linear import needs_kernel
 
-from eagle_lite.accept import _top_p_sorted, accept_greedy, accept_sampling, sample, target_probs
 from eagle_lite.config import GenerationConfig, SamplingConfig
+from eagle_lite.decoding.accept import _top_p_sorted, accept_greedy, accept_sampling, sample, target_probs
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
-from eagle_lite.engine import Engine
 from eagle_lite.tree import DraftTree
 
 V = 6
@@ -196,7 +196,7 @@ def _node_logits_case(target):
 def test_node_logits_project_only_the_walked_nodes(llama):
     """Acceptance reads the logits of the nodes it walks; the lazy projection computes those rows
     alone, and they equal the lm_head's row for row."""
-    from eagle_lite.lm_head import NodeLogits
+    from eagle_lite.targets.lm_head import NodeLogits
 
     with torch.inference_mode():
         hidden, full, choice, other = _node_logits_case(llama)
@@ -218,7 +218,7 @@ def test_node_logits_find_the_likely_paths_argmaxes_in_one_product():
     """With the lm_head on grid codes, the first read of the draft's likeliest path (root, first child, ...)
     projects all of it at once; a walk that leaves it projects the rest node by node; every argmax and row
     is the lm_head's."""
-    from eagle_lite.lm_head import NodeLogits
+    from eagle_lite.targets.lm_head import NodeLogits
 
     target = make_target("llama", grid=True)
     with torch.inference_mode():
@@ -259,7 +259,7 @@ def test_engine_sampling_with_a_grafted_lookup_path_matches_target(llama):
     from conftest import eagle_drafter
 
     from eagle_lite.config import TreeConfig
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.heads.draft import DraftHead
 
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes

@@ -9,13 +9,14 @@ import torch
 import transformers as T
 from conftest import VOCAB, eagle_drafter, reference_greedy, tiny_tokenizer
 
-from eagle_lite.checkpoint import load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.draft import DraftHead
-from eagle_lite.drafters.base import NoDrafter
+from eagle_lite.decoding.drafter import NoDrafter
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters.layer_skip import LayerSkipDrafter
-from eagle_lite.engine import Engine
-from eagle_lite.target import Target
+from eagle_lite.formats import load_head
+from eagle_lite.heads.checkpoint import save_head
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.targets.model import Target
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0)
 LLAMA_LIKE = dict(SIZES, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=512)
@@ -129,7 +130,7 @@ def test_layer_skip_refuses_a_target_without_a_llama_style_stack(family):
 
 def test_a_saved_gemma2_folder_loads_and_decodes_exactly(tmp_path):
     """from_pretrained with SDPA forced would refuse Gemma 2 (it soft-caps attention scores)."""
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
 
     built = build("gemma2")
     built.model.save_pretrained(tmp_path / "gemma2")
@@ -143,7 +144,7 @@ def test_a_saved_gemma2_folder_loads_and_decodes_exactly(tmp_path):
 
 
 def test_a_target_path_that_does_not_exist_is_named(tmp_path):
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
 
     with pytest.raises(FileNotFoundError, match="no model folder there"):
         load_target(str(tmp_path / "missing"))

@@ -21,7 +21,7 @@ from eagle_lite.kernels.attention import (
     select_attention,
     split_attention,
 )
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 from eagle_lite.tree import DraftTree, attention_mask
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16

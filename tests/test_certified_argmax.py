@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from conftest import make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import PromptLookupDrafter
-from eagle_lite.engine import Engine
 from eagle_lite.kernels.certified_argmax import CertifiedArgmax
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import make_target
 
-from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import TreeConfig
-from eagle_lite.draft import DraftHead
+from eagle_lite.formats import load_head
+from eagle_lite.heads.checkpoint import HeadMismatchError, save_head
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import attention_mask
 
 
@@ -75,7 +76,7 @@ def test_recommended_tree_round_trips_and_a_bad_one_is_refused(llama, tmp_path):
 
 
 def test_each_device_gets_its_own_recommended_tree(llama, tmp_path):
-    from eagle_lite.checkpoint import read_head_config, recommend_tree, recommended_tree
+    from eagle_lite.heads.checkpoint import read_head_config, recommend_tree, recommended_tree
 
     path = save_head(DraftHead.for_target(llama), tmp_path / "head", llama,
                      extra={"tree": {"depth": 2, "top_k": 2, "total_tokens": 2, "lookup": 4}})
@@ -90,7 +91,7 @@ def test_each_device_gets_its_own_recommended_tree(llama, tmp_path):
 
 
 def test_the_shipped_head_recommends_a_valid_tree_on_each_device():
-    from eagle_lite.checkpoint import default_head_path, read_head_config, recommended_tree
+    from eagle_lite.heads.checkpoint import default_head_path, read_head_config, recommended_tree
 
     path = default_head_path("smollm2")
     config = read_head_config(path)

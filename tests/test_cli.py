@@ -129,10 +129,10 @@ def test_chat_survives_a_conversation_longer_than_the_context(tiny_model_dir):
 
 
 def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_model_dir, tmp_path):
-    from eagle_lite.checkpoint import save_head
     from eagle_lite.config import TreeConfig
-    from eagle_lite.draft import DraftHead
     from eagle_lite.generate import build_parser, generation_config
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
     from eagle_lite.pipeline import load
 
     vanilla = load(str(tiny_model_dir), method="vanilla")
@@ -304,8 +304,8 @@ def test_threads_are_checked_before_loading(tiny_model_dir, capsys, monkeypatch,
 
 
 def test_tree_flags_are_checked_against_the_heads_tree_not_the_default(tiny_model_dir, tmp_path, capsys):
-    from eagle_lite.checkpoint import save_head
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
     from eagle_lite.pipeline import load
 
     vanilla = load(str(tiny_model_dir), method="vanilla")

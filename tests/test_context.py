@@ -5,8 +5,8 @@ import pytest
 from conftest import eagle_drafter, make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.draft import DraftHead
-from eagle_lite.engine import Engine
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kv_cache import ContextOverflowError
 
 

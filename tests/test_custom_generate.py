@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_lite.checkpoint import save_head
 from eagle_lite.custom_generate import generate as eagle_generate
-from eagle_lite.draft import DraftHead
-from eagle_lite.target import Target
+from eagle_lite.heads.checkpoint import save_head
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.targets.model import Target
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ from conftest import VOCAB, exact_continuations, make_target, reference_greedy
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import eagle_lite.engine as engine_module
-from eagle_lite.accept import target_probs
+import eagle_lite.decoding.engine as engine_module
 from eagle_lite.config import GenerationConfig, SamplingConfig
+from eagle_lite.decoding.accept import target_probs
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftModelDrafter, LayerSkipDrafter
 from eagle_lite.drafters.layer_skip import EarlyExit
-from eagle_lite.engine import Engine
 from eagle_lite.generate import main
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 
 def noisy_copy(family: str = "llama", noise: float = 0.1) -> Target:

@@ -6,9 +6,9 @@ import torch
 from conftest import reference_greedy
 
 from eagle_lite.config import GenerationConfig, SamplingConfig
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftInput, NoDrafter, PromptLookupDrafter
 from eagle_lite.drafters.prompt_lookup import AdaptiveLength
-from eagle_lite.engine import Engine
 
 
 def test_lookup_finds_the_latest_longest_match():

@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import eagle_drafter, exact_continuations, reference_greedy
 
-from eagle_lite.accept import accept_sampling, target_probs
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
-from eagle_lite.draft import DraftHead
+from eagle_lite.decoding.accept import accept_sampling, target_probs
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import EagleOptions, registry
 from eagle_lite.drafters import eagle as eagle_module
-from eagle_lite.engine import Engine
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree, SampledRows, graft_chain
 
 V = 6

@@ -6,9 +6,9 @@ import torch
 from conftest import VOCAB, eagle_drafter, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.draft import DraftHead
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftInput, NoDrafter
-from eagle_lite.engine import Engine
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
 
 TREES = {

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.draft import DraftHead
 from eagle_lite.drafters import EagleOptions
-from eagle_lite.loading import load_target
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.targets.loading import load_target
 from eval import report, runner
 from eval.methods import build_methods
 from eval.runner import first_difference
@@ -308,11 +308,11 @@ def no_target_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded before the inputs were checked")
 
-    import eagle_lite.loading
+    import eagle_lite.targets.loading
     import eval.profile_step
     import eval.sweep
 
-    for module in (eagle_lite.loading, eval.sweep, eval.profile_step):
+    for module in (eagle_lite.targets.loading, eval.sweep, eval.profile_step):
         monkeypatch.setattr(module, "load_target", refuse)
 
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 from conftest import VOCAB, eagle_drafter, make_target, reference_greedy
 
-from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.draft import DraftHead, auto_feature_layers
-from eagle_lite.engine import Engine
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.formats import load_head
+from eagle_lite.heads.checkpoint import HeadMismatchError, save_head
+from eagle_lite.heads.draft import DraftHead, auto_feature_layers
 from eagle_lite.tree import DraftTree
 
 

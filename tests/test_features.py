@@ -236,15 +236,15 @@ def test_synthetic_distill_is_the_targets_greedy_answer_and_resumes(target, tmp_
 def test_engine_answers_with_the_shipped_head_are_the_targets_greedy_answers(target, tmp_path, monkeypatch):
     """distill's engine backend drafts with the head shipped for the target (here a random one): speculative
     decoding is lossless, so the records equal transformers' greedy generate() token for token."""
-    from eagle_lite.checkpoint import save_head
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
     from trainers import answering
 
     other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))  # its own engine (built once per target)
     torch.manual_seed(0)
     heads = tmp_path / "heads"
     save_head(DraftHead.for_target(other), heads / "tiny", other)
-    monkeypatch.setattr("eagle_lite.checkpoint.default_head_path", lambda name: heads / name)
+    monkeypatch.setattr("eagle_lite.heads.checkpoint.default_head_path", lambda name: heads / name)
     cfg = DistillConfig(source="synthetic", limit=6, max_new_tokens=24, shard_size=3, backend="engine")
     distill(other, cfg, tmp_path / "answers", progress=False)
     engine, _ = answering._engine_for(other)
@@ -419,7 +419,7 @@ def byte_tokenizer():
 
 
 def test_multi_turn_chat_distill_regenerates_every_assistant_turn(tmp_path):
-    from eagle_lite.target import Target
+    from eagle_lite.targets.model import Target
     from trainers.distill import chat_records
     from trainers.sharegpt import Conversation, Turn
 
@@ -453,7 +453,7 @@ def test_multi_turn_chat_distill_regenerates_every_assistant_turn(tmp_path):
 
 
 def test_text_records_keep_the_conversations_own_replies(tiny_model_dir):
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
     from trainers.distill import text_records
     from trainers.sharegpt import Conversation, Turn
 
@@ -527,7 +527,7 @@ def test_distilled_text_with_unicode_line_separators_reads_back(tmp_path):
 def test_a_base_model_without_a_chat_template_distills_in_the_plain_layout():
     """GPT-2, Pythia and other base models ship no chat template: their turns are laid out as plain text, each
     followed by a blank line (an answer closed by EOS), and the target's answer is its continuation."""
-    from eagle_lite.target import Target
+    from eagle_lite.targets.model import Target
     from trainers.distill import chat_records
     from trainers.sharegpt import Conversation, Turn
 
@@ -553,7 +553,7 @@ def test_a_base_model_without_a_chat_template_distills_in_the_plain_layout():
 
 
 def chat_target():
-    from eagle_lite.target import Target
+    from eagle_lite.targets.model import Target
 
     tiny = tiny_target(TargetConfig(name="tiny-chat", kind="tiny", vocab_size=260, eos_token_id=257,
                                     pad_token_id=258, seed=3))

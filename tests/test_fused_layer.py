@@ -8,8 +8,8 @@ from conftest import VOCAB, make_target, reference_greedy
 from test_grid_linear import needs_kernel
 
 from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
-from eagle_lite.engine import Engine
 from eagle_lite.kernels import fused_layer
 from eagle_lite.tree import DraftTree
 

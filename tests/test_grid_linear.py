@@ -13,8 +13,8 @@ from conftest import make_target, reference_greedy, snap_to_q4_1, snap_to_q8_0
 from torch import nn
 
 from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
-from eagle_lite.engine import Engine
 from eagle_lite.kernels import cpu_linear, grid_linear
 from eagle_lite.kernels.cpu_linear import pack_linears
 from eagle_lite.kernels.grid_linear import Grid4, Grid8, grid_of, kernel_available
@@ -162,7 +162,7 @@ def test_rounding_a_weight_onto_a_q8_0_grid_stays_within_its_step():
 def test_the_draft_head_may_run_from_rounded_codes_and_stays_exact(round_head):
     from conftest import eagle_drafter
 
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.heads.draft import DraftHead
 
     target = make_target("llama")
     torch.manual_seed(0)

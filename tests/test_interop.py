@@ -8,12 +8,12 @@ import torch
 from conftest import VOCAB, make_target, reference_greedy
 from interop_reference import eagle1_forward, eagle3_forward, llama_config, medusa_logits, random_layer, write
 
-from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.draft import DraftHead, published_feature_layers
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftInput, EagleDrafter, MedusaDrafter
-from eagle_lite.engine import Engine
-from eagle_lite.medusa import load_medusa
+from eagle_lite.formats import load_head, load_medusa
+from eagle_lite.heads.checkpoint import HeadMismatchError, save_head
+from eagle_lite.heads.draft import DraftHead, published_feature_layers
 from eagle_lite.tree import attention_mask
 
 TREE = TreeConfig(depth=3, top_k=3, total_tokens=8)
@@ -263,7 +263,7 @@ def test_eagle3_heads_round_trip_bit_for_bit(deep, tmp_path):
 
 
 def test_medusa_heads_round_trip_for_both_loaders(llama, tmp_path):
-    from eagle_lite.medusa import MedusaHeads, save_medusa
+    from eagle_lite.heads.medusa import MedusaHeads, save_medusa
 
     torch.manual_seed(0)
     heads = trained_like(MedusaHeads.for_target(llama, num_heads=3, num_layers=1))
@@ -406,7 +406,7 @@ def test_medusa_export_loads_in_vllm_and_fasterdecoding(llama, tmp_path):
     from safetensors.torch import load_file
 
     from eagle_lite.export import export
-    from eagle_lite.medusa import MedusaHeads, save_medusa
+    from eagle_lite.heads.medusa import MedusaHeads, save_medusa
 
     heads = trained_like(MedusaHeads.for_target(llama, num_heads=2, num_layers=1))
     save_medusa(heads, tmp_path / "heads", llama)
@@ -505,7 +505,7 @@ def test_export_cli_errors_are_one_line_and_exit_non_zero(tmp_path, capsys):
 
 def test_export_cli_writes_a_folder_and_prints_its_notes(tiny_model_dir, tmp_path, capsys):
     from eagle_lite.export import main
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
 
     target = load_target(str(tiny_model_dir))
     save_head(DraftHead.for_target(target, torch.arange(20)), tmp_path / "head", target)
@@ -519,9 +519,9 @@ def test_export_cli_writes_a_folder_and_prints_its_notes(tiny_model_dir, tmp_pat
 
 @pytest.mark.slow
 def test_the_shipped_head_exports_to_eagle_and_drafts_the_same(tmp_path):
-    from eagle_lite.checkpoint import default_head_path
     from eagle_lite.export import export
-    from eagle_lite.loading import load_target
+    from eagle_lite.heads.checkpoint import default_head_path
+    from eagle_lite.targets.loading import load_target
 
     target = load_target("smollm2")
     shipped = default_head_path("smollm2")

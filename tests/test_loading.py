@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from eagle_lite import loading
+from eagle_lite.targets import loading
 
 
 def fake_gguf(path, body: bytes = b"\x03\x00\x00\x00" + bytes(64)):

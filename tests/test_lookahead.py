@@ -10,11 +10,11 @@ from conftest import VOCAB, exact_continuations, reference_greedy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle_lite.config import GenerationConfig, SamplingConfig
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftInput, LookaheadDrafter, LookaheadOptions, PromptLookupDrafter, registry
 from eagle_lite.drafters.lookahead import NgramPool
-from eagle_lite.engine import Engine
 from eagle_lite.generate import main
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 
 def greedy(n: int) -> GenerationConfig:
@@ -177,7 +177,7 @@ def test_the_pool_keeps_the_latest_distinct_ngrams_per_first_token():
 
 
 def test_prefetched_rows_are_projected_in_one_product_and_read_back(llama):
-    from eagle_lite.lm_head import NodeLogits
+    from eagle_lite.targets.lm_head import NodeLogits
 
     hidden = torch.randn(6, llama.hidden_size)
     calls, logits = [], llama.lm.logits
@@ -318,14 +318,14 @@ def test_the_sweep_config_sets_its_sizes(tiny_model_dir, tmp_path):
 
 
 def test_benchmark_and_tune_take_its_flags(capsys, monkeypatch):
-    import eagle_lite.loading
+    import eagle_lite.targets.loading
     import eval.sweep
     from eval import benchmark, tune
 
     def refuse(*a, **k):
         raise AssertionError("the target was loaded before the inputs were checked")
 
-    for module in (eagle_lite.loading, eval.sweep):
+    for module in (eagle_lite.targets.loading, eval.sweep):
         monkeypatch.setattr(module, "load_target", refuse)
     args = benchmark.parse_args(["--methods", "vanilla,lookahead", "--lookahead-window", "3"])
     assert benchmark.settings_of(args).lookahead == {"window": 3}
@@ -339,7 +339,7 @@ def test_benchmark_and_tune_take_its_flags(capsys, monkeypatch):
 
 
 def test_tune_runs_its_grid(tiny_model_dir):
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
     from eval.tasks import Question
     from eval.tune import best, lookahead_candidates, tune
 

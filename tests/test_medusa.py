@@ -13,13 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conftest import VOCAB, make_target, reference_greedy, tiny_train_config, train_config  # noqa: E402
 
-from eagle_lite.checkpoint import HeadMismatchError, load_head, save_head  # noqa: E402
 from eagle_lite.config import GenerationConfig, SamplingConfig  # noqa: E402
-from eagle_lite.draft import DraftHead  # noqa: E402
+from eagle_lite.decoding.engine import Engine  # noqa: E402
 from eagle_lite.drafters import DraftInput, MedusaDrafter, NoDrafter  # noqa: E402
 from eagle_lite.drafters.medusa import DEFAULT_CHOICES, check_choices, parse_choices, sized_choices  # noqa: E402
-from eagle_lite.engine import Engine  # noqa: E402
-from eagle_lite.medusa import MedusaHeads, load_medusa, save_medusa  # noqa: E402
+from eagle_lite.formats import load_head, load_medusa  # noqa: E402
+from eagle_lite.heads.checkpoint import HeadMismatchError, save_head  # noqa: E402
+from eagle_lite.heads.draft import DraftHead  # noqa: E402
+from eagle_lite.heads.medusa import MedusaHeads, save_medusa  # noqa: E402
 from trainers.datamodule import collate  # noqa: E402
 from trainers.medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
@@ -300,8 +301,9 @@ def test_tune_prints_a_table_and_the_best_setting(tiny_model_dir, tmp_path, caps
 
 
 def test_tune_saves_the_best_tree_in_the_head_folder(tiny_model_dir, tmp_path, capsys):
-    from eagle_lite.checkpoint import load_head, read_head_config, save_head
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.formats import load_head
+    from eagle_lite.heads.checkpoint import read_head_config, save_head
+    from eagle_lite.heads.draft import DraftHead
     from eagle_lite.pipeline import load
     from eval.tune import main
 

@@ -25,7 +25,7 @@ def test_every_registered_method_builds_a_drafter_with_its_default_options(monke
 
 def test_auto_is_eagle_with_a_head_and_lookup_without(monkeypatch):
     target = make_target("llama")
-    monkeypatch.setattr("eagle_lite.checkpoint.default_head_path", lambda name: None)
+    monkeypatch.setattr("eagle_lite.heads.checkpoint.default_head_path", lambda name: None)
     assert registry.resolve("auto", target)[0] == "lookup"
     name, options = registry.resolve("auto", target, registry.EagleOptions(draft="random"))
     assert name == "eagle" and options.head is not None

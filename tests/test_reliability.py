@@ -186,9 +186,9 @@ def test_custom_generate_names_beam_search_and_multiple_sequences(tiny_model_dir
 def test_draft_weights_of_the_wrong_shape_are_one_line_naming_the_tensor(tiny_model_dir, lm, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from eagle_lite.checkpoint import save_head
-    from eagle_lite.draft import DraftHead
     from eagle_lite.generate import main
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
 
     head = save_head(DraftHead.for_target(lm.target), tmp_path / "head", lm.target)
     tensors = load_file(head / "model.safetensors")

@@ -6,16 +6,16 @@ import torch
 from conftest import eagle_drafter
 
 from eagle_lite.config import GenerationConfig
-from eagle_lite.draft import DraftHead
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
-from eagle_lite.engine import Engine
+from eagle_lite.heads.draft import DraftHead
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
 
     return load_target("smollm2")
 
@@ -37,7 +37,8 @@ def test_eagle_random_head_equals_vanilla_equals_transformers(smollm2):
 def test_shipped_head_is_the_default_and_exact(smollm2):
     """`load()` speculates with the head shipped for SmolLM2 (if one ships): same tokens as transformers,
     more than one token per target forward on a chat prompt, with the head's recommended tree."""
-    from eagle_lite.checkpoint import default_head_path, load_head
+    from eagle_lite.formats import load_head
+    from eagle_lite.heads.checkpoint import default_head_path
 
     path = default_head_path("smollm2")
     if path is None:

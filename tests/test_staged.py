@@ -8,10 +8,10 @@ import torch
 from conftest import eagle_drafter, exact_continuations, reference_greedy
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
-from eagle_lite.draft import DraftHead
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftInput, EagleOptions, registry
 from eagle_lite.drafters.lookup_graft import LookupGraft
-from eagle_lite.engine import Engine
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]   # the context repeats: lookup proposes every step

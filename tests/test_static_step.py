@@ -10,15 +10,15 @@ import torch
 from conftest import VOCAB, make_target, reference_greedy
 from test_engine import TREES
 
-from eagle_lite.accept import accept_greedy as walk_greedy
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
-from eagle_lite.device_kv_cache import slot_mask
-from eagle_lite.draft import DraftHead
+from eagle_lite.decoding.accept import accept_greedy as walk_greedy
+from eagle_lite.decoding.device_kv_cache import slot_mask
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.static_step import StaticEngine
+from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
 from eagle_lite.drafters import DraftInput
 from eagle_lite.drafters.eagle import EagleDrafter
-from eagle_lite.engine import Engine
-from eagle_lite.static_step import StaticEngine
-from eagle_lite.static_tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
+from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
 
 STATIC_TREES = {name: tree for name, tree in TREES.items() if not tree.lookup}
@@ -270,7 +270,7 @@ def test_refusals(llama, caplog):
 
 def test_a_target_the_static_cache_runs_wrong_is_refused(monkeypatch):
     target = make_target("llama")
-    monkeypatch.setattr("eagle_lite.static_step.slot_mask",
+    monkeypatch.setattr("eagle_lite.decoding.static_step.slot_mask",
                         lambda start, visible, slots: torch.ones(1, 1, visible.shape[0], slots, dtype=torch.bool))
     with pytest.raises(ValueError, match="cannot run the static step"):
         StaticEngine(target)
@@ -283,7 +283,7 @@ def test_steps_compile_whole_and_stay_exact(attention):
     raises), and the compiled steps give transformers' output. aot_eager: dynamo and AOTAutograd trace it all; only
     inductor's C++ code generation (~45 s a step on a 2-core CPU, the slow test below) is left out. The target keeps
     its CPU speed-ups (the compiled steps set them aside) and its backend (gqa: the one `auto` picks on a CPU)."""
-    from eagle_lite.target import Target
+    from eagle_lite.targets.model import Target
 
     target = Target(make_target("llama").model, name="tiny-llama", attention=attention)
     prompt = list(range(3, 14))
@@ -310,7 +310,7 @@ def test_steps_compile_with_inductor_on_cpu():
 
 # -- on a GPU (skipped on CPU; run with -m gpu) ------------------------------------------------------------
 def cuda_target(family: str = "llama"):
-    from eagle_lite.target import Target
+    from eagle_lite.targets.model import Target
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

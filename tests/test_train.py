@@ -16,8 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from conftest import tiny_train_config, train_config  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from eagle_lite.checkpoint import HeadMismatchError, load_head, read_head_config  # noqa: E402
-from eagle_lite.draft import DraftHead  # noqa: E402
+from eagle_lite.formats import load_head  # noqa: E402
+from eagle_lite.heads.checkpoint import HeadMismatchError, read_head_config  # noqa: E402
+from eagle_lite.heads.draft import DraftHead  # noqa: E402
 from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
 from trainers.datamodule import LoaderConfig, collate, joint_index  # noqa: E402
 from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
@@ -238,7 +239,7 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     from conftest import eagle_drafter
 
     from eagle_lite.config import GenerationConfig, TreeConfig
-    from eagle_lite.engine import Engine
+    from eagle_lite.decoding.engine import Engine
     from trainers.features import FeatureCacheMismatch
     from trainers.train import train
 
@@ -270,8 +271,8 @@ def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly
     """experiment=eagle3 on an 8-layer tiny target: the cache holds the published taps (outputs of 1, 3, 4), the head
     (own norm and lm_head) trains by the token loss, exports as an EAGLE-3 folder and decodes the target's output."""
     from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.decoding.engine import Engine
     from eagle_lite.drafters import EagleDrafter
-    from eagle_lite.engine import Engine
     from eagle_lite.export import export
     from trainers.train import train
 
@@ -295,7 +296,7 @@ def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly
 
 
 def test_an_eagle3_head_refuses_a_feature_regression_loss():
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.heads.draft import DraftHead
     from trainers.module import DraftLightningModule
     from trainers.objective import ObjectiveConfig
 
@@ -508,7 +509,7 @@ def test_a_pretrained_training_target_reads_through_plain_sdpa(tiny_model_dir):
 
 
 def test_validate_scores_exported_heads_as_training_did(runs, target, tmp_path, capsys):
-    from eagle_lite.checkpoint import save_head
+    from eagle_lite.heads.checkpoint import save_head
     from trainers.train import train
     from trainers.validate import main, validate_heads
 

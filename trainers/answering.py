@@ -1,6 +1,6 @@
 """How the target answers distillation prompts: eagle_lite's own decoding engine, or batched `generate()`.
 
-  "engine"   - one prompt at a time through `eagle_lite.engine.Engine` with the head shipped for the target
+  "engine"   - one prompt at a time through `eagle_lite.decoding.engine.Engine` with the head shipped for the target
                (prompt lookup where none ships). Speculative decoding is lossless, so each answer is the
                target's own greedy answer (or a draw from its own distribution when sampling), and on a CPU
                it is the faster way (docs/benchmarks.md, "Distillation backends"). The speed-ups it applies to
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 from .targets import pad_token_id
 
@@ -106,8 +106,8 @@ def _engine_for(target: Target):
     built, inside `Target.stock`), and the head shipped for it."""
     if getattr(target, "_distill_engine", None) is None:
         from eagle_lite.config import resolve_tree
+        from eagle_lite.decoding.engine import Engine
         from eagle_lite.drafters import registry
-        from eagle_lite.engine import Engine
 
         target.speed_up()
         try:

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from eagle_lite.atomic import write_atomic, write_json_atomic, write_text_atomic
 from eagle_lite.chat_format import chat_text, clean_text
 from eagle_lite.cli import entry_point
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 from .answering import BACKENDS, generate_answers, resolve_backend
 from .shards import file_damage, file_digest

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from eagle_lite.atomic import write_atomic, write_json_atomic
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 from .shards import file_damage, file_digest
 from .targets import pad_token_id

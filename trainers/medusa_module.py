@@ -14,7 +14,7 @@ import lightning.pytorch as L
 import torch
 from torchmetrics.aggregation import SumMetric
 
-from eagle_lite.medusa import MedusaHeads
+from eagle_lite.heads.medusa import MedusaHeads
 
 from .medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective
 from .module import DraftLightningModule, OptimConfig, add_val_batch, val_epoch_metrics

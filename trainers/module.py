@@ -20,7 +20,7 @@ import lightning.pytorch as L
 import torch
 from torchmetrics.aggregation import SumMetric
 
-from eagle_lite.draft import DraftHead
+from eagle_lite.heads.draft import DraftHead
 
 from .objective import ObjectiveConfig, add_noise, agreement, make_pairs, novel_pairs, objective, unroll
 

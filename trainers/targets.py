@@ -1,4 +1,4 @@
-"""The target a head is trained for: a real model through `eagle_lite.loading`, or a tiny random Llama.
+"""The target a head is trained for: a real model through `eagle_lite.targets.loading`, or a tiny random Llama.
 
 The tiny target is built in-process from a seed (no downloads, no tokenizer), so tests and
 `target=tiny` runs exercise the whole pipeline in seconds; the same seed always rebuilds the same
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +73,7 @@ def build_target(cfg: TargetConfig) -> Target:
         torch.set_num_threads(cfg.threads)
     if cfg.kind == "tiny":
         return tiny_target(cfg)
-    from eagle_lite.loading import load_target
+    from eagle_lite.targets.loading import load_target
 
     # Training reads the target in batches of whole sequences with causal + padding masks, never a tree: plain
     # SDPA and no few-row speed-ups ('auto' would mean FlexAttention on CUDA, compiled again for every batch

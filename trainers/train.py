@@ -104,8 +104,8 @@ def feature_layers(cfg: DictConfig, target) -> tuple[int, ...]:
     """The target's decoder layers the head reads (EAGLE-3), from `draft.feature_layers`: null or [] (the last
     hidden state, EAGLE-1/2), "auto" (low, middle, high: `auto_feature_layers`) or a list; a head fine-tuned from
     `draft.init_from` keeps its own."""
-    from eagle_lite.checkpoint import load_head
-    from eagle_lite.draft import auto_feature_layers, published_feature_layers
+    from eagle_lite.formats import load_head
+    from eagle_lite.heads.draft import auto_feature_layers, published_feature_layers
 
     if cfg.draft.get("init_from"):   # any head folder --draft takes: eagle_lite's or a published layout
         return load_head(cfg.draft.init_from, target).feature_layers
@@ -166,12 +166,12 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
 def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
     """The head (random, seeded; over a reduced vocabulary when draft.vocab_size is set; reading the decoder
     layers `taps` where given) in its module."""
-    from eagle_lite.draft import DraftHead
+    from eagle_lite.heads.draft import DraftHead
 
     from .module import DraftLightningModule, OptimConfig
 
     if cfg.draft.get("kind", "eagle") == "medusa":  # Medusa heads on the same features (conf/draft/medusa.yaml)
-        from eagle_lite.medusa import MedusaHeads
+        from eagle_lite.heads.medusa import MedusaHeads
 
         from .medusa_module import MedusaLightningModule, MedusaObjectiveConfig
         with torch.random.fork_rng(devices=[]):
@@ -214,7 +214,7 @@ def warm_start_head(path, target, vocab_size):
     Its draft vocabulary comes with it: the rows of its output layer belong to those tokens, so a
     `draft.vocab_size` that disagrees is reported and ignored rather than re-chosen from the new data.
     """
-    from eagle_lite.checkpoint import load_head
+    from eagle_lite.formats import load_head
 
     head = load_head(path, target).float().train()
     head.tree = None  # a tree recommended for the old weights says nothing about the new ones
@@ -312,7 +312,7 @@ def check_run_folder(cfg: DictConfig) -> None:
     `draft=medusa` without `experiment=medusa` keeps name=default: it must neither continue nor overwrite
     the EAGLE head's run.
     """
-    from eagle_lite.checkpoint import FORMAT, KINDS, MEDUSA_FORMAT
+    from eagle_lite.heads.checkpoint import FORMAT, KINDS, MEDUSA_FORMAT
 
     expected = MEDUSA_FORMAT if cfg.draft.get("kind", "eagle") == "medusa" else FORMAT
     exported = Path(cfg.paths.export) / "config.json"
@@ -370,8 +370,8 @@ def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
     """The stages of `train`, up to `stop_after` (None: all four)."""
     import lightning.pytorch as L
 
-    from eagle_lite.checkpoint import save_head
-    from eagle_lite.medusa import save_medusa
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.medusa import save_medusa
 
     from .features import describe_bytes
     from .report import folder_bytes, plot_training_curve, write_train_log
@@ -426,7 +426,7 @@ def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
         save = save_medusa if cfg.draft.get("kind", "eagle") == "medusa" else save_head
         training = {k: summary[k] for k in ("experiment", "global_step", "sequences", "tokens")} | metrics
         if cfg.draft.get("init_from"):  # a fine-tuned head says what it started from, and how that was trained
-            from eagle_lite.checkpoint import read_head_config
+            from eagle_lite.heads.checkpoint import read_head_config
 
             training["init_from"] = {"path": str(cfg.draft.init_from),
                                      **read_head_config(cfg.draft.init_from).get("training", {})}

@@ -38,7 +38,7 @@ def validate_heads(target, heads: list[str | Path], features: list[str | Path], 
     where the validation rows are of several kinds}, all on the same validation rows."""
     import lightning.pytorch as L
 
-    from eagle_lite.checkpoint import load_head
+    from eagle_lite.formats import load_head
 
     data = DraftDataModule([str(f) for f in features], LoaderConfig(batch_size=batch_size, val_percent=val_percent),
                            expect_target=target.fingerprint())
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Check what can be checked without the target, load it, and score the heads."""
-    from eagle_lite.checkpoint import read_head_config
+    from eagle_lite.heads.checkpoint import read_head_config
 
     from .targets import TargetConfig, build_target
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from eagle_lite.target import Target
+from eagle_lite.targets.model import Target
 
 from .features import FeatureCache
 

@@ -1,6 +1,6 @@
-"""Proposers behind one protocol (base.py), built by name through one registry (registry.py); the engine and
+"""Proposers behind one protocol (decoding/drafter.py), built by name through one registry (registry.py); the engine and
 verifier are the same for all of them."""
-from .base import Drafter, DraftInput, NoDrafter
+from ..decoding.drafter import Drafter, DraftInput, NoDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .layer_skip import LayerSkipDrafter

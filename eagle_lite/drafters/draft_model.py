@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ..accept import sample, target_probs
 from ..config import TreeConfig
+from ..decoding.accept import sample, target_probs
+from ..decoding.drafter import DraftInput
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree
-from .base import DraftInput
 from .prompt_lookup import AdaptiveLength
 
 VOCAB_SAMPLE = 64  # token ids compared between the two tokenizers

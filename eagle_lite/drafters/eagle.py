@@ -28,16 +28,15 @@ from collections.abc import Callable
 
 import torch
 
-from ..accept import target_probs
-from ..config import SamplingConfig, TreeConfig
-from ..draft import DraftHead
+from ..config import DRAFT_SAMPLING, SamplingConfig, TreeConfig
+from ..decoding.accept import target_probs
+from ..decoding.drafter import DraftInput
+from ..heads.draft import DraftHead
 from ..kernels import accelerate_head
 from ..kernels.accelerate import draft_vocab_grid
 from ..kernels.cpu_linear import few_rows_product
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, SampledRows, rerank
-from .base import DraftInput
-from .registry import DRAFT_SAMPLING
 
 
 class EagleDrafter:

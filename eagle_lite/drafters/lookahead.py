@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import torch
 
 from ..config import TreeConfig
+from ..decoding.drafter import DraftInput
 from ..tree import DraftTree
-from .base import DraftInput
 
 LEAST = {"window": 0, "ngram": 2, "candidates": 0}
 

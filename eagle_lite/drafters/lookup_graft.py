@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..config import TreeConfig
+from ..decoding.drafter import Drafter, DraftInput
 from ..tree import DraftTree, graft_chain
-from .base import Drafter, DraftInput
 from .prompt_lookup import PromptLookupDrafter
 
 COPY_MAX = 16   # the longest lookup chain verified alone while the answer copies its context

@@ -2,7 +2,7 @@
 
 Alignment. DraftInput.hidden[-1] is f_t, the target's feature of the token just before the root;
 the target chose the root x_{t+1} from it (its lm_head is the "zeroth head"). Medusa head k reads the
-same f_t and guesses x_{t+k+2} (eagle_lite/medusa.py), which sits at depth k + 1 of the tree (the root
+same f_t and guesses x_{t+k+2} (eagle_lite/heads/medusa.py), which sits at depth k + 1 of the tree (the root
 is depth 0). So the heads never see the root or any drafted token: their guesses at every depth are
 independent, and the tree may combine them freely.
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from ..config import TreeConfig
-from ..medusa import MedusaHeads
+from ..decoding.drafter import DraftInput
+from ..heads.medusa import MedusaHeads
 from ..tree import DraftTree
-from .base import DraftInput
 
 # 12 drafted nodes, depth <= 4: sized_choices(12, 4), written out. A CPU verify forward of ~13 tokens
 # costs about as much as one token's; Medusa's GPU trees (63 nodes and more) are too wide here.

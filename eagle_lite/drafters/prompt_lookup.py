@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..config import TreeConfig
+from ..decoding.drafter import DraftInput
 from ..tree import DraftTree
-from .base import DraftInput
 
 
 class AdaptiveLength:

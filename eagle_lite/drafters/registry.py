@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .base import Drafter, NoDrafter
+from ..config import DRAFT_SAMPLING
+from ..decoding.drafter import Drafter, NoDrafter
 
 log = logging.getLogger("eagle_lite")
 
 
-DRAFT_SAMPLING = ("q", "match")   # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def _draft_model(target, o: DraftModelOptions) -> Drafter:
 
     draft = o.draft_target
     if draft is None:
-        from ..loading import load_target
+        from ..targets.loading import load_target
 
         draft = load_target(o.model, dtype=target.dtype, device=str(target.device))
     return DraftModelDrafter(target, draft, o.num_tokens, o.adaptive)
@@ -146,7 +146,8 @@ def _layer_skip(target, o: LayerSkipOptions) -> Drafter:
 
 
 def _medusa(target, o: MedusaOptions) -> Drafter:
-    from ..medusa import MedusaHeads, load_medusa
+    from ..formats import load_medusa
+    from ..heads.medusa import MedusaHeads
     from .medusa import MedusaDrafter
 
     heads = o.heads
@@ -157,8 +158,8 @@ def _medusa(target, o: MedusaOptions) -> Drafter:
 
 def _check_folder(path: str | Path, method: str) -> None:
     """Refuse a head folder that is missing or of another kind (eagle_lite's own, or a published layout)."""
-    from ..checkpoint import MEDUSA_FORMAT, read_config, read_head_config
     from ..formats import KINDS, detect, is_eagle_lite
+    from ..heads.checkpoint import MEDUSA_FORMAT, read_config, read_head_config
 
     if is_eagle_lite(Path(path)):
         read_head_config(path) if method == "eagle" else read_config(path, MEDUSA_FORMAT, "Medusa heads")
@@ -179,7 +180,7 @@ def _check_draft_model(o: DraftModelOptions) -> None:
     if o.model is None and o.draft_target is None:
         raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
     if o.draft_target is None:
-        from ..loading import target_source
+        from ..targets.loading import target_source
 
         target_source(o.model, "draft model")        # a spec naming no file, folder or hub id
 
@@ -288,14 +289,26 @@ def build(name: str, target, options: Any = None) -> Drafter:
     return METHODS[name].build(target, options)
 
 
+def eagle_head(target, options=None):
+    """The EAGLE head the static step runs for method eagle: the one `options` (drafters.EagleOptions) holds or
+    names, the shipped one by default."""
+    options = options or EagleOptions()
+    head = options.head if options.head is not None else load_eagle_head(target, options.draft)
+    if head is None:
+        raise FileNotFoundError(f"no draft head ships for target '{target.name}': the static step's eagle needs a "
+                                f"head (--draft PATH, or --draft random: untrained, exact but slow)")
+    return head
+
+
 def load_eagle_head(target, draft: str | Path | None):
     """The EAGLE head `draft` names for `target`: "auto"/None -> the shipped one (None if none ships), "random" ->
     an untrained head (the same one each time: with draft_sampling "q" the draws depend on the head, and a seed
     reproduces them), else a head folder."""
     import torch
 
-    from ..checkpoint import default_head_path, load_head
-    from ..draft import DraftHead
+    from ..formats import load_head
+    from ..heads.checkpoint import default_head_path
+    from ..heads.draft import DraftHead
 
     if draft == "random":
         with torch.random.fork_rng(devices=[]):          # the caller's random state is left as it was

@@ -1,5 +1,5 @@
 """Draft heads in the layouts other projects publish and serve: read (`--draft DIR` / `--medusa DIR` take them,
-through `checkpoint.load_head` and `medusa.load_medusa`) and written (`python -m eagle_lite.export`).
+through `load_head` and `load_medusa`, load.py) and written (`python -m eagle_lite.export`).
 
 detect.py tells the layout from a folder's files; eagle.py, eagle3.py and medusa.py read and write one layout
 each; files.py reads published tensor files (pickles only through torch's weights_only unpickler).
@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .detect import KINDS, detect, is_eagle_lite
+from .load import load_head, load_medusa
 
-__all__ = ["KINDS", "detect", "is_eagle_lite", "read_head", "read_medusa_heads"]
+__all__ = ["KINDS", "detect", "is_eagle_lite", "load_head", "load_medusa", "read_head", "read_medusa_heads"]
 
 
 def read_head(path: str | Path, target):

@@ -6,7 +6,7 @@
 | eagle3   | draft_vocab_size, or an architecture naming Eagle3      | fc.weight [H, 3H], midlayer.*, lm_head |
 | medusa   | medusa_num_heads (FasterDecoding) or model_type medusa  | {k}.{l}.linear.* / blocks.{k}.layers.* |
 
-eagle_lite's own folders (config.json with a "format") are read by eagle_lite/checkpoint.py.
+eagle_lite's own folders (config.json with a "format") are read by eagle_lite/heads/checkpoint.py.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def read_json(file: Path) -> dict:
 
 def is_eagle_lite(folder: Path) -> bool:
     """Whether `folder` is (or claims to be) one of eagle_lite's own head folders, or holds nothing readable:
-    eagle_lite/checkpoint.py then reads it, with its own messages."""
+    eagle_lite/heads/checkpoint.py then reads it, with its own messages."""
     file = Path(folder) / "config.json"
     if not file.is_file():
         return True

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import check_target, load_weights, recommended_tree, state_tensors, write_folder
-from ..draft import DraftHead
+from ..heads.checkpoint import check_target, load_weights, recommended_tree, state_tensors, write_folder
+from ..heads.draft import DraftHead
 from .detect import Layout
 from .files import read_pickle, save_tensor_pickle
 from .llama import check_sizes, config_fields, head_config

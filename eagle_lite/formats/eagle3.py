@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import check_target, recommended_tree, write_folder
-from ..draft import DraftHead, published_feature_layers
+from ..heads.checkpoint import check_target, recommended_tree, write_folder
+from ..heads.draft import DraftHead, published_feature_layers
 from .detect import Layout
 from .eagle import load_state
 from .llama import check_sizes, config_fields, head_config

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..target import Target
+from ..targets.model import Target
 
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_theta", "rope_scaling", "rope_parameters")
@@ -62,7 +62,7 @@ def config_fields(config, vocab_size: int, dtype: torch.dtype) -> dict:
 
 def check_sizes(config: dict, target: Target, where: str, hidden_key: str = "hidden_size") -> None:
     """Refuse a head whose hidden or vocabulary size is not the target's."""
-    from ..checkpoint import HeadMismatchError
+    from ..heads.checkpoint import HeadMismatchError
 
     hidden, vocab = config.get(hidden_key), config.get("vocab_size")
     if hidden != target.hidden_size or vocab != target.vocab_size:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..atomic import write_atomic
-from ..checkpoint import HeadMismatchError, check_target, load_weights, write_folder
-from ..medusa import MedusaHeads
+from ..heads.checkpoint import HeadMismatchError, check_target, load_weights, write_folder
+from ..heads.medusa import MedusaHeads
 from .detect import KINDS, Layout
 from .files import save_tensor_pickle
 

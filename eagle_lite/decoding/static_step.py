@@ -44,12 +44,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .config import GenerationConfig, TreeConfig
+from ..config import GenerationConfig, TreeConfig
+from ..kernels.accelerate import stock
+from ..kernels.attention import KEYS, resolve_backend, select_attention
+from ..kv_cache import cache_keyword
 from .device_kv_cache import DeviceKVCache, slot_mask
 from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
-from .kernels.accelerate import stock
-from .kernels.attention import KEYS, resolve_backend, select_attention
-from .kv_cache import cache_keyword
 from .static_tree import StaticTree, accept_greedy, bucket_for, tree_ancestors
 
 log = logging.getLogger("eagle_lite")
@@ -512,19 +512,6 @@ class StaticEngine:
                 done[slot].synchronize()
             yield host[slot].tolist()
             slot = 1 - slot
-
-def eagle_head(target, options=None):
-    """The EAGLE head the static step runs for method eagle: the one `options` (drafters.EagleOptions) holds or
-    names, the shipped one by default."""
-    from .drafters import registry
-
-    options = options or registry.EagleOptions()
-    head = options.head if options.head is not None else registry.load_eagle_head(target, options.draft)
-    if head is None:
-        raise FileNotFoundError(f"no draft head ships for target '{target.name}': the static step's eagle needs a "
-                                f"head (--draft PATH, or --draft random: untrained, exact but slow)")
-    return head
-
 
 def _has_gqa() -> bool:
     try:

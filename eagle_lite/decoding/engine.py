@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import GenerationConfig
+from ..kv_cache import ContextOverflowError, StaticKVCache
+from ..targets.lm_head import NodeLogits
+from ..targets.model import Target
 from .accept import accept, sample, target_probs
-from .config import GenerationConfig
-from .drafters.base import Drafter, DraftInput, NoDrafter
-from .kv_cache import ContextOverflowError, StaticKVCache
-from .lm_head import NodeLogits
-from .target import Target
+from .drafter import Drafter, DraftInput, NoDrafter
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .target import Target
+from .model import Target
 
 log = logging.getLogger("eagle_lite")
 

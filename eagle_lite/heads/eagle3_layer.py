@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kv_cache import with_cache
+from ..kv_cache import with_cache
 
 
 class Eagle3Layer(nn.Module):

@@ -16,16 +16,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import write_atomic, write_json_atomic
-from .config import TreeConfig
+from ..atomic import write_atomic, write_json_atomic
+from ..config import TreeConfig
 from .draft import DraftHead
 
 FORMAT = "eagle_lite.draft_head"
-MEDUSA_FORMAT = "eagle_lite.medusa_heads"  # eagle_lite/medusa.py
+MEDUSA_FORMAT = "eagle_lite.medusa_heads"  # eagle_lite/heads/medusa.py
 VERSION = 1
 KINDS = {FORMAT: "an EAGLE draft head (method eagle, --draft PATH)",
          MEDUSA_FORMAT: "Medusa heads (method medusa, --medusa PATH)"}
-HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package, one folder per target alias
+HEADS_DIR = Path(__file__).parent  # heads shipped with the package, one folder per target alias
 
 
 class HeadMismatchError(ValueError):
@@ -132,14 +132,10 @@ def check_target(config: dict, target, path: Path | str = "", what: str = "draft
         )
 
 
-def load_head(path: str | Path, target) -> DraftHead:
-    """Load a head for `target`, refusing heads built for another target or with damaged files. A folder in a
-    published layout (official EAGLE-1/2 or EAGLE-3, SpecForge: eagle_lite/formats/) is detected and imported."""
-    from .formats import is_eagle_lite, read_head
-
+def load_native_head(path: str | Path, target) -> DraftHead:
+    """Load a head folder in eagle_lite's own layout for `target`, refusing heads built for another target or with
+    damaged files (`formats.load_head` reads every layout and calls this one for eagle_lite's)."""
     path = Path(path)
-    if not is_eagle_lite(path):
-        return read_head(path, target)
     config = read_head_config(path)
     check_target(config, target, path)
     tensors = read_tensors(path)

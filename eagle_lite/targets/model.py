@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .kernels import Accelerated, accelerate_target, stock
-from .kernels.attention import select_attention
-from .kv_cache import StaticKVCache, cache_keyword, with_cache
+from ..kernels import Accelerated, accelerate_target, stock
+from ..kernels.attention import select_attention
+from ..kv_cache import StaticKVCache, cache_keyword, with_cache
+from ..tree import attention_mask
 from .lm_head import LmHead
-from .tree import attention_mask
 
 
 class Target:

@@ -13,7 +13,7 @@ Medusa-1 as published (FasterDecoding v1) also gives each head its own vocabular
 `vocab_size` builds those (`lm_heads`), which then score head k's feature instead of the target's lm_head
 (eagle_lite/formats/medusa.py imports such heads).
 
-Saved like EAGLE heads (eagle_lite/checkpoint.py): model.safetensors + config.json with the target's
+Saved like EAGLE heads (eagle_lite/heads/checkpoint.py): model.safetensors + config.json with the target's
 fingerprint, `format` = "eagle_lite.medusa_heads".
 """
 from __future__ import annotations
@@ -99,14 +99,10 @@ def save_medusa(heads: MedusaHeads, path: str | Path, target, extra: dict | None
     return write_folder(path, state_tensors(heads, dtype), config)
 
 
-def load_medusa(path: str | Path, target) -> MedusaHeads:
+def load_native_medusa(path: str | Path, target) -> MedusaHeads:
     """Load Medusa heads for `target`, refusing heads built for another target or with damaged files. A folder in a
-    published layout (FasterDecoding v1 / version 2, vLLM: eagle_lite/formats/medusa.py) is detected and imported."""
-    from .formats import is_eagle_lite, read_medusa_heads
-
+    published layout is read by `formats.load_medusa`, which calls this one for eagle_lite's own."""
     path = Path(path)
-    if not is_eagle_lite(path):
-        return read_medusa_heads(path, target)
     config = read_config(path, MEDUSA_FORMAT, WHAT)
     check_target(config, target, path, WHAT)
     sizes = {k: config.get(k) for k in ("num_heads", "num_layers")}

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingConfig
-from .tree import DraftTree
+from ..config import SamplingConfig
+from ..tree import DraftTree
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

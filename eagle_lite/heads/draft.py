@@ -26,9 +26,9 @@ import copy
 import torch
 from torch import nn
 
+from ..kv_cache import with_cache
+from ..tree import attention_mask
 from .eagle3_layer import Eagle3Layer
-from .kv_cache import with_cache
-from .tree import attention_mask
 
 DESIGNS = ("eagle", "eagle3")
 
@@ -75,7 +75,7 @@ class DraftHead(nn.Module):
             self.norm = self.lm_head = None   # logits: the target's lm_head of the predicted feature
         self.rotary = rotary_cls(config=config)
         self.register_buffer("d2t", d2t, persistent=True)
-        self.tree = None  # the TreeConfig its checkpoint recommends (checkpoint.load_head), if any
+        self.tree = None  # the TreeConfig its checkpoint recommends (formats.load_head), if any
 
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,

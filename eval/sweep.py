@@ -269,7 +269,9 @@ def _main() -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    @hydra.main(config_path="../conf/eval", config_name="sweep", version_base=None)
+    # an absolute folder: the config is found however the module was started (python -m, or called in-process)
+    @hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf" / "eval"), config_name="sweep",
+                version_base=None)
     def main(cfg) -> None:
         import transformers
 

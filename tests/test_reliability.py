@@ -272,7 +272,7 @@ def test_ctrl_c_in_a_sweep_writes_what_finished(tiny_model_dir, tmp_path, capsys
                                       "baseline=vanilla", "task=file", f"task.tasks.0.path={question_file(tmp_path)}",
                                       "max_new_tokens=6", "warmup=false", "threads=1", f"hydra.run.dir={run_dir}"])
     assert sweep._main() == 130
-    assert "stopped after 2 of 8 runs" in capsys.readouterr().out
+    assert "stopped after 2 of 4 runs" in capsys.readouterr().out   # 2 questions (the task's limit) x 2 methods
     assert len((run_dir / "records.jsonl").read_text().splitlines()) == 2
 
 

@@ -295,6 +295,10 @@ def fit(cfg: DictConfig, module, data):
             raise (history.exception if isinstance(history.exception, KeyboardInterrupt)
                    else KeyboardInterrupt()) from None
     history.fit_seconds = round(time.perf_counter() - t0, 1)
+    if not cfg.trainer.get("fast_dev_run") and trainer.global_step != (history.start_step or 0):
+        # the end of training as last.ckpt (the periodic one may be a few steps short): a rerun that raises
+        # max_epochs trains on from here, not from the last multiple of every_n_train_steps
+        trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
     if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
         # our own checkpoint, read with torch's restricted unpickler; the frozen buffers are not in it
         state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)

@@ -14,8 +14,6 @@ import pytest
 import torch
 from conftest import save_tiny_llama, tiny_train_config
 
-from eagle_lite import cli
-
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -40,18 +38,20 @@ def refuse_target_loads(monkeypatch) -> None:
 
 # -- the boundary -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("raised, status, line", [
-    (OSError(errno.ENOSPC, "No space left on device", "runs/x/last.ckpt"), 1,
+    (lambda cli: OSError(errno.ENOSPC, "No space left on device", "runs/x/last.ckpt"), 1,
      "error: No space left on device (ENOSPC): runs/x/last.ckpt; free some space and run the same command again"),
-    (PermissionError(errno.EROFS, "Read-only file system", "/ro/runs"), 1,
+    (lambda cli: PermissionError(errno.EROFS, "Read-only file system", "/ro/runs"), 1,
      "error: Read-only file system (EROFS): /ro/runs; the file system is read-only"),
-    (ValueError("top_p must be\nin (0, 1]"), 1, "error: top_p must be in (0, 1]"),
-    (cli.UsageError("--threads must be >= 1"), 2, "error: --threads must be >= 1"),
-    (KeyboardInterrupt(), 130, "[stopped]"),
-    (cli.Terminated(), 143, "[stopped]"),
+    (lambda cli: ValueError("top_p must be\nin (0, 1]"), 1, "error: top_p must be in (0, 1]"),
+    (lambda cli: cli.UsageError("--threads must be >= 1"), 2, "error: --threads must be >= 1"),
+    (lambda cli: KeyboardInterrupt(), 130, "[stopped]"),
+    (lambda cli: cli.Terminated(), 143, "[stopped]"),
 ])
 def test_the_boundary_turns_each_expected_failure_into_one_line_and_its_status(raised, status, line, capsys):
+    from eagle_lite import cli
+
     def main():
-        raise raised
+        raise raised(cli)
 
     assert cli.run(main) == status
     err = capsys.readouterr().err.strip()
@@ -59,6 +59,8 @@ def test_the_boundary_turns_each_expected_failure_into_one_line_and_its_status(r
 
 
 def test_the_boundary_keeps_the_traceback_of_a_bug_and_a_bad_argument_is_status_2(capsys):
+    from eagle_lite import cli
+
     with pytest.raises(TypeError):
         cli.run(lambda: None + 1)
     with pytest.raises(cli.UsageError), cli.arguments():
@@ -73,6 +75,8 @@ def test_the_boundary_keeps_the_traceback_of_a_bug_and_a_bad_argument_is_status_
 
 
 def test_a_broken_pipe_that_is_not_stdout_is_an_error(capsys):
+    from eagle_lite import cli
+
     def main():
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")   # e.g. a subprocess's pipe: stdout is still read
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import UsageError, entry_point
+
 FORMATS = ("eagle", "eagle3", "medusa")
 ENGINES = ("official", "sglang", "vllm")
 EAGLE3_ENGINES = ("openvino", "speculators")          # --format eagle3 only
@@ -175,6 +177,7 @@ def check_target_folder(model: torch.nn.Module, out: str | Path, dtype: torch.dt
             raise RuntimeError(f"the folder written to {out} does not reload to the same model (logits differ)")
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import transformers
@@ -186,21 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.head is None:
         return main_target(args)
     if args.format is None:
-        print("error: --format is required with a head folder (eagle, eagle3 or medusa)", file=sys.stderr)
-        return 1
+        raise UsageError("--format is required with a head folder (eagle, eagle3 or medusa)")
     head = Path(args.head)
-    try:
-        if not head.is_dir():
-            raise FileNotFoundError(f"no head folder at {head}")
-        config_file = head / "config.json"
-        stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
-        dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
-        target = load_target(target_spec(head, args.target))
-        notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,
-                       args.verifier or args.target)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+    if not head.is_dir():
+        raise FileNotFoundError(f"no head folder at {head}")
+    config_file = head / "config.json"
+    stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
+    dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
+    target = load_target(target_spec(head, args.target))
+    notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,
+                   args.verifier or args.target)
     out = Path(args.out)
     print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     for note in notes:
@@ -216,17 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 def main_target(args) -> int:
     """`--target SPEC --out DIR` with no head: the target as a Hugging Face folder."""
     if args.format is not None:
-        print(f"error: --format {args.format} needs a head folder; leave both out to export the target",
-              file=sys.stderr)
-        return 1
+        raise UsageError(f"--format {args.format} needs a head folder; leave both out to export the target")
     if args.target is None:
-        print("error: give a head folder, or --target SPEC to export the target itself", file=sys.stderr)
-        return 1
-    try:
-        files = export_target(args.target, args.out, getattr(torch, args.dtype or "float32"))
-    except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        raise UsageError("give a head folder, or --target SPEC to export the target itself")
+    files = export_target(args.target, args.out, getattr(torch, args.dtype or "float32"))
     print(f"wrote target {args.target} to {args.out}: {', '.join(files)} (reloaded with transformers: same logits)")
     return 0
 

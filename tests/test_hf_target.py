@@ -92,7 +92,7 @@ def test_export_cli_writes_the_target_folder_and_checks_it(tmp_path, capsys):
 
 
 def test_export_cli_without_a_head_or_target_is_one_line(tmp_path, capsys):
-    assert export_cli.main(["--out", str(tmp_path / "x")]) == 1
-    assert export_cli.main(["--format", "eagle", "--target", "smollm2", "--out", str(tmp_path / "x")]) == 1
+    assert export_cli.main(["--out", str(tmp_path / "x")]) == 2            # a bad command line: exit status 2
+    assert export_cli.main(["--format", "eagle", "--target", "smollm2", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)

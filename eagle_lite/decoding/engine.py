@@ -12,6 +12,7 @@ alone. The path of a token:
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,11 +66,18 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def token_budget(n_prompt: int, target: Target, max_new_tokens: int) -> int:
-    """How many new tokens a prompt of `n_prompt` tokens may get: `max_new_tokens`, cut to the context window left.
-    An empty prompt, or one that fills the window, is refused."""
+def token_budget(prompt_ids: list[int], target: Target, max_new_tokens: int) -> int:
+    """How many new tokens `prompt_ids` may get: `max_new_tokens`, cut to the context window left. An empty prompt,
+    one that fills the window, or one with an id that is not a token of the target's vocabulary is refused."""
+    n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    vocab = target.vocab_size
+    bad = next((i for i, t in enumerate(prompt_ids)
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"prompt token {bad} is {prompt_ids[bad]!r}, not a token id of target '{target.name}' "
+                         f"(0 to {vocab - 1})")
     if n_prompt >= target.max_context:
         raise ContextOverflowError(
             f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
@@ -146,7 +154,7 @@ class Engine:
         stats = stats if stats is not None else GenerationStats()
         target, sampling = self.target, cfg.sampling
         n_prompt = len(prompt_ids)
-        budget = token_budget(n_prompt, target, cfg.max_new_tokens)
+        budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
         tree_nodes = self.drafter.max_tree_nodes(cfg.tree)
         cache, keep = self._cache_for(prompt_ids, n_prompt + budget + tree_nodes)
         eos = target.eos_token_ids if cfg.stop_at_eos else set()

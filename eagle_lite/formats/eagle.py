@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..heads.checkpoint import check_target, recommended_tree, state_tensors, write_folder
+from ..heads.checkpoint import check_target, load_weights, recommended_tree, state_tensors, write_folder
 from ..heads.draft import DraftHead
 from .detect import Layout
 from .files import read_pickle, save_tensor_pickle
@@ -123,12 +123,7 @@ def read_eagle(layout: Layout, target) -> DraftHead:
 
 def load_state(head: torch.nn.Module, state: dict[str, torch.Tensor], layout: Layout) -> None:
     """Load with every key accounted for; a shape or name mismatch names the file."""
-    own = head.state_dict()
-    try:
-        head.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{layout.where}: {layout.weights.name} does not fit the head its config.json describes: "
-                         f"{err}") from None
+    load_weights(head, state, f"{layout.where}: the weights in {layout.weights.name}")
 
 
 def vllm_carries_bias(head: DraftHead) -> bool:

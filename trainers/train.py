@@ -68,11 +68,14 @@ def data_sources(cfg: DictConfig) -> list[DataSource]:
 
     A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/distill` and
     `<paths.data>/<entry>/<the name of paths.features>` (so an EAGLE-3 cache, `features_eagle3`, has its own folder
-    there too). It does not inherit `start_from` (the main source's committed answers are not its own).
+    there too). It does not inherit `start_from` (the main source's committed answers are not its own). An entry set
+    to null is left out (`data.mix.text4=null`: a source whose cache is still being computed elsewhere).
     """
     paths = cfg.paths
     sources = [DataSource("main", cfg.data.distill, paths.distill, paths.features)]
     for name, entry in (cfg.data.get("mix") or {}).items():
+        if entry is None:
+            continue
         settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True), "start_from": None,
                     **OmegaConf.to_container(entry.get("distill") or {}, resolve=True)}
         folder = Path(paths.data) / str(name)

@@ -35,6 +35,8 @@ def read_curve(run: str | Path) -> list[dict]:
 
 def table(name: str, curve: list[dict]) -> str:
     keys = [k for k in METRICS if any(k in r for r in curve)]
+    if not keys:
+        return f"**{name}**: no validation logged yet"
     lines = [f"**{name}**", "", "| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     lines += ["| " + " | ".join([str(r["step"])] + [f"{r[k]:.4f}" if k in r else "" for k in keys]) + " |"
               for r in curve]

@@ -11,8 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conftest import tiny_train_config  # noqa: E402
 
-from eagle_lite.checkpoint import load_head, read_head_config  # noqa: E402
-from eagle_lite.draft import DraftHead  # noqa: E402
+from eagle_lite.formats import load_head  # noqa: E402
+from eagle_lite.heads.checkpoint import read_head_config  # noqa: E402
+from eagle_lite.heads.draft import DraftHead  # noqa: E402
 from trainers.relayout import fc_rms, relayout  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 

@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from eagle_lite.draft import DraftHead
+from eagle_lite.heads.draft import DraftHead
 
 log = logging.getLogger("trainers.relayout")
 

@@ -642,3 +642,16 @@ def test_gpu_eagle3_all_composes_its_three_sources():
     assert seed.source == "prompts" and prompts_path(seed.prompts).is_file()
     assert all(s.features.endswith("features_eagle3") for s in sources) and cfg.draft.design == "eagle3"
     assert cfg.early_stopping.monitor == "val/accept_len_est" and cfg.trainer.accelerator == "gpu"
+
+
+def test_cpu_head_composes_the_served_layout_on_complete_caches_only():
+    """The CPU recipe: its fit reads the caches experiment=cpu_data computes, null mix entries left out."""
+    from trainers.train import data_sources, group_names
+
+    cfg = train_config("experiment=cpu_head")
+    assert (cfg.draft.fc_bias, cfg.draft.input_norm, cfg.draft.design) == (False, False, "eagle")
+    assert group_names(cfg, data_sources(cfg)) == ["sharegpt", "text1"]
+    assert group_names(cfg, data_sources(train_config("experiment=cpu_head", "data.mix.text1=null"))) == ["sharegpt"]
+    data = train_config("experiment=cpu_data")
+    assert [s.features for s in data_sources(data)][:2] == [s.features for s in data_sources(cfg)]
+    assert group_names(data, data_sources(data)) == ["sharegpt", "text1", "text2", "text3", "text4"]

@@ -36,6 +36,9 @@ class ObjectiveConfig:
     noise_scale: float = 0.1     # uniform: U(-scale, scale); gaussian: N(0, scale^2)
     val_depth: int = 5           # chain length unrolled by validation for val/accept_len_est
     copy_weight: float = 1.0     # loss weight of tokens a 3-gram prompt lookup would propose (1: plain EAGLE)
+    labels: str = "distribution"  # the token loss's labels: the target's distribution (KL distillation) | its
+                                  # greedy "token" (hard labels)
+    label_top_k: int = 0         # > 0: the target's distribution cut to its top-k tokens and renormalised (HASS)
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -45,6 +48,10 @@ class ObjectiveConfig:
             raise ValueError(f"draft.objective.val_depth must be >= 1, got {self.val_depth}")
         if self.noise not in ("uniform", "gaussian", "none"):
             raise ValueError(f"draft.objective.noise must be 'uniform', 'gaussian' or 'none', got {self.noise!r}")
+        if self.labels not in ("distribution", "token"):
+            raise ValueError(f"draft.objective.labels must be 'distribution' or 'token', got {self.labels!r}")
+        if self.label_top_k < 0:
+            raise ValueError(f"draft.objective.label_top_k must be >= 0, got {self.label_top_k}")
         if self.copy_weight < 0:
             raise ValueError(f"draft.objective.copy_weight must be >= 0, got {self.copy_weight}")
 
@@ -185,10 +192,18 @@ def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weigh
     return (reg * s).sum() / total, (cls * s).sum() / total, top1
 
 
-def target_distribution(pairs: Pairs, lm_weight: torch.Tensor) -> torch.Tensor:
-    """[N0, V_draft] softmax of the target's own logits (restricted to the draft vocabulary) on weighted rows."""
+def target_distribution(pairs: Pairs, lm_weight: torch.Tensor, labels: str = "distribution",
+                        top_k: int = 0) -> torch.Tensor:
+    """[N0, V_draft] softmax of the target's own logits (restricted to the draft vocabulary) on weighted rows;
+    labels="token": one-hot on its argmax instead; top_k > 0: only its top_k tokens, renormalised."""
     with torch.no_grad():
-        return torch.softmax((pairs.target[pairs.weight] @ lm_weight.T).float(), dim=-1)
+        logits = (pairs.target[pairs.weight] @ lm_weight.T).float()
+        if labels == "token":
+            return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        if 0 < top_k < logits.shape[-1]:
+            kept = logits.topk(top_k, dim=-1)
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, kept.indices, kept.values)
+        return torch.softmax(logits, dim=-1)
 
 
 def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, cfg: ObjectiveConfig,
@@ -203,7 +218,7 @@ def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, 
         if novel is None:
             raise ValueError("draft.objective.copy_weight needs the novel-token mask (novel_pairs(batch))")
         scale = torch.where(novel, 1.0, cfg.copy_weight).to(preds[0].device)
-    p_target = target_distribution(pairs, lm_weight)
+    p_target = target_distribution(pairs, lm_weight, cfg.labels, cfg.label_top_k)
     total_reg = total_cls = preds[0].new_zeros(())
     top1 = None
     for k, pred in enumerate(preds[:cfg.ttt_steps]):

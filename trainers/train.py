@@ -71,11 +71,14 @@ def data_sources(cfg: DictConfig) -> list[DataSource]:
 
     A mix entry's `distill` keys override the data's own; its folders are `<paths.data>/<entry>/distill` and
     `<paths.data>/<entry>/<the name of paths.features>` (so an EAGLE-3 cache, `features_eagle3`, has its own folder
-    there too). It does not inherit `start_from` (the main source's committed answers are not its own).
+    there too). It does not inherit `start_from` (the main source's committed answers are not its own). An entry set
+    to null is left out (`data.mix.text4=null`: a source whose cache is still being computed elsewhere).
     """
     paths = cfg.paths
     sources = [DataSource("main", cfg.data.distill, paths.distill, paths.features)]
     for name, entry in (cfg.data.get("mix") or {}).items():
+        if entry is None:
+            continue
         settings = {**OmegaConf.to_container(cfg.data.distill, resolve=True), "start_from": None,
                     **OmegaConf.to_container(entry.get("distill") or {}, resolve=True)}
         folder = Path(paths.data) / str(name)
@@ -184,8 +187,11 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
     from .vocab import build_d2t, count_tokens, special_ids
 
     init_from = cfg.draft.get("init_from")
+    fc_bias, input_norm = cfg.draft.get("fc_bias"), cfg.draft.get("input_norm")   # null: as the head started from
     if init_from:  # fine-tune an exported head: its weights and its draft vocabulary
         head = warm_start_head(init_from, target, cfg.draft.vocab_size)
+        head = served_layout(head, target, data, head.fc_bias if fc_bias is None else bool(fc_bias),
+                             head.input_norm if input_norm is None else bool(input_norm))
     else:
         d2t = None
         if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
@@ -198,7 +204,9 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             # fp32 master weights whatever the target's dtype
-            head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design).float()
+            head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design,
+                                        fc_bias=True if fc_bias is None else bool(fc_bias),
+                                        input_norm=True if input_norm is None else bool(input_norm)).float()
         if design == "eagle3":   # its own lm_head starts as the target's rows (official EAGLE-3: at random)
             with torch.no_grad():
                 rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
@@ -224,6 +232,23 @@ def warm_start_head(path, target, vocab_size):
                     path, kept, vocab_size)
     log.info("draft.init_from: starting from the weights of %s", path)
     return head
+
+
+def served_layout(head, target, data, fc_bias: bool, input_norm: bool):
+    """`head` in the layout asked for (draft.fc_bias, draft.input_norm: trainers/relayout.py), the input norm folded
+    at the mean RMS of its fc output over the first training batch."""
+    from .objective import make_pairs
+    from .relayout import fc_rms, relayout
+
+    if (fc_bias, input_norm) == (head.fc_bias, head.input_norm):
+        return head
+    rms = None
+    if head.input_norm and not input_norm:
+        batch = next(iter(data.train_dataloader()))
+        pairs = make_pairs(batch, target.embed_tokens.weight.detach().float())
+        rows = pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
+        rms = fc_rms(head, pairs.hidden[rows][:4096], pairs.embeds[rows][:4096])
+    return relayout(head, target, fc_bias, input_norm, rms)
 
 
 class EarlyStop(NamedTuple):

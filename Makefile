@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: test test-slow run bench train venv clean
+.PHONY: test test-slow run bench train venv clean peer-check
 
 venv: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ bench: venv
 RUNS ?= $(or $(EAGLE_LITE_RUNS),runs)
 train: venv
 	EAGLE_LITE_RUNS=$(RUNS) $(PY) -m trainers.train $(ARGS)
+
+# The exported target and heads in vLLM (CPU), OpenVINO GenAI and transformers 4.x, each installed in its own venv
+# under build/peers (minutes of download the first time; not part of `make test`). Prints a table; docs/deploy.md.
+peer-check: venv
+	bash eval/peers/install.sh
+	HF_HUB_OFFLINE=1 $(PY) -m eval.peers.check $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -21,6 +21,11 @@ def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)   # the data is on disk before the name points at it (a power cut leaves the old file)
+        finally:
+            os.close(fd)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are shared data files, not secrets
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
     finally:

@@ -5,9 +5,30 @@ The dataclass fields are the config keys: Hydra configs and CLI flags map onto t
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 DRAFT_SAMPLING = ("q", "match")  # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
+
+SEEDS = 1 << 64   # torch generators take seeds in [0, 2**64)
+
+
+def check_whole(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """`value` when it is a whole number (not a bool, not 2.5) in [low, high); else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value >= high):
+        span = f">= {low}" if high is None else f"in [{low}, {high})" if low is not None else f"< {high}"
+        raise ValueError(f"{name} must be {span}, got {value}")
+    return int(value)
+
+
+def check_finite(name: str, value) -> float:
+    """`value` when it is a finite real number (not nan, not inf, not a bool); else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,9 @@ class TreeConfig:
     min_prob: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens", "lookup"):
+            check_whole(f"tree {name}", getattr(self, name))
+        check_finite("tree min_prob", self.min_prob)
         if self.depth < 1:
             raise ValueError(f"tree depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
@@ -90,6 +114,9 @@ class SamplingConfig:
     top_k: int = 0
 
     def __post_init__(self) -> None:
+        check_finite("temperature", self.temperature)
+        check_finite("top_p", self.top_p)
+        check_whole("top_k", self.top_k)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -111,5 +138,8 @@ class GenerationConfig:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
+        check_whole("max_new_tokens", self.max_new_tokens)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None:
+            check_whole("seed", self.seed, 0, SEEDS)

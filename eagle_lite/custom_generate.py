@@ -70,6 +70,15 @@ def engine_for(model, draft):
 def generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
              synced_gpus: bool = False, streamer=None, draft=None, tree: TreeConfig | None = None, **model_kwargs):
     """The decoding loop `GenerationMixin.generate(custom_generate=generate, draft=..., tree=...)` runs."""
+    # generate() has already copied the prompt once per beam or sequence: say which setting asked for it
+    beams = getattr(generation_config, "num_beams", None) or 1
+    if beams > 1:
+        raise ValueError(f"num_beams={beams}: beam search is not supported; eagle_lite's speculative decoding "
+                         f"reproduces greedy decoding and sampling (num_beams=1)")
+    sequences = getattr(generation_config, "num_return_sequences", None) or 1
+    if sequences > 1:
+        raise ValueError(f"num_return_sequences={sequences}: multiple sequences per prompt are not supported; call "
+                         f"generate once per sequence (with do_sample=True, each call draws anew)")
     if input_ids.shape[0] != 1:
         raise ValueError(f"eagle_lite decodes one sequence at a time, got a batch of {input_ids.shape[0]}: call "
                          f"generate once per prompt")

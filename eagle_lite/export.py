@@ -1,4 +1,5 @@
-"""`python -m eagle_lite.export HEAD --format eagle|eagle3|medusa --out DIR`: a head in the layout others serve.
+"""`python -m eagle_lite.export HEAD --format eagle|eagle3|medusa --out DIR`: a head in the layout others serve;
+`python -m eagle_lite.export --target smollm2 --out DIR`: the target as a standard Hugging Face folder.
 
   python -m eagle_lite.export eagle_lite/heads/smollm2 --format eagle --out smollm2-eagle
   python -m eagle_lite.export runs/train/.../head --format eagle3 --out my-eagle3     # experiment=eagle3's head
@@ -8,6 +9,8 @@ eagle:  official EAGLE (EaModel, use_eagle3=False), vLLM (speculative_config met
         (--speculative-algorithm EAGLE); a reduced draft vocabulary goes with it as SGLang's hot-token map.
 eagle3: official EAGLE-3, vLLM (method "eagle3"), SGLang (EAGLE3), SpecForge's layout.
 medusa: vLLM (method "medusa") and FasterDecoding/Medusa.
+No HEAD: the target itself (formats/hf_target.py), the folder vLLM, official EAGLE, OpenVINO's converter and
+        transformers 4.x and 5.x load as they are; reloaded once with transformers and checked against the original.
 What a loader will do differently with the head is printed as notes; a head the format cannot express is refused
 with the reason. docs/deploy.md has the serving commands.
 """
@@ -20,7 +23,11 @@ from pathlib import Path
 
 import torch
 
+from .cli import UsageError, entry_point
+
 FORMATS = ("eagle", "eagle3", "medusa")
+ENGINES = ("official", "sglang", "vllm")
+EAGLE3_ENGINES = ("openvino", "speculators")          # --format eagle3 only
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -45,9 +52,15 @@ def target_spec(path: Path, given: str | None) -> str:
     return name
 
 
-def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype) -> list[str]:
+class LossyExport(ValueError):
+    """An engine would run the head inexactly and --allow-lossy was not given."""
+
+
+def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype, engine: str = "all",
+           allow_lossy: bool = False, verifier: str | None = None) -> list[str]:
     """Write the head at `head_path` (any folder --draft / --medusa take) for `target` in format `fmt` to `out`;
-    returns the notes for the user."""
+    returns the notes for the user. engine (format eagle): the engine the folder is for, "all" for every one;
+    a head some of them cannot run exactly is refused (LossyExport) with the measured loss unless allow_lossy."""
     from .formats import load_head, load_medusa
     from .formats.eagle import write_eagle
     from .formats.eagle3 import write_eagle3
@@ -61,8 +74,29 @@ def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torc
     meta = {"target": target.fingerprint(), **head_record(head_path), "exported_from": str(head_path)}
     if fmt == "medusa":
         return write_medusa(load_medusa(head_path, target), target, out, meta, dtype)
-    write = write_eagle if fmt == "eagle" else write_eagle3
-    return write(load_head(head_path, target), target, out, meta, dtype)
+    if fmt == "eagle" and engine in EAGLE3_ENGINES:
+        raise ValueError(f"--engine {engine} is a layout of EAGLE-3 drafts only: export an EAGLE-3 head with "
+                         f"--format eagle3")
+    head = load_head(head_path, target)
+    if fmt == "eagle3":
+        return write_eagle3(head, target, out, meta, dtype, engine, verifier)
+    losses = eagle_losses(head, target, engine)
+    if losses and not allow_lossy:
+        exact = [n for n in ENGINES if n not in losses and engine in ("all", n)]
+        hint = (f"--engine {exact[0]} writes it exactly for {exact[0]}; " if exact else "")
+        raise LossyExport(f"{' '.join(f'{v}.' for v in losses.values())} Not written: {hint}--allow-lossy writes "
+                          f"it anyway")
+    notes = write_eagle(head, target, out, meta, dtype, engine="vllm" if engine == "vllm" else "all")
+    return notes + [f"lossy, written with --allow-lossy: {v}" for v in losses.values()]
+
+
+def eagle_losses(head, target, engine: str) -> dict[str, str]:
+    """What each engine the eagle folder is for loses of `head`, measured (formats/fidelity.py)."""
+    from .formats.fidelity import losses_report
+
+    if head.design == "eagle3" or head.fuse is not None:
+        return {}                                   # write_eagle refuses these with its own reason
+    return losses_report(head, target, ENGINES if engine == "all" else (engine,), vllm_layout=engine == "vllm")
 
 
 def vllm_tree(depth: int, top_k: int, total_tokens: int) -> list[tuple[int, ...]]:
@@ -92,16 +126,58 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Write a draft head in the layout official EAGLE, SpecForge, vLLM and "
                                             "SGLang load (see docs/deploy.md for the serving commands).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("head", help="the head folder: eagle_lite's own, or any published layout --draft/--medusa read")
-    p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
+    p.add_argument("head", nargs="?", default=None,
+                   help="the head folder: eagle_lite's own, or any published layout --draft/--medusa read; "
+                        "leave out to export the target (--target) as a Hugging Face folder")
+    p.add_argument("--format", default=None, choices=FORMATS, help="the layout to write (required with a head)")
     p.add_argument("--out", required=True, help="the folder to write (created; its head files are replaced)")
     p.add_argument("--target", default=None,
                    help="the target (as --target of eagle_lite.generate); default: the one the head records")
+    p.add_argument("--engine", default="all", choices=("all", *ENGINES, *EAGLE3_ENGINES),
+                   help="the engine the folder is for. eagle: vllm writes the layout that carries an fc bias "
+                        "exactly in vLLM; all: one folder for every engine, refused if any would lose something. "
+                        "eagle3: openvino adds the embedding optimum-cli export openvino needs; speculators writes "
+                        "the speculators package's layout (vLLM reads it for EAGLE-3)")
+    p.add_argument("--verifier", default=None,
+                   help="--engine speculators: the target's name or path the config records (default: --target)")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="write a folder an engine runs inexactly (the export says what it loses, measured)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="dtype of the written weights (default: the head's stored dtype, else bfloat16)")
+                   help="dtype of the written weights (default: the head's stored dtype, else bfloat16; a target: "
+                        "float32, the weights eagle_lite runs)")
     return p
 
 
+def export_target(spec: str, out: str | Path, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Write target `spec` as a standard Hugging Face folder (formats/hf_target.py), reload it with transformers
+    and check its logits equal the original's on a few tokens; returns the files written."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .formats.hf_target import write_target
+    from .targets.loading import model_folder
+
+    folder = model_folder(spec)
+    if Path(out).resolve() == Path(folder).resolve():
+        raise ValueError(f"--out {out} is the target's own folder: give another folder")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    files = write_target(model, tokenizer, out, dtype)
+    check_target_folder(model, out, dtype)
+    return files
+
+
+def check_target_folder(model: torch.nn.Module, out: str | Path, dtype: torch.dtype) -> None:
+    """Reload `out` with transformers: its logits on a few tokens must equal `model`'s exactly."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    ids = torch.arange(1, 17).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        if not torch.equal(model(ids).logits, reloaded(ids).logits):
+            raise RuntimeError(f"the folder written to {out} does not reload to the same model (logits differ)")
+
+
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import transformers
@@ -110,18 +186,19 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.disable_progress_bar()      # stdout holds the export's report only
 
+    if args.head is None:
+        return main_target(args)
+    if args.format is None:
+        raise UsageError("--format is required with a head folder (eagle, eagle3 or medusa)")
     head = Path(args.head)
-    try:
-        if not head.is_dir():
-            raise FileNotFoundError(f"no head folder at {head}")
-        config_file = head / "config.json"
-        stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
-        dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
-        target = load_target(target_spec(head, args.target))
-        notes = export(head, args.format, args.out, target, dtype)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError, json.JSONDecodeError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+    if not head.is_dir():
+        raise FileNotFoundError(f"no head folder at {head}")
+    config_file = head / "config.json"
+    stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
+    dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
+    target = load_target(target_spec(head, args.target))
+    notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,
+                   args.verifier or args.target)
     out = Path(args.out)
     print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     for note in notes:
@@ -131,6 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         for server, flags in serving_flags(tree).items():
             print(f"{server}: {flags}   (the head's recommended tree: depth {tree['depth']}, top_k {tree['top_k']}, "
                   f"{tree['total_tokens']} nodes)")
+    return 0
+
+
+def main_target(args) -> int:
+    """`--target SPEC --out DIR` with no head: the target as a Hugging Face folder."""
+    if args.format is not None:
+        raise UsageError(f"--format {args.format} needs a head folder; leave both out to export the target")
+    if args.target is None:
+        raise UsageError("give a head folder, or --target SPEC to export the target itself")
+    files = export_target(args.target, args.out, getattr(torch, args.dtype or "float32"))
+    print(f"wrote target {args.target} to {args.out}: {', '.join(files)} (reloaded with transformers: same logits)")
     return 0
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 
+from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_line
 from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 from .drafters.registry import AUTO, DRAFT_SAMPLING, NAMES, EagleOptions, LookaheadOptions, options_from_flags
 from .threads import check_threads
@@ -145,7 +146,7 @@ def generation_config(args: argparse.Namespace, recommended: TreeConfig | None =
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse, before the (slow) model load, every flag that is wrong whatever the model: ValueError."""
     TreeConfig.check_overrides(tree_flags(args))
-    GenerationConfig(max_new_tokens=args.max_new_tokens,
+    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
                      sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
     check_threads(args.threads)
     if args.static is not None:
@@ -161,23 +162,21 @@ def stats_line(stats) -> str:
             f"mean accepted length {stats.accept_length_mean:.2f}, {stats.target_forwards} target forwards]")
 
 
-STOPPED = 130  # the exit status of a program stopped by Ctrl-C (128 + SIGINT)
-
-
 def one_shot(lm, args, cfg: GenerationConfig) -> int:
     """Answer --prompt, streaming the text as it is accepted (all at once with --json); returns the exit status.
 
-    Ctrl-C keeps what was generated: the text so far, then "[stopped]" and the stats (with --json, the object
-    with stop_reason "interrupted"), and STOPPED."""
+    Ctrl-C (or SIGTERM) keeps what was generated: the text so far, then "[stopped]" and the stats (with --json,
+    the object with stop_reason "interrupted"), and STOPPED (TERMINATED)."""
     from .decoding.engine import GenerationStats
 
-    stats, ids = GenerationStats(), []
+    stats, ids, status = GenerationStats(), [], 0
     try:
         for piece in lm.stream(args.prompt, cfg, chat_template=not args.raw, stats=stats, token_ids=ids):
             if not args.json:
                 print(piece, end="", flush=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         stats.stop_reason = "interrupted"
+        status = TERMINATED if isinstance(err, Terminated) else STOPPED
     if args.json:
         print(json.dumps({"text": lm.decode(ids), "token_ids": ids, "method": lm.method,
                           "target": lm.target.name, **stats.as_dict()}))
@@ -187,7 +186,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
         print("[stopped]", file=sys.stderr)
     if not args.json:
         print(stats_line(stats), file=sys.stderr)
-    return STOPPED if stats.stop_reason == "interrupted" else 0
+    return status
 
 
 def read_turn() -> str:
@@ -204,7 +203,6 @@ def read_turn() -> str:
 def chat(lm, cfg: GenerationConfig) -> None:
     from .decoding.engine import GenerationStats
     from .kv_cache import ContextOverflowError
-    from .targets.loading import one_line
 
     print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()
@@ -217,6 +215,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
         except EOFError:
             print(file=sys.stderr)
             return
+        except Terminated:
+            raise
         except KeyboardInterrupt:  # a second Ctrl-C meant for an answer must not end the conversation
             print("\n(/quit or Ctrl-D ends the chat)", file=sys.stderr)
             continue
@@ -243,6 +243,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
             for piece in lm.stream(messages, cfg, stats=stats):
                 answer.append(piece)
                 print(piece, end="", flush=True)
+        except (Terminated, BrokenPipeError):   # the session itself ends (a kill, or the reader of stdout left)
+            raise
         except KeyboardInterrupt:
             print(" [stopped]", end="")
         except ContextOverflowError as err:  # the conversation outgrew the window: keep the session
@@ -282,45 +284,28 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    try:
-        options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
-                                     exit_layer=args.exit_layer, medusa=args.medusa,
-                                     medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,
-                                     **lookahead_flags(args))
-        lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
-                  attention=args.attention, static=args.static)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    try:
+    options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
+                                 exit_layer=args.exit_layer, medusa=args.medusa, medusa_choices=args.medusa_choices,
+                                 draft_sampling=args.draft_sampling, **lookahead_flags(args))
+    lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
+              attention=args.attention, static=args.static)
+    with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
-    except ValueError as err:  # a tree flag that does not fit the head's recommended tree
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        if args.prompt is not None:
-            return one_shot(lm, args, cfg)
-        chat(lm, cfg)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    if args.prompt is not None:
+        return one_shot(lm, args, cfg)
+    chat(lm, cfg)
     return 0
 
 
+# Ctrl-C in an answer is handled where it streams; one that reaches the boundary came while loading
+@entry_point(stopped="[stopped while loading: nothing was generated]")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    try:
+    with arguments():
         check_flags(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        quiet_libraries(args.verbose)
-        return run(args)
-    except KeyboardInterrupt:  # Ctrl-C while loading (an answer's own Ctrl-C is handled where it streams)
-        print("\n[stopped while loading: nothing was generated]", file=sys.stderr)
-        return STOPPED
+    quiet_libraries(args.verbose)
+    return run(args)
 
 
 if __name__ == "__main__":

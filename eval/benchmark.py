@@ -15,12 +15,13 @@ import logging
 import sys
 from pathlib import Path
 
+from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.generate import add_lookahead_flags
 from eagle_lite.threads import check_threads
 
 from . import report
-from .sweep import EvalSettings, evaluate, write_outputs
+from .sweep import EvalSettings, Stopped, check_out_dir, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 # also available: staged (eagle whose head checks the lookup chain), eagle_q and eagle_match (eagle with one sampling
@@ -109,30 +110,36 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
                         static_max_len=args.static_max_len, draft_sampling=args.draft_sampling)
 
 
+@entry_point
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
+    with arguments():
         if args.per_task < 0:
             raise ValueError(f"--per-task must be >= 0, got {args.per_task}")
         check_threads(args.threads)  # named as the flag here; evaluate checks the settings again
         settings = settings_of(args)
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        records, rows, header = evaluate(settings)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\n[stopped]", file=sys.stderr)
-        return 130
     if args.out:
-        print(write_outputs(args.out, records, rows, settings.baseline, header))
-    else:
-        print(f"{header}\n\n{report.markdown_table(rows, settings.baseline)}")
+        check_out_dir(args.out)   # before the first prompt: a run's results must have somewhere to go
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        records, rows, header = evaluate(settings)
+    except Stopped as stop:   # Ctrl-C: report and write the runs that finished, then stop
+        report_results(args.out, stop.records, stop.rows, settings.baseline, stop.header)
+        raise stop.interrupt from None
+    report_results(args.out, records, rows, settings.baseline, header)
     return 0
+
+
+def report_results(out: Path | None, records, rows, baseline: str, header: str) -> None:
+    """The table on stdout; with --out, also records, summaries and plots in that folder."""
+    if out:
+        print(write_outputs(out, records, rows, baseline, header))
+    else:
+        print(f"{header}\n\n{report.markdown_table(rows, baseline)}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def plot_speedups(rows: list[dict], baseline: str, path: Path) -> Path:
     ax.set_ylabel(f"speedup vs {baseline}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")   # by name: an atomic write draws into a .tmp file
     plt.close(fig)
     return path
 
@@ -48,6 +48,6 @@ def plot_accept_lengths(records: list[Record], path: Path) -> Path:
     if by_method:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")   # by name: an atomic write draws into a .tmp file
     plt.close(fig)
     return path

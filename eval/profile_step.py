@@ -17,6 +17,7 @@ import sys
 import torch
 
 from eagle_lite.chat_format import chat_ids
+from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
@@ -40,6 +41,7 @@ def profile(engine: Engine, ids: list[int], cfg: GenerationConfig) -> dict:
             "tokens_per_s": s.tokens_per_s, "prefill": 1000 * s.prefill_seconds}
 
 
+@entry_point
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.profile_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,12 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
                    choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
                    help="also profile the static step in this mode (auto: CUDA graphs on CUDA, eager elsewhere)")
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\n[stopped]", file=sys.stderr)
-        return 130
+    return run(p.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,18 +66,15 @@ def run(args: argparse.Namespace) -> int:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    try:
+    with arguments():
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         check_threads(args.threads)
-        registry.check("eagle", registry.EagleOptions(draft=args.draft))
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-        head, note = head_for(target, args.draft)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    registry.check("eagle", registry.EagleOptions(draft=args.draft))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    head, note = head_for(target, args.draft)
     ids = chat_ids(target.tokenizer, [{"role": "user", "content": args.prompt}])
     rows = [("vanilla", profile(Engine(target, registry.build("vanilla", target)), ids,
                                 GenerationConfig(args.max_new_tokens)))]

@@ -91,3 +91,12 @@ def run(target: Target, questions: Iterable[Question], methods: dict[str, Method
                 if on_record is not None:
                     on_record(rec)
     return records
+
+
+def finished_turns(records: list[Record], methods: int) -> list[Record]:
+    """The records of the turns every one of the `methods` finished (a run stopped part way through a turn leaves
+    some methods without it: comparing them would compare different prompts)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.question_id] = counts.get(r.question_id, 0) + 1
+    return [r for r in records if counts[r.question_id] == methods]

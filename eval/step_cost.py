@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
@@ -222,6 +223,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@entry_point
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
@@ -231,11 +233,9 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    try:
-        check_device(args.device)
+    check_device(args.device)
+    with arguments():
         check_threads(args.threads)
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
         bad = [m for m in args.modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
@@ -243,23 +243,19 @@ def main(argv=None) -> int:
             raise ValueError("--prefix and --reps must be >= 1")
         if max(args.sizes) > BUCKETS[-1]:
             raise ValueError(f"--sizes: the largest tree the static step verifies is {BUCKETS[-1]} nodes")
-        results = {}
-        for spec in args.targets:
-            target, head, note = load(spec, args.device, getattr(torch, args.dtype), args.attention)
-            result = measure(target, head, args)
-            results[spec] = {"target": target.name, "note": note, **result}
-            header = (f"target {target.name} ({note}) · {target.device} · {args.dtype} · prefix {args.prefix} · "
-                      f"median of {args.reps} · {torch.get_num_threads()} threads")
-            print(header + "\n\n" + markdown(target.name, result, args.modes, args.sizes) + "\n", flush=True)
-            del target, head
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\n[stopped]", file=sys.stderr)
-        return 130
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    results = {}
+    for spec in args.targets:
+        target, head, note = load(spec, args.device, getattr(torch, args.dtype), args.attention)
+        result = measure(target, head, args)
+        results[spec] = {"target": target.name, "note": note, **result}
+        header = (f"target {target.name} ({note}) · {target.device} · {args.dtype} · prefix {args.prefix} · "
+                  f"median of {args.reps} · {torch.get_num_threads()} threads")
+        print(header + "\n\n" + markdown(target.name, result, args.modes, args.sizes) + "\n", flush=True)
+        del target, head
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from eagle_lite.atomic import write_atomic, write_text_atomic
+from eagle_lite.cli import hydra_entry
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 from eagle_lite.decoding.static_step import MODES
 from eagle_lite.drafters import registry
@@ -129,7 +132,7 @@ def check_settings(s: EvalSettings) -> None:
     if static and s.temperature > 0:
         raise ValueError(f"method(s) {static} decode greedily: drop them or set temperature 0")
     TreeConfig.check_overrides(s.tree)
-    GenerationConfig(max_new_tokens=s.max_new_tokens,
+    GenerationConfig(max_new_tokens=s.max_new_tokens, seed=s.seed,
                      sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
     options = method_options(s)
     if "hf_assisted" in s.methods:       # runs the draft_model method's smaller LM
@@ -164,41 +167,73 @@ def evaluate(s: EvalSettings, progress: bool = True):
     sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree, sampling=sampling, seed=s.seed)
     total = sum(len(q.turns) for q in questions) * len(methods)
+    records: list[runner.Record] = []
     with tqdm(total=total, desc="eval", unit="run", file=sys.stderr, disable=not progress) as bar:
         def on_record(rec: runner.Record) -> None:
+            records.append(rec)
             bar.set_postfix_str(f"{rec.category}/{rec.method} {rec.tokens_per_s:.1f} tok/s")
             bar.update()
 
-        records = runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup,
-                             on_record=on_record)
+        try:
+            runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup, on_record=on_record)
+        except KeyboardInterrupt as err:   # keep the runs that finished: they are reported and written
+            if not records:
+                raise
+            finished = runner.finished_turns(records, len(methods))
+            header = (header_of(s, target, tree, sampling, note) + f" · stopped after {len(records)} of {total} "
+                      f"runs: the table holds the {len(finished)} runs of the turns every method finished")
+            raise Stopped(records, report.summarize(finished, s.baseline), header, err) from None
+    return records, report.summarize(records, s.baseline), header_of(s, target, tree, sampling, note)
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during the runs, with what finished: records, summary rows and header as `evaluate`
+    returns them, and the interrupt to raise again once they are reported."""
+
+    def __init__(self, records: list, rows: list[dict], header: str, interrupt: KeyboardInterrupt) -> None:
+        super().__init__()
+        self.records, self.rows, self.header, self.interrupt = records, rows, header, interrupt
+
+
+def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfig, note: str) -> str:
+    """The report's first line: what ran, where, with which tree and sampling."""
     static = [m for m in s.methods if m in STATIC_METHODS]
-    header = (f"target {target.name} · {s.dtype} · {target.device} · attention "
-              f"{target.config._attn_implementation} · {torch.get_num_threads()} threads · max_new_tokens "
-              f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
-              f"{tree.total_tokens}, lookup {tree.lookup}"
-              + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
-                 f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
-                 f"{s.draft_sampling or registry.EagleOptions().draft_sampling} (outputs differ by draw: no identity "
-                 f"check)")
-              + (f" · {', '.join(static)}: static step, mode {s.static_mode}, no lookup graft" if static else "")
-              + (f" · {note}" if note else ""))
-    return records, report.summarize(records, s.baseline), header
+    return (f"target {target.name} · {s.dtype} · {target.device} · attention "
+            f"{target.config._attn_implementation} · {torch.get_num_threads()} threads · max_new_tokens "
+            f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
+            f"{tree.total_tokens}, lookup {tree.lookup}"
+            + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
+               f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
+               f"{s.draft_sampling or registry.EagleOptions().draft_sampling} (outputs differ by draw: no identity "
+               f"check)")
+            + (f" · {', '.join(static)}: static step, mode {s.static_mode}, no lookup graft" if static else "")
+            + (f" · {note}" if note else ""))
+
+
+def check_out_dir(out_dir: Path) -> Path:
+    """Make sure the results can be written to `out_dir` before the first prompt runs: not a file, creatable,
+    writable (an OSError naming it otherwise)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file: give a folder for the records, summary and plots")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir):
+        pass
+    return out_dir
 
 
 def write_outputs(out_dir: Path, records, rows, baseline: str, header: str) -> str:
     """Write records, summaries and plots; return the markdown summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "records.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r.as_dict()) + "\n")
+    write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r.as_dict()) + "\n" for r in records))
     table = report.markdown_table(rows, baseline)
     mismatches = [f"- {r.method} on {r.question_id}: differs from {baseline} at token {r.first_mismatch}"
                   for r in records if r.identical_to_baseline is False]
     text = f"{header}\n\n{table}\n" + ("\nMismatches:\n" + "\n".join(mismatches) + "\n" if mismatches else "")
-    (out_dir / "summary.md").write_text(text)
-    (out_dir / "summary.json").write_text(json.dumps(rows, indent=1))
-    plots.plot_speedups(rows, baseline, out_dir / "speedup.png")
-    plots.plot_accept_lengths(records, out_dir / "accept_lengths.png")
+    write_text_atomic(out_dir / "summary.md", text)
+    write_text_atomic(out_dir / "summary.json", json.dumps(rows, indent=1))
+    write_atomic(out_dir / "speedup.png", lambda tmp: plots.plot_speedups(rows, baseline, tmp))
+    write_atomic(out_dir / "accept_lengths.png", lambda tmp: plots.plot_accept_lengths(records, tmp))
     return text
 
 
@@ -230,28 +265,31 @@ def settings_from(cfg) -> EvalSettings:
                         draft_sampling=c.get("draft_sampling"))
 
 
-def _main() -> None:
+def _main() -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    @hydra.main(config_path="../conf/eval", config_name="sweep", version_base=None)
+    # an absolute folder: the config is found however the module was started (python -m, or called in-process)
+    @hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf" / "eval"), config_name="sweep",
+                version_base=None)
     def main(cfg) -> None:
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
+        settings = settings_from(cfg)
+        out_dir = check_out_dir(Path(HydraConfig.get().runtime.output_dir))
         try:
-            settings = settings_from(cfg)
             records, rows, header = evaluate(settings)
-        except (ValueError, FileNotFoundError, RuntimeError) as err:  # a user's setting: one line, not a traceback
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(1)
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        except Stopped as stop:   # Ctrl-C: the runs that finished are written and shown, then the sweep stops
+            print(write_outputs(out_dir, stop.records, stop.rows, settings.baseline, stop.header))
+            print(f"(the finished runs' records, summary and plots in {out_dir})")
+            raise stop.interrupt from None
         print(write_outputs(out_dir, records, rows, settings.baseline, header))
         print(f"(records, summary and plots in {out_dir})")
 
-    main()
+    return hydra_entry(main)
 
 
 if __name__ == "__main__":
-    _main()
+    sys.exit(_main())

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
@@ -295,16 +296,17 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse every flag that is wrong whatever the target, before it loads (20-80 s): counts, threads, the tree
     grid, and the draft head, Medusa heads or draft model the method needs. Raises ValueError /
     FileNotFoundError naming the flag or the path."""
-    for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
-                               ("--max-new-tokens", args.max_new_tokens, 1)):
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    check_threads(args.threads)
-    if args.save_tree and (args.method != "eagle" or args.draft == "random"):
-        raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle with --draft "
-                         "auto or a head folder")
-    if args.method == "eagle" and args.trees is None:
-        tree_grid(args.depths, args.top_ks, args.totals)
+    with arguments():   # the flags alone: a bad one is exit status 2
+        for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
+                                   ("--max-new-tokens", args.max_new_tokens, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        check_threads(args.threads)
+        if args.save_tree and (args.method != "eagle" or args.draft == "random"):
+            raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle with --draft "
+                             "auto or a head folder")
+        if args.method == "eagle" and args.trees is None:
+            tree_grid(args.depths, args.top_ks, args.totals)
     if args.method == "lookahead":
         for window, ngram, count in itertools.product(args.lookahead_windows, args.lookahead_ngrams,
                                                       args.lookahead_candidates):
@@ -345,6 +347,7 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
     return chain_candidates(args.method, target, args.num_tokens, draft_target, args.exit_layer)
 
 
+@entry_point
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
@@ -361,25 +364,18 @@ def main(argv=None) -> int:
     tasks = ([{"name": "file", "path": args.questions, "limit": take}] if args.questions
              else [{"name": t, "limit": take} for t in args.task])
     task_label = (args.questions or ",".join(args.task)) + (f" after the first {args.skip}" if args.skip else "")
-    try:
-        check_args(args)
-        questions = skip_per_category(load_questions(tasks), args.skip)
-        if not questions:
-            raise ValueError(f"no questions to tune on in {task_label}: lower --skip or raise --limit")
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-        if args.save_tree and args.draft == "auto" and default_head_path(target.name) is None:
-            raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "
-                             f"pass --draft HEAD_FOLDER")
-        candidates = build_candidates(args, target)
-        rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\n[stopped]", file=sys.stderr)
-        return 130
+    check_args(args)
+    questions = skip_per_category(load_questions(tasks), args.skip)
+    if not questions:
+        raise ValueError(f"no questions to tune on in {task_label}: lower --skip or raise --limit")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    if args.save_tree and args.draft == "auto" and default_head_path(target.name) is None:
+        raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "
+                         f"pass --draft HEAD_FOLDER")
+    candidates = build_candidates(args, target)
+    rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
     print(f"target {target.name} · {args.method} · {task_label}: {len(questions)} questions, "
           f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
           f"{torch.get_num_threads()} threads\n")

@@ -46,8 +46,10 @@ def attention(x: torch.Tensor, w: dict, prefix: str, cfg: dict, positions: torch
     v = proj("v", nkv).repeat_interleave(nh // nkv, dim=0)
     scores = q @ k.transpose(1, 2) / math.sqrt(d)                 # nH T T
     scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-    out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, nh * d)
-    return out @ w[f"{prefix}o_proj.weight"].T
+    out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, nh * d) @ w[f"{prefix}o_proj.weight"].T
+    if f"{prefix}o_proj.bias" in w:     # vLLM's Llama layer builds one when config attention_bias is true
+        out = out + w[f"{prefix}o_proj.bias"]
+    return out
 
 
 def mlp(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:

@@ -313,7 +313,7 @@ def test_tune_saves_the_best_tree_in_the_head_folder(tiny_model_dir, tmp_path, c
     qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi"]}) + "\n")
     common = ["--method", "eagle", "--target", str(tiny_model_dir), "--questions", str(qfile),
               "--max-new-tokens", "8", "--no-warmup", "--depths", "2", "--top-ks", "2", "--totals", "2,4"]
-    assert main(common + ["--draft", "random", "--save-tree"]) == 1
+    assert main(common + ["--draft", "random", "--save-tree"]) == 2   # a flag combination wrong in itself
     assert "--save-tree records an eagle tree" in capsys.readouterr().err
     assert main(common + ["--draft", str(head_dir), "--save-tree"]) == 0
     out = capsys.readouterr().out

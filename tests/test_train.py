@@ -542,13 +542,13 @@ def test_train_refuses_zero_threads_in_one_line(tmp_path):
         TargetConfig(kind="tiny", threads=-2)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["{head}", "--features", "{nowhere}", "--threads", "0"], "--threads must be a whole number >= 1"),
-    (["{nowhere}", "--features", "{nowhere}"], "no draft head at"),
-    (["{head}", "--features", "{nowhere}"], "no feature cache at"),
-    (["{head}", "--features", "{nowhere}", "--batch-size", "0"], "--batch-size must be >= 1"),
+@pytest.mark.parametrize("args, message, status", [   # 2: a flag wrong in itself; 1: what it names is not there
+    (["{head}", "--features", "{nowhere}", "--threads", "0"], "--threads must be a whole number >= 1", 2),
+    (["{nowhere}", "--features", "{nowhere}"], "no draft head at", 1),
+    (["{head}", "--features", "{nowhere}"], "no feature cache at", 1),
+    (["{head}", "--features", "{nowhere}", "--batch-size", "0"], "--batch-size must be >= 1", 2),
 ])
-def test_validate_checks_its_inputs_before_loading_the_target(args, message, tmp_path, capsys, monkeypatch):
+def test_validate_checks_its_inputs_before_loading_the_target(args, message, status, tmp_path, capsys, monkeypatch):
     import trainers.targets
     from trainers.validate import main
 
@@ -557,7 +557,7 @@ def test_validate_checks_its_inputs_before_loading_the_target(args, message, tmp
 
     monkeypatch.setattr(trainers.targets, "build_target", refuse)
     head = ROOT / "eagle_lite" / "heads" / "smollm2"
-    assert main([a.format(head=head, nowhere=tmp_path / "nowhere") for a in args]) == 1
+    assert main([a.format(head=head, nowhere=tmp_path / "nowhere") for a in args]) == status
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
 

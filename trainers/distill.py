@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from eagle_lite.atomic import write_atomic, write_json_atomic, write_text_atomic
 from eagle_lite.chat_format import chat_text, clean_text
+from eagle_lite.cli import entry_point
 from eagle_lite.targets.model import Target
 
 from .answering import BACKENDS, generate_answers, resolve_backend
@@ -579,7 +580,8 @@ def pack(folders: str | Path | list, dest: str | Path) -> Path:
     return dest
 
 
-def main(argv: list[str] | None = None) -> None:
+@entry_point
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m trainers.distill", description=(
@@ -590,16 +592,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="distill folders, e.g. runs/data/smollm2/sharegpt_all/distill (several are merged)")
     parser.add_argument("dest", help="where to write the packed copy, e.g. data/distill/smollm2-sharegpt_all")
     args = parser.parse_args(argv)
-    try:
-        dest = pack(args.folders, args.dest)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    dest = pack(args.folders, args.dest)
     records = list(read_records(dest))
     size = sum(p.stat().st_size for p in dest.iterdir())
     print(f"{dest}: {len(records)} answered sequences, {sum(len(r['input_ids']) for r in records)} tokens, "
           f"{len(_shards(dest))} shards, {size / 2**20:.1f} MiB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

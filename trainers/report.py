@@ -6,6 +6,7 @@ draws them into `training_curve.png`.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,21 +20,31 @@ KIND = "val_kind/"   # val_kind/<group>/top1 and /accept_len_est: validation per
 
 
 class History(L.Callback):
-    """Collects {epoch, step, seconds, metric: value} at the end of every training epoch."""
+    """Collects {epoch, step, seconds, metric: value} at the end of every training epoch. With `path`, the rows are
+    also written there after each epoch, and a resumed run starts from the rows of the steps its checkpoint holds:
+    a run killed part way keeps the epochs it finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else None
         self.epochs: list[dict] = []
         self.start = time.perf_counter()
         self.start_step: int | None = None
         self.fit_seconds: float | None = None  # set by the caller around trainer.fit
         self.best: dict | None = None          # set by the caller when early stopping exports the best epoch
+        self.exception: BaseException | None = None   # what stopped the fit, if anything did
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step  # > 0 when resumed from a checkpoint
+        if self.path is not None and self.path.is_file() and self.start_step > 0:
+            earlier = json.loads(self.path.read_text()).get("epochs", [])
+            self.epochs = [row for row in earlier if row["step"] <= self.start_step] + self.epochs
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.start_step is None:  # resumed a finished run: no training step ran at all
             self.start_step = trainer.global_step
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.exception = exception
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         metrics = trainer.callback_metrics
@@ -42,6 +53,8 @@ class History(L.Callback):
         row.update({k.removesuffix("_epoch"): round(float(metrics[k]), 5) for k in _KEYS if k in metrics})
         row.update({k: round(float(v), 5) for k, v in sorted(metrics.items()) if k.startswith(KIND)})
         self.epochs.append(row)
+        if self.path is not None and trainer.is_global_zero:
+            write_json_atomic(self.path, {"epochs": self.epochs})
 
 
 def folder_bytes(folder: str | Path) -> int:

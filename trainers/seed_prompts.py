@@ -33,6 +33,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_lite.atomic import write_text_atomic
+from eagle_lite.cli import entry_point
+
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "prompts" / "seed_kinds.jsonl"
 KINDS = ("qa", "translation", "summarization", "rag", "math", "extraction", "roleplay")
 
@@ -620,29 +623,24 @@ def overlaps(prompts: dict[str, list[str]], texts: Iterable[tuple[str, str]], n:
 
 
 def write(items: list[dict], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
-    return path
+    return write_text_atomic(path, "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
 
 
-def main(argv: list[str] | None = None) -> None:
+@entry_point
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers.seed_prompts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to write (default: {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
     args = parser.parse_args(argv)
-    try:
-        items = build(args.seed, args.sharegpt)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    items = build(args.seed, args.sharegpt)
     write(items, args.out)
     counts = Counter(item["category"] for item in items)
     turns = sum(len(item["turns"]) > 1 for item in items)
     print(f"{args.out}: {len(items)} prompts ({', '.join(f'{k} {counts[k]}' for k in KINDS)}), {turns} of two turns")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -39,6 +40,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_lite.atomic import write_text_atomic
+from eagle_lite.cli import hydra_entry
+from eagle_lite.config import check_whole
 
 log = logging.getLogger("trainers.train")
 
@@ -252,10 +255,11 @@ def fit(cfg: DictConfig, module, data):
     from lightning.pytorch.loggers import CSVLogger
 
     from .report import History
+    from .run_folder import AtomicCheckpointIO, resume_checkpoint
 
     output = Path(cfg.paths.output)
     ckpt_dir = output / "checkpoints"
-    history = History()
+    history = History(output / "epochs.json")   # the rows of finished epochs survive a kill
     callbacks: list = [history]
     stop, best = early_stop_of(cfg), None
     if not cfg.trainer.get("fast_dev_run"):
@@ -268,19 +272,33 @@ def fit(cfg: DictConfig, module, data):
         best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=stop.monitor, mode=stop.mode, save_top_k=1,
                                auto_insert_metric_name=False, enable_version_counter=False)
         callbacks.append(best)
-    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks,
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
                                       logger=CSVLogger(output, name="logs"), default_root_dir=str(output))
-    last = ckpt_dir / "last.ckpt"
-    resume_from = str(last) if cfg.resume and last.is_file() else None
+    found = resume_checkpoint(ckpt_dir) if cfg.resume else None   # a damaged one is set aside
+    resume_from = str(found) if found else None
     if resume_from:
         log.info("resuming from %s", resume_from)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         # Lightning looks for resumable dataloaders only; our datamodule's state resumes the data order mid-epoch
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
-        # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
-        trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
+        try:
+            # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
+            trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
+        except SystemExit:
+            # Lightning ends a fit stopped by Ctrl-C (its checkpoint saved) with sys.exit(1): it is an interrupt
+            if not trainer.interrupted:
+                raise
+            import signal
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # Lightning ignores a second Ctrl-C
+            raise (history.exception if isinstance(history.exception, KeyboardInterrupt)
+                   else KeyboardInterrupt()) from None
     history.fit_seconds = round(time.perf_counter() - t0, 1)
+    if not cfg.trainer.get("fast_dev_run") and trainer.global_step != (history.start_step or 0):
+        # the end of training as last.ckpt (the periodic one may be a few steps short): a rerun that raises
+        # max_epochs trains on from here, not from the last multiple of every_n_train_steps
+        trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)
     if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
         # our own checkpoint, read with torch's restricted unpickler; the frozen buffers are not in it
         state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
@@ -313,8 +331,47 @@ def check_run_folder(cfg: DictConfig) -> None:
                          f"{KINDS[expected]}: give it its own folder (experiment=medusa, or name=...)")
 
 
+def check_settings(cfg: DictConfig) -> str | None:
+    """Refuse, before the target loads, the run settings no training can take; returns the stage to stop after."""
+    stop_after = cfg.get("stop_after") or ("features" if cfg.get("data_only", False) else None)
+    if stop_after not in (None, "distill", "features"):
+        raise ValueError(f"stop_after must be distill, features or null (every stage), got {stop_after!r}")
+    check_whole("seed", cfg.seed, 0, 1 << 32)   # Lightning's seed_everything takes an unsigned 32-bit seed
+    trainer = cfg.trainer
+    fast = trainer.get("fast_dev_run")
+    if isinstance(fast, bool) or fast is None:
+        if not fast:
+            check_whole("trainer.max_epochs", trainer.get("max_epochs"), 1)
+            steps = check_whole("trainer.max_steps", trainer.get("max_steps", -1), -1)
+            if steps == 0:
+                raise ValueError("trainer.max_steps must be >= 1 (or -1: no limit), got 0")
+    else:
+        check_whole("trainer.fast_dev_run", fast, 1)
+    check_whole("checkpoint.every_n_train_steps", cfg.checkpoint.every_n_train_steps, 1)
+    return stop_after
+
+
 def train(cfg: DictConfig) -> dict:
-    """Run every stage for `cfg` (the composed `conf/train.yaml`); returns the run's summary."""
+    """Run every stage for `cfg` (the composed `conf/train.yaml`); returns the run's summary. A run whose training
+    completed with these stop settings returns {"finished": ...} and leaves its exported head alone. One training
+    at a time per run folder (`run_folder.RunLock`)."""
+    from .run_folder import RunLock, finished
+
+    stop_after = check_settings(cfg)
+    check_run_folder(cfg)
+    if os.environ.get("LOCAL_RANK", "0") != "0":   # a DDP worker Lightning started: rank 0 holds the lock
+        return run_stages(cfg, stop_after)
+    with RunLock(cfg.paths.output):
+        done = finished(cfg) if stop_after is None else None
+        if done is not None:
+            return {"experiment": cfg.name, "finished": True, "export": done["export"],
+                    "global_step": done["global_step"], "resumed_from_step": done["global_step"],
+                    "epochs": done["epochs"], "output": str(cfg.paths.output)}
+        return run_stages(cfg, stop_after)
+
+
+def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
+    """The stages of `train`, up to `stop_after` (None: all four)."""
     import lightning.pytorch as L
 
     from eagle_lite.heads.checkpoint import save_head
@@ -322,12 +379,9 @@ def train(cfg: DictConfig) -> dict:
 
     from .features import describe_bytes
     from .report import folder_bytes, plot_training_curve, write_train_log
+    from .run_folder import mark_finished
     from .targets import TargetConfig, build_target
 
-    stop_after = cfg.get("stop_after") or ("features" if cfg.get("data_only", False) else None)
-    if stop_after not in (None, "distill", "features"):
-        raise ValueError(f"stop_after must be distill, features or null (every stage), got {stop_after!r}")
-    check_run_folder(cfg)
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     target = build_target(_typed(TargetConfig, cfg.target))
@@ -343,6 +397,12 @@ def train(cfg: DictConfig) -> dict:
                 "tokens": manifest["total_tokens"], **seconds, "seconds": round(time.perf_counter() - start, 1)}
     module = build_module(cfg, target, data, taps)
     trainer, history, resume_from = fit(cfg, module, data)
+    if resume_from and trainer.global_step == history.start_step and (Path(cfg.paths.export) / "config.json").is_file():
+        # the checkpoint was already at the end (a run finished before finished.json was kept): its head stays
+        summary = {"global_step": trainer.global_step, "epochs": trainer.current_epoch}
+        mark_finished(cfg, summary)
+        return {"experiment": cfg.name, "finished": True, "export": str(cfg.paths.export),
+                "resumed_from_step": trainer.global_step, "output": str(cfg.paths.output), **summary}
 
     # 4. export
     paths, export = cfg.paths, Path(cfg.paths.export)
@@ -365,11 +425,7 @@ def train(cfg: DictConfig) -> dict:
         metrics.update({k: v for k, v in row.items() if k.startswith("val/")})
         summary.update({k: v for k, v in row.items() if k.startswith("val/")}, best_epoch=history.best["epoch"],
                        best_step=history.best["step"], stopped_epoch=trainer.current_epoch)
-    epochs = history.epochs
-    old_log = export / "train_log.json"
-    if resume_from and old_log.is_file():  # keep the epochs of the runs this one continued
-        earlier = json.loads(old_log.read_text()).get("epochs", [])
-        epochs = [row for row in earlier if row["step"] <= (history.start_step or 0)] + epochs
+    epochs = history.epochs   # with the epochs of the runs this one continued
     if trainer.is_global_zero:
         save = save_medusa if cfg.draft.get("kind", "eagle") == "medusa" else save_head
         training = {k: summary[k] for k in ("experiment", "global_step", "sequences", "tokens")} | metrics
@@ -383,19 +439,19 @@ def train(cfg: DictConfig) -> dict:
         write_train_log(export, summary, epochs)
         plot_training_curve(export / "training_curve.png", epochs, summary.get("best_epoch"))
         log.info("exported the head to %s", export)
+        if not cfg.trainer.get("fast_dev_run"):
+            mark_finished(cfg, summary)
     return {**summary, "export": str(export), "epochs_log": epochs}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    try:
-        result = train(cfg)
-    except (ValueError, FileNotFoundError, OSError) as err:  # a setting, a folder, the disk: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:  # while distilling or caching features (fit handles its own Ctrl-C)
-        print("\n[stopped] finished shards are kept: run the same command again to resume", file=sys.stderr)
-        sys.exit(130)
+    result = train(cfg)
+    if result.get("finished"):
+        print(f"run {result['output']} has finished (step {result['global_step']}; head in {result['export']}): "
+              f"nothing to do. Raise trainer.max_epochs or trainer.max_steps to train on, or give name=... for a "
+              f"new run")
+        return
     if "export" not in result:
         ready = "answers" if result["stage"] == "distill" else "features"
         made = (f"; {result['new_tokens']} answer tokens written now at {result['new_tokens_per_s']} tokens/s"
@@ -410,4 +466,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(hydra_entry(main, stopped="[stopped] finished work is kept: run the same command again to resume"))

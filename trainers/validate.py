@@ -20,6 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
+from eagle_lite.cli import arguments, entry_point
 from eagle_lite.threads import check_threads
 
 from .datamodule import DraftDataModule, LoaderConfig
@@ -83,6 +84,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,14 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    try:
-        print(table(run(args)))
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\n[stopped]", file=sys.stderr)
-        return 130
+    print(table(run(args)))
     return 0
 
 
@@ -117,11 +112,12 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from .targets import TargetConfig, build_target
 
-    check_threads(args.threads)
-    for flag, value in (("--batch-size", args.batch_size), ("--val-depth", args.val_depth)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    LoaderConfig(batch_size=args.batch_size, val_percent=args.val_percent)   # its range checks, named as keys
+    with arguments():
+        check_threads(args.threads)
+        for flag, value in (("--batch-size", args.batch_size), ("--val-depth", args.val_depth)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        LoaderConfig(batch_size=args.batch_size, val_percent=args.val_percent)   # its range checks, named as keys
     for head in args.heads:
         read_head_config(head)
     for folder in args.features:

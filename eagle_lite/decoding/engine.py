@@ -13,6 +13,7 @@ alone. The path of a token:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,11 +68,18 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def token_budget(n_prompt: int, target: Target, max_new_tokens: int) -> int:
-    """How many new tokens a prompt of `n_prompt` tokens may get: `max_new_tokens`, cut to the context window left.
-    An empty prompt, or one that fills the window, is refused."""
+def token_budget(prompt_ids: list[int], target: Target, max_new_tokens: int) -> int:
+    """How many new tokens `prompt_ids` may get: `max_new_tokens`, cut to the context window left. An empty prompt,
+    one that fills the window, or one with an id that is not a token of the target's vocabulary is refused."""
+    n_prompt = len(prompt_ids)
     if n_prompt == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    vocab = target.vocab_size
+    bad = next((i for i, t in enumerate(prompt_ids)
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"prompt token {bad} is {prompt_ids[bad]!r}, not a token id of target '{target.name}' "
+                         f"(0 to {vocab - 1})")
     if n_prompt >= target.max_context:
         raise ContextOverflowError(
             f"the prompt has {n_prompt} tokens but target '{target.name}' has a context window of "
@@ -165,7 +173,7 @@ class Engine:
     def slots(self, prompt_ids: list[int], cfg: GenerationConfig, drafter: Drafter | None = None) -> int:
         """The KV cache slots a sequence of this prompt and config needs: prompt + token budget + one tree."""
         n_prompt = len(prompt_ids)
-        return n_prompt + token_budget(n_prompt, self.target, cfg.max_new_tokens) + \
+        return n_prompt + token_budget(prompt_ids, self.target, cfg.max_new_tokens) + \
             (drafter or self.drafter).max_tree_nodes(cfg.tree)
 
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
@@ -200,7 +208,7 @@ class Engine:
         drafter = drafter or self.drafter
         target, sampling = self.target, cfg.sampling
         n_prompt = len(prompt_ids)
-        budget = token_budget(n_prompt, target, cfg.max_new_tokens)
+        budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
         if cache is None:
             need = self.slots(prompt_ids, cfg, drafter)
             cache, keep = target.new_cache(need), 0

@@ -430,7 +430,7 @@ class StaticEngine:
             raise ValueError("the static step decodes greedily (temperature 0); sampling runs on the engine "
                              "(drop static / use the method without _graph)")
         n_prompt = len(prompt_ids)
-        budget = token_budget(n_prompt, target, cfg.max_new_tokens)
+        budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
         tree = self._tree(cfg)
         bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
         depth = tree.depth if self.head is not None else 0

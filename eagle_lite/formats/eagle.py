@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..heads.checkpoint import check_target, recommended_tree, state_tensors, write_folder
+from ..heads.checkpoint import check_target, load_weights, recommended_tree, state_tensors, write_folder
 from ..heads.draft import DraftHead
 from .detect import Layout
 from .files import read_pickle, save_tensor_pickle
@@ -77,7 +77,14 @@ def read_eagle(layout: Layout, target) -> DraftHead:
         raise ValueError(f"{where}: config.json says num_hidden_layers={count}, the weights hold layers {layers}")
     if count == 2 and is_identity(tensors, "layers.0.") and "layers.1.input_layernorm.weight" in tensors:
         prefix, input_norm = "layers.1.", True    # eagle_lite's form of a head whose layer normalizes its input
+        carried = tensors.get("layers.0.self_attn.o_proj.bias")
+        if carried is not None and "fc.bias" not in tensors:
+            tensors["fc.bias"] = carried          # the vLLM layout: fc's bias added by the identity layer 0
         tensors = {k: v for k, v in tensors.items() if not k.startswith("layers.0.")}
+        o_bias = tensors.pop("layers.1.self_attn.o_proj.bias", None)
+        if o_bias is not None and bool(o_bias.any()):
+            raise ValueError(f"{where}: layers.1.self_attn.o_proj.bias is not zero: eagle_lite's heads have no "
+                             f"attention output bias")
     elif count == 1:
         prefix, input_norm = "layers.0.", False
         if "layers.0.input_layernorm.weight" in tensors:
@@ -87,6 +94,12 @@ def read_eagle(layout: Layout, target) -> DraftHead:
         raise ValueError(f"{where} has {count} decoder layers: eagle_lite runs one-layer EAGLE heads (or two, the "
                          f"first an exact identity, as eagle_lite exports a layer with an input norm)")
     qkv_bias = bool(config.get("qkv_bias"))
+    if not qkv_bias:
+        for key in QKV_BIAS:                      # zeros where a layout builds them (the vLLM layout's q/k/v)
+            for name in [k for k in tensors if k.startswith(prefix) and k.endswith(key)]:
+                if bool(tensors[name].any()):
+                    raise ValueError(f"{where}: {name} is not zero but config.json sets no qkv_bias")
+                del tensors[name]
     if qkv_bias:
         cfg.attention_bias = True   # transformers' Llama layer then also has an o_proj bias: zero, as the loaders'
     token_map = layout.folder / TOKEN_MAP
@@ -110,12 +123,24 @@ def read_eagle(layout: Layout, target) -> DraftHead:
 
 def load_state(head: torch.nn.Module, state: dict[str, torch.Tensor], layout: Layout) -> None:
     """Load with every key accounted for; a shape or name mismatch names the file."""
-    own = head.state_dict()
-    try:
-        head.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{layout.where}: {layout.weights.name} does not fit the head its config.json describes: "
-                         f"{err}") from None
+    load_weights(head, state, f"{layout.where}: the weights in {layout.weights.name}")
+
+
+def vllm_carries_bias(head: DraftHead) -> bool:
+    """Whether vLLM can run this head's fc bias exactly: only through the identity layer 0 of a head whose layer
+    normalizes its input (`vllm_bias_layout`)."""
+    return head.fc_bias and bool(head.fc.bias.detach().any()) and head.input_norm
+
+
+def vllm_bias_layout(tensors: dict[str, torch.Tensor], config: dict, qkv_bias: bool) -> None:
+    """Move fc.bias onto the identity layer 0's o_proj bias, in place. vLLM's llama_eagle.py builds fc without a
+    bias, but its Llama layer builds o_proj with one when config `attention_bias` (or `bias`) is true, and q/k/v
+    with one only as `qkv_bias` says. Layer 0 then computes x + (0 @ attn + b) + mlp(..)@0 = x + b: fc's output
+    plus its bias, exactly; layer 1's o_proj bias is zero."""
+    bias = tensors.pop("fc.bias")
+    config["attention_bias"], config["qkv_bias"] = True, qkv_bias
+    tensors["layers.0.self_attn.o_proj.bias"] = bias
+    tensors["layers.1.self_attn.o_proj.bias"] = torch.zeros_like(bias)
 
 
 def layer_keys(head: DraftHead) -> set[str]:
@@ -129,10 +154,11 @@ def layer_keys(head: DraftHead) -> set[str]:
     return keys
 
 
-def write_eagle(head: DraftHead, target, out: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16
-                ) -> list[str]:
+def write_eagle(head: DraftHead, target, out: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16,
+                engine: str = "all") -> list[str]:
     """Write `head` as an EAGLE-1/2 folder that official EAGLE, vLLM and SGLang load; returns notes for the user
-    (what a loader does differently with it). meta: eagle_lite's own record (target fingerprint, tree, training)."""
+    (what a loader does differently with it). meta: eagle_lite's own record (target fingerprint, tree, training).
+    engine "vllm": the layout only vLLM reads, which carries a head's fc bias exactly (`vllm_bias_layout`)."""
     if head.design == "eagle3":
         raise ValueError("this is an EAGLE-3 head (fc over the target's tapped layers, its own norm and lm_head): "
                          "export it with --format eagle3")
@@ -163,12 +189,13 @@ def write_eagle(head: DraftHead, target, out: str | Path, meta: dict, dtype: tor
     else:
         tensors.update({f"layers.0.{k}": v for k, v in layer.items()})
         layers = 1
-    if head.fc_bias and bool(head.fc.bias.detach().any()):
-        notes.append("fc has a bias: official EAGLE and SGLang load it; vLLM's llama_eagle.py builds fc without one "
-                     "and skips fc.bias, so vLLM drafts with a slightly different head (still lossless, lower "
-                     "acceptance)")
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, target.vocab_size, dtype),
               "num_hidden_layers": layers, **({"qkv_bias": True} if qkv_bias else {}), "eagle_lite": meta}
+    if engine == "vllm" and vllm_carries_bias(head):
+        vllm_bias_layout(tensors, config, qkv_bias)
+        notes.append("written for vLLM only: fc's bias rides on the identity layer 0 as its o_proj bias "
+                     "(attention_bias true, qkv_bias false), which vLLM builds and loads; official EAGLE and SGLang "
+                     "read this folder differently: export with --engine official or sglang for them")
     if qkv_bias:
         notes.append("q/k/v have biases (config qkv_bias: official EAGLE and vLLM build them); SGLang's Llama layer "
                      "reads only attention_bias and drops them")

@@ -108,9 +108,14 @@ def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16
-                 ) -> list[str]:
-    """Write an EAGLE-3 head as the folder vLLM (method eagle3), SGLang (EAGLE3) and official EAGLE-3 load."""
+def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: torch.dtype = torch.bfloat16,
+                 engine: str = "all", verifier: str | None = None) -> list[str]:
+    """Write an EAGLE-3 head as the folder vLLM (method eagle3), SGLang (EAGLE3) and official EAGLE-3 load, with
+    the `speculators` fields vLLM also reads. engine "openvino": with the target's embedding as
+    `embed_tokens.weight`, which optimum-intel's LlamaEagle3 draft (optimum-cli export openvino) builds and would
+    otherwise leave random; the other loaders take it or the target's, the same tensor. engine "speculators": the
+    layout of the `speculators` package (`speculators_config`, `layers.0.*`), which vLLM reads for EAGLE-3 drafts;
+    verifier: the target's name or path it records."""
     if head.design != "eagle3":
         what = ("reads its taps through `fuse` into an EAGLE-1 layer (eagle_lite's earlier EAGLE-3 variant)"
                 if head.fuse is not None else "is an EAGLE-1/2 head (it reads the last hidden state)")
@@ -130,11 +135,24 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
                **{"midlayer." + k: getattr_path(head.layer, k) for k in sorted(LAYER_KEYS)}}
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
-    tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()     # offsets, int64
-    tensors["t2d"] = t2d
+    if engine == "openvino":
+        tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
+    if head.d2t is not None:
+        # a full-vocabulary head has no map: vLLM builds draft_id_to_target_id only for a smaller draft vocabulary
+        # and refuses a d2t it has no place for; official EAGLE-3 drops it; OpenVINO's zeros mean the identity
+        tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()     # offsets, int64
+        tensors["t2d"] = t2d
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
               "draft_vocab_size": int(ids.numel()), "eagle_lite": meta}
     notes = []
+    if engine == "speculators":
+        tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
+        config = speculators_config(head, config, meta, verifier)
+        write_folder(out, tensors, config)
+        return [f"written in the speculators {SPECULATORS_VERSION} layout: vLLM serves it as the model (`vllm serve "
+                f"{out}`: the verifier it records, {config['speculators_config']['verifier']['name_or_path']}, is the "
+                f"target), taps named as vLLM reads them, inputs of layers "
+                f"{config['eagle_aux_hidden_state_layer_ids']}; SGLang and official EAGLE-3 read the default layout"]
     layers = target.config.num_hidden_layers
     try:
         default = published_feature_layers(layers)
@@ -150,6 +168,41 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
                      f"always taps the defaults")
     write_folder(out, tensors, config)
     return notes
+
+
+SPECULATORS_VERSION = "0.9.0"
+
+
+def speculators_config(head: DraftHead, config: dict, meta: dict, verifier: str | None, tokens: int = 3) -> dict:
+    """The speculators package's Eagle3SpeculatorConfig of an EAGLE-3 head whose official config is `config`:
+    the Llama fields as transformer_layer_config; norm_before_residual false (the official EAGLE-3 layer: the
+    residual is fc's output, not its hidden_norm); the taps as vLLM reads the ids, the input of layer i (eagle_lite's
+    output-of-layer ids + 1); one greedy proposal of `tokens` drafted tokens (what vLLM uses when the
+    speculative_config names no num_speculative_tokens)."""
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size", "eagle_lite",
+                                                          "eagle_config")}
+    layer.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "tie_word_embeddings": False})
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in head.feature_layers],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier or meta.get("target", {}).get("name", "target"),
+                         "architectures": ["LlamaForCausalLM"]},
+        },
+        "torch_dtype": config["torch_dtype"],
+        "eagle_lite": meta,
+    }
 
 
 def getattr_path(module: torch.nn.Module, key: str) -> torch.Tensor:

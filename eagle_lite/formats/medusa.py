@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..atomic import write_atomic
-from ..heads.checkpoint import HeadMismatchError, check_target, write_folder
+from ..heads.checkpoint import HeadMismatchError, check_target, load_weights, write_folder
 from ..heads.medusa import MedusaHeads
 from .detect import KINDS, Layout
 from .files import save_tensor_pickle
@@ -91,10 +91,7 @@ def read_medusa(layout: Layout, target) -> MedusaHeads:
             state[f"heads.{k}.{l}.linear.bias"] = tensors.get(f"{k}.{l}.linear.bias", torch.zeros(hidden))
         if own:
             state[f"lm_heads.{k}.weight"] = projections[k]
-    try:
-        heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{where}: {layout.weights.name} does not fit its config: {err}") from None
+    load_weights(heads, state, f"{where}: the weights in {layout.weights.name}")
     return heads.to(device=target.device, dtype=target.dtype).eval()
 
 

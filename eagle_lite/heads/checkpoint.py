@@ -104,6 +104,20 @@ def read_tensors(path: str | Path, what: str = "draft head") -> dict[str, torch.
         raise ValueError(f"{what} weights {weights} are corrupt or truncated: {err}") from err
 
 
+def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Load `tensors` into `module` with every name and shape accounted for. A mismatch is one ValueError line that
+    names the first tensor and both shapes (and counts the rest), instead of torch's list of every one."""
+    own = module.state_dict()
+    problems = [f"tensor {k} is {list(v.shape)} in the file, but the head needs {list(own[k].shape)}"
+                for k, v in tensors.items() if k in own and v.shape != own[k].shape]
+    problems += [f"tensor {k} is missing from the file" for k in own if k not in tensors]
+    problems += [f"tensor {k} in the file is not part of the head" for k in tensors if k not in own]
+    if problems:
+        more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+        raise ValueError(f"{where} do not fit: {problems[0]}{more}; is it a head for this target and format?")
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=True)
+
+
 def check_target(config: dict, target, path: Path | str = "", what: str = "draft head") -> None:
     """Refuse a head whose recorded target differs from `target` in architecture or weights."""
     built, given = config.get("target", {}), target.fingerprint()
@@ -137,10 +151,7 @@ def load_native_head(path: str | Path, target) -> DraftHead:
     head = DraftHead.for_target(target, d2t=tensors.get("d2t"), layer_class=config.get("layer_class"),
                                 feature_layers=tuple(layers), fc_bias=config.get("fc_bias", True),
                                 input_norm=config.get("input_norm", True), design=config.get("design", "eagle"))
-    try:
-        head.load_state_dict(tensors, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"draft head weights {weights} do not fit this head's shape: {err}") from err
+    load_weights(head, tensors, f"draft head weights {weights}")
     head.tree = recommended_tree(config, path, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()
 

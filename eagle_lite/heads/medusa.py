@@ -24,7 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import MEDUSA_FORMAT, VERSION, check_target, read_config, read_tensors, state_tensors, write_folder
+from .checkpoint import (
+    MEDUSA_FORMAT,
+    VERSION,
+    check_target,
+    load_weights,
+    read_config,
+    read_tensors,
+    state_tensors,
+    write_folder,
+)
 
 WHAT = "Medusa heads"
 
@@ -103,8 +112,5 @@ def load_native_medusa(path: str | Path, target) -> MedusaHeads:
     tensors = read_tensors(path, WHAT)
     heads = MedusaHeads(target.hidden_size, sizes["num_heads"], sizes["num_layers"],
                         target.vocab_size if config.get("own_lm_heads") else None)
-    try:
-        heads.load_state_dict(tensors, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{WHAT} weights {path / 'model.safetensors'} do not fit {sizes}: {err}") from err
+    load_weights(heads, tensors, f"{WHAT} weights {path / 'model.safetensors'} ({sizes})")
     return heads.to(device=target.device, dtype=target.dtype).eval()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ..config import GenerationConfig
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, token_budget
+from ..kv_cache import ContextOverflowError
 from .cost import CostModel
 
 log = logging.getLogger("eagle_lite.serve")
@@ -98,8 +99,9 @@ class Scheduler:
         self._thread.start()
 
     # -- the HTTP side ----------------------------------------------------------------------------
-    def check(self, n_prompt: int, max_tokens: int) -> int:
+    def check(self, prompt_ids: list[int], max_tokens: int) -> int:
         """The token budget of a request (413/400 where it asks for too much); what `submit` reserves."""
+        n_prompt = len(prompt_ids)
         if n_prompt > self.limits.max_prompt_tokens:
             raise Refused(413, f"the prompt has {n_prompt} tokens; this server takes at most "
                                f"{self.limits.max_prompt_tokens}", "messages", "context_length_exceeded")
@@ -107,14 +109,15 @@ class Scheduler:
             raise Refused(400, f"max_tokens is {max_tokens}; this server gives at most {self.limits.max_tokens}",
                           "max_tokens", "invalid_value")
         try:
-            return token_budget(n_prompt, self.engine.target, max_tokens)
-        except ValueError as err:   # an empty prompt, or one that fills the context window
-            status = 400 if n_prompt == 0 else 413
-            raise Refused(status, str(err), "messages", "context_length_exceeded" if n_prompt else None) from None
+            return token_budget(prompt_ids, self.engine.target, max_tokens)
+        except ContextOverflowError as err:   # a prompt that fills the context window
+            raise Refused(413, str(err), "messages", "context_length_exceeded") from None
+        except ValueError as err:             # an empty prompt, a token id outside the vocabulary
+            raise Refused(400, str(err), "prompt", "invalid_value") from None
 
     def submit(self, job: Job) -> None:
         """Queue a request (Refused: 503 draining, 429 queue or KV budget full)."""
-        budget = self.check(len(job.prompt_ids), job.cfg.max_new_tokens)
+        budget = self.check(job.prompt_ids, job.cfg.max_new_tokens)
         job.kv_bytes = (len(job.prompt_ids) + budget + self.tree_nodes) * self.bytes_per_slot
         with self._cond:
             if self.draining or self._stopped:

@@ -179,6 +179,13 @@ def target_source(spec: str | None, what: str = "target") -> Path | str:
     return spec
 
 
+def model_folder(spec: str | None) -> Path | str:
+    """The folder transformers loads for a target spec: the cached conversion of a GGUF file (converting it on
+    first use), a local folder, or a hub id."""
+    source = target_source(spec)
+    return converted_gguf(source) if isinstance(source, Path) and source.is_file() else source
+
+
 def check_device(device: str | torch.device) -> torch.device:
     """`device` as a torch.device, or a ValueError saying why it cannot run here (before minutes of loading)."""
     try:

@@ -1,0 +1,246 @@
+"""`make peer-check`: the exported target and heads run in the engines people deploy, on this machine.
+
+  python -m eval.peers.check [--prompts 4] [--max-new-tokens 64] [--k 3] [--engines vllm,openvino,hf4]
+
+1. Exports (eagle_lite.export) under build/peers/exports: the embedded target as a Hugging Face folder; the shipped
+   head for vLLM (--format eagle --engine vllm, --allow-lossy: the export prints what vLLM loses, measured); an
+   EAGLE-3 head (untrained, seed 0: no EAGLE-3 head ships) in the speculators layout for vLLM and, with its
+   embedding, for OpenVINO GenAI, which `optimum-cli export openvino` converts (fp32) with the target.
+2. The first turns of the first --prompts held-out questions (eval/questions/heldout12.jsonl), chat-formatted once
+   here: every engine gets the same prompt ids and --max-new-tokens, greedy, batch 1.
+3. eagle_lite vanilla (the reference tokens), eagle_lite eagle with each head as a chain of --k drafted tokens
+   (tree depth k, top_k 1, no lookup graft: the setting vLLM's num_speculative_tokens k and OpenVINO GenAI's
+   num_assistant_tokens k run), then each peer in its own venv (build/peers/<engine>, eval/peers/install.sh),
+   through eval/peers/<engine>_peer.py.
+4. A table: engine, method, tokens per target forward, tokens/s, output identical to eagle_lite's vanilla, start-up
+   seconds; written to build/peers/run/table.md and results.json as well.
+
+A peer that fails prints its command and the last lines of its error in the table's notes instead of a row.
+Run it alone on the machine (`flock /tmp/cpu.lock make peer-check` here): the timings share the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path("build/peers")
+EXPORTS = ROOT / "exports"
+RUN = ROOT / "run"
+QUESTIONS = Path("eval/questions/heldout12.jsonl")
+PEERS = ("vllm", "openvino", "hf4")
+
+
+def sh(cmd: list[str], log: Path) -> None:
+    """Run `cmd`, its output to `log`; a RuntimeError with the command and the log's tail if it fails."""
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-6:]
+        raise RuntimeError(f"`{' '.join(cmd)}` exited {code}: " + " | ".join(tail))
+
+
+def export_all(target, fresh: bool) -> dict[str, list[str]]:
+    """The folders the peers load, written by eagle_lite.export; returns each export's notes."""
+    import torch
+
+    from eagle_lite.export import export, export_target
+    from eagle_lite.heads.checkpoint import default_head_path, save_head
+    from eagle_lite.heads.draft import DraftHead, published_feature_layers
+
+    notes: dict[str, list[str]] = {}
+    folder = EXPORTS / "smollm2"
+    if fresh or not (folder / "config.json").is_file():
+        notes["target"] = export_target("smollm2", folder)
+    head = default_head_path(target.name)
+    notes["eagle-vllm"] = export(head, "eagle", EXPORTS / "eagle-vllm", target, torch.bfloat16, engine="vllm",
+                                 allow_lossy=True)
+    random3 = ROOT / "heads" / "eagle3-random"
+    if fresh or not (random3 / "config.json").is_file():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            h3 = DraftHead.for_target(target, feature_layers=published_feature_layers(target.config.num_hidden_layers),
+                                      design="eagle3")
+        save_head(h3, random3, target, dtype=torch.float32)
+    for engine in ("speculators", "openvino"):
+        notes[f"eagle3-{engine}"] = export(random3, "eagle3", EXPORTS / f"eagle3-{engine}", target, torch.float32,
+                                           engine=engine, verifier=str(folder.resolve()))
+    return notes
+
+
+def prompts(target, count: int) -> list[list[int]]:
+    from eagle_lite.chat_format import chat_ids
+
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()][:count]
+    return [chat_ids(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+
+
+def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int) -> dict[str, dict]:
+    """eagle_lite vanilla and eagle (each head as a chain of k) on the prompts: tokens, seconds, forwards."""
+    from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.decoding.engine import Engine
+    from eagle_lite.drafters import EagleOptions, registry
+    from eagle_lite.formats import load_head
+
+    chain = TreeConfig(depth=k, top_k=1, total_tokens=k, lookup=0)
+    heads = {"eagle (shipped head)": None, "eagle3 (untrained head)": load_head(ROOT / "heads" / "eagle3-random",
+                                                                                 target)}
+    engines = {"vanilla": (Engine(target, registry.build("vanilla", target, None)), GenerationConfig(max_new))}
+    for name, head in heads.items():
+        options = EagleOptions(head=head, copy_mode=False) if head is not None else EagleOptions(copy_mode=False)
+        engines[f"{name}, k={k}"] = (Engine(target, registry.build("eagle", target, options)),
+                                     GenerationConfig(max_new, tree=chain))
+    out = {}
+    for name, (engine, cfg) in engines.items():
+        engine.generate(ids[0], GenerationConfig(8, tree=cfg.tree))          # warm-up, untimed
+        rows, forwards = [], 0
+        for prompt in ids:
+            result = engine.generate(prompt, cfg)
+            rows.append({"token_ids": list(result.token_ids), "seconds": result.stats.seconds})
+            forwards += result.stats.target_forwards
+        out[name] = {"engine": "eagle_lite", "rows": rows, "forwards": forwards, "startup_s": None}
+    return out
+
+
+def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> tuple[dict[str, dict], list[str]]:
+    """Each peer's runs (vanilla, then with its head), through its script in its venv; failures as notes."""
+    py = {e: str(ROOT / e / "bin" / "python") for e in PEERS}
+    target = str(EXPORTS / "smollm2")
+    jobs: list[tuple[str, list[str]]] = []
+    if "hf4" in engines:
+        jobs.append(("hf4 generate", [py["hf4"], "eval/peers/hf4_peer.py", "--target", target, "--threads",
+                                      str(threads)]))
+    if "vllm" in engines:
+        peer = [py["vllm"], "eval/peers/vllm_peer.py", "--target", target]
+        jobs += [("vllm vanilla", peer),
+                 (f"vllm eagle (shipped head), k={k}", peer + ["--head", str(EXPORTS / "eagle-vllm"), "--k", str(k)]),
+                 (f"vllm eagle3 speculators (untrained head), k={k}",
+                  peer + ["--head", str(EXPORTS / "eagle3-speculators"), "--speculators", "--k", str(k)])]
+    if "openvino" in engines:
+        ov = ROOT / "ov"
+        convert = [("smollm2", EXPORTS / "smollm2"), ("eagle3", EXPORTS / "eagle3-openvino")]
+        failed = None
+        for name, src in convert:
+            if not (ov / name / "openvino_model.xml").is_file():
+                try:
+                    sh([py["openvino"], "eval/peers/openvino_convert.py", str(src), str(ov / name)],
+                       RUN / f"convert-{name}.log")
+                except RuntimeError as err:
+                    failed = str(err)
+        peer = [py["openvino"], "eval/peers/openvino_peer.py", "--target", str(ov / "smollm2"), "--threads",
+                str(threads)]
+        if failed is None or (ov / "smollm2" / "openvino_model.xml").is_file():
+            jobs.append(("openvino vanilla", peer))
+        if (ov / "eagle3" / "openvino_model.xml").is_file():
+            jobs.append((f"openvino eagle3 (untrained head), k={k}",
+                         peer + ["--draft", str(ov / "eagle3"), "--k", str(k)]))
+    results, notes = {}, []
+    if "openvino" in engines and failed is not None:
+        notes.append(f"OpenVINO conversion failed: {failed}")
+    for name, cmd in jobs:
+        out = RUN / (name.split(",")[0].replace(" ", "-").replace("(", "").replace(")", "") + ".json")
+        out.unlink(missing_ok=True)
+        try:
+            sh(cmd + ["--prompts", str(prompts_file), "--out", str(out)], out.with_suffix(".log"))
+            results[name] = json.loads(out.read_text())
+        except RuntimeError as err:
+            notes.append(f"{name}: {err}")
+    return results, notes
+
+
+def trimmed(tokens: list[int], eos: set[int]) -> list[int]:
+    """Tokens up to the first end-of-sequence token (engines differ in whether they return it)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i]
+    return tokens
+
+
+def tokens_per_forward(name: str, run: dict) -> float | None:
+    new = sum(len(r["token_ids"]) for r in run["rows"])
+    if run.get("forwards"):
+        return new / run["forwards"]
+    spec = run.get("spec") or {}
+    if spec.get("drafts"):
+        return 1 + spec.get("accepted_tokens", 0) / spec["drafts"]
+    if spec.get("main_inferences"):
+        return new / spec["main_inferences"]
+    return 1.0 if "vanilla" in name or "generate" in name else None
+
+
+def table(runs: dict[str, dict], eos: set[int]) -> list[str]:
+    reference = [trimmed(r["token_ids"], eos) for r in runs["eagle_lite vanilla"]["rows"]]
+    lines = ["| engine | method | tokens per target forward | tokens/s | identical to eagle_lite vanilla "
+             "| start-up s |", "|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        new = sum(len(r["token_ids"]) for r in run["rows"])
+        seconds = sum(r["seconds"] for r in run["rows"])
+        same = sum(trimmed(r["token_ids"], eos) == ref for r, ref in zip(run["rows"], reference))
+        tpf = tokens_per_forward(name, run)
+        engine, _, method = name.partition(" ")
+        start = run.get("startup_s")
+        lines.append(f"| {run.get('engine', engine)} | {method} | {'n/a' if tpf is None else f'{tpf:.2f}'} | "
+                     f"{new / seconds:.1f} | {same}/{len(reference)} | "
+                     f"{'' if start is None else f'{start:.0f}'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.peers.check", description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=3, help="drafted tokens per step (a chain), every engine")
+    p.add_argument("--engines", default=",".join(PEERS))
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of eagle_lite, transformers 4.x and OpenVINO (vLLM's CPU build runs torch on one)")
+    p.add_argument("--fresh", action="store_true", help="re-export the target and re-make the EAGLE-3 head")
+    args = p.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(PEERS))
+    if unknown:
+        print(f"error: unknown engine(s) {unknown}: choose from {', '.join(PEERS)}", file=sys.stderr)
+        return 1
+    missing = [e for e in engines if not (ROOT / e / ".installed").is_file()]
+    if missing:
+        print(f"error: no venv for {missing}: run eval/peers/install.sh {' '.join(missing)}", file=sys.stderr)
+        return 1
+    import torch
+
+    from eagle_lite.targets.loading import load_target
+
+    torch.set_num_threads(args.threads)
+    RUN.mkdir(parents=True, exist_ok=True)
+    target = load_target("smollm2")
+    started = time.strftime("%Y-%m-%d")
+    notes = export_all(target, args.fresh)
+    for name, lines in notes.items():
+        for line in lines:
+            print(f"export {name}: {line}")
+    ids = prompts(target, args.prompts)
+    prompts_file = RUN / "prompts.json"
+    prompts_file.write_text(json.dumps({"prompts": ids, "max_new_tokens": args.max_new_tokens}))
+    runs = {f"eagle_lite {k}": v for k, v in eagle_lite_runs(target, ids, args.max_new_tokens, args.k).items()}
+    del target
+    peers, failures = peer_runs(engines, args.k, prompts_file, args.threads)
+    runs.update(peers)
+    eos = set(load_eos())
+    lines = [f"{started}, {len(ids)} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1, fp32, "
+             f"{args.threads} thread(s) each", "", *table(runs, eos)]
+    lines += [f"- {f}" for f in failures]
+    print("\n".join(lines))
+    (RUN / "table.md").write_text("\n".join(lines) + "\n")
+    (RUN / "results.json").write_text(json.dumps(runs))
+    return 0
+
+
+def load_eos() -> list[int]:
+    config = json.loads((EXPORTS / "smollm2" / "generation_config.json").read_text())
+    eos = config.get("eos_token_id")
+    return eos if isinstance(eos, list) else [eos]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,6 @@ CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    tree, sampling = TreeConfig(), SamplingConfig()
     p = argparse.ArgumentParser(
         prog="python -m eagle_lite.generate",
         description="Generate with lossless EAGLE speculative decoding: the output is exactly the target's own "
@@ -36,6 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="answer this one prompt and exit (through the chat template, or a base "
                                     "model's plain layout, unless --raw); bytes that are not UTF-8 become U+FFFD "
                                     "and NUL characters are dropped, here and in a chat")
+    add_model_flags(p)
+    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
+                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
+                   help="greedy decoding through the fixed-shape step (methods eagle, without the lookup graft, and "
+                        "vanilla): MODE auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, "
+                        "reduce-overhead, cuda-graph (docs/gpu.md)")
+    p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
+    return p
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the model, the method, the draft tree and sampling: the CLI's and the server's
+    (`python -m eagle_lite.serve`) alike."""
+    tree, sampling = TreeConfig(), SamplingConfig()
     p.add_argument("--target", default=None,
                    help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any "
                         "transformers causal LM whose cached tree forward matches its own (checked at load)")
@@ -92,15 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads that wait for a busy core stall every step")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
-    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
-                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
-                   help="greedy decoding through the fixed-shape step (methods eagle, without the lookup graft, and "
-                        "vanilla): MODE auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, "
-                        "reduce-overhead, cuda-graph (docs/gpu.md)")
-    p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
-    p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
-    return p
 
 
 def add_lookahead_flags(p: argparse.ArgumentParser) -> None:

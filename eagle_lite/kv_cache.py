@@ -115,3 +115,38 @@ class StaticKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+
+class PackedKVCache:
+    """Several sequences' caches as one forward sees them when their new tokens are packed into one row.
+
+    Sequence i's n_i new tokens are rows [r_i, r_i + n_i) of the forward. `update` writes each sequence's
+    keys/values into its own `StaticKVCache` right after its committed prefix (as that cache's own forward
+    would) and returns the sequences' keys/values side by side, [1, H_kv, sum(length_i + n_i), D]; the forward's
+    block-diagonal mask (`tree.packed_mask`) lets each row see only its own sequence's columns. Each cache must
+    have `reserve(n_i)`-ed first; the caller commits or compacts each one.
+    """
+
+    is_compileable = False
+
+    def __init__(self, caches: list[StaticKVCache], rows: list[int]) -> None:
+        for cache, n in zip(caches, rows):
+            if cache.pending != n:
+                raise RuntimeError(f"a packed forward of {n} tokens over a cache that reserved {cache.pending}")
+        self.caches, self.rows = caches, rows
+        self.is_sliding = caches[0].is_sliding
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: [1, H_kv, sum n_i, D] -> [1, H_kv, sum(length_i + n_i), D] each."""
+        keys, values, r = [], [], 0
+        for cache, n in zip(self.caches, self.rows):
+            end = cache.length + n
+            cache.keys[layer_idx, :, :, cache.length:end] = key_states[:, :, r:r + n]
+            cache.values[layer_idx, :, :, cache.length:end] = value_states[:, :, r:r + n]
+            keys.append(cache.keys[layer_idx, :, :, :end])
+            values.append(cache.values[layer_idx, :, :, :end])
+            r += n
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return sum(cache.length for cache in self.caches)

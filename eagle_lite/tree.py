@@ -29,6 +29,21 @@ def attention_mask(prefix_len: int, visible: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def packed_mask(visible: list[torch.Tensor]) -> torch.Tensor:
+    """The block-diagonal 4-D boolean mask of several sequences' blocks packed into one row (`Target.verify`).
+
+    visible[i]: [n_i, S_i] bool, sequence i's mask over its own keys (`attention_mask(length_i, ancestors_i)[0, 0]`:
+    its committed prefix, then its own new tokens). Returns [1, 1, sum n_i, sum S_i]: each block's rows see
+    its own columns as `visible[i]` says and no other sequence's."""
+    t, s = sum(v.shape[0] for v in visible), sum(v.shape[1] for v in visible)
+    mask = torch.zeros(1, 1, t, s, dtype=torch.bool, device=visible[0].device)
+    r = c = 0
+    for v in visible:
+        mask[0, 0, r:r + v.shape[0], c:c + v.shape[1]] = v
+        r, c = r + v.shape[0], c + v.shape[1]
+    return mask
+
+
 @dataclass
 class DraftTree:
     """probes: nodes whose target outputs the drafter reads back after the verify forward (`Drafter.observe`), e.g.
@@ -82,6 +97,18 @@ class DraftTree:
         while self.children[path[-1]]:
             path.append(self.children[path[-1]][0])
         return path
+
+    def truncated(self, n: int) -> DraftTree:
+        """The first n nodes (a connected subtree: parents come first). Only for trees whose nodes were chosen
+        deterministically and that carry no probes: which sampled nodes are kept must not depend on their draws,
+        and a drafter reads its probes back."""
+        if n >= len(self):
+            return self
+        if self.q_draft is not None or self.probes:
+            raise ValueError("a sampled tree, or one with probes, is cut by its drafter's own budget")
+        likely = self.likely_path()
+        likely = likely[:next((i for i, node in enumerate(likely) if node >= n), len(likely))]
+        return DraftTree(self.tokens[:n], self.parents[:n], likely=likely)
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> DraftTree:

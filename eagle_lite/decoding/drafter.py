@@ -67,5 +67,8 @@ class NoDrafter:
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         return 1
 
+    def sit_out(self, inp: DraftInput) -> None:
+        """Every step is plain: nothing to learn."""
+
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         return DraftTree(torch.tensor([inp.root], device=inp.hidden.device), [-1])

@@ -12,6 +12,7 @@ alone. The path of a token:
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from ..config import GenerationConfig
 from ..kv_cache import ContextOverflowError, StaticKVCache
 from ..targets.lm_head import NodeLogits
 from ..targets.model import Target
+from ..tree import DraftTree
 from .accept import accept, sample, target_probs
 from .drafter import Drafter, DraftInput, NoDrafter
 
@@ -104,13 +106,38 @@ def emit_tokens(new: list[int], stats: GenerationStats, eos: set[int], budget: i
     return out
 
 
+@dataclass
+class Sequence:
+    """One sequence being decoded: its own KV cache and drafter, the tokens so far, and what its next step reads.
+    `Engine.begin` makes one (prefilling its prompt); `Engine.step` advances any number of them together."""
+
+    drafter: Drafter
+    cache: StaticKVCache
+    cfg: GenerationConfig
+    stats: GenerationStats
+    tokens: list[int]                  # prompt + generated; the last is the next tree's root, not in the cache yet
+    features: torch.Tensor             # [m, H'] the target's features of the tokens committed by the last forward
+    budget: int                        # new tokens it may get (`token_budget`)
+    eos: set[int]
+    generator: torch.Generator | None  # its own sampling stream: a batch-mate never moves it
+    start: float                       # perf_counter at its prefill
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.stop_reason)
+
+    def emit(self, new: list[int]) -> list[int]:
+        return emit_tokens(new, self.stats, self.eos, self.budget, self.cfg.max_new_tokens, self.start)
+
+
 class Engine:
-    """Generates from one target with one drafter.
+    """Generates from one target with one drafter, one sequence (`stream`) or a batch of them (`begin`, `step`).
 
     The KV caches are allocated once (grown only when a longer sequence needs it, never past the
     context window), so memory stays bounded over a long conversation. A prompt that starts with the
     tokens of the previous call (the next turn of a chat) reuses their cache entries instead of
-    re-reading them.
+    re-reading them. `stream` is `begin` then `step([sequence])` until it stops: the loop a server runs over a
+    changing batch (eagle_lite.serve) is this one, with more sequences in the list.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None) -> None:
@@ -118,6 +145,7 @@ class Engine:
         self.drafter = drafter or NoDrafter()
         self._cache: StaticKVCache | None = None
         self._cached_tokens: list[int] = []   # what the committed cache slots hold
+        self.last_verify: tuple[int, float] = (0, 0.0)   # (tree nodes, seconds) of the last step's target forward
 
     def _cache_for(self, prompt_ids: list[int], max_len: int) -> tuple[StaticKVCache, int]:
         """A cache for this call and how many leading prompt tokens it already holds."""
@@ -142,6 +170,12 @@ class Engine:
         """Forget the cached conversation (the next call re-reads its whole prompt)."""
         self._cached_tokens = []
 
+    def slots(self, prompt_ids: list[int], cfg: GenerationConfig, drafter: Drafter | None = None) -> int:
+        """The KV cache slots a sequence of this prompt and config needs: prompt + token budget + one tree."""
+        n_prompt = len(prompt_ids)
+        return n_prompt + token_budget(prompt_ids, self.target, cfg.max_new_tokens) + \
+            (drafter or self.drafter).max_tree_nodes(cfg.tree)
+
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
         stats = GenerationStats()
         tokens = [t for step in self.stream(prompt_ids, cfg, stats) for t in step]
@@ -151,34 +185,43 @@ class Engine:
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
                stats: GenerationStats | None = None) -> Iterator[list[int]]:
         """Yield the new tokens of each step; `stats` (if given) is filled in as it goes."""
+        cache, keep = self._cache_for(prompt_ids, self.slots(prompt_ids, cfg))
+        seq, first = self.begin(prompt_ids, cfg, stats=stats, cache=cache, keep=keep)
+        self._cached_tokens = seq.tokens[:cache.length]
+        yield first
+        while not seq.done:
+            self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
+            (out,) = self.step([seq])
+            self._cached_tokens = seq.tokens[:cache.length]
+            yield out
+
+    @torch.inference_mode()
+    def begin(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
+              drafter: Drafter | None = None, stats: GenerationStats | None = None,
+              cache: StaticKVCache | None = None, keep: int = 0) -> tuple[Sequence, list[int]]:
+        """Prefill a new sequence and choose its first token: (the sequence, [first token] as emitted).
+
+        drafter: the sequence's own (None: the engine's); a batch gives each sequence one of its own, since a
+        drafter keeps per-sequence state. cache: a cache whose first `keep` slots already hold the prompt's first
+        tokens (`stream`'s chat reuse); None: a fresh one of `slots()` slots, and the drafter is reset."""
         stats = stats if stats is not None else GenerationStats()
+        drafter = drafter or self.drafter
         target, sampling = self.target, cfg.sampling
         n_prompt = len(prompt_ids)
         budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
-        tree_nodes = self.drafter.max_tree_nodes(cfg.tree)
-        cache, keep = self._cache_for(prompt_ids, n_prompt + budget + tree_nodes)
-        eos = target.eos_token_ids if cfg.stop_at_eos else set()
+        if cache is None:
+            need = self.slots(prompt_ids, cfg, drafter)
+            cache, keep = target.new_cache(need), 0
+            drafter.reset(need, 0)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=target.device)
             generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed()))
         stats.prompt_tokens, stats.reused_prompt_tokens = n_prompt, keep
         start = time.perf_counter()
-
-        def emit(new: list[int]) -> list[int]:
-            return emit_tokens(new, stats, eos, budget, cfg.max_new_tokens, start)
-
-        taps = getattr(self.drafter, "feature_layers", ())  # EAGLE-3 heads read several layers' outputs
-        observe = getattr(self.drafter, "observe", None)      # drafters that learn from each verify (lookahead)
-
-        def read(tokens: torch.Tensor, *tree) -> tuple[torch.Tensor, torch.Tensor]:
-            """(final hidden states for the lm_head, the features the drafter reads) of a target forward."""
-            out = target.forward(tokens, cache, *tree, taps=taps)
-            return (out[1], out[2]) if taps else (out[1], out[1])
-
         # 1. prefill (what the cache does not hold yet): only the last prompt token's next token is read
         ids = torch.tensor(prompt_ids[keep:], device=target.device)
-        hidden, features = read(ids)  # T H, T H' (H' = H but for EAGLE-3 heads)
+        ((hidden, features),) = target.verify([(ids, cache, None, None)], taps=_taps(drafter))  # T H, T H'
         cache.commit(n_prompt - keep)
         if sampling.greedy:
             first = target.top_token(hidden[-1])
@@ -187,34 +230,84 @@ class Engine:
             first = sample(target_probs(logits[0], sampling), generator)
         stats.target_forwards = 1
         stats.prefill_seconds = time.perf_counter() - start
-        sequence = list(prompt_ids) + [first]
-        self._cached_tokens = sequence[:cache.length]
-        yield emit([first])
-        while not stats.stop_reason:
-            # 2. draft a tree rooted at the last chosen token
+        eos = target.eos_token_ids if cfg.stop_at_eos else set()
+        seq = Sequence(drafter, cache, cfg, stats, list(prompt_ids) + [first], features, budget, eos, generator, start)
+        return seq, seq.emit([first])
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], caps: list[int | None] | None = None) -> list[list[int]]:
+        """One step of every sequence in `seqs` (none of them done): each one's drafter proposes a tree, the
+        target verifies all the trees in ONE forward (`Target.verify`: each tree sees its own cache and its own
+        ancestors), then each sequence accepts and commits its own path. Returns each sequence's new tokens.
+
+        caps: the most tree nodes (root included) each sequence may verify this step; None: its drafter's tree as
+        configured (`draft`). Any tree is verified exactly, so a server shrinks them as its batch grows without
+        changing what greedy decoding outputs."""
+        target = self.target
+        caps = caps if caps is not None else [None] * len(seqs)
+        taps = _taps(seqs[0].drafter)
+        if any(_taps(seq.drafter) != taps for seq in seqs):
+            raise ValueError("sequences verified together must read the same feature layers")
+        # 2. draft a tree rooted at each sequence's last chosen token
+        drafted = []
+        for seq, cap in zip(seqs, caps):
             t0 = time.perf_counter()
-            tree = self.drafter.propose(DraftInput(sequence, features, sampling, generator), cfg.tree)
-            t1 = time.perf_counter()
-            # 3. verify every node in one forward  4. accept  5. commit the accepted path
-            hidden, features = read(tree.tokens, tree.ancestors, tree.depths)  # N H, N H'
-            t2 = time.perf_counter()
+            drafted.append(draft(seq, cap))
+            seq.stats.draft_seconds += time.perf_counter() - t0
+        # 3. verify every node of every tree in one forward
+        t1 = time.perf_counter()
+        outs = target.verify([(tree.tokens, seq.cache, tree.ancestors, tree.depths)
+                              for seq, tree in zip(seqs, drafted)], taps=taps)   # per sequence: N H, N H'
+        t2 = time.perf_counter()
+        self.last_verify = (sum(len(tree) for tree in drafted), t2 - t1)
+        # 4. accept  5. commit the accepted path, sequence by sequence
+        emitted = []
+        for seq, tree, (hidden, features) in zip(seqs, drafted, outs):
+            t3 = time.perf_counter()
             likely = tree.likely_path()
             nodes = NodeLogits(target.lm, hidden, likely=likely)   # the likeliest path in one product
             if tree.probes:
                 nodes.prefetch(tree.probes + likely)   # with the rows the drafter reads back: one product
-            path, bonus = accept(tree, nodes, sampling, generator)
+            path, bonus = accept(tree, nodes, seq.cfg.sampling, seq.generator)
+            observe = getattr(seq.drafter, "observe", None)   # drafters that learn from each verify (lookahead)
             if observe is not None:
                 observe(tree, nodes)   # the target's outputs at the nodes it verified (e.g. a Jacobi window)
-            self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
-            cache.compact(torch.tensor(path, device=target.device))
-            features = features[path]  # the accepted nodes' features feed the drafter next round
+            seq.cache.compact(torch.tensor(path, device=target.device))
+            seq.features = features[path]  # the accepted nodes' features feed the drafter next round
             new = tree.tokens[path[1:]].tolist() + [bonus]
-            sequence += new
-            self._cached_tokens = sequence[:cache.length]
+            seq.tokens += new
+            stats = seq.stats
             stats.target_forwards += 1
-            stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
-            stats.accept_seconds += time.perf_counter() - t2
-            out = emit(new)
+            stats.accept_seconds += time.perf_counter() - t3
+            out = seq.emit(new)
             stats.accept_lengths.append(len(out))
-            yield out
+            emitted.append(out)
+        return emitted
+
+
+def draft(seq: Sequence, cap: int | None = None) -> DraftTree:
+    """The sequence's drafter's tree, at most `cap` nodes (root included; None: as configured).
+
+    cap 1 is a plain decoding step: the root alone, where the drafter can sit the step out (`sit_out`: it keeps
+    what it must learn of the step; drafters without it always draft). Otherwise an EAGLE tree's budget
+    (`TreeConfig.total_tokens`) shrinks to the cap, and a deterministic tree still larger (a lookup chain, a
+    grafted path) keeps its first `cap` nodes. Sampled trees keep the drafter's own budget: which sampled nodes are
+    kept must not depend on their draws."""
+    inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator)
+    sit_out = getattr(seq.drafter, "sit_out", None)
+    if cap is not None and cap <= 1 and sit_out is not None:
+        sit_out(inp)
+        return DraftTree(torch.tensor([inp.root], device=seq.features.device), [-1])
+    tree_cfg = seq.cfg.tree
+    if cap is not None and cap - 1 < tree_cfg.total_tokens:
+        tree_cfg = dataclasses.replace(tree_cfg, total_tokens=max(1, cap - 1))
+    tree = seq.drafter.propose(inp, tree_cfg)
+    if cap is not None and len(tree) > cap and tree.q_draft is None and not tree.probes:
+        tree = tree.truncated(max(cap, 1))
+    return tree
+
+
+def _taps(drafter: Drafter) -> tuple[int, ...]:
+    """The decoder layers whose outputs the drafter reads besides the final hidden states (EAGLE-3 heads)."""
+    return tuple(getattr(drafter, "feature_layers", ()))

@@ -92,6 +92,9 @@ class PromptLookupDrafter:
                 return start + n, tokens[start + n:start + n + k]
         return 0, []
 
+    def sit_out(self, inp: DraftInput) -> None:
+        """A step without a lookup chain (a batch's plain step): nothing to learn; the index catches up later."""
+
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         if self.adaptive:
             self.length.update(inp.hidden.shape[0] - 1)   # features arrive for the root + accepted tokens

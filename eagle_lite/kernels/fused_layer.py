@@ -81,6 +81,16 @@ class _LayerParts:
             self.norms[0], self.norms[1], self.eps[0], self.eps[1], self.codes, self.scales, self.heads, self.scale)
 
 
+    def packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[StaticKVCache],
+               rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
+        """Several sequences' rows packed in x [T, hidden] (`FusedStack.packed`): sequence i's rows[i] rows write
+        into and attend over caches[i] under masks[i] [rows[i], length_i + rows[i]]."""
+        return torch.ops.eagle_lite.decoder_layer_packed(
+            x, cos, sin, [c.keys[self.index, 0] for c in caches], [c.values[self.index, 0] for c in caches],
+            [c.length for c in caches], rows, masks, self.norms[0], self.norms[1], self.eps[0], self.eps[1],
+            self.codes, self.scales, self.heads, self.scale)
+
+
 def _structured(layer: nn.Module) -> bool:
     """Whether `layer` has the Llama layout the op computes (the probe then checks the arithmetic)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -226,6 +236,30 @@ class FusedStack:
         tapped = {}
         for i, parts in enumerate(self.parts):
             x = parts(x, cos, sin, cache, visible)
+            if i in taps:
+                tapped[i] = x
+        return (self.norm(x), torch.cat([tapped[i] for i in taps], dim=-1)) if taps else self.norm(x)
+
+
+    def takes_packed(self, t: int, caches: list) -> bool:
+        """Whether `packed` runs these: few rows in all, over StaticKVCaches that reserved their rows."""
+        return (0 < t <= MAX_FUSED_ROWS and all(isinstance(c, StaticKVCache) and c.pending > 0 for c in caches)
+                and not torch.is_grad_enabled())
+
+    def packed(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[StaticKVCache],
+               visible: list[torch.Tensor], taps: tuple[int, ...] = ()):
+        """Several sequences' new tokens in one forward (`Target.verify`): input_ids, positions [T] (sequence i's
+        caches[i].pending rows in turn), visible[i] [n_i, length_i + n_i] bool. Each sequence's rows get what
+        `__call__` gives them on their own cache (the layer op's arithmetic is row by row), the weights are read
+        once for all rows. Returns hidden [T, H] (with taps: (hidden, taps [T, len*H]))."""
+        rows = [c.pending for c in caches]
+        masks = [v.contiguous() for v in visible]
+        x = self.embed(input_ids)                                  # T H
+        cos, sin = self.rotary(x[None], positions[None])           # 1 T D each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        tapped = {}
+        for i, parts in enumerate(self.parts):
+            x = parts.packed(x, cos, sin, caches, rows, masks)
             if i in taps:
                 tapped[i] = x
         return (self.norm(x), torch.cat([tapped[i] for i in taps], dim=-1)) if taps else self.norm(x)

@@ -1,7 +1,7 @@
 """eagle_lite's native CPU kernels (csrc/), built once per installation and loaded as torch ops.
 
 `torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py),
-`tree_attention` (attention.py's gqa backend) and `decoder_layer` (fused_layer.py) are AVX2 C++
+`tree_attention` (attention.py's gqa backend) and `decoder_layer`, `decoder_layer_packed` (fused_layer.py) are AVX2 C++
 (csrc/, their shared pieces in csrc/kernels.h) compiled by torch's own extension builder on first use
 (about a minute; cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen
 (no C++ compiler, no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False
@@ -33,7 +33,7 @@ log = logging.getLogger("eagle_lite")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_attention.cpp", "decoder_layer.cpp")]
-OPS = ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention", "decoder_layer")
+OPS = ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention", "decoder_layer", "decoder_layer_packed")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)   # tuples: torch's builder appends its own flags to the lists it is given
 STALE_LOCK_SECONDS = 600   # a build takes ~1.5 min; a lock this old was left by a build that was killed

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..kernels import Accelerated, accelerate_target, stock
 from ..kernels.attention import select_attention
-from ..kv_cache import StaticKVCache, cache_keyword, with_cache
-from ..tree import attention_mask
+from ..kv_cache import PackedKVCache, StaticKVCache, cache_keyword, with_cache
+from ..tree import attention_mask, packed_mask
 from .lm_head import LmHead
 
 
@@ -241,6 +241,54 @@ class Target:
                 features = torch.cat([out.hidden_states[i + 1][0] for i in taps], dim=-1)
         logits = None if logits_rows is None else self.logits(hidden[logits_rows])
         return (logits, hidden, features) if taps else (logits, hidden)
+
+    def verify(self, blocks: list[tuple], taps: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run several sequences' blocks in ONE forward: blocks [(input_ids [n_i], cache_i, ancestors [n_i, n_i]
+        or None, depths [n_i] or None)], each as `forward` takes it on its own cache.
+
+        The blocks are packed into one row of sum n_i tokens; token j of block i sits at position
+        cache_i.length + depth_j and sees its own cache's committed prefix and its own ancestors only (a
+        block-diagonal tree mask over per-sequence caches), so every block's hidden states are the ones its own
+        forward gives, to fp32 rounding (bit for bit through the fused stack). The linears read their weights once
+        for all the rows, which is what makes a batch cheaper than its sequences one by one on a memory-bound CPU.
+        One block runs `forward` itself: batch 1 is exactly what a single sequence runs.
+        Returns per block (hidden [n_i, H], features [n_i, H'] = hidden, or the taps' outputs when given)."""
+        if len(blocks) == 1:
+            out = self.forward(*blocks[0], taps=taps)
+            return [(out[1], out[2]) if taps else (out[1], out[1])]
+        rows = [ids.numel() for ids, *_ in blocks]
+        caches = [cache for _, cache, *_ in blocks]
+        positions, visible = [], []
+        for (ids, cache, ancestors, depths), n in zip(blocks, rows):
+            if ancestors is None:
+                ancestors = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril_()
+            steps = torch.arange(n, device=ids.device) if depths is None else depths
+            positions.append(steps + cache.length)
+            visible.append(attention_mask(cache.length, ancestors)[0, 0])   # n_i length_i+n_i
+            cache.reserve(n)
+        input_ids, positions = torch.cat([b[0] for b in blocks]), torch.cat(positions)   # T, T
+        t = input_ids.numel()
+        features = None
+        stack = self.accelerated.stack
+        if stack is not None and stack.takes_packed(t, caches):
+            hidden = stack.packed(input_ids, positions, caches, visible, taps)            # T H
+            if taps:
+                hidden, features = hidden
+        else:
+            out = self.decoder(
+                input_ids=input_ids.view(1, t),
+                attention_mask=packed_mask(visible),
+                position_ids=positions.view(1, t),
+                use_cache=True,
+                output_hidden_states=bool(taps),
+                **with_cache(self.decoder, PackedKVCache(caches, rows)),
+            )
+            hidden = out.last_hidden_state[0]  # T H
+            if taps:
+                features = torch.cat([out.hidden_states[i + 1][0] for i in taps], dim=-1)
+        hidden = hidden.split(rows)
+        features = hidden if features is None else features.split(rows)
+        return list(zip(hidden, features))
 
     def check_taps(self, taps: tuple[int, ...], what: str = "a draft head") -> None:
         """Refuse feature layers this target does not have (the last layer's output is the final hidden state)."""

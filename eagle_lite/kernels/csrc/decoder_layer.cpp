@@ -53,20 +53,44 @@ inline void rope_row(const float* x, const float* c, const float* s, int64_t D, 
     }
 }
 
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
-                         at::Tensor& values, int64_t start, const c10::optional<at::Tensor>& mask,
-                         const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
-                         at::TensorList codes, at::TensorList scales, int64_t heads, double scale) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-                "decoder_layer: x must be a contiguous float32 CPU tensor [T, hidden]");
-    const int64_t T = x.size(0), H = x.size(1);
+// One sequence's share of a forward: rows [row, row + rows) of x, whose keys/values go to that sequence's cache
+// (this layer's [kv_heads, slots, head_dim] views) at slots [start, start + rows); they attend over the cache's
+// first start + rows slots as `visible` ([rows, start + rows] flags, or nullptr: causal) says.
+struct Segment {
+    float* kp;
+    float* vp;
+    int64_t kh, ks, vh, vs;   // strides of the key/value views: per kv head, per slot
+    int64_t slots;
+    int64_t start, row, rows;
+    const bool* visible;
+};
+
+Segment segment_of(at::Tensor& keys, at::Tensor& values, int64_t start, int64_t row, int64_t rows,
+                   const bool* visible) {
+    return {keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1), values.stride(0),
+            values.stride(1), keys.size(1), start, row, rows, visible};
+}
+
+void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t T) {
     TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
                 values.scalar_type() == at::kFloat && keys.stride(2) == 1 && values.stride(2) == 1,
                 "decoder_layer: keys/values must be float32 [kv_heads, slots, head_dim] with head_dim contiguous");
-    const int64_t Hkv = keys.size(0), L = keys.size(1), D = keys.size(2);
+    TORCH_CHECK(start >= 0 && start + T <= keys.size(1), "decoder_layer: ", start + T, " tokens do not fit ",
+                keys.size(1), " cache slots");
+}
+
+// The layer over every segment's rows: the products, norms and MLP over all rows at once (each row's arithmetic
+// is its own: the result of a row does not depend on the rows beside it), the rotary, cache writes and attention
+// segment by segment, each over its own cache.
+at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<Segment>& segments, int64_t Hkv, int64_t D,
+                      const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
+                      at::TensorList codes, at::TensorList scales, int64_t heads, double scale) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+                "decoder_layer: x must be a contiguous float32 CPU tensor [T, hidden]");
+    const int64_t T = x.size(0), H = x.size(1);
     TORCH_CHECK(heads > 0 && heads % Hkv == 0 && D % 8 == 0 && D <= kMaxHeadDim && H % 8 == 0,
                 "decoder_layer: unsupported head layout");
-    TORCH_CHECK(start >= 0 && start + T <= L, "decoder_layer: ", start + T, " tokens do not fit ", L, " cache slots");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                 sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
                 "decoder_layer: cos/sin must be contiguous float32 [T, head_dim]");
@@ -74,9 +98,6 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
                 norm1.scalar_type() == at::kFloat && norm2.scalar_type() == at::kFloat,
                 "decoder_layer: norm weights must be contiguous float32 [hidden]");
     TORCH_CHECK(codes.size() == 4 && scales.size() == 4, "decoder_layer: codes/scales of qkv, o, gate_up, down");
-    const int64_t S = start + T;
-    at::Tensor held;
-    const bool* visible = eagle_lite::visible_flags(mask, T, S, held, "decoder_layer");
     const int64_t qn = heads * D, kn = Hkv * D, inter = codes[2].size(0) / 2;
     TORCH_CHECK(codes[0].size(0) == qn + 2 * kn && codes[1].size(0) == H && codes[2].size(0) == 2 * inter &&
                 codes[3].size(0) == H, "decoder_layer: projection sizes do not match the head layout");
@@ -92,24 +113,24 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     const float* qkvp = qkv.data_ptr<float>();
     const float* cosp = cos.data_ptr<float>();
     const float* sinp = sin.data_ptr<float>();
-    float* kp = keys.data_ptr<float>();
-    float* vp = values.data_ptr<float>();
-    const int64_t ks = keys.stride(1), vs = values.stride(1);
-    for (int64_t t = 0; t < T; ++t) {
-        const float* row = qkvp + t * (qn + 2 * kn);
-        const float* c = cosp + t * D;
-        const float* s = sinp + t * D;
-        for (int64_t h = 0; h < heads; ++h) rope_row(row + h * D, c, s, D, qp + (t * heads + h) * D);
-        for (int64_t h = 0; h < Hkv; ++h) {
-            rope_row(row + qn + h * D, c, s, D, kp + h * keys.stride(0) + (start + t) * ks);
-            std::copy(row + qn + kn + h * D, row + qn + kn + (h + 1) * D, vp + h * values.stride(0) + (start + t) * vs);
-        }
-    }
     at::Tensor attn = at::empty({T, heads * D}, opts);
     float* ap = attn.data_ptr<float>();
-    // no mask: causal, token t sees the prefix and the new tokens up to itself
-    attend_heads(qp, D, heads * D, kp, keys.stride(0), ks, vp, values.stride(0), vs, heads, Hkv, T, S, D, visible,
-                 start, static_cast<float>(scale), ap);
+    for (const Segment& g : segments) {
+        for (int64_t t = g.row; t < g.row + g.rows; ++t) {
+            const float* row = qkvp + t * (qn + 2 * kn);
+            const float* c = cosp + t * D;
+            const float* s = sinp + t * D;
+            const int64_t slot = g.start + t - g.row;
+            for (int64_t h = 0; h < heads; ++h) rope_row(row + h * D, c, s, D, qp + (t * heads + h) * D);
+            for (int64_t h = 0; h < Hkv; ++h) {
+                rope_row(row + qn + h * D, c, s, D, g.kp + h * g.kh + slot * g.ks);
+                std::copy(row + qn + kn + h * D, row + qn + kn + (h + 1) * D, g.vp + h * g.vh + slot * g.vs);
+            }
+        }
+        // no mask: causal, token t sees the prefix and the new tokens up to itself
+        attend_heads(qp + g.row * heads * D, D, heads * D, g.kp, g.kh, g.ks, g.vp, g.vh, g.vs, heads, Hkv, g.rows,
+                     g.start + g.rows, D, g.visible, g.start, static_cast<float>(scale), ap + g.row * heads * D);
+    }
     at::Tensor o = at::empty({T, H}, opts);
     product(attn, codes[1], scales[1], o, "decoder_layer o");
     at::Tensor h = at::empty({T, H}, opts);
@@ -148,14 +169,63 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     return out;
 }
 
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                         at::Tensor& values, int64_t start, const c10::optional<at::Tensor>& mask,
+                         const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
+                         at::TensorList codes, at::TensorList scales, int64_t heads, double scale) {
+    TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
+    const int64_t T = x.size(0);
+    check_cache(keys, values, start, T);
+    at::Tensor held;
+    const bool* visible = eagle_lite::visible_flags(mask, T, start + T, held, "decoder_layer");
+    return layer_rows(x, cos, sin, {segment_of(keys, values, start, 0, T, visible)}, keys.size(0), keys.size(2),
+                      norm1, norm2, eps1, eps2, codes, scales, heads, scale);
+}
+
+// Several sequences' new tokens packed into the rows of x (Target.verify): segment i is rows[i] rows over
+// keys[i]/values[i] (this layer's views of its own cache) after starts[i] committed slots, under masks[i]
+// ([rows[i], starts[i] + rows[i]] bool). Each segment's rows get exactly what decoder_layer gives them alone.
+at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                at::TensorList keys, at::TensorList values, at::IntArrayRef starts,
+                                at::IntArrayRef rows, at::TensorList masks, const at::Tensor& norm1,
+                                const at::Tensor& norm2, double eps1, double eps2, at::TensorList codes,
+                                at::TensorList scales, int64_t heads, double scale) {
+    const int64_t n = static_cast<int64_t>(keys.size());
+    TORCH_CHECK(n > 0 && static_cast<int64_t>(values.size()) == n && static_cast<int64_t>(starts.size()) == n &&
+                static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(masks.size()) == n,
+                "decoder_layer_packed: one key view, value view, start, row count and mask per segment");
+    TORCH_CHECK(x.dim() == 2, "decoder_layer_packed: x must be [T, hidden]");
+    std::vector<at::Tensor> held(n);
+    std::vector<Segment> segments;
+    int64_t row = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        at::Tensor k = keys[i], v = values[i];
+        check_cache(k, v, starts[i], rows[i]);
+        TORCH_CHECK(k.size(0) == keys[0].size(0) && k.size(2) == keys[0].size(2),
+                    "decoder_layer_packed: every cache must have the same head layout");
+        const bool* visible = eagle_lite::visible_flags(masks[i], rows[i], starts[i] + rows[i], held[i],
+                                                        "decoder_layer_packed");
+        segments.push_back(segment_of(k, v, starts[i], row, rows[i], visible));
+        row += rows[i];
+    }
+    TORCH_CHECK(row == x.size(0), "decoder_layer_packed: the segments' rows (", row, ") must be x's (", x.size(0),
+                ")");
+    return layer_rows(x, cos, sin, segments, keys[0].size(0), keys[0].size(2), norm1, norm2, eps1, eps2, codes,
+                      scales, heads, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
     m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, "
           "Tensor? mask, Tensor norm1, Tensor norm2, float eps1, float eps2, Tensor[] codes, Tensor[] scales, "
           "int heads, float scale) -> Tensor");
+    m.def("decoder_layer_packed(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "
+          "int[] starts, int[] rows, Tensor[] masks, Tensor norm1, Tensor norm2, float eps1, float eps2, "
+          "Tensor[] codes, Tensor[] scales, int heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_lite, CPU, m) {
     m.impl("decoder_layer", &decoder_layer);
+    m.impl("decoder_layer_packed", &decoder_layer_packed);
 }

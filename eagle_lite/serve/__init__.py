@@ -1,0 +1,64 @@
+"""`python -m eagle_lite.serve`: an OpenAI-compatible HTTP server with continuous batching and lossless
+speculative decoding across concurrent requests.
+
+    python -m eagle_lite.serve --port 8000                  # the embedded SmolLM2 target, the CLI's default method
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}]}'
+
+Requests join a running batch between steps and leave it when they finish (scheduler.py); each step drafts a
+tree per sequence and the target verifies all of them in one forward (`Engine.step`, `Target.verify`), each tree
+over its own KV cache, so every request gets what it would get alone (greedy: the CLI's answer). The trees shrink
+as the batch grows, down to plain decoding, by a cost model measured at start (cost.py). docs/serve.md is the
+manual: endpoints, limits, errors, metrics.
+
+FastAPI (on uvicorn) rather than LitServe: LitServe batches requests into one `predict` call per batch and runs
+its own workers, whereas here the batch is the engine's own state, which requests join and leave between
+speculative steps and which streams tokens per step; that wants plain ASGI routes over one worker thread, which is
+what FastAPI gives (with its error handlers and streaming responses) and nothing more.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..decoding.engine import Engine
+from ..drafters import registry
+from ..pipeline import Pipeline
+from .app import Service, create_app
+from .cost import CostModel, measure_verify
+from .metrics import Metrics
+from .scheduler import Limits, Refused, Scheduler
+
+__all__ = ["Limits", "Refused", "Service", "build_service", "create_app", "drafter_factory"]
+
+
+def drafter_factory(pipeline: Pipeline, options=None):
+    """A function making fresh drafters of the pipeline's method (one per sequence of a batch: a drafter keeps
+    per-sequence state); an EAGLE head is loaded once and shared."""
+    method = pipeline.method
+    if method == "vanilla":
+        from ..drafters import NoDrafter
+
+        return NoDrafter
+    if options is not None and not isinstance(options, registry.METHODS[method].options):
+        options = None   # options given for "auto", which resolved to another method
+    options = registry.options_for(method, options)
+    if method in registry.HEAD_METHODS and getattr(options, "head", None) is None:
+        options = dataclasses.replace(options, head=pipeline.engine.drafter.head)
+    return lambda: registry.build(method, pipeline.target, options)
+
+
+def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), make_drafter=None,
+                  options=None, default_max_tokens: int = 256, default_temperature: float = 0.0,
+                  default_seed: int | None = None, verify_seconds: dict | None = None) -> Service:
+    """The server's state around a loaded pipeline; `start()` its scheduler before serving.
+    verify_seconds: the forward cost table of cost.py (None: measured now, about a second)."""
+    make_drafter = make_drafter or drafter_factory(pipeline, options)
+    tree = pipeline.tree
+    probe = make_drafter()
+    tree_nodes = probe.max_tree_nodes(tree)
+    cost = CostModel(verify_seconds or measure_verify(pipeline.target), tree_nodes)
+    metrics = Metrics(pipeline.method)
+    engine = Engine(pipeline.target)
+    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step)
+    return Service(pipeline, scheduler, metrics, model_id, tree, default_max_tokens, default_temperature,
+                   default_seed)

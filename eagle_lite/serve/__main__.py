@@ -1,0 +1,150 @@
+"""`python -m eagle_lite.serve`: load the target and method as the CLI does, then serve them over HTTP (uvicorn).
+
+SIGTERM drains: /health and new requests answer 503, the admitted requests finish (at most --drain-seconds), then
+the process exits 0. A second SIGTERM or Ctrl-C stops at once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from ..generate import (
+    add_model_flags,
+    check_flags,
+    generation_config,
+    lookahead_flags,
+    quiet_libraries,
+)
+from .scheduler import Limits
+
+log = logging.getLogger("eagle_lite.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    limits = Limits()
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_lite.serve",
+        description="An OpenAI-compatible server (chat and completions, streaming or not) with continuous batching "
+                    "and lossless speculative decoding: every request gets what the CLI would answer alone.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model_flags(p)
+    s = p.add_argument_group("server (the model flags above set each request's defaults: --max-new-tokens is the "
+                             "default max_tokens, --temperature the default temperature)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    s.add_argument("--model-id", default=None, help="the model name clients send (default: --target as given, "
+                                                    "'smollm2' without it)")
+    s.add_argument("--max-batch", type=int, default=limits.max_batch, help="sequences decoded together")
+    s.add_argument("--max-queue", type=int, default=limits.max_queue,
+                   help="requests waiting for a place in the batch; past it: 429")
+    s.add_argument("--max-prompt-tokens", type=int, default=limits.max_prompt_tokens, help="longer prompts: 413")
+    s.add_argument("--max-tokens-limit", type=int, default=limits.max_tokens,
+                   help="the largest max_tokens a request may ask for; more: 400")
+    s.add_argument("--kv-budget-mb", type=float, default=limits.kv_budget_mb,
+                   help="target KV cache memory for all admitted requests; a request that does not fit: 429")
+    s.add_argument("--drain-seconds", type=float, default=limits.drain_seconds,
+                   help="how long SIGTERM waits for running requests before it stops them")
+    p.add_argument("--verbose", action="store_true", help="show loading logs and every request")
+    p.set_defaults(static=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        check_flags(args)
+        limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                        max_tokens=args.max_tokens_limit, kv_budget_mb=args.kv_budget_mb,
+                        drain_seconds=args.drain_seconds)
+        if args.max_new_tokens > limits.max_tokens:
+            raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) is above --max-tokens-limit "
+                             f"({limits.max_tokens})")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    quiet_libraries(args.verbose)
+    try:
+        import torch
+        import uvicorn
+
+        from ..drafters.registry import options_from_flags
+        from ..pipeline import load
+        from . import build_service, create_app
+
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
+                                     exit_layer=args.exit_layer, medusa=args.medusa,
+                                     medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,
+                                     **lookahead_flags(args))
+        lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
+                  attention=args.attention)
+        cfg = generation_config(args, lm.tree)
+        lm.tree = cfg.tree
+        service = build_service(lm, args.model_id or args.target or "smollm2", limits, options=options,
+                                default_max_tokens=args.max_new_tokens, default_temperature=args.temperature,
+                                default_seed=args.seed)
+    except ImportError as err:
+        print(f"error: {err}: install the server's packages with pip install 'eagle_lite[serve]'", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n[stopped while loading]", file=sys.stderr)
+        return 130
+    service.scheduler.start()
+    server = DrainingServer(uvicorn.Config(create_app(service), host=args.host, port=args.port,
+                                           log_level="info" if args.verbose else "warning",
+                                           timeout_graceful_shutdown=5), service)
+    print(f"eagle_lite serve · model {service.model_id} · method {lm.method} · http://{args.host}:{args.port}",
+          file=sys.stderr)
+    try:
+        server.run()
+    except OSError as err:   # the port is taken, the address is not ours
+        print(f"error: cannot listen on {args.host}:{args.port} ({err.strerror or err})", file=sys.stderr)
+        return 1
+    finally:
+        service.scheduler.stop()
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        """uvicorn's server whose first SIGTERM drains the batch before it lets uvicorn shut down."""
+
+        def __init__(self, config, service) -> None:
+            super().__init__(config)
+            self.service = service
+            self._draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM and not self._draining:
+                self._draining = True
+                threading.Thread(target=self._drain, name="eagle_lite-drain", daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
+
+        def _drain(self) -> None:
+            finished = self.service.scheduler.drain(self.service.scheduler.limits.drain_seconds)
+            if not finished:
+                log.warning("drain: stopped the requests still running after %.0f s",
+                            self.service.scheduler.limits.drain_seconds)
+            self.should_exit = True
+
+    return Draining
+
+
+def DrainingServer(config, service):  # noqa: N802 (a class made on first use: uvicorn is an optional package)
+    return _server_class()(config, service)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The batch loop: requests join a running batch between steps and leave it when they finish or are cancelled.
+
+One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (each is
+prefilled by `Engine.begin` with a drafter of its own from a pool), drops the ones whose client went away or
+whose text hit a stop string, then runs one `Engine.step` over the whole batch: every sequence drafts its tree,
+the target verifies all of them in one forward, every sequence accepts its own path. The tree cap of the step
+comes from the cost model (cost.py). Events go back to each request's `sink` (called on this thread; the HTTP
+layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
+
+Admission is where the limits live: a full queue and a full KV memory budget refuse with 429 (`Refused`), a
+draining server with 503. The budget counts the target's KV cache slots every admitted request reserves (its
+prompt, its token budget and one tree: what `Engine.begin` allocates), so memory never grows past it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..config import GenerationConfig
+from ..decoding.drafter import Drafter
+from ..decoding.engine import Engine, GenerationStats, Sequence, token_budget
+from ..kv_cache import ContextOverflowError
+from .cost import CostModel
+
+log = logging.getLogger("eagle_lite.serve")
+
+
+class Refused(Exception):
+    """A request the server will not take now or at all: an HTTP status and the OpenAI error's fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """max_batch: sequences decoded together; max_queue: requests waiting for a place; max_prompt_tokens,
+    max_tokens: the longest prompt and answer a request may ask for; kv_budget_mb: the target's KV cache memory
+    for all admitted requests together; drain_seconds: how long a SIGTERM waits for running requests."""
+
+    max_batch: int = 8
+    max_queue: int = 64
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 2048
+    kv_budget_mb: float = 2048.0
+    drain_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_prompt_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0 or self.kv_budget_mb <= 0 or self.drain_seconds < 0:
+            raise ValueError("max_queue and drain_seconds must be >= 0 and kv_budget_mb > 0")
+
+
+@dataclass
+class Job:
+    """One request as the worker sees it."""
+
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    sink: Callable[[tuple], None]
+    kv_bytes: int = 0
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Free the sequence at the next step (a client that went away, a stop string found)."""
+        self.cancelled = True
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
+                 cost: CostModel, on_step: Callable[[int, int, int, list[int]], None] | None = None) -> None:
+        """make_drafter: a fresh drafter (weights shared, state its own); tree_nodes: the most nodes one tree has.
+        on_step(batch, cap, rows, emitted per sequence): called after each step (metrics)."""
+        self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
+        self.pool = [make_drafter() for _ in range(limits.max_batch)]
+        self.tree_nodes = tree_nodes
+        cache = engine.target.new_cache(1)
+        self.bytes_per_slot = (cache.keys.numel() + cache.values.numel()) * cache.keys.element_size()
+        self.budget_bytes = int(limits.kv_budget_mb * 2**20)
+        self.reserved = 0                 # KV bytes of the admitted requests (waiting and running)
+        self.waiting: deque[Job] = deque()
+        self.running: list[tuple[Job, Sequence]] = []
+        self.last_cap: int = 0            # the tree cap of the last step (0: the configured tree)
+        self.draining = False
+        self._busy = False                # admitted requests between the queue and the batch
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="eagle_lite-batch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the HTTP side ----------------------------------------------------------------------------
+    def check(self, prompt_ids: list[int], max_tokens: int) -> int:
+        """The token budget of a request (413/400 where it asks for too much); what `submit` reserves."""
+        n_prompt = len(prompt_ids)
+        if n_prompt > self.limits.max_prompt_tokens:
+            raise Refused(413, f"the prompt has {n_prompt} tokens; this server takes at most "
+                               f"{self.limits.max_prompt_tokens}", "messages", "context_length_exceeded")
+        if max_tokens > self.limits.max_tokens:
+            raise Refused(400, f"max_tokens is {max_tokens}; this server gives at most {self.limits.max_tokens}",
+                          "max_tokens", "invalid_value")
+        try:
+            return token_budget(prompt_ids, self.engine.target, max_tokens)
+        except ContextOverflowError as err:   # a prompt that fills the context window
+            raise Refused(413, str(err), "messages", "context_length_exceeded") from None
+        except ValueError as err:             # an empty prompt, a token id outside the vocabulary
+            raise Refused(400, str(err), "prompt", "invalid_value") from None
+
+    def submit(self, job: Job) -> None:
+        """Queue a request (Refused: 503 draining, 429 queue or KV budget full)."""
+        budget = self.check(job.prompt_ids, job.cfg.max_new_tokens)
+        job.kv_bytes = (len(job.prompt_ids) + budget + self.tree_nodes) * self.bytes_per_slot
+        with self._cond:
+            if self.draining or self._stopped:
+                raise Refused(503, "the server is shutting down; retry on another instance", None, "draining")
+            if len(self.waiting) >= self.limits.max_queue:
+                raise Refused(429, f"{len(self.waiting)} requests are already waiting; retry later", None,
+                              "queue_full")
+            if job.kv_bytes > self.budget_bytes:
+                raise Refused(413, f"this request needs {job.kv_bytes / 2**20:.1f} MiB of KV cache, more than the "
+                                   f"server's whole budget ({self.limits.kv_budget_mb:g} MiB): lower max_tokens or "
+                                   f"shorten the prompt", "max_tokens", "kv_budget_exceeded")
+            if self.reserved + job.kv_bytes > self.budget_bytes:
+                raise Refused(429, f"the KV cache budget ({self.limits.kv_budget_mb:g} MiB) is taken by running "
+                                   f"requests; retry later", None, "kv_budget_full")
+            self.reserved += job.kv_bytes
+            self.waiting.append(job)
+            self._cond.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests, wait (at most `timeout` s) for the admitted ones; whatever is left then is
+        stopped with an error event. Returns whether every admitted request finished."""
+        with self._cond:
+            self.draining = True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.idle:
+                return True
+            time.sleep(0.05)
+        with self._cond:
+            for job in list(self.waiting) + [job for job, _ in self.running]:
+                job.sink(("error", "the server shut down before this request finished"))
+                job.cancel()
+        return self.idle
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self._busy
+
+    # -- the worker -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and self.idle:
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                admit = []
+                while self.waiting and len(self.running) + len(admit) < self.limits.max_batch:
+                    admit.append(self.waiting.popleft())
+                self._busy = True
+            try:
+                for job in admit:
+                    self._begin(job)
+                self._drop_cancelled()
+                if self.running:
+                    self._step()
+            except Exception as err:  # noqa: BLE001 (the worker must outlive any one request's failure)
+                log.exception("a batch step failed; its requests get an error and the server goes on")
+                for job, seq in self.running:
+                    self._finish(job, seq.drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+                self.running = []
+            with self._cond:
+                self._busy = False
+        for job, seq in self.running:
+            self._finish(job, seq.drafter, ("error", "the server stopped"))
+        self.running = []
+
+    def _begin(self, job: Job) -> None:
+        if job.cancelled:
+            self._release(job)
+            return
+        drafter = self.pool.pop()
+        try:
+            seq, first = self.engine.begin(job.prompt_ids, job.cfg, drafter=drafter, stats=job.stats)
+        except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
+            log.exception("a prefill failed")
+            self._finish(job, drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+            return
+        job.sink(("tokens", first))
+        if seq.done:
+            self._finish(job, drafter, ("done", job.stats))
+        else:
+            self.running.append((job, seq))
+
+    def _drop_cancelled(self) -> None:
+        kept = []
+        for job, seq in self.running:
+            if job.cancelled:
+                job.stats.stop_reason = job.stats.stop_reason or "cancelled"
+                self._finish(job, seq.drafter, None)
+            else:
+                kept.append((job, seq))
+        self.running = kept
+
+    def _step(self) -> None:
+        seqs = [seq for _, seq in self.running]
+        cap = self.cost.choose(len(seqs))
+        drafting = [seq.stats.draft_seconds for seq in seqs]
+        outs = self.engine.step(seqs, [cap] * len(seqs))
+        rows, seconds = self.engine.last_verify
+        self.last_cap = cap or 0
+        self.cost.observe(cap, rows, seconds, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
+                                               for out, seq, before in zip(outs, seqs, drafting)])
+        if self.on_step is not None:
+            self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs])
+        kept = []
+        for (job, seq), out in zip(self.running, outs):
+            job.sink(("tokens", out))
+            if seq.done:
+                self._finish(job, seq.drafter, ("done", job.stats))
+            else:
+                kept.append((job, seq))
+        self.running = kept
+
+    def _finish(self, job: Job, drafter: Drafter, event: tuple | None) -> None:
+        self.pool.append(drafter)
+        self._release(job)
+        if event is not None:
+            job.sink(event)
+
+    def _release(self, job: Job) -> None:
+        with self._cond:
+            self.reserved -= job.kv_bytes
+            job.kv_bytes = 0

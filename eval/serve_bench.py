@@ -1,0 +1,204 @@
+"""`python -m eval.serve_bench`: load test of `python -m eagle_lite.serve` on loopback, per method: 1, 2, 4 and 8
+concurrent streaming clients over held-out prompts, aggregate tokens/s and per-request latency (time to first
+token and total, p50/p95), beside the same requests one at a time and the CLI's engine on the same prompts.
+
+    python -m eval.serve_bench                                   # SmolLM2; vanilla, lookup, eagle; 8 requests a level
+    python -m eval.serve_bench --methods eagle --clients 1,8 --requests 16 --max-tokens 64
+
+Each method's server runs as its own process (`python -m eagle_lite.serve` on 127.0.0.1, a free port), the clients
+are threads of this one; a level sends `--requests` requests (at least one per client), each client one at a time,
+and stops starting new ones after `--seconds`. Every request is greedy with `max_tokens` = --max-tokens; its
+answer is checked against the CLI engine's answer to the same prompt (the `identical` column). The CLI row is the
+engine alone in this process (`eagle_lite.load(...).generate`, what `python -m eagle_lite.generate` runs), before
+the server starts, so the two never share the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+QUESTIONS = Path(__file__).parent / "questions" / "heldout12.jsonl"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=None, help="as the CLI's --target (default: the embedded SmolLM2)")
+    p.add_argument("--methods", default="vanilla,lookup,eagle")
+    p.add_argument("--clients", default="1,2,4,8", help="concurrency levels")
+    p.add_argument("--requests", type=int, default=8, help="requests per level (at least one per client)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seconds", type=float, default=120.0, help="a level starts no request after this long")
+    p.add_argument("--questions", type=Path, default=QUESTIONS, help="first turns of this MT-bench-style file")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the server and the CLI run")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--json", type=Path, default=None, help="also write every figure here")
+    return p.parse_args(argv)
+
+
+def prompts(path: Path) -> list[str]:
+    with open(path) as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def cli_run(args, method: str, questions: list[str]) -> tuple[float, list[str]]:
+    """tokens/s of the engine alone (what the CLI runs) over the questions, one after another; and its answers."""
+    import torch
+
+    from eagle_lite import load
+
+    torch.set_num_threads(args.threads)
+    lm = load(args.target, method=method)
+    cfg = lm.config(max_new_tokens=args.max_tokens)
+    lm.generate(questions[0], lm.config(max_new_tokens=8))   # warm-up: kernels, caches
+    tokens, seconds, answers = 0, 0.0, []
+    for q in questions:
+        out = lm.generate(q, cfg)
+        tokens, seconds = tokens + out.stats.new_tokens, seconds + out.stats.seconds
+        answers.append(out.text)
+    del lm
+    return tokens / seconds, answers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, method: str):
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "eagle_lite.serve", "--method", method, "--port", str(port), "--threads",
+           str(args.threads), "--max-batch", str(args.max_batch), "--max-tokens-limit", str(max(args.max_tokens, 256))]
+    if args.target:
+        cmd += ["--target", args.target]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the server did not start in 300 s")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
+def one_request(url: str, model: str, question: str, max_tokens: int) -> dict:
+    """A streaming chat request: its time to first token, total time, tokens and text."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, text, tokens = None, [], 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                piece = choice["delta"].get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+    end = time.perf_counter()
+    return {"ttft": (first or end) - start, "total": end - start, "tokens": tokens, "text": "".join(text)}
+
+
+def level(url: str, model: str, questions: list[str], clients: int, args) -> tuple[dict, list[dict]]:
+    """`clients` threads, each sending requests one at a time, `args.requests` in all (at least one each)."""
+    n = max(args.requests, clients)
+    todo = list(range(n))
+    lock, results = threading.Lock(), []
+    start = time.perf_counter()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo or time.perf_counter() - start > args.seconds:
+                    return
+                i = todo.pop(0)
+            r = one_request(url, model, questions[i % len(questions)], args.max_tokens)
+            with lock:
+                results.append({**r, "question": i % len(questions)})
+
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client) for _ in range(clients)]:
+            f.result()
+    wall = time.perf_counter() - start
+    ttft, total = [r["ttft"] for r in results], [r["total"] for r in results]
+    row = {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+           "seconds": wall, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+           "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
+           "total_p50": percentile(total, 50), "total_p95": percentile(total, 95)}
+    return row, results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    levels = [int(c) for c in args.clients.split(",")]
+    questions = prompts(args.questions)
+    model = args.target or "smollm2"
+    report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(sys.argv),
+              "methods": {}}
+    lines = ["| method | clients | requests | tokens/s | vs 1 client | vs CLI | TTFT p50 / p95 s | "
+             "total p50 / p95 s | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for method in methods:
+        cli_rate, cli_answers = cli_run(args, method, questions[:max(args.requests, max(levels))])
+        print(f"{method}: CLI engine {cli_rate:.1f} tokens/s", file=sys.stderr, flush=True)
+        proc, url = start_server(args, method)
+        rows = []
+        try:
+            one_request(url, model, questions[0], 8)   # warm-up
+            for clients in levels:
+                row, results = level(url, model, questions, clients, args)
+                row["identical"] = sum(r["text"] == cli_answers[r["question"]] for r in results
+                                       if r["question"] < len(cli_answers)) / max(1, len(results))
+                rows.append(row)
+                print(f"{method}: {clients} clients {row['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+        base = rows[0]["tokens_per_s"] if rows else 1.0
+        lines.append(f"| {method} | CLI engine | {max(args.requests, max(levels))} | {cli_rate:.1f} | | 1.00 | | | |")
+        for row in rows:
+            lines.append(f"| {method} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.1f} | "
+                         f"{row['tokens_per_s'] / base:.2f} | {row['tokens_per_s'] / cli_rate:.2f} | "
+                         f"{row['ttft_p50']:.2f} / {row['ttft_p95']:.2f} | {row['total_p50']:.2f} / "
+                         f"{row['total_p95']:.2f} | {row['identical']:.0%} |")
+        report["methods"][method] = {"cli_tokens_per_s": cli_rate, "levels": rows}
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Batched decoding: sequences verified together in one target forward decode exactly what each does alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, eagle_drafter, make_target
+
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.drafters import NoDrafter
+from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.kernels.native import kernel_available
+from eagle_lite.tree import DraftTree
+
+
+@pytest.fixture(scope="module", params=["plain", "fused"])
+def batch_target(request):
+    """A tiny Llama through transformers' own layers, and one whose layers run as the native fused op."""
+    if request.param == "fused" and not kernel_available():
+        pytest.skip("the native kernels do not build here")
+    target = make_target("llama", seed=3, grid=request.param == "fused")
+    if request.param == "fused":
+        assert target.accelerated.stack is not None
+    return target
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(VOCAB, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def random_tree(root: int, n: int, g: torch.Generator) -> DraftTree:
+    parents = [-1] + [int(torch.randint(i, (1,), generator=g)) for i in range(1, n)]
+    tokens = [root] + torch.randint(VOCAB, (n - 1,), generator=g).tolist()
+    return DraftTree(torch.tensor(tokens), parents)
+
+
+@torch.inference_mode()
+def test_packed_verify_equals_each_block_alone(batch_target):
+    """Each sequence's hidden states and new cache entries are its own forward's, whatever sits beside it."""
+    target, g = batch_target, torch.Generator().manual_seed(1)
+    caches, trees = [], []
+    for prompt, n in zip(prompts(4), (1, 5, 3, 7)):
+        cache = target.new_cache(64)
+        target.forward(torch.tensor(prompt), cache)
+        cache.commit(len(prompt))
+        caches.append(cache)
+        trees.append(random_tree(prompt[-1], n, g))
+    alone_caches = [c.grown(c.max_len) for c in caches]
+    alone = [target.forward(t.tokens, c, t.ancestors, t.depths)[1] for t, c in zip(trees, alone_caches)]
+    packed = target.verify([(t.tokens, c, t.ancestors, t.depths) for t, c in zip(trees, caches)])
+    # the same arithmetic up to the order of fp32 sums (the native products tile the rows they are given)
+    for (hidden, _), want, cache, own in zip(packed, alone, caches, alone_caches):
+        end = cache.length + len(want)
+        torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.keys[..., :end, :], own.keys[..., :end, :], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.values[..., :end, :], own.values[..., :end, :], rtol=1e-5, atol=1e-5)
+
+
+def drafter_for(method: str, target, head=None):
+    if method == "vanilla":
+        return NoDrafter()
+    if method == "lookup":
+        return PromptLookupDrafter()
+    return eagle_drafter(target, head)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "lookup", "eagle"])
+def test_batched_steps_equal_each_sequence_alone(batch_target, method):
+    """Sequences that join a running batch at different steps, with different budgets and trees that change size
+    from step to step, decode token for token what each decodes alone."""
+    target = batch_target
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target) if method == "eagle" else None
+    tree = TreeConfig(depth=3, top_k=3, total_tokens=6)
+    configs = [GenerationConfig(max_new_tokens=n, tree=tree, stop_at_eos=False) for n in (30, 12, 25, 40, 7)]
+    ps = prompts(len(configs), seed=2)
+    alone = [Engine(target, drafter_for(method, target, head)).generate(p, c).token_ids for p, c in zip(ps, configs)]
+
+    engine = Engine(target)
+    joins = {0: [0, 1], 2: [2], 3: [3, 4]}   # step -> sequences that join before it
+    running, out, step = [], {}, 0
+    caps = [None, 1, 3, 2, 5]   # the most nodes a sequence may verify: its own tree, plain, a cut tree
+    while step in joins or running:
+        for i in joins.get(step, []):
+            seq, first = engine.begin(ps[i], configs[i], drafter=drafter_for(method, target, head))
+            out[i] = list(first)
+            running.append((i, seq))
+        step_caps = [caps[(step + i) % len(caps)] for i, _ in running]   # trees shrink and grow between steps
+        for (i, _), new in zip(running, engine.step([s for _, s in running], step_caps)):
+            out[i] += new
+        running = [(i, s) for i, s in running if not s.done]
+        step += 1
+    assert [out[i] for i in range(len(configs))] == alone

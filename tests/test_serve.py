@@ -1,0 +1,297 @@
+"""The HTTP server: the official openai client against an in-process server on a free loopback port, concurrent
+clients whose greedy answers equal single-request decoding, cancellation, every limit and bad request, draining."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from conftest import eagle_drafter, make_target, tiny_tokenizer
+
+from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.drafters import NoDrafter
+from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.pipeline import Pipeline
+from eagle_lite.serve import Limits, build_service, create_app
+
+TREE = TreeConfig(depth=3, top_k=3, total_tokens=6)
+COST = {1: 0.001, 8: 0.002, 32: 0.004, 64: 0.02}   # a fixed forward-cost table: no timing in tests
+QUESTIONS = ["hello there", "why is the sky blue?", "count: 1 2 3 1 2 3 1 2", "a", "tell me a story about a cat",
+             "abcabcabcabc", "what?"]
+
+
+@pytest.fixture(scope="module")
+def chat_target():
+    target = make_target("llama", seed=5, max_pos=4096)   # room for requests that run long enough to interrupt
+    target.tokenizer = tiny_tokenizer()
+    return target
+
+
+class SlowDrafter(NoDrafter):
+    """Plain decoding at most ~200 steps a second: requests that are surely still running when a test acts."""
+
+    def propose(self, inp, tree):
+        time.sleep(0.005)
+        return super().propose(inp, tree)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server in this process, on a thread, on a free loopback port."""
+
+    def __init__(self, target, method: str = "vanilla", limits: Limits = Limits(max_batch=4), **kwargs) -> None:
+        torch.manual_seed(0)
+        head = DraftHead.for_target(target) if method == "eagle" else None
+        make = {"vanilla": NoDrafter, "lookup": PromptLookupDrafter, "slow": SlowDrafter,
+                "eagle": lambda: eagle_drafter(target, head)}[method]
+        self.pipeline = Pipeline(target, make(), method if method != "slow" else "vanilla")
+        self.pipeline.tree = TREE
+        self.service = build_service(self.pipeline, "tiny", limits, make_drafter=make, verify_seconds=COST, **kwargs)
+        self.service.scheduler.start()
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=self.port,
+                                                   log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.service.scheduler.stop()
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, headers={"Content-Type": "application/json"},
+                          timeout=60, **kwargs)
+
+
+@pytest.fixture
+def serve(chat_target):
+    servers = []
+
+    def start(*args, **kwargs) -> Server:
+        servers.append(Server(chat_target, *args, **kwargs))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def alone(target, ids: list[int], max_tokens: int) -> list[int]:
+    """Single-request vanilla decoding: what every method, batched or not, must answer."""
+    cfg = GenerationConfig(max_new_tokens=max_tokens, tree=TREE)
+    return Engine(target, NoDrafter()).generate(ids, cfg).token_ids
+
+
+def test_openai_client_chat_and_completions_streaming_and_not(serve, chat_target):
+    s = serve()
+    assert [m.id for m in s.client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "why is the sky blue?"}]
+    want = s.pipeline.decode(alone(chat_target, s.pipeline.encode(messages), 20))
+    reply = s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == want and reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 20 and reply.usage.prompt_tokens == len(s.pipeline.encode(messages))
+    chunks = list(s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    raw = s.pipeline.decode(alone(chat_target, s.pipeline.encode("once upon", chat_template=False), 15))
+    done = s.client.completions.create(model="tiny", prompt="once upon", max_tokens=15)
+    assert done.choices[0].text == raw
+    parts = s.client.completions.create(model="tiny", prompt="once upon", max_tokens=15, stream=True)
+    assert "".join(p.choices[0].text for p in parts) == raw
+
+
+@pytest.mark.parametrize("method", ["vanilla", "lookup", "eagle"])
+def test_concurrent_clients_get_single_request_greedy_output(serve, chat_target, method):
+    s = serve(method, Limits(max_batch=4))
+    lengths = [30, 12, 25, 40, 7, 33, 18]
+
+    def ask(i: int) -> str:
+        r = s.client.completions.create(model="tiny", prompt=QUESTIONS[i], max_tokens=lengths[i], temperature=0,
+                                        stream=i % 2 == 1)
+        return r.choices[0].text if i % 2 == 0 else "".join(p.choices[0].text for p in r)
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        got = list(pool.map(ask, range(len(QUESTIONS))))
+    want = [s.pipeline.decode(alone(chat_target, s.pipeline.encode(q, chat_template=False), n))
+            for q, n in zip(QUESTIONS, lengths)]
+    assert got == want
+    metrics = httpx.get(s.url + "/metrics").text
+    assert f'eagle_lite_spec_decode_num_drafts_total{{method="{method}"}}' in metrics
+    assert 'eagle_lite_requests_total{endpoint="/v1/completions",status="200"} 7' in metrics
+    assert s.service.metrics.steps < sum(lengths)   # sequences shared target forwards
+
+
+def test_stop_strings_and_seeded_sampling(serve):
+    s = serve()
+    full = s.client.completions.create(model="tiny", prompt="hello", max_tokens=30).choices[0].text
+    stop = full[10:12]
+    cut = s.client.completions.create(model="tiny", prompt="hello", max_tokens=30, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    sampled = [s.client.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=1.0,
+                                           seed=7).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def error_of(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_bad_requests_are_400s_naming_the_field(serve):
+    s = serve(limits=Limits(max_batch=2, max_tokens=64, max_prompt_tokens=50))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    r = s.post("/v1/chat/completions", b"{not json")
+    assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+    cases = [({"messages": chat["messages"]}, "model"), ({**chat, "model": "gpt-4"}, "model"),
+             ({"model": "tiny"}, "messages"), ({**chat, "messages": [{"role": "robot", "content": "x"}]},
+                                               "messages[0].role"),
+             ({**chat, "temperature": "hot"}, "temperature"), ({**chat, "top_p": 0}, "top_p"),
+             ({**chat, "max_tokens": 0}, "max_tokens"), ({**chat, "max_tokens": 65}, "max_tokens"),
+             ({**chat, "n": 2}, "n"), ({**chat, "stop": [1]}, "stop"), ({**chat, "stream": "yes"}, "stream")]
+    for body, field in cases:
+        r = s.post("/v1/chat/completions", body)
+        assert r.status_code == 400, (body, r.text)
+        assert error_of(r)["param"] == field, (body, r.text)
+    r = s.post("/v1/completions", {"model": "tiny"})
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt"
+    r = s.post("/v1/completions", {"model": "tiny", "prompt": "x" * 80})
+    assert r.status_code == 413 and error_of(r)["code"] == "context_length_exceeded"
+    r = httpx.get(s.url + "/v1/nothing")
+    assert r.status_code == 404 and error_of(r)
+    assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
+
+
+def long_stream(s: Server, tokens: int = 400):
+    """A streaming request that is still running when it returns: the client, the response, its first chunk."""
+    client = httpx.Client(timeout=60)
+    request = client.build_request("POST", s.url + "/v1/completions",
+                                   json={"model": "tiny", "prompt": "go", "max_tokens": tokens, "stream": True})
+    response = client.send(request, stream=True)
+    lines = response.iter_lines()
+    first = next(line for line in lines if line.startswith("data:"))
+    return client, response, lines, first
+
+
+def wait_until(condition, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_client_that_disconnects_frees_its_sequence(serve):
+    s = serve("slow")
+    client, response, lines, _ = long_stream(s, 2000)   # (dropping `lines` would close the response)
+    scheduler = s.service.scheduler
+    wait_until(lambda: len(scheduler.running) == 1)
+    response.close()
+    client.close()
+    wait_until(lambda: not scheduler.running and scheduler.reserved == 0)
+    del lines
+    assert s.client.completions.create(model="tiny", prompt="next", max_tokens=4).choices[0].text is not None
+
+
+def test_queue_batch_and_kv_limits_refuse_with_429_and_413(serve):
+    s = serve("slow", Limits(max_batch=1, max_queue=1))
+    busy = [long_stream(s, 2000)]
+    wait_until(lambda: len(s.service.scheduler.running) == 1)
+    waiting = threading.Thread(target=lambda: s.post("/v1/completions", {"model": "tiny", "prompt": "q",
+                                                                           "max_tokens": 2}))
+    waiting.start()
+    wait_until(lambda: len(s.service.scheduler.waiting) == 1)
+    r = s.post("/v1/completions", {"model": "tiny", "prompt": "one too many", "max_tokens": 2})
+    assert r.status_code == 429 and error_of(r)["code"] == "queue_full"
+    with pytest.raises(openai.RateLimitError):
+        s.client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    busy[0][1].close()
+    waiting.join(timeout=30)
+
+    per_token = s.service.scheduler.bytes_per_slot
+    small = serve("slow", Limits(max_batch=4, max_tokens=4000, kv_budget_mb=3000 * per_token / 2**20))
+    held = long_stream(small, 2000)            # reserves ~2000 of the 3000 slots
+    r = small.post("/v1/completions", {"model": "tiny", "prompt": "y", "max_tokens": 1500})
+    assert r.status_code == 429 and error_of(r)["code"] == "kv_budget_full"
+    r = small.post("/v1/completions", {"model": "tiny", "prompt": "y", "max_tokens": 3500, "stream": True})
+    assert r.status_code == 413 and error_of(r)["code"] == "kv_budget_exceeded"
+    held[1].close()
+    wait_until(lambda: small.service.scheduler.reserved == 0)
+    assert small.post("/v1/completions", {"model": "tiny", "prompt": "y", "max_tokens": 300}).status_code == 200
+
+
+def test_draining_refuses_new_requests_and_finishes_running_ones(serve):
+    s = serve("slow")
+    client, response, lines, first = long_stream(s, 200)
+    drained = []
+    threading.Thread(target=lambda: drained.append(s.service.scheduler.drain(30))).start()
+    wait_until(lambda: s.service.scheduler.draining)
+    r = s.post("/v1/completions", {"model": "tiny", "prompt": "late", "max_tokens": 2})
+    assert r.status_code == 503 and error_of(r)["code"] == "draining"
+    assert httpx.get(s.url + "/health").status_code == 503
+    rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[5:])["choices"][0]["text"] for line in [first] + rest[:-1])
+    assert len(s.pipeline.target.tokenizer.encode(text)) > 0
+    wait_until(lambda: drained == [True])
+    client.close()
+
+
+def test_sigterm_drains_and_exits_0(tiny_model_dir):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_lite.serve", "--target", str(tiny_model_dir), "--method",
+                             "vanilla", "--port", str(port), "--threads", "1", "--max-new-tokens", "150"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": str(tiny_model_dir), "prompt": "hi", "max_tokens": 150,
+                                "stream": True}) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

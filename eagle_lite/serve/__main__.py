@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long SIGTERM waits for running requests before it stops them")
     p.add_argument("--verbose", action="store_true", help="show loading logs and every request")
     p.set_defaults(static=None)
+    for action in p._actions:
+        if action.dest == "threads":
+            action.help = ("torch CPU threads, >= 1 (default: one per core but one, which is left to the HTTP loop "
+                           "and its clients: threads that wait for a busy core stall every step)")
     return p
 
 
@@ -76,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         from ..pipeline import load
         from . import build_service, create_app
 
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
+        # One core is left to the HTTP loop and the clients: torch threads that wait for a busy core stall every
+        # step (docs/serve.md).
+        torch.set_num_threads(args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1))
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
                                      medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,

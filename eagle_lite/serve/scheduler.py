@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, check_finite, check_whole
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, token_budget
 from ..kv_cache import ContextOverflowError
@@ -52,10 +52,12 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_prompt_tokens", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue < 0 or self.kv_budget_mb <= 0 or self.drain_seconds < 0:
-            raise ValueError("max_queue and drain_seconds must be >= 0 and kv_budget_mb > 0")
+            check_whole(name, getattr(self, name), 1)
+        check_whole("max_queue", self.max_queue, 0)
+        if check_finite("kv_budget_mb", self.kv_budget_mb) <= 0:
+            raise ValueError(f"kv_budget_mb must be > 0, got {self.kv_budget_mb}")
+        if check_finite("drain_seconds", self.drain_seconds) < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 
+from ..cli import arguments, entry_point
 from ..generate import (
     add_model_flags,
     check_flags,
@@ -58,10 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@entry_point(stopped="[stopped while loading]")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    try:
+    with arguments():
         check_flags(args)
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens=args.max_tokens_limit, kv_budget_mb=args.kv_budget_mb,
@@ -69,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens > limits.max_tokens:
             raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) is above --max-tokens-limit "
                              f"({limits.max_tokens})")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     quiet_libraries(args.verbose)
     try:
         import torch
@@ -98,12 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as err:
         print(f"error: {err}: install the server's packages with pip install 'eagle_lite[serve]'", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\n[stopped while loading]", file=sys.stderr)
-        return 130
     service.scheduler.start()
     server = DrainingServer(uvicorn.Config(create_app(service), host=args.host, port=args.port,
                                            log_level="info" if args.verbose else "warning",

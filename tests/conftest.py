@@ -50,6 +50,14 @@ def snap_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
 def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos: int = 512,
                 grid: bool = False, layers: int = 2) -> Target:
     """grid: the weights as SmolLM2's GGUF file de-quantizes them: the decoder's linears Q4_1, the lm_head Q8_0."""
+    model = make_model(family, seed, hidden, max_pos, grid, layers)
+    return Target(model, name=f"tiny-{family}{'-q4_1' if grid else ''}")
+
+
+def make_model(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos: int = 512,
+               grid: bool = False, layers: int = 2):
+    """make_target's transformers model, not yet wrapped: a Target on the CPU swaps its linears for CPU kernels,
+    so a model meant for another device is moved there before it is wrapped."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -66,7 +74,7 @@ def make_target(family: str = "llama", seed: int = 0, hidden: int = 64, max_pos:
                 if isinstance(layer, torch.nn.Linear):
                     layer.weight.copy_(snap_to_q4_1(layer.weight))
             model.lm_head.weight.copy_(snap_to_q8_0(model.lm_head.weight))
-    return Target(model.eval(), name=f"tiny-{family}{'-q4_1' if grid else ''}")
+    return model.eval()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

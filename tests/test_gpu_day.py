@@ -70,6 +70,8 @@ def test_steps_without_time_left_are_skipped_and_recorded(tiny_model_dir, tiny_h
                          "--budget-s", "20"]) == 0
     steps = json.loads((out / "steps.json").read_text())["steps"]
     assert all(s["status"].startswith("skipped") for s in steps), steps
+    assert json.loads((tmp_path / "w" / "state.json").read_text() if (tmp_path / "w" / "state.json").exists()
+                      else "{}") == {}    # nothing ran: a later call runs every step
 
 
 def test_the_plan_fits_the_lease_and_names_every_step(capsys):
@@ -87,4 +89,6 @@ def test_run_without_its_inputs_is_one_line(tmp_path, capsys):
     assert "--dry-run needs --target" in capsys.readouterr().err
     assert gpu_day.main(["run", "--out", str(tmp_path), "--budget-s", "10", "--carry", str(tmp_path)]) == 2
     assert "no manifest.json there" in capsys.readouterr().err
+    assert gpu_day.main(["run", "--out", str(tmp_path), "--budget-s", "10", "--skip", "tables"]) == 2
+    assert "--skip: unknown step(s) ['tables']" in capsys.readouterr().err
     assert gpu_day.main(["report", str(tmp_path / "nothing")]) == 1

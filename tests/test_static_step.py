@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import VOCAB, make_target, reference_greedy
+from conftest import VOCAB, make_model, make_target, reference_greedy
 from test_engine import TREES
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
@@ -314,7 +314,7 @@ def cuda_target(family: str = "llama"):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    model = make_target(family).model.to("cuda", torch.bfloat16)
+    model = make_model(family).to("cuda", torch.bfloat16)
     # gqa: the engine and the static step then run the same SDPA kernel (bf16 sums in other orders could flip a tie)
     return Target(model, name=f"tiny-{family}-cuda-bf16", attention="gqa")
 

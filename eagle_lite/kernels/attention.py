@@ -83,39 +83,16 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-@functools.cache
-def flex_fused_available(device_type: str) -> bool:
-    """Whether a compiled (fused) FlexAttention kernel runs on this device type, probed once.
-
-    CPU is answered without probing: torch 2.13's inductor emits C++ that does not compile (`cur_kvSplitSize7
-    was not declared`) as soon as the query length varies, which it does every verify step (docs/attention.md).
-    """
-    if flex_attention is None or device_type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        for t in (3, 5):  # two query lengths: the recompile with dynamic shapes is where kernels have failed
-            q = torch.randn(1, 4, t, 64, device="cuda")
-            kv = torch.randn(1, 2, t + 7, 64, device="cuda")
-            _compiled_flex()(q, kv, kv, block_mask=_causal_block_mask(t, t + 7, "cuda"), enable_gqa=True)
-        torch.cuda.synchronize()
-    except Exception as err:  # any failure to build or run the kernel means "not here"; auto must not fail
-        warnings.warn(f"compiled FlexAttention does not run on this CUDA device ({type(err).__name__}: {err}); "
-                      "attention='auto' picks another backend", stacklevel=2)
-        return False
-    return True
-
-
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The backend (one of BACKENDS) that `name` means for a model on `device` (in `dtype`, when known).
 
-    'auto' picks flash > flex > gqa > sdpa:
+    'auto' picks flash > gqa > sdpa:
       flash  when flash-attn is importable, the device is CUDA and the dtype is fp16/bf16: the prefix, which
              is nearly all of the work, runs unmasked in the fastest kernel and the T x T tree block is tiny;
-      flex   when a compiled FlexAttention kernel runs on the device (CUDA with Triton): one fused kernel
-             that skips the mask on prefix blocks;
-      gqa    otherwise, e.g. on CPU: eager flex there is an unfused reference and lse_merge measured no faster
-             than SDPA's own CPU flash kernel with the mask (docs/attention.md); gqa is that kernel without
-             the k/v repeat (sdpa where torch's SDPA has no enable_gqa). 'auto' never raises.
+      gqa    otherwise: SDPA's own kernels with the mask, without the k/v repeat (sdpa where torch's SDPA has
+             no enable_gqa). Not flex: compiled FlexAttention recompiles for every new query and key length,
+             which the engine's steps change every time, and past dynamo's recompile limit runs unfused; on
+             an H200 that held the engine to ~30 tokens/s (docs/attention.md). 'auto' never raises.
     An explicit name is checked: an unknown one raises ValueError, an unavailable one BackendUnavailableError.
     """
     device = torch.device(device)
@@ -123,8 +100,6 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | 
     if key == "auto":
         if _flash_problem(device, dtype) is None:
             return "flash"
-        if flex_fused_available(device.type):
-            return "flex"
         return "gqa" if _SDPA_HAS_GQA else "sdpa"
     if key not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")

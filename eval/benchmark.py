@@ -74,11 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="the target's tree-verification backend (docs/attention.md); vanilla_graph and eagle_graph "
                         "run an SDPA backend (gqa unless this is sdpa)")
-    p.add_argument("--static-mode", default="auto",
-                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
-                   help="vanilla_graph / eagle_graph: auto = CUDA graphs on CUDA, eager on a CPU")
-    p.add_argument("--static-max-len", type=int, default=2048,
-                   help="vanilla_graph / eagle_graph: cache slots allocated once (each step attends over all of them)")
+    add_static_flags(p)
     p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
     p.add_argument("--draft-model", default=None,
                    help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
@@ -86,6 +82,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_lookahead_flags(p)
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)
+
+
+def add_static_flags(p) -> None:
+    """--static-mode and --static-max-len: how vanilla_graph / eagle_graph run (eval.benchmark and eval.tune)."""
+    p.add_argument("--static-mode", default="auto",
+                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
+                   help="vanilla_graph / eagle_graph: auto = CUDA graphs on CUDA, eager on a CPU")
+    p.add_argument("--static-max-len", type=int, default=2048,
+                   help="vanilla_graph / eagle_graph: cache slots allocated once (each step attends over all of them)")
 
 
 def settings_of(args: argparse.Namespace) -> EvalSettings:

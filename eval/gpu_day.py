@@ -21,7 +21,8 @@ The steps, in the order the GPU-day issue asks for them:
   3. table_shipped  `eval.benchmark` on the held-out prompts of twelve kinds, one interleaved run: the engine's
                     graph-captured vanilla (the baseline), its vanilla, transformers generate() and prompt
                     lookup, lookup, eagle and eagle_graph at the head's shipped `tree_cuda`
-  4. tune           `eval.tune --save-tree` on the GPU: the head's `tree_cuda` tuned on the spot
+  4. tune           `eval.tune --method eagle_graph --save-tree` on the GPU: the head's `tree_cuda` tuned on the
+                    spot through the static step with CUDA graphs (the default path there), against vanilla_graph
   5. table_tuned    the baseline, eagle and eagle_graph again at the tuned tree
   6. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
                     improving or the time left runs out, exported; `trainers.validate` against the shipped head
@@ -63,7 +64,8 @@ START_S = 45                      # a machine's start and the first transfer (35
 TRANSFER_S = 15                   # one call's transfers and the idle wait before it
 RESERVE_S = 15                    # kept at the end of a call to pack the outputs
 HEAD_NAME = "gpu_day_eagle3"
-TUNE_TREES = ("4,8,32,8", "6,10,60,8", "8,12,100,8", "6,10,60,0")
+# for the static step (no lookup graft): each tree fills its verify bucket (static_tree.BUCKETS, the root included)
+TUNE_TREES = ("4,8,31", "6,10,63", "8,12,95", "10,16,127")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def dry_profile(target: str, draft: str, questions: str) -> Profile:
     """The same steps on the CPU: a tiny target folder and a head folder made for it, a few tokens each."""
     return Profile(
         device="cpu", dtype="float32", target=target, draft=draft, questions=questions, per_task=1, max_new_tokens=8,
-        tune_trees=("2,2,3,0", "1,1,1,0"), tune_limit=1, tune_tokens=8,
+        tune_trees=("2,2,3", "1,1,1"), tune_limit=1, tune_tokens=8,
         pytest=("-m", "gpu", "-q", "--collect-only"),
         step_cost_first=("--tiny", "--sizes", "1,4", "--reps", "1"),
         step_cost_target=("--tiny", "--sizes", "1,4", "--reps", "1", "--trees", "2,2,3"),
@@ -123,7 +125,7 @@ STEPS = (
     Step("step_cost_smollm2", "eval.step_cost: SmolLM2 and its head, verify 1..128 nodes and the draft step",
          60, 20, True),
     Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
-    Step("tune", "eval.tune --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
+    Step("tune", "eval.tune --method eagle_graph --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
     Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_graph at the tuned tree", 40, 20, True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),
@@ -301,7 +303,7 @@ class Day:
             return [(self.python("eval.benchmark", *bench, "--methods", methods, "--out",
                                  str(r / "table_shipped")), min(left, 240))]
         if name == "tune":
-            return [(self.python("eval.tune", "--method", "eagle", *self.common(), "--draft", p.draft,
+            return [(self.python("eval.tune", "--method", "eagle_graph", *self.common(), "--draft", p.draft,
                                  "--questions", p.questions, "--limit", str(p.tune_limit), "--max-new-tokens",
                                  str(p.tune_tokens), "--trees", *p.tune_trees, "--save-tree"), min(left, 150))]
         if name == "table_tuned":

@@ -1,6 +1,7 @@
 """`python -m eval.tune`: find the fastest settings of one drafting method on a few prompts of a task.
 
     python -m eval.tune --method eagle --task humaneval            # tree depth x top_k x total_tokens
+    python -m eval.tune --method eagle_graph --device cuda --dtype bfloat16 --trees 4,8,31 6,10,63 --save-tree
     python -m eval.tune --method lookup --task sharegpt            # chain length K (num_tokens)
     python -m eval.tune --method lookahead --task sharegpt         # window W x n-gram N x candidates G
     python -m eval.tune --method layer_skip --exit-layer 12        # K of the early-exit draft
@@ -15,6 +16,9 @@ vanilla decoding). The table gives tokens/s, the speedup over vanilla and the me
 the best setting whose output is identical to vanilla's is printed last, with how to select it;
 `--save-tree` records eagle's best tree in the head folder's config.json, where the CLI, the Python API
 and the benchmark take it as their default tree.
+`eagle_graph` sweeps the same tree grid through the fixed-shape static step (`static_step.StaticEngine`, CUDA graphs
+on CUDA: the default path there, whose costs differ from the engine's), against `vanilla_graph` (plain decoding
+through the same step) as the baseline; that step has no prompt-lookup graft, so lookup lengths are ignored.
 Chain drafters sweep a fixed K (adaptive off) plus their default adaptive K; eagle sweeps the tree
 grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`); lookahead sweeps
 its window x n-gram x candidates grid.
@@ -36,17 +40,22 @@ import torch
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads
 
 from . import report, runner
-from .methods import Method, engine_method
+from .benchmark import add_static_flags
+from .methods import Method, engine_method, static_method
 from .tasks import Question
 
-METHODS = ("eagle", "lookup", "lookahead", "draft_model", "layer_skip", "medusa")
+METHODS = ("eagle", "eagle_graph", "lookup", "lookahead", "draft_model", "layer_skip", "medusa")
 BASELINE = "vanilla"
+BASELINES = {"eagle_graph": "vanilla_graph"}    # a method's baseline where it is not vanilla
+TREE_METHODS = ("eagle", "eagle_graph")          # the methods that sweep a draft tree (and --save-tree it)
+log = logging.getLogger("eagle_lite")
 
 
 @dataclass(frozen=True)
@@ -79,24 +88,32 @@ def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_t
     return out
 
 
-def tree_label(tree: TreeConfig) -> str:
+def tree_label(tree: TreeConfig, method: str = "eagle") -> str:
     """How eval tables name an eagle tree: 'eagle d=3 k=4 n=8 lookup=8 min_prob=0.1' (unset parts left out)."""
-    return (f"eagle d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
+    return (f"{method} d={tree.depth} k={tree.top_k} n={tree.total_tokens}"
             + (f" lookup={tree.lookup}" if tree.lookup else "")
             + (f" min_prob={tree.min_prob:g}" if tree.min_prob else ""))
 
 
 def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
                      lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,),
-                     trees: list[TreeConfig] | None = None) -> list[Candidate]:
+                     trees: list[TreeConfig] | None = None, static_mode: str | None = None,
+                     static_max_len: int | None = None) -> list[Candidate]:
     """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, or the
-    given `trees` instead of the grid; each with its own EagleDrafter."""
-    out = []
-    for tree in trees or tree_grid(depths, top_ks, totals, lookups, min_probs):
-        make = lambda tree=tree: with_tree(engine_method(Engine(
-            target, registry.build("eagle", target, registry.EagleOptions(head=head)))), tree)
-        out.append(Candidate(tree_label(tree), dataclasses.asdict(tree), make))
-    return out
+    given `trees` instead of the grid; each with its own EagleDrafter, or, with `static_mode` set (eagle_graph),
+    its own static step (`static_method`: that mode, `static_max_len` cache slots; no lookup graft, so the trees'
+    lookup lengths are dropped and the trees they then repeat run once)."""
+    grid = trees or tree_grid(depths, top_ks, totals, lookups, min_probs)
+    if static_mode is None:
+        name = "eagle"
+        make_method = lambda: engine_method(Engine(target, registry.build("eagle", target,
+                                                                          registry.EagleOptions(head=head))))
+    else:
+        name = "eagle_graph"
+        grid = list(dict.fromkeys(replace(tree, lookup=0) for tree in grid))
+        make_method = lambda: static_method(target, head, static_mode, static_max_len)
+    return [Candidate(tree_label(tree, name), dataclasses.asdict(tree),
+                      lambda tree=tree: with_tree(make_method(), tree)) for tree in grid]
 
 
 def tree_grid(depths: list[int], top_ks: list[int], totals: list[int], lookups: tuple[int, ...] = (0,),
@@ -141,34 +158,37 @@ def lookahead_candidates(target: Target, windows: list[int], ngrams: list[int],
 
 
 def tune(target: Target, questions: list[Question], candidates: list[Candidate], max_new_tokens: int = 64,
-         warmup: bool = True) -> list[dict]:
-    """Run vanilla decoding and every candidate on `questions`; one 'overall' summary row per method,
-    the candidate's `setting` added (None for vanilla)."""
+         warmup: bool = True, baseline: str = BASELINE,
+         make_baseline: Callable[[], Method] | None = None) -> list[dict]:
+    """Run the baseline (vanilla decoding, or what `make_baseline` builds, named `baseline`) and every candidate on
+    `questions`; one 'overall' summary row per method, the candidate's `setting` added (None for the baseline)."""
     if not questions:
         raise ValueError("no questions to tune on: check --task / --questions and --limit")
     labels = [c.label for c in candidates]
-    if BASELINE in labels or len(set(labels)) != len(labels):
-        raise ValueError(f"candidate labels must be unique and not '{BASELINE}', got {labels}")
-    methods = {BASELINE: engine_method(Engine(target, registry.build(BASELINE, target)))}
+    if baseline in labels or len(set(labels)) != len(labels):
+        raise ValueError(f"candidate labels must be unique and not '{baseline}', got {labels}")
+    methods = {baseline: make_baseline() if make_baseline is not None
+               else engine_method(Engine(target, registry.build(baseline, target)))}
     methods.update({c.label: c.make() for c in candidates})
     records = runner.run(target, questions, methods, GenerationConfig(max_new_tokens=max_new_tokens),
-                         baseline=BASELINE, warmup=warmup)
+                         baseline=baseline, warmup=warmup)
     settings = {c.label: c.setting for c in candidates}
-    rows = [row for row in report.summarize(records, BASELINE) if row["category"] == "overall"]
+    rows = [row for row in report.summarize(records, baseline) if row["category"] == "overall"]
     return [{**row, "setting": settings.get(row["method"])} for row in rows]
 
 
-def best(rows: list[dict]) -> dict | None:
-    """The fastest candidate whose outputs all equal vanilla's (None if there is none)."""
-    exact = [r for r in rows if r["method"] != BASELINE and r["identical"] == 1.0]
+def best(rows: list[dict], baseline: str = BASELINE) -> dict | None:
+    """The fastest candidate whose outputs all equal the baseline's (None if there is none)."""
+    exact = [r for r in rows if r["method"] != baseline and r["identical"] == 1.0]
     return max(exact, key=lambda r: r["tokens_per_s"]) if exact else None
 
 
 def how_to_select(method: str, setting: dict) -> str:
     """The flags (or constructor arguments) that pick `setting`."""
-    if method == "eagle":
+    if method in TREE_METHODS:
+        lookup = "" if method == "eagle_graph" else f" --tree-lookup {setting.get('lookup', 0)}"
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
-                f"--tree-total-tokens {setting['total_tokens']} --tree-lookup {setting.get('lookup', 0)}"
+                f"--tree-total-tokens {setting['total_tokens']}{lookup}"
                 f" --tree-min-prob {setting.get('min_prob', 0.0):g}")
     if method == "lookahead":
         return (f"--lookahead-window {setting['window']} --lookahead-ngram {setting['ngram']} "
@@ -180,8 +200,8 @@ def how_to_select(method: str, setting: dict) -> str:
     return f"{cls}(..., num_tokens={setting['num_tokens']}, adaptive={setting['adaptive']})"
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| setting | tokens/s | speedup vs vanilla | mean accepted length | identical output |",
+def markdown(rows: list[dict], baseline: str = BASELINE) -> str:
+    lines = [f"| setting | tokens/s | speedup vs {baseline} | mean accepted length | identical output |",
              "|---|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
         accept = "—" if r["accept_length_mean"] is None else f"{r['accept_length_mean']:.2f}"
@@ -269,26 +289,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("drafts")
     g.add_argument("--draft", default="auto", help="eagle: 'auto' (shipped head), 'random' or a head folder")
     g.add_argument("--save-tree", action="store_true",
-                   help="eagle: write the best tree into the head folder's config.json as its recommended tree")
+                   help="eagle, eagle_graph: write the best tree into the head folder's config.json as its "
+                        "recommended tree for --device's kind (\"tree\" on a CPU, \"tree_cuda\" on CUDA); "
+                        "eagle_graph keeps the lookup length of the tree the head recommends there now (0 if none), "
+                        "which the engine's eagle grafts and the static step ignores")
     g.add_argument("--medusa", default=None, help="medusa: a heads folder (save_medusa) or 'random'")
     g.add_argument("--draft-model", default=None, metavar="SPEC", help="draft_model: the smaller LM")
     g.add_argument("--exit-layer", type=int, default=None, help="layer_skip: draft layers (default: half)")
     g = p.add_argument_group("grids")
     g.add_argument("--num-tokens", type=ints, default=[1, 2, 3, 4, 6, 8], help="chain drafters: K values")
-    g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
-    g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle: tree top_k values")
-    g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
+    g.add_argument("--depths", type=ints, default=[3, 5], help="eagle, eagle_graph: tree depths")
+    g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle, eagle_graph: tree top_k values")
+    g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle, eagle_graph: tree total_tokens values")
     g.add_argument("--lookups", type=ints, default=[],
-                   help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off)")
+                   help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off); "
+                        "eagle_graph ignores them (no graft in the static step)")
     g.add_argument("--min-probs", type=floats, default=[],
-                   help="eagle: TreeConfig.min_prob values (verify only nodes this likely under the draft), "
-                        "each tried beside 0 (off)")
+                   help="eagle, eagle_graph: TreeConfig.min_prob values (verify only nodes this likely under the "
+                        "draft), each tried beside 0 (off)")
     g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
-                   help="eagle: these trees instead of the grid, each depth,top_k,total_tokens[,lookup[,min_prob]]")
+                   help="eagle, eagle_graph: these trees instead of the grid, each "
+                        "depth,top_k,total_tokens[,lookup[,min_prob]]")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     g.add_argument("--lookahead-windows", type=counts, default=[1, 2, 4], help="lookahead: window widths W")
     g.add_argument("--lookahead-ngrams", type=ints, default=[2, 3], help="lookahead: n-gram lengths N (>= 2)")
     g.add_argument("--lookahead-candidates", type=counts, default=[2], help="lookahead: pool n-grams verified G")
+    g = p.add_argument_group("eagle_graph (the static step; baseline vanilla_graph)")
+    add_static_flags(g)
     return p.parse_args(argv)
 
 
@@ -302,17 +329,26 @@ def check_args(args: argparse.Namespace) -> None:
             if value < least:
                 raise ValueError(f"{flag} must be >= {least}, got {value}")
         check_threads(args.threads)
-        if args.save_tree and (args.method != "eagle" or args.draft == "random"):
-            raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle with --draft "
-                             "auto or a head folder")
-        if args.method == "eagle" and args.trees is None:
-            tree_grid(args.depths, args.top_ks, args.totals)
+        if args.save_tree and (args.method not in TREE_METHODS or args.draft == "random"):
+            raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle or eagle_graph "
+                             "with --draft auto or a head folder")
+        trees = args.trees or (tree_grid(args.depths, args.top_ks, args.totals)
+                               if args.method in TREE_METHODS else [])
+        if args.method == "eagle_graph":
+            for tree in trees:
+                bucket_for(1 + tree.total_tokens)   # the static step's largest verify bucket bounds the tree
+            if args.static_mode in ("cuda-graph", "reduce-overhead") and not args.device.startswith("cuda"):
+                raise ValueError(f"--static-mode {args.static_mode} captures CUDA graphs: use --device cuda, or "
+                                 f"--static-mode eager / compile")
+            if args.static_max_len < 1:
+                raise ValueError(f"--static-max-len must be >= 1, got {args.static_max_len}")
     if args.method == "lookahead":
         for window, ngram, count in itertools.product(args.lookahead_windows, args.lookahead_ngrams,
                                                       args.lookahead_candidates):
             registry.check("lookahead", registry.LookaheadOptions(window, ngram, count))
-    registry.check(args.method, registry.options_from_flags(
-        args.method, draft=args.draft, draft_model=args.draft_model, exit_layer=args.exit_layer, medusa=args.medusa))
+    method = "eagle" if args.method == "eagle_graph" else args.method   # the static step runs eagle's head
+    registry.check(method, registry.options_from_flags(
+        method, draft=args.draft, draft_model=args.draft_model, exit_layer=args.exit_layer, medusa=args.medusa))
 
 
 def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
@@ -322,11 +358,17 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
 
     from .sweep import head_for
 
-    if args.method == "eagle":
+    if args.method in TREE_METHODS:
         head, _ = head_for(target, args.draft)
+        static = args.method == "eagle_graph"
+        if static and (args.lookups or any(tree.lookup for tree in args.trees or ())):
+            log.warning("eagle_graph: the static step drafts without the prompt-lookup graft: lookup lengths "
+                        "(--lookups, --trees) are ignored")
         return eagle_candidates(target, head, args.depths, args.top_ks, args.totals,
-                                tuple(dict.fromkeys([0, *args.lookups])), tuple(dict.fromkeys([0.0, *args.min_probs])),
-                                args.trees)
+                                (0,) if static else tuple(dict.fromkeys([0, *args.lookups])),
+                                tuple(dict.fromkeys([0.0, *args.min_probs])), args.trees,
+                                static_mode=args.static_mode if static else None,
+                                static_max_len=args.static_max_len)
     if args.method == "medusa":
         if args.medusa is None:
             raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "
@@ -375,28 +417,40 @@ def main(argv=None) -> int:
         raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "
                          f"pass --draft HEAD_FOLDER")
     candidates = build_candidates(args, target)
-    rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup)
+    baseline = BASELINES.get(args.method, BASELINE)
+    make_baseline = (lambda: static_method(target, None, args.static_mode, args.static_max_len)) \
+        if baseline == "vanilla_graph" else None
+    rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup, baseline=baseline,
+                make_baseline=make_baseline)
     print(f"target {target.name} · {args.method} · {task_label}: {len(questions)} questions, "
           f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
           f"{torch.get_num_threads()} threads\n")
-    print(markdown(rows))
-    top = best(rows)
+    print(markdown(rows, baseline))
+    top = best(rows, baseline)
     if top is None:
-        print("\nno candidate reproduced vanilla's output on every prompt: check the draft and the dtype")
+        print(f"\nno candidate reproduced {baseline}'s output on every prompt: check the draft and the dtype")
         return 1
-    speedup = "" if top["speedup"] is None else f" ({top['speedup']:.2f}x vanilla)"
+    speedup = "" if top["speedup"] is None else f" ({top['speedup']:.2f}x {baseline})"
     if top["speedup"] is not None and top["speedup"] < 1:
-        print("\nno setting beats vanilla decoding on these prompts (an untrained draft, or drafting costs too much)")
+        print(f"\nno setting beats {baseline} decoding on these prompts (an untrained draft, or drafting costs "
+              f"too much)")
     print(f"\nbest: {top['method']} at {top['tokens_per_s']:.1f} tokens/s{speedup}; "
           f"select it with {how_to_select(args.method, top['setting'])}")
     if args.save_tree:
-        from eagle_lite.heads.checkpoint import recommend_tree
+        from eagle_lite.heads.checkpoint import read_head_config, recommend_tree, recommended_tree
 
         folder = default_head_path(target.name) if args.draft == "auto" else args.draft
         command = "python -m eval.tune " + shlex.join(sys.argv[1:] if argv is None else argv)
         device = target.device.type
-        recommend_tree(folder, TreeConfig(**top["setting"]), command, device)
-        print(f"saved as the recommended tree of {folder} on {device}")
+        tree = TreeConfig(**top["setting"])
+        kept = ""
+        if args.method == "eagle_graph":   # not measured here: the lookup the engine's eagle grafts stays as it was
+            now = recommended_tree(read_head_config(folder), folder, device)
+            tree = replace(tree, lookup=now.lookup if now is not None else 0)
+            kept = (f" (lookup {tree.lookup} kept from its previous tree" if now is not None else " (lookup 0") \
+                + ": the static step does not graft)"
+        recommend_tree(folder, tree, command, device)
+        print(f"saved as the recommended tree of {folder} on {device}{kept}")
     return 0
 
 

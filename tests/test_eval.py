@@ -331,6 +331,9 @@ def no_target_load(monkeypatch):
     ("tune", ["--method", "eagle", "--depths", "1", "--top-ks", "1", "--totals", "4"], "no valid tree", 2),
     ("tune", ["--method", "draft_model", "--draft-model", "{nowhere}"], "draft model '", 1),
     ("tune", ["--method", "lookup", "--threads", "0"], "--threads must be a whole number >= 1", 2),
+    ("tune", ["--method", "eagle_graph", "--draft", "{nowhere}"], "no draft head at", 1),
+    ("tune", ["--method", "eagle_graph", "--static-mode", "cuda-graph"], "captures CUDA graphs", 2),
+    ("tune", ["--method", "eagle_graph", "--trees", "10,16,128"], "larger than the static step's largest bucket", 2),
     ("profile_step", ["--draft", "{nowhere}"], "no draft head at", 1),
     ("profile_step", ["--threads", "0"], "--threads must be a whole number >= 1", 2),
 ])
@@ -343,6 +346,46 @@ def test_eval_inputs_are_checked_before_the_target_loads(tool, args, message, st
     assert main(["--target", "tiny", *[a.format(**paths) for a in args]]) == status
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_tune_eagle_graph_runs_the_static_step_against_vanilla_graph_and_saves_its_tree(tiny_model_dir, tmp_path,
+                                                                                       capsys, caplog):
+    from eagle_lite.heads.checkpoint import read_head_config, recommend_tree, save_head
+    from eval.tune import eagle_candidates, main
+
+    target = load_target(str(tiny_model_dir))
+    head = DraftHead.for_target(target)
+    head_dir = save_head(head, tmp_path / "head", target)
+    recommend_tree(head_dir, TreeConfig(2, 2, 2, lookup=3), device="cpu")   # the engine's eagle grafts lookup 3
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi"]}) + "\n")
+    rc = main(["--method", "eagle_graph", "--target", str(tiny_model_dir), "--questions", str(qfile), "--draft",
+               str(head_dir), "--max-new-tokens", "8", "--no-warmup", "--trees", "2,2,3", "1,1,1", "--save-tree"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "speedup vs vanilla_graph" in out
+    table = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert sorted(table[1:]) == ["eagle_graph d=1 k=1 n=1", "eagle_graph d=2 k=2 n=3", "vanilla_graph"]
+    assert out.count("| 100% |") == 3                                    # every output equals vanilla_graph's
+    best = next(line for line in out.splitlines() if line.startswith("best: "))
+    assert "--tree-lookup" not in best and "x vanilla_graph" in best
+    saved = read_head_config(head_dir)
+    winner = {"eagle_graph d=2 k=2 n=3": (2, 2, 3), "eagle_graph d=1 k=1 n=1": (1, 1, 1)}[best.split(" at ")[0][6:]]
+    assert saved["tree"] == {"depth": winner[0], "top_k": winner[1], "total_tokens": winner[2], "lookup": 3,
+                             "min_prob": 0.0}                               # the lookup the head recommended kept
+    assert saved["tree_command"].startswith("python -m eval.tune --method eagle_graph")
+    assert "lookup 3 kept" in out
+
+    # the static step has no lookup graft: trees differing only in lookup run once, with one warning line
+    candidates = eagle_candidates(target, head, [], [], [], trees=[TreeConfig(2, 2, 3), TreeConfig(2, 2, 3, 4)],
+                                  static_mode="eager")
+    assert [c.label for c in candidates] == ["eagle_graph d=2 k=2 n=3"]
+    with caplog.at_level("WARNING", logger="eagle_lite"):
+        assert main(["--method", "eagle_graph", "--target", str(tiny_model_dir), "--questions", str(qfile),
+                     "--draft", "random", "--max-new-tokens", "2", "--no-warmup", "--trees", "1,1,1,2"]) == 0
+    assert [r.getMessage() for r in caplog.records if "prompt-lookup graft" in r.getMessage()] == [
+        "eagle_graph: the static step drafts without the prompt-lookup graft: lookup lengths (--lookups, --trees) "
+        "are ignored"]
 
 
 def test_a_sweep_setting_error_is_one_line(tiny_model_dir, tmp_path):

@@ -377,17 +377,34 @@ class Day:
             tar_path = self.out / "head.tar"
             with tarfile.open(tar_path, "w") as tar:
                 tar.add(head, arcname="head")
-            if tar_path.stat().st_size > FILE_BACK_BYTES:
-                data = tar_path.read_bytes()
-                tar_path.unlink()
-                for i in range(0, len(data), FILE_BACK_BYTES):
-                    (self.out / f"head.tar.{i // FILE_BACK_BYTES:02d}").write_bytes(data[i:i + FILE_BACK_BYTES])
+            cut(tar_path, FILE_BACK_BYTES)
         self.log_file.close()
         files = sorted(p for p in self.out.iterdir() if p.is_file())
         if len(files) > FILES_BACK:
             print(f"warning: {len(files)} files in {self.out}, more than the {FILES_BACK} a call returns",
                   file=sys.stderr)
         return files
+
+
+def cut(path: Path, size: int) -> list[Path]:
+    """`path` as it is when it holds at most `size` bytes, else cut into PATH.00, PATH.01, ... (the file removed)."""
+    if path.stat().st_size <= size:
+        return [path]
+    data = path.read_bytes()
+    path.unlink()
+    parts = [path.with_name(f"{path.name}.{i // size:02d}") for i in range(0, len(data), size)]
+    for part, i in zip(parts, range(0, len(data), size)):
+        part.write_bytes(data[i:i + size])
+    return parts
+
+
+def uncut(folder: Path, name: str) -> Path | None:
+    """The file `name` in `folder`, put back together from its parts where `cut` made some; None if neither."""
+    whole = folder / name
+    parts = sorted(folder.glob(f"{name}.[0-9][0-9]"))
+    if parts and not whole.exists():
+        whole.write_bytes(b"".join(p.read_bytes() for p in parts))
+    return whole if whole.exists() else None
 
 
 def run(args) -> int:
@@ -438,6 +455,11 @@ def report(folder: Path) -> int:
                 tar.extractall(f / "unpacked", filter="data")
             for md in sorted((f / "unpacked").rglob("*.md")):
                 print(f"### {md.relative_to(f / 'unpacked')}\n\n{md.read_text()}")
+        head = uncut(f, "head.tar")
+        if head is not None:
+            with tarfile.open(head) as tar:
+                tar.extractall(f / "unpacked", filter="data")
+            print(f"the new head: {f / 'unpacked' / 'head'} (benchmark it like any head: docs/training.md)\n")
     return 0
 
 

@@ -60,7 +60,8 @@ def test_the_dry_run_runs_every_step_and_returns_the_files_a_call_may(tiny_model
     capsys.readouterr()
     assert gpu_day.main(["report", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| table_shipped | ok |" in text and "summary.md" in text
+    assert "| table_shipped | ok |" in text and "summary.md" in text and "the new head:" in text
+    assert (out / "unpacked" / "head" / "config.json").is_file()
 
 
 def test_steps_without_time_left_are_skipped_and_recorded(tiny_model_dir, tiny_head, questions, tmp_path):
@@ -72,6 +73,17 @@ def test_steps_without_time_left_are_skipped_and_recorded(tiny_model_dir, tiny_h
     assert all(s["status"].startswith("skipped") for s in steps), steps
     assert json.loads((tmp_path / "w" / "state.json").read_text() if (tmp_path / "w" / "state.json").exists()
                       else "{}") == {}    # nothing ran: a later call runs every step
+
+
+def test_a_file_larger_than_a_call_returns_is_cut_and_put_back_together(tmp_path):
+    data = bytes(range(256)) * 41
+    (tmp_path / "head.tar").write_bytes(data)
+    parts = gpu_day.cut(tmp_path / "head.tar", 4000)
+    assert [p.name for p in parts] == ["head.tar.00", "head.tar.01", "head.tar.02"]
+    assert not (tmp_path / "head.tar").exists() and all(p.stat().st_size <= 4000 for p in parts)
+    assert gpu_day.uncut(tmp_path, "head.tar").read_bytes() == data
+    assert gpu_day.cut(tmp_path / "head.tar", len(data)) == [tmp_path / "head.tar"]
+    assert gpu_day.uncut(tmp_path, "nothing.tar") is None
 
 
 def test_the_plan_fits_the_lease_and_names_every_step(capsys):

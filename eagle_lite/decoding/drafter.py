@@ -1,8 +1,9 @@
 """The drafter protocol: anything that proposes a tree of continuations for the target to verify."""
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,7 +39,9 @@ class Drafter(Protocol):
     then passes their outputs as `DraftInput.hidden` (`Target.forward`'s taps) instead of the last hidden state.
     It may also define `observe(tree, nodes)`: called after each acceptance with the tree it proposed and the
     target's logits of its nodes (`lm_head.NodeLogits`: `nodes.top_token(i)`, `nodes[i]`), the rows of
-    `tree.probes` already projected; lookahead reads its Jacobi window's next tokens there."""
+    `tree.probes` already projected; lookahead reads its Jacobi window's next tokens there.
+    It may also define `proposal(inp, tree)`: `propose` as a generator of the forwards it needs (`Proposal`), so that
+    several sequences' drafters can propose together (`propose_together`: EAGLE heads, drafters/eagle.py)."""
 
     name: str
 
@@ -72,3 +75,37 @@ class NoDrafter:
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         return DraftTree(torch.tensor([inp.root], device=inp.hidden.device), [-1])
+
+
+# A drafter's proposal run step by step: it yields each forward it needs (a request whose class answers a list of
+# them together, `answer_all`), is sent that forward's answer, and returns its tree.
+Proposal = Generator[Any, Any, DraftTree]
+
+
+def propose_together(proposals: list[Proposal]) -> list[DraftTree]:
+    """Run several proposals in lockstep and return their trees: each round, every proposal still running yields one
+    request, the requests of one class are answered together by `type(request).answer_all(requests)` (e.g. one
+    head forward for all of them), and each proposal is sent its own answer. A proposal run alone is its drafter's
+    `propose`."""
+    trees: list[DraftTree | None] = [None] * len(proposals)
+    waiting: dict[int, Any] = {}
+
+    def advance(i: int, answer: Any) -> None:
+        try:
+            waiting[i] = proposals[i].send(answer)
+        except StopIteration as done:
+            trees[i] = done.value
+            waiting.pop(i, None)
+
+    for i in range(len(proposals)):
+        advance(i, None)
+    while waiting:
+        by_kind: dict[type, list[int]] = {}
+        for i, request in waiting.items():
+            by_kind.setdefault(type(request), []).append(i)
+        answers = {}
+        for kind, ids in by_kind.items():
+            answers.update(zip(ids, kind.answer_all([waiting[i] for i in ids])))
+        for i, answer in answers.items():
+            advance(i, answer)
+    return trees

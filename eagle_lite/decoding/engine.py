@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, TreeConfig
 from ..kv_cache import ContextOverflowError, StaticKVCache
 from ..targets.lm_head import NodeLogits
 from ..targets.model import Target
 from ..tree import DraftTree
 from .accept import accept, sample, target_probs
-from .drafter import Drafter, DraftInput, NoDrafter
+from .drafter import Drafter, DraftInput, NoDrafter, propose_together
 
 
 @dataclass
@@ -248,12 +248,8 @@ class Engine:
         taps = _taps(seqs[0].drafter)
         if any(_taps(seq.drafter) != taps for seq in seqs):
             raise ValueError("sequences verified together must read the same feature layers")
-        # 2. draft a tree rooted at each sequence's last chosen token
-        drafted = []
-        for seq, cap in zip(seqs, caps):
-            t0 = time.perf_counter()
-            drafted.append(draft(seq, cap))
-            seq.stats.draft_seconds += time.perf_counter() - t0
+        # 2. draft a tree rooted at each sequence's last chosen token (EAGLE heads: their forwards batched)
+        drafted = draft_all(seqs, caps)
         # 3. verify every node of every tree in one forward
         t1 = time.perf_counter()
         outs = target.verify([(tree.tokens, seq.cache, tree.ancestors, tree.depths)
@@ -294,6 +290,38 @@ def draft(seq: Sequence, cap: int | None = None) -> DraftTree:
     (`TreeConfig.total_tokens`) shrinks to the cap, and a deterministic tree still larger (a lookup chain, a
     grafted path) keeps its first `cap` nodes. Sampled trees keep the drafter's own budget: which sampled nodes are
     kept must not depend on their draws."""
+    plan = _plan(seq, cap)
+    return _cut(plan if isinstance(plan, DraftTree) else seq.drafter.propose(*plan), cap)
+
+
+def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
+    """Each sequence's `draft`, adding its draft time to its stats. Greedy sequences whose drafters propose step by
+    step (`proposal`: EAGLE heads) propose together when there are two or more (`propose_together`): each head
+    forward, the catch-up and each tree depth, runs once for all of them, and they share its time. The trees are
+    those each proposes alone (to the rounding of the packed forward's sums)."""
+    t0 = time.perf_counter()
+    plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
+    together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))
+                if not isinstance(plan, DraftTree) and seq.cfg.sampling.greedy and hasattr(seq.drafter, "proposal")]
+    together = together if len(together) >= 2 else []
+    trees: list[DraftTree | tuple] = list(plans)
+    if together:
+        for i, tree in zip(together, propose_together([seqs[i].drafter.proposal(*plans[i]) for i in together])):
+            trees[i] = tree
+        share = (time.perf_counter() - t0) / len(together)
+        for i in together:
+            seqs[i].stats.draft_seconds += share
+    for i, (seq, plan) in enumerate(zip(seqs, plans)):
+        if i not in together and not isinstance(plan, DraftTree):
+            t1 = time.perf_counter()
+            trees[i] = seq.drafter.propose(*plan)
+            seq.stats.draft_seconds += time.perf_counter() - t1
+    return [_cut(tree, cap) for tree, cap in zip(trees, caps)]
+
+
+def _plan(seq: Sequence, cap: int | None) -> DraftTree | tuple[DraftInput, TreeConfig]:
+    """What `draft` asks the drafter: (its input, the tree config cut to `cap`), or the root alone where the
+    drafter sits a plain step out."""
     inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator)
     sit_out = getattr(seq.drafter, "sit_out", None)
     if cap is not None and cap <= 1 and sit_out is not None:
@@ -302,7 +330,11 @@ def draft(seq: Sequence, cap: int | None = None) -> DraftTree:
     tree_cfg = seq.cfg.tree
     if cap is not None and cap - 1 < tree_cfg.total_tokens:
         tree_cfg = dataclasses.replace(tree_cfg, total_tokens=max(1, cap - 1))
-    tree = seq.drafter.propose(inp, tree_cfg)
+    return inp, tree_cfg
+
+
+def _cut(tree: DraftTree, cap: int | None) -> DraftTree:
+    """A deterministic tree larger than `cap` keeps its first `cap` nodes (`draft`)."""
     if cap is not None and len(tree) > cap and tree.q_draft is None and not tree.probes:
         tree = tree.truncated(max(cap, 1))
     return tree

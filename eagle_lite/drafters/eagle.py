@@ -24,17 +24,19 @@ Sampling (temperature > 0) has two rules, `draft_sampling`:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 
 from ..config import DRAFT_SAMPLING, SamplingConfig, TreeConfig
 from ..decoding.accept import target_probs
-from ..decoding.drafter import DraftInput
+from ..decoding.drafter import DraftInput, Proposal, propose_together
 from ..heads.draft import DraftHead
 from ..kernels import accelerate_head
 from ..kernels.accelerate import draft_vocab_grid
 from ..kernels.cpu_linear import few_rows_product
+from ..kernels.grid_linear import MAX_GRID_ROWS
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, SampledRows, rerank
 
@@ -116,6 +118,11 @@ class EagleDrafter:
         and `probe_top` becomes the head's greedy token after the root, then after each chain token: where the
         head would take the chain, and what it would say where it leaves it. Approximate, as it only decides what
         to propose."""
+        return propose_together([self.proposal(inp, tree, probe)])[0]
+
+    def proposal(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None) -> Proposal:
+        """`propose` step by step (decoding.drafter.Proposal): it yields each head forward it needs as a `HeadCall`,
+        so that drafters of several sequences sharing a head run each forward once for all of them."""
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
             self._queued = []
@@ -135,37 +142,74 @@ class EagleDrafter:
             features = torch.cat([features, self._features[start - 1:start - 1 + len(chain)]])
             next_tokens = next_tokens + chain
         t = m + len(chain)
-        h = self.head.step(features, embed(torch.tensor(next_tokens, device=dev)), cache,
-                           torch.arange(n, n + t, device=dev), torch.ones(t, t, dtype=torch.bool, device=dev).tril_())
+        h, logits = yield HeadCall(self, features, embed(torch.tensor(next_tokens, device=dev)),
+                                   torch.arange(n, n + t, device=dev),
+                                   torch.ones(t, t, dtype=torch.bool, device=dev).tril_(), m - 1)
         cache.commit(m)                                      # the chain's slots are overwritten by the tree's
-        logits = self._logits(h[m - 1:])                     # the root's, then (probe) each chain token's
+        # logits: the root's, then (probe) each chain token's
         self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
         h, root_logits = h[:m], logits[:1]
         n += m                                               # = the root's position
         # 2. The tree: each expansion reads the frontier's parents' predicted features and the frontier's tokens,
         # at the next position, each node seeing its own ancestors among the tree nodes written so far.
-        state = {"h": h[-1:], "vis": torch.zeros(0, 0, dtype=torch.bool, device=dev), "last": 0, "depth": 0}
-
-        def expand(parent_row: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            r, written = parent_row.numel(), state["vis"]
-            parent_vis = (written[state["last"] + parent_row] if state["depth"]
-                          else torch.zeros(r, 0, dtype=torch.bool, device=dev))         # r W
-            vis = torch.cat([parent_vis, torch.eye(r, dtype=torch.bool, device=dev)], dim=1)  # r W+r
-            state["depth"] += 1
-            out = self.head.step(state["h"][parent_row], embed(tokens), cache,
-                                 torch.full((r,), n + state["depth"] - 1, device=dev), vis)  # r H
-            cache.commit(r)
-            state["last"] = written.shape[0]
-            state["vis"] = torch.cat([torch.nn.functional.pad(written, (0, r)), vis], dim=0)  # W+r W+r
-            state["h"] = out
-            return self._logits(out)
-
         sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
+        grow = grow_tree_steps(inp.root, root_logits, tree, sampling, inp.generator, self.head.d2t,
+                               self.target.vocab_size)
+        h, written, last, depth = h[-1:], torch.zeros(0, 0, dtype=torch.bool, device=dev), 0, 0
         try:
-            return grow_tree(inp.root, root_logits, expand, tree, sampling, inp.generator, self.head.d2t,
-                             self.target.vocab_size)
+            request = next(grow)
+            while True:
+                parent_row, tokens = request                 # expand the frontier: its parents' rows, its tokens
+                r = parent_row.numel()
+                parent_vis = (written[last + parent_row] if depth
+                              else torch.zeros(r, 0, dtype=torch.bool, device=dev))        # r W
+                vis = torch.cat([parent_vis, torch.eye(r, dtype=torch.bool, device=dev)], dim=1)  # r W+r
+                depth += 1
+                h, logits = yield HeadCall(self, h[parent_row], embed(tokens),
+                                           torch.full((r,), n + depth - 1, device=dev), vis, 0)   # r H, r V_draft
+                cache.commit(r)
+                last = written.shape[0]
+                written = torch.cat([torch.nn.functional.pad(written, (0, r)), vis], dim=0)   # W+r W+r
+                request = grow.send(logits)
+        except StopIteration as grown:
+            return grown.value
         finally:
             cache.truncate(n)                                # drop the tree nodes; the real pairs stay
+
+
+@dataclass
+class HeadCall:
+    """One head forward a proposal asks for (`EagleDrafter.proposal`): `DraftHead.step`'s inputs over the drafter's
+    cache (hidden, embeds: [t, H]; positions [t]; visible [t, S]). Its answer: the predicted features [t, H] and the
+    head's logits of rows logits_from.. of them."""
+
+    drafter: EagleDrafter
+    hidden: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+    logits_from: int
+
+    @staticmethod
+    def answer_all(calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Answer calls of several sequences: those over one head and of one input width (a catch-up reads the
+        target's features, a tree step the head's own) run as one packed head forward and one logits product."""
+        groups: dict[tuple, list[int]] = {}
+        for i, call in enumerate(calls):
+            groups.setdefault((id(call.drafter.head), call.hidden.shape[-1]), []).append(i)
+        answers: list = [None] * len(calls)
+        for ids in groups.values():
+            group = [calls[i] for i in ids]
+            drafter = group[0].drafter
+            outs = drafter.head.step_packed([(c.hidden, c.embeds, c.drafter.cache, c.positions, c.visible)
+                                             for c in group])
+            read = [out[c.logits_from:] for c, out in zip(group, outs)]
+            # the draft vocabulary's product in pieces of rows its grid codes take, as each call's own would be
+            logits = torch.cat([drafter._logits(rows) for rows in torch.cat(read).split(MAX_GRID_ROWS)])
+            logits = logits.split([x.shape[0] for x in read])
+            for i, out, lg in zip(ids, outs, logits):
+                answers[i] = (out, lg)
+        return answers
 
 
 def _draw(logits: torch.Tensor, k: int, sampling: SamplingConfig,
@@ -208,13 +252,27 @@ def sampled_values(parent_cum: torch.Tensor, p: torch.Tensor) -> tuple[torch.Ten
 def grow_tree(root: int, root_logits: torch.Tensor, expand: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
               tree: TreeConfig, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
               vocab: torch.Tensor | None = None, size: int | None = None) -> DraftTree:
+    """`grow_tree_steps` with each expansion answered by `expand`."""
+    steps = grow_tree_steps(root, root_logits, tree, sampling, generator, vocab, size)
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(expand(*request))
+    except StopIteration as grown:
+        return grown.value
+
+
+def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig | None = None,
+                    generator: torch.Generator | None = None, vocab: torch.Tensor | None = None,
+                    size: int | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
     """EAGLE-2's dynamic tree from a draft's logits: the root's children, then `depth - 1` expansions of the best
     frontier, then the rerank to `total_tokens` (and `min_prob`).
 
-    root_logits: [1, V_draft] the draft's logits after the root. expand(parent_row [r], tokens [r]) -> [r, V_draft]:
-    the draft's logits after each frontier node, given its parent's row in the previous call's output (the root's:
-    0) and its own token. vocab: [V_draft] the target id of each draft token (None: the same ids); size: the
-    target's vocabulary size (sampled trees).
+    root_logits: [1, V_draft] the draft's logits after the root. Each expansion yields (parent_row [r], tokens [r])
+    and is sent [r, V_draft]: the draft's logits after each frontier node, given its parent's row in the previous
+    expansion's output (the root's: 0) and its own token (`grow_tree`: an `expand` function answers). vocab:
+    [V_draft] the target id of each draft token (None: the same ids); size: the target's vocabulary size (sampled
+    trees).
     sampling None: each node's k likeliest children, ranked by path log-probability. Else children are drawn from
     q = target_probs(logits, sampling) and ranked by value (`sampled_values`); the tree carries `SampledRows`.
     Each candidate has a value (what the frontier and the rerank rank by) and a path log-probability `cum` (its
@@ -247,7 +305,7 @@ def grow_tree(root: int, root_logits: torch.Tensor, expand: Callable[[torch.Tens
         if r == 0 or (tree.min_prob > 0 and float(front_cum.max()) < floor):
             break                                            # nothing left worth expanding
         first_row = sum(d.shape[0] for d in dists)           # frontier node j's q will be row first_row + j
-        values, cum, tokens = children(expand(parent_row, front_tokens), front_cum)    # r k
+        values, cum, tokens = children((yield parent_row, front_tokens), front_cum)   # r k
         per = values.shape[1]
         values, cum, tokens = values.flatten(), cum.flatten(), tokens.flatten()       # r*k
         base = sum(v.numel() for v in cand_values)

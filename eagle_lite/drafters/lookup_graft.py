@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import TreeConfig
-from ..decoding.drafter import Drafter, DraftInput
+from ..decoding.drafter import Drafter, DraftInput, Proposal, propose_together
 from ..tree import DraftTree, graft_chain
 from .prompt_lookup import PromptLookupDrafter
 
@@ -82,8 +82,12 @@ class LookupGraft:
         return len(chain) >= 2 and tokens[start:start + len(chain)] == chain
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        return propose_together([self.proposal(inp, tree)])[0]
+
+    def proposal(self, inp: DraftInput, tree: TreeConfig) -> Proposal:
+        """`propose` step by step (decoding.drafter.Proposal): the inner drafter's forwards, where it proposes so."""
         if not tree.lookup:
-            return self.inner.propose(inp, tree)
+            return (yield from self._inner(inp, tree))
         if self.copy_mode and self._copying(inp.tokens):
             # each whole acceptance of a chain verified alone doubles the next one, up to copy_cap
             grow = 2 * len(self._graft[1]) if len(self._graft[1]) > tree.lookup else 0
@@ -95,15 +99,21 @@ class LookupGraft:
                 self.copy_steps += 1
                 return DraftTree.chain(torch.tensor([inp.root] + chain, device=inp.hidden.device))
         if self.staged:
-            return self._propose_staged(inp, tree)
-        drafted = self.inner.propose(inp, tree)
+            return (yield from self._proposal_staged(inp, tree))
+        drafted = yield from self._inner(inp, tree)
         chain = self.lookup.lookup(inp.tokens, tree.lookup)
         self._graft = (len(inp.tokens), chain)
         return graft_chain(drafted, chain)
 
-    def _propose_staged(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+    def _inner(self, inp: DraftInput, tree: TreeConfig, **probe) -> Proposal:
+        """The inner drafter's proposal (its `propose` at once where it has no `proposal`)."""
+        if hasattr(self.inner, "proposal"):
+            return (yield from self.inner.proposal(inp, tree, **probe))
+        return self.inner.propose(inp, tree, **probe)
+
+    def _proposal_staged(self, inp: DraftInput, tree: TreeConfig) -> Proposal:
         start, chain = self.lookup.match(inp.tokens, tree.lookup)
-        drafted = self.inner.propose(inp, tree, probe=(start, chain) if chain else None)
+        drafted = yield from self._inner(inp, tree, probe=(start, chain) if chain else None)
         if not chain:
             self._graft = (len(inp.tokens), [])
             return drafted

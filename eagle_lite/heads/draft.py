@@ -26,8 +26,9 @@ import copy
 import torch
 from torch import nn
 
-from ..kv_cache import with_cache
-from ..tree import attention_mask
+from ..kernels.fused_layer import MAX_FUSED_ROWS, running_fused
+from ..kv_cache import PackedKVCache, with_cache
+from ..tree import attention_mask, packed_mask
 from .eagle3_layer import Eagle3Layer
 
 DESIGNS = ("eagle", "eagle3")
@@ -124,13 +125,17 @@ class DraftHead(nn.Module):
                 hidden = self.fc(hidden)                      # B T 3H -> B T H; later steps read the output as is
             cos_sin = self.rotary(hidden, position_ids=position_ids)
             return self.layer(token_embeds, hidden, mask, cos_sin, cache)
-        if self.fuse is not None and hidden.shape[-1] != token_embeds.shape[-1]:
-            hidden = self.fuse(hidden)
-        x = self.fc(torch.cat([token_embeds, hidden], dim=-1))  # B T H
+        x = self._layer_input(hidden, token_embeds)             # B T H
         cos_sin = self.rotary(x, position_ids=position_ids)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
                          position_embeddings=cos_sin, **with_cache(self.layer, cache))
         return out[0] if isinstance(out, tuple) else out
+
+    def _layer_input(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input [..., H] (designs other than eagle3): fc([embed(token); feature])."""
+        if self.fuse is not None and hidden.shape[-1] != token_embeds.shape[-1]:
+            hidden = self.fuse(hidden)
+        return self.fc(torch.cat([token_embeds, hidden], dim=-1))
 
     def logit_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the output projection reads of predicted features [..., H]: an EAGLE-3 head's own final norm of
@@ -156,6 +161,56 @@ class DraftHead(nn.Module):
         out = self.forward(hidden[None], token_embeds[None], positions[None],
                            attention_mask(kv_len - s, visible), cache)
         return out[0]
+
+    def step_packed(self, blocks: list[tuple]) -> list[torch.Tensor]:
+        """Several sequences' `step`s, packed: blocks [(hidden [t_i, H], token_embeds [t_i, H], cache_i,
+        positions [t_i], visible [t_i, S_i])], each as `step` takes it on its own cache. Returns each block's
+        predicted hidden states [t_i, H], what its own `step` gives (to the rounding of the products' sums).
+
+        Blocks run together in forwards of at most MAX_FUSED_ROWS rows in all, and a larger block on its own: past
+        that many rows the head's products read its exact fp32 weights instead of the codes it runs from (a rounded
+        head, cpu_linear.pack_linears) and its layer leaves the native op, so a block never computes with other
+        weights than alone. Each forward reads the weights once for all its rows."""
+        chunks: list[list[int]] = []
+        rows = 0
+        for i, block in enumerate(blocks):
+            t = block[4].shape[0]
+            if not chunks or t > MAX_FUSED_ROWS or rows + t > MAX_FUSED_ROWS:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(i)
+            rows += t
+        outs: list = [None] * len(blocks)
+        for chunk in chunks:
+            for i, out in zip(chunk, self._packed_forward([blocks[i] for i in chunk])):
+                outs[i] = out
+        return outs
+
+    def _packed_forward(self, blocks: list[tuple]) -> list[torch.Tensor]:
+        """`step_packed`'s blocks in ONE forward: the rows packed into one, each seeing its own cache and its own
+        `visible` slots only (`Target.verify`'s block-diagonal mask over per-sequence caches). One block runs
+        `step` itself."""
+        if len(blocks) == 1:
+            return [self.step(*blocks[0])]
+        rows, caches, masks = [], [], []
+        for _, _, cache, _, visible in blocks:
+            t, s = visible.shape
+            kv_len = cache.reserve(t)
+            rows.append(t)
+            caches.append(cache)
+            masks.append(attention_mask(kv_len - s, visible)[0, 0])     # t_i length_i+t_i
+        hidden, embeds = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+        positions = torch.cat([b[3] for b in blocks])
+        parts = running_fused(self.layer)
+        if parts is not None and self.design != "eagle3" and embeds.dtype == torch.float32:
+            x = self._layer_input(hidden.to(embeds.dtype), embeds)   # T H; then the native op, as `step` runs it
+            cos, sin = self.rotary(x[None], positions[None])
+            out = parts.packed(x, cos[0].contiguous(), sin[0].contiguous(), caches, rows,
+                               [m.contiguous() for m in masks])
+        else:
+            out = self.forward(hidden[None], embeds[None], positions[None], packed_mask(masks),
+                               PackedKVCache(caches, rows))[0]
+        return list(out.split(rows))
 
 
 def llama_config_for(config) -> LlamaConfig:  # noqa: F821

@@ -8,6 +8,7 @@ from conftest import VOCAB, eagle_drafter, make_target
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
+from eagle_lite.drafters.eagle import HeadCall
 from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.native import kernel_available
@@ -68,10 +69,14 @@ def drafter_for(method: str, target, head=None):
 
 
 @pytest.mark.parametrize("method", ["vanilla", "lookup", "eagle"])
-def test_batched_steps_equal_each_sequence_alone(batch_target, method):
+def test_batched_steps_equal_each_sequence_alone(batch_target, method, monkeypatch):
     """Sequences that join a running batch at different steps, with different budgets and trees that change size
-    from step to step, decode token for token what each decodes alone."""
+    from step to step, decode token for token what each decodes alone (eagle: their heads' forwards packed)."""
     target = batch_target
+    packed = []   # how many sequences each head forward served
+    answer_all = HeadCall.answer_all
+    monkeypatch.setattr(HeadCall, "answer_all", staticmethod(lambda calls: packed.append(len(calls))
+                                                              or answer_all(calls)))
     torch.manual_seed(0)
     head = DraftHead.for_target(target) if method == "eagle" else None
     tree = TreeConfig(depth=3, top_k=3, total_tokens=6)
@@ -94,3 +99,4 @@ def test_batched_steps_equal_each_sequence_alone(batch_target, method):
         running = [(i, s) for i, s in running if not s.done]
         step += 1
     assert [out[i] for i in range(len(configs))] == alone
+    assert (max(packed, default=0) > 1) == (method == "eagle")

@@ -29,6 +29,8 @@ def make_head(target, kind: str) -> DraftHead:
     torch.manual_seed(1)
     if kind == "eagle3":
         return DraftHead.for_target(target, feature_layers=(0, 1, 2), design="eagle3")
+    if kind == "taps":   # eagle_lite's own EAGLE-3 variant: the tapped layers fused to one feature
+        return DraftHead.for_target(target, feature_layers=(0, 1, 2))
     if kind == "draft_vocab":
         return DraftHead.for_target(target, torch.arange(8, VOCAB))
     return DraftHead.for_target(target)
@@ -63,7 +65,7 @@ class Recorder:
 
 
 @pytest.mark.parametrize("kind,staged", [("eagle", False), ("eagle", True), ("draft_vocab", False),
-                                         ("eagle3", False)])
+                                         ("taps", False), ("eagle3", False)])
 def test_proposing_together_gives_each_tree_alone(batch_target, kind, staged, monkeypatch):
     """Four sequences of different prompt lengths, budgets and step caps (a cap of 1 sits the head out): step after
     step, the trees drafted together are node for node those each sequence's drafter proposes alone, and the

@@ -2,7 +2,8 @@
 
 engine.py       the host-side loop, prefill -> draft -> verify -> accept -> cache commit -> next, for every
                 method (drafters/) and every sampling setting; the reference every other path is tested against.
-drafter.py      the contract a drafter implements (`Drafter`: reset, max_tree_nodes, propose; optionally observe).
+drafter.py      the contract a drafter implements (`Drafter`: reset, max_tree_nodes, propose; optionally observe,
+                proposal), and `propose_together`, which runs several drafters' proposals in lockstep.
 accept.py       which drafted nodes the target accepts: the greedy walk, and exact rejection sampling for trees.
 static_step.py  the same step in fixed shapes on device tensors (static_tree.py: the EAGLE-2 tree and tensor
                 acceptance; device_kv_cache.py: slot-indexed caches), for CUDA graphs and torch.compile.
@@ -15,7 +16,8 @@ The rule for the loops:
   drafters such as prompt lookup) stays with the engine and is refused there with a clear error.
 - Batching extends the engine: a batch is a set of the engine's sequences whose per-sequence steps (their drafts,
   acceptance and cache commits) are the engine's own, with the verify forwards of all sequences fused into one
-  target forward under a block-diagonal tree mask. Batch 1 is the engine as the CLI runs it.
+  target forward under a block-diagonal tree mask, and the draft heads' forwards of the sequences that draft
+  together (`drafter.propose_together`) fused the same way. Batch 1 is the engine as the CLI runs it.
 
 Below this package: config, tree (draft trees and their masks), kv_cache, kernels/, target/. Above it:
 drafters/ (which implement `drafter.Drafter`), and the front doors (pipeline, generate, custom_generate, serve).

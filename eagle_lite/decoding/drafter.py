@@ -97,15 +97,19 @@ def propose_together(proposals: list[Proposal]) -> list[DraftTree]:
             trees[i] = done.value
             waiting.pop(i, None)
 
-    for i in range(len(proposals)):
-        advance(i, None)
-    while waiting:
-        by_kind: dict[type, list[int]] = {}
-        for i, request in waiting.items():
-            by_kind.setdefault(type(request), []).append(i)
-        answers = {}
-        for kind, ids in by_kind.items():
-            answers.update(zip(ids, kind.answer_all([waiting[i] for i in ids])))
-        for i, answer in answers.items():
-            advance(i, answer)
+    try:
+        for i in range(len(proposals)):
+            advance(i, None)
+        while waiting:
+            by_kind: dict[type, list[int]] = {}
+            for i, request in waiting.items():
+                by_kind.setdefault(type(request), []).append(i)
+            answers = {}
+            for kind, ids in by_kind.items():
+                answers.update(zip(ids, kind.answer_all([waiting[i] for i in ids])))
+            for i, answer in answers.items():
+                advance(i, answer)
+    finally:
+        for proposal in proposals:   # where one failed, the others still undo what they wrote (their `finally`)
+            proposal.close()
     return trees

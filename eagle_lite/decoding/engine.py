@@ -241,7 +241,7 @@ class Engine:
         ancestors), then each sequence accepts and commits its own path. Returns each sequence's new tokens.
 
         caps: the most tree nodes (root included) each sequence may verify this step; None: its drafter's tree as
-        configured (`draft`). Any tree is verified exactly, so a server shrinks them as its batch grows without
+        configured (`draft_all`). Any tree is verified exactly, so a server shrinks them as its batch grows without
         changing what greedy decoding outputs."""
         target = self.target
         caps = caps if caps is not None else [None] * len(seqs)
@@ -282,23 +282,20 @@ class Engine:
         return emitted
 
 
-def draft(seq: Sequence, cap: int | None = None) -> DraftTree:
-    """The sequence's drafter's tree, at most `cap` nodes (root included; None: as configured).
+def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
+    """Each sequence's drafter's tree, at most its cap nodes (root included; None: as configured), adding the time
+    to its stats.
 
     cap 1 is a plain decoding step: the root alone, where the drafter can sit the step out (`sit_out`: it keeps
     what it must learn of the step; drafters without it always draft). Otherwise an EAGLE tree's budget
     (`TreeConfig.total_tokens`) shrinks to the cap, and a deterministic tree still larger (a lookup chain, a
     grafted path) keeps its first `cap` nodes. Sampled trees keep the drafter's own budget: which sampled nodes are
-    kept must not depend on their draws."""
-    plan = _plan(seq, cap)
-    return _cut(plan if isinstance(plan, DraftTree) else seq.drafter.propose(*plan), cap)
+    kept must not depend on their draws.
 
-
-def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
-    """Each sequence's `draft`, adding its draft time to its stats. Greedy sequences whose drafters propose step by
-    step (`proposal`: EAGLE heads) propose together when there are two or more (`propose_together`): each head
-    forward, the catch-up and each tree depth, runs once for all of them, and they share its time. The trees are
-    those each proposes alone (to the rounding of the packed forward's sums)."""
+    Greedy sequences whose drafters propose step by step (`proposal`: EAGLE heads) propose together where two or
+    more do (`propose_together`): each head forward, the catch-up and each tree depth, runs once for all of them,
+    and they share its time. Each tree is the one its drafter proposes alone (to the rounding of the packed
+    forwards' sums)."""
     t0 = time.perf_counter()
     plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
     together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))
@@ -320,8 +317,8 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
 
 
 def _plan(seq: Sequence, cap: int | None) -> DraftTree | tuple[DraftInput, TreeConfig]:
-    """What `draft` asks the drafter: (its input, the tree config cut to `cap`), or the root alone where the
-    drafter sits a plain step out."""
+    """What `draft_all` asks the sequence's drafter: (its input, the tree config cut to `cap`), or the root alone
+    where the drafter sits a plain step out."""
     inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator)
     sit_out = getattr(seq.drafter, "sit_out", None)
     if cap is not None and cap <= 1 and sit_out is not None:
@@ -334,7 +331,7 @@ def _plan(seq: Sequence, cap: int | None) -> DraftTree | tuple[DraftInput, TreeC
 
 
 def _cut(tree: DraftTree, cap: int | None) -> DraftTree:
-    """A deterministic tree larger than `cap` keeps its first `cap` nodes (`draft`)."""
+    """A deterministic tree larger than `cap` keeps its first `cap` nodes (`draft_all`)."""
     if cap is not None and len(tree) > cap and tree.q_draft is None and not tree.probes:
         tree = tree.truncated(max(cap, 1))
     return tree

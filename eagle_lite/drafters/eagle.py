@@ -192,11 +192,12 @@ class HeadCall:
 
     @staticmethod
     def answer_all(calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Answer calls of several sequences: those over one head and of one input width (a catch-up reads the
-        target's features, a tree step the head's own) run as one packed head forward and one logits product."""
+        """Answer calls of several sequences: those over one head (and target) and of one input width (a catch-up
+        reads the target's features, a tree step the head's own) run as packed head forwards (`step_packed`) and
+        one logits product."""
         groups: dict[tuple, list[int]] = {}
         for i, call in enumerate(calls):
-            groups.setdefault((id(call.drafter.head), call.hidden.shape[-1]), []).append(i)
+            groups.setdefault((id(call.drafter.head), id(call.drafter.target), call.hidden.shape[-1]), []).append(i)
         answers: list = [None] * len(calls)
         for ids in groups.values():
             group = [calls[i] for i in ids]

@@ -65,7 +65,8 @@ class Recorder:
 
 
 @pytest.mark.parametrize("kind,staged", [("eagle", False), ("eagle", True), ("draft_vocab", False),
-                                         ("taps", False), ("eagle3", False)])
+                                         ("taps", False), ("exact", False),
+                                         ("eagle3", False)])
 def test_proposing_together_gives_each_tree_alone(batch_target, kind, staged, monkeypatch):
     """Four sequences of different prompt lengths, budgets and step caps (a cap of 1 sits the head out): step after
     step, the trees drafted together are node for node those each sequence's drafter proposes alone, and the
@@ -76,7 +77,9 @@ def test_proposing_together_gives_each_tree_alone(batch_target, kind, staged, mo
     ps = prompts(len(configs))
 
     def new_drafter():   # method eagle (the head and its prompt-lookup graft), or staged
-        return build("staged", target, EagleOptions(head=head)) if staged else eagle_drafter(target, head)
+        # "exact": the head's own fp32 weights, so its layer runs as transformers' (over a PackedKVCache when packed)
+        options = EagleOptions(head=head, round_head=kind != "exact")
+        return build("staged" if staged else "eagle", target, options)
 
     want = [Engine(target, new_drafter()).generate(p, c).token_ids for p, c in zip(ps, configs)]
 

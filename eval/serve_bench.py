@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=120.0, help="a level starts no request after this long")
     p.add_argument("--questions", type=Path, default=QUESTIONS, help="first turns of this MT-bench-style file")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the server and the CLI run")
+    p.add_argument("--batch-threads", type=int, default=None,
+                   help="the server's --batch-threads: threads for steps of 4 or more sequences (default: --threads)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--json", type=Path, default=None, help="also write every figure here")
     return p.parse_args(argv)
@@ -88,6 +90,8 @@ def start_server(args, method: str):
     port = free_port()
     cmd = [sys.executable, "-m", "eagle_lite.serve", "--method", method, "--port", str(port), "--threads",
            str(args.threads), "--max-batch", str(args.max_batch), "--max-tokens-limit", str(max(args.max_tokens, 256))]
+    if args.batch_threads is not None:
+        cmd += ["--batch-threads", str(args.batch_threads)]
     if args.target:
         cmd += ["--target", args.target]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})

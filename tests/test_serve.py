@@ -295,3 +295,41 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_large_batches_step_on_their_own_thread_count_and_stay_exact(serve, chat_target):
+    """threads=(1, 2): steps of BUSY_BATCH sequences or more run on 2 torch threads, smaller ones on 1; the answers
+    are each prompt's own greedy answer either way."""
+    from eagle_lite.serve.scheduler import BUSY_BATCH
+
+    before = torch.get_num_threads()
+    seen: list[tuple[int, int]] = []   # (sequences, torch threads) of every step
+    try:
+        s = serve("vanilla", Limits(max_batch=4), threads=(1, 2))
+        engine = s.service.scheduler.engine
+        step = engine.step
+
+        def recording(seqs, caps=None):
+            seen.append((len(seqs), torch.get_num_threads()))
+            return step(seqs, caps)
+
+        engine.step = recording
+        lengths = [30, 12, 25, 40, 7, 33, 18]
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            got = list(pool.map(lambda i: s.client.completions.create(
+                model="tiny", prompt=QUESTIONS[i], max_tokens=lengths[i], temperature=0).choices[0].text,
+                range(len(QUESTIONS))))
+    finally:
+        torch.set_num_threads(before)
+    want = [s.pipeline.decode(alone(chat_target, s.pipeline.encode(q, chat_template=False), n))
+            for q, n in zip(QUESTIONS, lengths)]
+    assert got == want
+    assert {threads for batch, threads in seen if batch >= BUSY_BATCH} == {2}
+    assert {threads for batch, threads in seen if batch < BUSY_BATCH} == {1}
+
+
+def test_batch_threads_below_one_is_one_line_before_loading(capsys):
+    from eagle_lite.serve.__main__ import main
+
+    assert main(["--batch-threads", "0"]) == 2
+    assert "--batch-threads must be a whole number >= 1" in capsys.readouterr().err

@@ -49,9 +49,11 @@ def drafter_factory(pipeline: Pipeline, options=None):
 
 def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), make_drafter=None,
                   options=None, default_max_tokens: int = 256, default_temperature: float = 0.0,
-                  default_seed: int | None = None, verify_seconds: dict | None = None) -> Service:
+                  default_seed: int | None = None, verify_seconds: dict | None = None,
+                  threads: tuple[int, int] | None = None) -> Service:
     """The server's state around a loaded pipeline; `start()` its scheduler before serving.
-    verify_seconds: the forward cost table of cost.py (None: measured now, about a second)."""
+    verify_seconds: the forward cost table of cost.py (None: measured now, about a second). threads: torch
+    threads for small and for large batches (scheduler.BUSY_BATCH; None: as they are)."""
     make_drafter = make_drafter or drafter_factory(pipeline, options)
     tree = pipeline.tree
     probe = make_drafter()
@@ -59,6 +61,6 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     cost = CostModel(verify_seconds or measure_verify(pipeline.target), tree_nodes)
     metrics = Metrics(pipeline.method)
     engine = Engine(pipeline.target)
-    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step)
+    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads)
     return Service(pipeline, scheduler, metrics, model_id, tree, default_max_tokens, default_temperature,
                    default_seed)

@@ -20,6 +20,7 @@ from ..generate import (
     lookahead_flags,
     quiet_libraries,
 )
+from ..threads import check_threads
 from .scheduler import Limits
 
 log = logging.getLogger("eagle_lite.serve")
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target KV cache memory for all admitted requests; a request that does not fit: 429")
     s.add_argument("--drain-seconds", type=float, default=limits.drain_seconds,
                    help="how long SIGTERM waits for running requests before it stops them")
+    s.add_argument("--batch-threads", type=int, default=None,
+                   help="torch CPU threads for steps of 4 or more sequences (default: --threads when given, else one "
+                        "per core): a large step keeps every core busy, and a wait for the HTTP loop's core costs a "
+                        "small part of it")
     p.add_argument("--verbose", action="store_true", help="show loading logs and every request")
     p.set_defaults(static=None)
     for action in p._actions:
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     with arguments():
         check_flags(args)
+        check_threads(args.batch_threads, "--batch-threads")
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens=args.max_tokens_limit, kv_budget_mb=args.kv_budget_mb,
                         drain_seconds=args.drain_seconds)
@@ -82,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
 
         # One core is left to the HTTP loop and the clients: torch threads that wait for a busy core stall every
         # step (docs/serve.md).
-        torch.set_num_threads(args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1))
+        cores = os.cpu_count() or 1
+        threads = args.threads if args.threads is not None else max(1, cores - 1)
+        batch_threads = args.batch_threads or (args.threads if args.threads is not None else cores)
+        torch.set_num_threads(threads)
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
                                      medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         lm.tree = cfg.tree
         service = build_service(lm, args.model_id or args.target or "smollm2", limits, options=options,
                                 default_max_tokens=args.max_new_tokens, default_temperature=args.temperature,
-                                default_seed=args.seed)
+                                default_seed=args.seed, threads=(threads, batch_threads))
     except ImportError as err:
         print(f"error: {err}: install the server's packages with pip install 'eagle_lite[serve]'", file=sys.stderr)
         return 1

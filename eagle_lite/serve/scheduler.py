@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ..config import GenerationConfig, check_finite, check_whole
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, token_budget
@@ -76,12 +78,20 @@ class Job:
         self.cancelled = True
 
 
+# A step of this many sequences or more runs on `threads[1]` torch threads, a smaller one on `threads[0]`: a large
+# step keeps every core busy, while a small one stalls whenever a thread waits for the core the HTTP loop holds.
+BUSY_BATCH = 4
+
+
 class Scheduler:
     def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
-                 cost: CostModel, on_step: Callable[[int, int, int, list[int]], None] | None = None) -> None:
+                 cost: CostModel, on_step: Callable[[int, int, int, list[int]], None] | None = None,
+                 threads: tuple[int, int] | None = None) -> None:
         """make_drafter: a fresh drafter (weights shared, state its own); tree_nodes: the most nodes one tree has.
-        on_step(batch, cap, rows, emitted per sequence): called after each step (metrics)."""
+        on_step(batch, cap, rows, emitted per sequence): called after each step (metrics). threads: torch CPU
+        threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are)."""
         self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
+        self.threads = threads
         self.pool = [make_drafter() for _ in range(limits.max_batch)]
         self.tree_nodes = tree_nodes
         cache = engine.target.new_cache(1)
@@ -223,6 +233,10 @@ class Scheduler:
 
     def _step(self) -> None:
         seqs = [seq for _, seq in self.running]
+        if self.threads is not None:
+            want = self.threads[len(seqs) >= BUSY_BATCH]
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         cap = self.cost.choose(len(seqs))
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))

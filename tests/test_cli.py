@@ -256,7 +256,10 @@ def interrupt_after_first_byte(args: list, stream: str) -> subprocess.CompletedP
     """Start the CLI, wait until it writes its first byte to `stream` (stdout or stderr), then press Ctrl-C."""
     import signal
 
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    # a runner started in the background hands its children SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt: the CLI gets the default disposition, as from a terminal
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = getattr(proc, stream).read(1)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)

@@ -178,9 +178,10 @@ def device_commands(folders: int) -> list[str]:
 def pack(out: Path, wheels: Path) -> list[Path]:
     """Download the day's wheels (at the versions installed here) and cut them into folders that each fit one
     call beside the working tree."""
-    per_call = CALL_LIMIT - tree_bytes() - (1 << 20)   # a MiB for files written before the calls
+    tree = tree_bytes()
+    per_call = CALL_LIMIT - tree - (1 << 20)   # a MiB for files written before the calls
     if per_call < 4 << 20:
-        raise RuntimeError(f"the working tree takes {tree_bytes() / 2**20:.1f} MiB of a call's 64: too little is "
+        raise RuntimeError(f"the working tree takes {tree / 2**20:.1f} MiB of a call's 64: too little is "
                            f"left to carry the bundle")
     files = device_bundle.download(wheels, PACKAGES)
     # the small wheels first: the first call installs them and runs the steps that need no target files
@@ -201,15 +202,7 @@ def install(carry: Path, site: Path, log) -> set[str]:
     installed = set(json.loads(installed_file.read_text())) if installed_file.is_file() else set()
     todo = [e for e in complete if e["name"] not in installed]
     if todo:
-        sub = carry / "complete"
-        sub.mkdir(exist_ok=True)
-        (sub / device_bundle.MANIFEST).write_text(json.dumps(todo))
-        for entry in todo:
-            for part in entry["parts"]:
-                dest = sub / Path(part).name
-                if not dest.exists():
-                    os.link(carry / Path(part).name, dest)
-        joined = device_bundle.join(sub, wheels)
+        joined = device_bundle.join(carry, wheels, only={e["name"] for e in todo})
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
                "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, joined)]
         log(f"$ pip install {' '.join(p.name for p in joined)}")

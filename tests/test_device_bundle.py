@@ -28,6 +28,9 @@ def test_files_split_into_calls_and_join_back_exactly(tmp_path):
     out = join(collected, tmp_path / "joined")
     assert [p.name for p in out] == list(sizes)
     assert all((tmp_path / "joined" / n).read_bytes() == (src / n).read_bytes() for n in sizes)
+    some = join(collected, tmp_path / "some", only={"c.whl", "a.whl"})   # the files a call has all the parts of
+    assert [p.name for p in some] == ["a.whl", "c.whl"] and (tmp_path / "some" / "c.whl").read_bytes() == (
+        src / "c.whl").read_bytes()
     calls = device_calls(folders, tmp_path)
     assert len(calls) == len(folders) + 1 and calls[0].startswith('run(carry=["carry/1"]')
 

@@ -87,13 +87,16 @@ def split(files: list[Path], out: Path, call_bytes: int = CALL_BYTES) -> list[Pa
     return folders
 
 
-def join(parts_dir: Path, dest: Path) -> list[Path]:
-    """Put every file of the manifest in `parts_dir` (the folders' contents copied into it) back together in
-    `dest`; a missing part or a checksum that does not match is a ValueError naming the file."""
+def join(parts_dir: Path, dest: Path, only: set[str] | None = None) -> list[Path]:
+    """Put every file of the manifest in `parts_dir` (the folders' contents copied into it), or those named in
+    `only`, back together in `dest`; a missing part or a checksum that does not match is a ValueError naming the
+    file."""
     manifest = json.loads((parts_dir / MANIFEST).read_text())
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for entry in manifest:
+        if only is not None and entry["name"] not in only:
+            continue
         target = dest / entry["name"]
         with open(target, "wb") as f:
             for part in entry["parts"]:

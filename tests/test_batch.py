@@ -100,3 +100,30 @@ def test_batched_steps_equal_each_sequence_alone(batch_target, method, monkeypat
         step += 1
     assert [out[i] for i in range(len(configs))] == alone
     assert (max(packed, default=0) > 1) == (method == "eagle")
+
+
+@torch.inference_mode()
+def test_plain_steps_of_a_batch_project_their_roots_in_one_product(batch_target, monkeypatch):
+    """A step of B plain sequences reads the lm_head once for all of their roots (not once per sequence), and
+    every root's logits are the ones it would get alone."""
+    from eagle_lite.targets.lm_head import LmHead, NodeLogits
+
+    target = batch_target
+    engine = Engine(target)
+    cfg = GenerationConfig(max_new_tokens=5, stop_at_eos=False)
+    seqs = [engine.begin(p, cfg, drafter=NoDrafter())[0] for p in prompts(5, seed=4)]
+    products = []
+    logits, top_token = LmHead.logits, LmHead.top_token
+    monkeypatch.setattr(LmHead, "logits", lambda self, h: products.append(h.shape[0]) or logits(self, h))
+    monkeypatch.setattr(LmHead, "top_token", lambda self, h: products.append("alone") or top_token(self, h))
+    engine.step(seqs)
+    assert products == [5]
+
+    hidden = [torch.randn(n, target.lm.module.weight.shape[1]) for n in (1, 4, 3)]
+    likely = [[0], [0, 2, 3], [0, 1]]
+    together = NodeLogits.together(target.lm, list(zip(hidden, likely)))
+    for h, path, nodes in zip(hidden, likely, together):
+        alone = logits(target.lm, h)
+        for node in path:
+            torch.testing.assert_close(nodes[node], alone[node], rtol=1e-5, atol=1e-5)
+        assert nodes.projected == len(path)

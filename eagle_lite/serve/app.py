@@ -56,19 +56,33 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 
 
 class Detokenizer:
-    """Tokens in, new text out: decoded with everything before them, a partial character or a possible start of
-    a stop string held back; `stopped` once a stop string appears (the text is cut before it)."""
+    """Tokens in, new text out: a partial character or a possible start of a stop string held back; `stopped` once
+    a stop string appears (the text is cut before it).
+
+    Each call decodes a short window of the latest tokens, not the whole answer (a long answer would cost its
+    length at every step): the window starts a few tokens back, and only what decoding the window adds beyond
+    decoding its older part is new text, so tokenizers that treat a text's first token specially (a leading
+    space dropped) give the text decoding every token at once gives."""
 
     def __init__(self, decode, stops: list[str]) -> None:
         self.decode, self.stops = decode, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
+        self.text = ""       # the decoded text of ids[:self.read]
+        self.start = 0       # the window's first token
+        self.read = 0        # tokens whose text is in self.text
         self.shown = 0
         self.stopped = False
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
-        text = self.decode(self.ids)
+        if len(self.ids) > self.read:
+            older = self.decode(self.ids[self.start:self.read])
+            window = self.decode(self.ids[self.start:])
+            if final or (len(window) > len(older) and not window.endswith("\ufffd")):
+                self.text += window[len(older):]   # a partial character waits for the token that completes it
+                self.start, self.read = self.read, len(self.ids)
+        text = self.text
         hits = [i for i in (text.find(s, max(0, self.shown - len(s))) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
@@ -76,8 +90,7 @@ class Detokenizer:
         elif final:
             end = len(text)
         else:
-            end = len(text) - (1 if text.endswith("\ufffd") else 0)
-            end = max(self.shown, min(end, len(text) - self.hold))
+            end = max(self.shown, len(text) - self.hold)
         piece, self.shown = text[self.shown:max(end, self.shown)], max(end, self.shown)
         return piece
 
@@ -213,6 +226,17 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
+async def next_event(events: asyncio.Queue, timeout: float):
+    """The next event of a request's queue, asyncio.TimeoutError after `timeout` s without one; where Python has
+    `asyncio.timeout`, a timer rather than the task `wait_for` makes for every event."""
+    if not events.empty():
+        return events.get_nowait()
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await events.get()
+    return await asyncio.wait_for(events.get(), timeout)
+
+
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -228,7 +252,7 @@ class Run:
     async def pieces(self):
         while True:
             try:
-                kind, value = await asyncio.wait_for(self.events.get(), timeout=1.0)
+                kind, value = await next_event(self.events, 1.0)
             except asyncio.TimeoutError:
                 if await self.request.is_disconnected():
                     self.job.cancel()

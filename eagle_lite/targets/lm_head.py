@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kernels.certified_argmax import CertifiedArgmax
 from ..kernels.cpu_linear import FEW_ROWS, few_rows_product
-from ..kernels.grid_linear import GridWeight
+from ..kernels.grid_linear import MAX_GRID_ROWS, GridWeight
 
 # On CPU a one-row lm_head product streams a transposed (H x V) copy of the weight about twice as fast
 # as the row-major original (MKL's gemv), so targets whose lm_head is at most this large keep one.
@@ -88,14 +88,32 @@ class NodeLogits:
     """
 
     def __init__(self, head: LmHead, hidden: torch.Tensor, lazy: bool | None = None,
-                 likely: list[int] | None = None) -> None:
+                 likely: list[int] | None = None, rows: dict[int, torch.Tensor] | None = None) -> None:
         self.head, self.hidden = head, hidden  # N H, final hidden states of the tree's nodes
         self.lazy = hidden.device.type == "cpu" if lazy is None else lazy
         self._all = None if self.lazy else head.logits(hidden)
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = dict(rows or {})   # node -> logits [V] projected already
         self._tops: dict[int, int] = {}
         self._likely = likely if self.lazy and likely and len(likely) > 1 and head.grid is not None else None
         self.projected = 0 if self.lazy else hidden.shape[0]   # nodes whose logits or argmax were computed
+        self.projected += len(self._rows) if self.lazy else 0
+
+    @classmethod
+    def together(cls, head: LmHead, trees: list[tuple[torch.Tensor, list[int]]]) -> list[NodeLogits]:
+        """One `NodeLogits` per verified tree of a batch, (final hidden states [N, H], its likely path): on CPU
+        the likely paths' rows of all the trees are projected in shared products, which read the lm_head weight
+        once per product instead of once per tree (a batch of plain steps: one product for every root)."""
+        if len(trees) < 2 or any(hidden.device.type != "cpu" for hidden, _ in trees):
+            return [cls(head, hidden, likely=likely) for hidden, likely in trees]
+        wanted = [(t, node) for t, (_, likely) in enumerate(trees) for node in dict.fromkeys(likely)]
+        per_product = MAX_GRID_ROWS if head.grid is not None else FEW_ROWS
+        found: list[dict[int, torch.Tensor]] = [{} for _ in trees]
+        for start in range(0, len(wanted), per_product):
+            part = wanted[start:start + per_product]
+            logits = head.logits(torch.stack([trees[t][0][node] for t, node in part]))
+            for (t, node), row in zip(part, logits):
+                found[t][node] = row
+        return [cls(head, hidden, likely=likely, rows=rows) for (hidden, likely), rows in zip(trees, found)]
 
     def prefetch(self, nodes: list[int]) -> None:
         """Project these nodes' logits in one product (the lm_head weight read once for all of them) for the reads

@@ -110,15 +110,14 @@ def start_server(args, method: str):
             time.sleep(0.5)
 
 
-def one_request(url: str, model: str, question: str, max_tokens: int) -> dict:
-    """A streaming chat request: its time to first token, total time, tokens and text."""
-    import httpx
-
+def one_request(http, url: str, model: str, question: str, max_tokens: int) -> dict:
+    """A streaming chat request on the client `http` (an httpx.Client: its connection kept between requests, as
+    the openai client keeps it): its time to first token, total time, tokens and text."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, text, tokens = None, [], 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -137,20 +136,23 @@ def one_request(url: str, model: str, question: str, max_tokens: int) -> dict:
 
 def level(url: str, model: str, questions: list[str], clients: int, args) -> tuple[dict, list[dict]]:
     """`clients` threads, each sending requests one at a time, `args.requests` in all (at least one each)."""
+    import httpx
+
     n = max(args.requests, clients)
     todo = list(range(n))
     lock, results = threading.Lock(), []
     start = time.perf_counter()
 
     def client() -> None:
-        while True:
-            with lock:
-                if not todo or time.perf_counter() - start > args.seconds:
-                    return
-                i = todo.pop(0)
-            r = one_request(url, model, questions[i % len(questions)], args.max_tokens)
-            with lock:
-                results.append({**r, "question": i % len(questions)})
+        with httpx.Client(timeout=600) as http:
+            while True:
+                with lock:
+                    if not todo or time.perf_counter() - start > args.seconds:
+                        return
+                    i = todo.pop(0)
+                r = one_request(http, url, model, questions[i % len(questions)], args.max_tokens)
+                with lock:
+                    results.append({**r, "question": i % len(questions)})
 
     with ThreadPoolExecutor(clients) as pool:
         for f in [pool.submit(client) for _ in range(clients)]:
@@ -165,6 +167,8 @@ def level(url: str, model: str, questions: list[str], clients: int, args) -> tup
 
 
 def main(argv=None) -> int:
+    import httpx
+
     args = parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     levels = [int(c) for c in args.clients.split(",")]
@@ -180,7 +184,8 @@ def main(argv=None) -> int:
         proc, url = start_server(args, method)
         rows = []
         try:
-            one_request(url, model, questions[0], 8)   # warm-up
+            with httpx.Client(timeout=600) as http:
+                one_request(http, url, model, questions[0], 8)   # warm-up
             for clients in levels:
                 row, results = level(url, model, questions, clients, args)
                 row["identical"] = sum(r["text"] == cli_answers[r["question"]] for r in results

@@ -127,3 +127,21 @@ def test_plain_steps_of_a_batch_project_their_roots_in_one_product(batch_target,
         for node in path:
             torch.testing.assert_close(nodes[node], alone[node], rtol=1e-5, atol=1e-5)
         assert nodes.projected == len(path)
+
+
+def test_a_batch_of_head_drafters_shares_one_output_weight(batch_target):
+    """The server's drafters (one per sequence) are siblings: one draft lm_head and one head between them, a KV
+    cache each; a sibling decodes exactly what a drafter built on its own does."""
+    target = batch_target
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target)
+    first = eagle_drafter(target, head)
+    twins = [first.sibling() for _ in range(3)]
+    assert all(t.inner.lm_weight.data_ptr() == first.inner.lm_weight.data_ptr() and t.inner.head is head
+               for t in twins)
+    cfg = GenerationConfig(max_new_tokens=20, tree=TreeConfig(depth=3, top_k=3, total_tokens=6), stop_at_eos=False)
+    p = prompts(1, seed=7)[0]
+    alone = Engine(target, eagle_drafter(target, head)).generate(p, cfg).token_ids
+    for twin in twins:
+        assert Engine(target, twin).generate(p, cfg).token_ids == alone
+    assert len({id(t.inner.cache) for t in twins}) == 3

@@ -23,6 +23,7 @@ Sampling (temperature > 0) has two rules, `draft_sampling`:
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -63,12 +64,23 @@ class EagleDrafter:
         # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own
         shared = head.d2t is None and head.lm_head is None
         self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight)
-        self.cache: StaticKVCache | None = None
         self.keep_features = False                 # keep the target's features by position (for `probe`)
+        self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The per-sequence state, empty."""
+        self.cache: StaticKVCache | None = None
         self._features: torch.Tensor | None = None  # [>= cache.length, H']: row t is f_t of the head's pair t
         self.probe_top: list[int] = []             # the head's greedy tokens of the last `probe` (see propose)
-        self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
         self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
+
+    def sibling(self) -> EagleDrafter:
+        """A drafter of the same head with per-sequence state of its own and all else shared (the head and its
+        speed-ups, its output weight and grid codes: applied and built once): one per sequence of a batch."""
+        twin = copy.copy(self)
+        twin._fresh()
+        return twin
 
     def reset(self, max_len: int, keep: int = 0, tree_slots: int = 256) -> int:
         need = max_len + tree_slots

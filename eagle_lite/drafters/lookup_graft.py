@@ -61,6 +61,11 @@ class LookupGraft:
         self.probes = 0                                  # staged proposals whose lookup chain the head read
         self.probe_agreed = 0                            # chain tokens the head agreed with (head steps not run)
 
+    def sibling(self) -> LookupGraft:
+        """The same graft over a sibling of the inner drafter (`EagleDrafter.sibling`): per-sequence state of its
+        own, the head and its tables shared."""
+        return LookupGraft(self.inner.sibling(), copy_mode=self.copy_mode, staged=self.staged)
+
     def __getattr__(self, name: str):
         inner = self.__dict__.get("inner")               # the inner drafter's own state (cache, head, ...)
         if inner is None:

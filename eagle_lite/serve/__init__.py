@@ -33,7 +33,7 @@ __all__ = ["Limits", "Refused", "Service", "build_service", "create_app", "draft
 
 def drafter_factory(pipeline: Pipeline, options=None):
     """A function making fresh drafters of the pipeline's method (one per sequence of a batch: a drafter keeps
-    per-sequence state); an EAGLE head is loaded once and shared."""
+    per-sequence state); an EAGLE head is loaded once and shared, with its speed-ups and output weight."""
     method = pipeline.method
     if method == "vanilla":
         from ..drafters import NoDrafter
@@ -44,7 +44,9 @@ def drafter_factory(pipeline: Pipeline, options=None):
     options = registry.options_for(method, options)
     if method in registry.HEAD_METHODS and getattr(options, "head", None) is None:
         options = dataclasses.replace(options, head=pipeline.engine.drafter.head)
-    return lambda: registry.build(method, pipeline.target, options)
+    first = registry.build(method, pipeline.target, options)
+    # head drafters: siblings of one, sharing its head's output weight instead of a copy each
+    return getattr(first, "sibling", None) or (lambda: registry.build(method, pipeline.target, options))
 
 
 def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), make_drafter=None,

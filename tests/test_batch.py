@@ -145,3 +145,30 @@ def test_a_batch_of_head_drafters_shares_one_output_weight(batch_target):
     for twin in twins:
         assert Engine(target, twin).generate(p, cfg).token_ids == alone
     assert len({id(t.inner.cache) for t in twins}) == 3
+
+
+@torch.inference_mode()
+def test_prompts_prefilled_together_decode_what_each_does_alone(batch_target, monkeypatch):
+    """`Engine.begin_all` reads several prompts in one forward; greedy and seeded sampled sequences then decode
+    token for token what each does from its own prefill."""
+    from eagle_lite.config import SamplingConfig
+    from eagle_lite.targets.model import Target
+
+    target = batch_target
+    configs = [GenerationConfig(max_new_tokens=n, stop_at_eos=False) for n in (9, 1, 14)] + [
+        GenerationConfig(max_new_tokens=12, stop_at_eos=False, seed=5, sampling=SamplingConfig(temperature=0.8))]
+    ps = prompts(len(configs), seed=9)
+    alone = [Engine(target, PromptLookupDrafter()).generate(p, c).token_ids for p, c in zip(ps, configs)]
+    engine, forwards = Engine(target), []
+    verify = Target.verify
+    monkeypatch.setattr(Target, "verify", lambda self, blocks, **kw: forwards.append(len(blocks))
+                        or verify(self, blocks, **kw))
+    begun = engine.begin_all([(p, c, PromptLookupDrafter(), None) for p, c in zip(ps, configs)])
+    assert forwards == [len(ps)]
+    out = [list(first) for _, first in begun]
+    running = [(i, seq) for i, (seq, _) in enumerate(begun) if not seq.done]
+    while running:
+        for (i, _), new in zip(running, engine.step([s for _, s in running])):
+            out[i] += new
+        running = [(i, s) for i, s in running if not s.done]
+    assert out == alone

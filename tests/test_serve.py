@@ -361,3 +361,50 @@ def test_streamed_text_is_the_whole_answer_decoded_at_once(stops):
         cut = min((whole.find(s) for s in stops if s in whole), default=len(whole))
         assert "".join(out) == whole[:cut]
         assert text.stopped == (cut < len(whole))
+
+
+def test_requests_admitted_together_are_prefilled_in_packs(chat_target, monkeypatch):
+    """Requests waiting when the worker turns are prefilled several to a forward (up to PACK_TOKENS prompt tokens a
+    pack), answer what each answers alone, and a prefill that fails fails its own request only."""
+    from eagle_lite.serve import scheduler as sched
+    from eagle_lite.serve.scheduler import Job
+
+    pipeline = Pipeline(chat_target, NoDrafter(), "vanilla")
+    pipeline.tree = TREE
+    service = build_service(pipeline, "tiny", Limits(max_batch=8), verify_seconds=COST)
+    engine = service.scheduler.engine
+    packs, begin_all = [], engine.begin_all
+    poison = 7
+
+    def recording(starts):
+        packs.append(len(starts))
+        if any(poison in prompt for prompt, *_ in starts):
+            raise RuntimeError("a prefill that fails")
+        return begin_all(starts)
+
+    monkeypatch.setattr(engine, "begin_all", recording)
+    monkeypatch.setattr(sched, "PACK_TOKENS", 40)
+    ps = [[(11 * i + j) % 50 + 8 for j in range(n)] for i, n in enumerate((12, 15, 9, 20, 6))] + [[3, poison, 4]]
+    events: dict[int, list] = {i: [] for i in range(len(ps))}
+    done = threading.Semaphore(0)
+
+    def sink(i):
+        def put(event):
+            events[i].append(event)
+            if event[0] in ("done", "error"):
+                done.release()
+        return put
+
+    for i, p in enumerate(ps):   # all waiting before the worker starts: admitted in one turn
+        service.scheduler.submit(Job(p, GenerationConfig(max_new_tokens=6, tree=TREE), sink(i)))
+    service.scheduler.start()
+    try:
+        for _ in ps:
+            assert done.acquire(timeout=60)
+    finally:
+        service.scheduler.stop()
+    assert packs[:2] == [3, 3] and packs[2:] == [1, 1, 1]   # 12+15+9 | 20+6+3 (fails: each alone) | ...
+    for i, p in enumerate(ps[:-1]):
+        got = [t for kind, value in events[i] if kind == "tokens" for t in value]
+        assert got == alone(chat_target, p, 6) and events[i][-1][0] == "done"
+    assert events[len(ps) - 1][-1][0] == "error" and "a prefill that fails" in events[len(ps) - 1][-1][1]

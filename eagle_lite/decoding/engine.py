@@ -204,35 +204,63 @@ class Engine:
         drafter: the sequence's own (None: the engine's); a batch gives each sequence one of its own, since a
         drafter keeps per-sequence state. cache: a cache whose first `keep` slots already hold the prompt's first
         tokens (`stream`'s chat reuse); None: a fresh one of `slots()` slots, and the drafter is reset."""
-        stats = stats if stats is not None else GenerationStats()
-        drafter = drafter or self.drafter
-        target, sampling = self.target, cfg.sampling
-        n_prompt = len(prompt_ids)
-        budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
-        if cache is None:
-            need = self.slots(prompt_ids, cfg, drafter)
-            cache, keep = target.new_cache(need), 0
-            drafter.reset(need, 0)
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=target.device)
-            generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed()))
-        stats.prompt_tokens, stats.reused_prompt_tokens = n_prompt, keep
+        return self._prefill([_Start(prompt_ids, cfg, drafter or self.drafter, stats, cache, keep)])[0]
+
+    @torch.inference_mode()
+    def begin_all(self, starts: list[tuple[list[int], GenerationConfig, Drafter, GenerationStats | None]]
+                  ) -> list[tuple[Sequence, list[int]]]:
+        """`begin` for several new sequences, (prompt, config, drafter, stats or None) each: their prompts are read
+        in ONE target forward (a server's requests that join its batch together), each over a fresh cache of its
+        own, so each gets what its own prefill gives (to fp32 rounding)."""
+        return self._prefill([_Start(prompt, cfg, drafter, stats) for prompt, cfg, drafter, stats in starts])
+
+    def _prefill(self, starts: list[_Start]) -> list[tuple[Sequence, list[int]]]:
+        target = self.target
+        taps = _taps(starts[0].drafter)
+        if any(_taps(s.drafter) != taps for s in starts):
+            raise ValueError("sequences prefilled together must read the same feature layers")
+        ready = []   # (start, stats, budget, cache, keep, generator)
+        for s in starts:
+            stats = s.stats if s.stats is not None else GenerationStats()
+            budget = token_budget(s.prompt_ids, target, s.cfg.max_new_tokens)
+            cache, keep = s.cache, s.keep
+            if cache is None:
+                need = self.slots(s.prompt_ids, s.cfg, s.drafter)
+                cache, keep = target.new_cache(need), 0
+                s.drafter.reset(need, 0)
+            generator = None
+            if not s.cfg.sampling.greedy:
+                generator = torch.Generator(device=target.device)
+                generator.manual_seed(s.cfg.seed if s.cfg.seed is not None else int(torch.seed()))
+            stats.prompt_tokens, stats.reused_prompt_tokens = len(s.prompt_ids), keep
+            ready.append((s, stats, budget, cache, keep, generator))
         start = time.perf_counter()
-        # 1. prefill (what the cache does not hold yet): only the last prompt token's next token is read
-        ids = torch.tensor(prompt_ids[keep:], device=target.device)
-        ((hidden, features),) = target.verify([(ids, cache, None, None)], taps=_taps(drafter))  # T H, T H'
-        cache.commit(n_prompt - keep)
-        if sampling.greedy:
-            first = target.top_token(hidden[-1])
-        else:
-            logits = target.logits(hidden[-1:])  # 1 V
-            first = sample(target_probs(logits[0], sampling), generator)
-        stats.target_forwards = 1
-        stats.prefill_seconds = time.perf_counter() - start
-        eos = target.eos_token_ids if cfg.stop_at_eos else set()
-        seq = Sequence(drafter, cache, cfg, stats, list(prompt_ids) + [first], features, budget, eos, generator, start)
-        return seq, seq.emit([first])
+        # 1. prefill (what each cache does not hold yet): only the last prompt token's next token is read
+        outs = target.verify([(torch.tensor(s.prompt_ids[keep:], device=target.device), cache, None, None)
+                              for s, _, _, cache, keep, _ in ready], taps=taps)    # per sequence: T H, T H'
+        last = [hidden[-1] for hidden, _ in outs]
+        greedy = [i for i, (s, *_) in enumerate(ready) if s.cfg.sampling.greedy]
+        firsts: dict[int, int] = {}
+        if len(greedy) > 1:   # every greedy sequence's first token from one lm_head product
+            rows = NodeLogits.together(target.lm, [(last[i][None], [0]) for i in greedy])
+            firsts = {i: nodes.top_token(0) for i, nodes in zip(greedy, rows)}
+        begun = []
+        for i, ((s, stats, budget, cache, keep, generator), (_, features)) in enumerate(zip(ready, outs)):
+            cache.commit(len(s.prompt_ids) - keep)
+            if i in firsts:
+                first = firsts[i]
+            elif s.cfg.sampling.greedy:
+                first = target.top_token(last[i])
+            else:
+                logits = target.logits(last[i][None])  # 1 V
+                first = sample(target_probs(logits[0], s.cfg.sampling), generator)
+            stats.target_forwards = 1
+            stats.prefill_seconds = time.perf_counter() - start
+            eos = target.eos_token_ids if s.cfg.stop_at_eos else set()
+            seq = Sequence(s.drafter, cache, s.cfg, stats, list(s.prompt_ids) + [first], features, budget, eos,
+                           generator, start)
+            begun.append((seq, seq.emit([first])))
+        return begun
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], caps: list[int | None] | None = None) -> list[list[int]]:
@@ -283,6 +311,19 @@ class Engine:
             stats.accept_lengths.append(len(out))
             emitted.append(out)
         return emitted
+
+
+@dataclass
+class _Start:
+    """A sequence to prefill (`Engine.begin`): its prompt and config, its drafter, stats to fill (None: new), and a
+    cache whose first `keep` slots hold the prompt's first tokens (None: a fresh one)."""
+
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    drafter: Drafter
+    stats: GenerationStats | None = None
+    cache: StaticKVCache | None = None
+    keep: int = 0
 
 
 def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:

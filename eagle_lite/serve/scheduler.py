@@ -1,8 +1,8 @@
 """The batch loop: requests join a running batch between steps and leave it when they finish or are cancelled.
 
-One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (each is
-prefilled by `Engine.begin` with a drafter of its own from a pool), drops the ones whose client went away or
-whose text hit a stop string, then runs one `Engine.step` over the whole batch: every sequence drafts its tree,
+One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (prefilled
+together by `Engine.begin_all`, each with a drafter of its own from a pool), drops the ones whose client went away
+or whose text hit a stop string, then runs one `Engine.step` over the whole batch: every sequence drafts its tree,
 the target verifies all of them in one forward, every sequence accepts its own path. The tree cap of the step
 comes from the cost model (cost.py). Events go back to each request's `sink` (called on this thread; the HTTP
 layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
@@ -81,6 +81,10 @@ class Job:
 # A step of this many sequences or more runs on `threads[1]` torch threads, a smaller one on `threads[0]`: a large
 # step keeps every core busy, while a small one stalls whenever a thread waits for the core the HTTP loop holds.
 BUSY_BATCH = 4
+# Requests admitted together are prefilled in one forward, up to this many prompt tokens a forward: a pack of short
+# prompts reads the weights once for all of them (8 chat prompts of ~60 tokens: ~0.52 s instead of ~0.75 one by one
+# on 2 cores), while a long prompt, whose forward is compute-bound anyway, goes alone and stalls the batch no longer.
+PACK_TOKENS = 1024
 
 
 class Scheduler:
@@ -188,8 +192,7 @@ class Scheduler:
                     admit.append(self.waiting.popleft())
                 self._busy = True
             try:
-                for job in admit:
-                    self._begin(job)
+                self._begin(admit)
                 self._drop_cancelled()
                 if self.running:
                     self._step()
@@ -204,22 +207,37 @@ class Scheduler:
             self._finish(job, seq.drafter, ("error", "the server stopped"))
         self.running = []
 
-    def _begin(self, job: Job) -> None:
-        if job.cancelled:
-            self._release(job)
-            return
-        drafter = self.pool.pop()
-        try:
-            seq, first = self.engine.begin(job.prompt_ids, job.cfg, drafter=drafter, stats=job.stats)
-        except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
-            log.exception("a prefill failed")
-            self._finish(job, drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
-            return
-        job.sink(("tokens", first))
-        if seq.done:
-            self._finish(job, drafter, ("done", job.stats))
-        else:
-            self.running.append((job, seq))
+    def _begin(self, jobs: list[Job]) -> None:
+        """Prefill the admitted requests, several prompts to a forward (`Engine.begin_all`, up to PACK_TOKENS
+        prompt tokens a pack), and let them join the batch."""
+        packs: list[list[Job]] = []
+        for job in jobs:
+            if job.cancelled:
+                self._release(job)
+            elif packs and sum(len(j.prompt_ids) for j in packs[-1]) + len(job.prompt_ids) <= PACK_TOKENS:
+                packs[-1].append(job)
+            else:
+                packs.append([job])
+        for pack in packs:
+            drafters = [self.pool.pop() for _ in pack]
+            try:
+                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats)
+                                               for job, drafter in zip(pack, drafters)])
+            except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
+                if len(pack) > 1:     # find which: each on its own
+                    self.pool += drafters
+                    for job in pack:
+                        self._begin([job])
+                    continue
+                log.exception("a prefill failed")
+                self._finish(pack[0], drafters[0], ("error", f"generation failed ({type(err).__name__}: {err})"))
+                continue
+            for job, drafter, (seq, first) in zip(pack, drafters, begun):
+                job.sink(("tokens", first))
+                if seq.done:
+                    self._finish(job, drafter, ("done", job.stats))
+                else:
+                    self.running.append((job, seq))
 
     def _drop_cancelled(self) -> None:
         kept = []

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
+import socket
 import sys
 import threading
 
@@ -52,15 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-seconds", type=float, default=limits.drain_seconds,
                    help="how long SIGTERM waits for running requests before it stops them")
     s.add_argument("--batch-threads", type=int, default=None,
-                   help="torch CPU threads for steps of 4 or more sequences (default: --threads when given, else one "
-                        "per core): a large step keeps every core busy, and a wait for the HTTP loop's core costs a "
-                        "small part of it")
+                   help="torch CPU threads for steps of 4 or more sequences (default: --threads)")
     p.add_argument("--verbose", action="store_true", help="show loading logs and every request")
     p.set_defaults(static=None)
-    for action in p._actions:
-        if action.dest == "threads":
-            action.help = ("torch CPU threads, >= 1 (default: one per core but one, which is left to the HTTP loop "
-                           "and its clients: threads that wait for a busy core stall every step)")
     return p
 
 
@@ -86,11 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..pipeline import load
         from . import build_service, create_app
 
-        # One core is left to the HTTP loop and the clients: torch threads that wait for a busy core stall every
-        # step (docs/serve.md).
-        cores = os.cpu_count() or 1
-        threads = args.threads if args.threads is not None else max(1, cores - 1)
-        batch_threads = args.batch_threads or (args.threads if args.threads is not None else cores)
+        threads = args.threads if args.threads is not None else torch.get_num_threads()   # the CLI's default
+        batch_threads = args.batch_threads or threads
         torch.set_num_threads(threads)
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
@@ -106,20 +97,41 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as err:
         print(f"error: {err}: install the server's packages with pip install 'eagle_lite[serve]'", file=sys.stderr)
         return 1
-    service.scheduler.start()
-    server = DrainingServer(uvicorn.Config(create_app(service), host=args.host, port=args.port,
-                                           log_level="info" if args.verbose else "warning",
-                                           timeout_graceful_shutdown=5), service)
-    print(f"eagle_lite serve · model {service.model_id} · method {lm.method} · http://{args.host}:{args.port}",
-          file=sys.stderr)
     try:
-        server.run()
+        sock = socket.create_server((args.host, args.port))
     except OSError as err:   # the port is taken, the address is not ours
         print(f"error: cannot listen on {args.host}:{args.port} ({err.strerror or err})", file=sys.stderr)
         return 1
-    finally:
-        service.scheduler.stop()
+    server = DrainingServer(uvicorn.Config(create_app(service), host=args.host, port=args.port,
+                                           log_level="info" if args.verbose else "warning",
+                                           timeout_graceful_shutdown=5), service)
+    # The engine runs on this thread, which loaded the model; HTTP on another (module docstring of scheduler.py:
+    # torch's OpenMP workers serve the thread that started them). Signals arrive here and go to uvicorn's handler.
+    http = threading.Thread(target=_serve_http, args=(server, sock), name="eagle_lite-http", daemon=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    print(f"eagle_lite serve · model {service.model_id} · method {lm.method} · http://{args.host}:{args.port}",
+          file=sys.stderr)
+    http.start()
+    service.scheduler.run()     # until the HTTP thread stops it
+    http.join(timeout=10)
+    if not server.started:
+        print(f"error: the HTTP server on {args.host}:{args.port} did not start (--verbose shows why)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _serve_http(server, sock) -> None:
+    """uvicorn on `sock` until it exits (SIGINT, a drained SIGTERM), then the batch loop is stopped."""
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:      # uvicorn failed to start, and logged why
+        pass
+    except Exception as err:  # noqa: BLE001 (one line, not a traceback; the process then exits 1)
+        log.error("the HTTP server stopped: %s: %s", type(err).__name__, err)
+    finally:
+        server.service.scheduler.stop()
 
 
 def _server_class():

@@ -109,9 +109,10 @@ class Scheduler:
         self._busy = False                # admitted requests between the queue and the batch
         self._stopped = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="eagle_lite-batch", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="eagle_lite-batch", daemon=True)
 
     def start(self) -> None:
+        """Run the batch loop on a thread of its own (`run` runs it on the calling thread)."""
         self._thread.start()
 
     # -- the HTTP side ----------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class Scheduler:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
     @property
@@ -180,7 +181,10 @@ class Scheduler:
         return not self.waiting and not self.running and not self._busy
 
     # -- the worker -------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The batch loop, until `stop`: admit, drop the cancelled, step. A server runs it on the thread that loaded
+        the model (torch's OpenMP worker threads belong to the thread that starts them: a second thread running torch
+        gets workers of its own, which then wait for the cores passively, and a step takes about twice as long)."""
         while True:
             with self._cond:
                 while not self._stopped and self.idle:

@@ -10,7 +10,9 @@ are threads of this one; a level sends `--requests` requests (at least one per c
 and stops starting new ones after `--seconds`. Every request is greedy with `max_tokens` = --max-tokens; its
 answer is checked against the CLI engine's answer to the same prompt (the `identical` column). The CLI row is the
 engine alone in this process (`eagle_lite.load(...).generate`, what `python -m eagle_lite.generate` runs), before
-the server starts, so the two never share the CPU.
+the server starts, so the two never share the CPU. The "at once, no HTTP" row is the server's own batch loop in this
+process (`batch_run`), given the largest level's number of prompts together: what that level would reach without
+HTTP, clients or arrival times.
 """
 from __future__ import annotations
 
@@ -110,6 +112,42 @@ def start_server(args, method: str):
             time.sleep(0.5)
 
 
+def batch_run(args, method: str, questions: list[str]) -> tuple[float, list[str]]:
+    """tokens/s of the server's batch loop alone, without HTTP: every question submitted at once to the scheduler
+    `python -m eagle_lite.serve` runs (the same limits, cost model and threads), stepped on this thread until all
+    are answered. The ceiling the server's largest level can reach; and its answers."""
+    import torch
+
+    from eagle_lite import load
+    from eagle_lite.serve import Limits, build_service
+    from eagle_lite.serve.scheduler import Job
+
+    torch.set_num_threads(args.threads)
+    lm = load(args.target, method=method)
+    service = build_service(lm, "bench", Limits(max_batch=args.max_batch),
+                            threads=(args.threads, args.batch_threads or args.threads))
+    scheduler, cfg = service.scheduler, lm.config(max_new_tokens=args.max_tokens)
+    answers: list[list[int]] = [[] for _ in questions]
+    left = [len(questions)]
+
+    def sink(i: int):
+        def put(event: tuple) -> None:
+            if event[0] == "tokens":
+                answers[i] += event[1]
+            elif event[0] in ("done", "error"):
+                left[0] -= 1
+                if not left[0]:
+                    scheduler.stop()
+        return put
+
+    start = time.perf_counter()
+    for i, q in enumerate(questions):
+        scheduler.submit(Job(lm.encode([{"role": "user", "content": q}]), cfg, sink(i)))
+    scheduler.run()
+    seconds = time.perf_counter() - start
+    return sum(map(len, answers)) / seconds, [lm.decode(a) for a in answers]
+
+
 def one_request(http, url: str, model: str, question: str, max_tokens: int) -> dict:
     """A streaming chat request on the client `http` (an httpx.Client: its connection kept between requests, as
     the openai client keeps it): its time to first token, total time, tokens and text."""
@@ -181,6 +219,11 @@ def main(argv=None) -> int:
     for method in methods:
         cli_rate, cli_answers = cli_run(args, method, questions[:max(args.requests, max(levels))])
         print(f"{method}: CLI engine {cli_rate:.1f} tokens/s", file=sys.stderr, flush=True)
+        together = questions[:max(levels)]
+        batch_rate, batch_answers = batch_run(args, method, together)
+        batch_same = sum(a == b for a, b in zip(batch_answers, cli_answers)) / len(together)
+        print(f"{method}: batch loop, {len(together)} at once, no HTTP {batch_rate:.1f} tokens/s", file=sys.stderr,
+              flush=True)
         proc, url = start_server(args, method)
         rows = []
         try:
@@ -197,12 +240,15 @@ def main(argv=None) -> int:
             proc.wait(timeout=120)
         base = rows[0]["tokens_per_s"] if rows else 1.0
         lines.append(f"| {method} | CLI engine | {max(args.requests, max(levels))} | {cli_rate:.1f} | | 1.00 | | | |")
+        lines.append(f"| {method} | {len(together)} at once, no HTTP | {len(together)} | {batch_rate:.1f} | "
+                     f"{batch_rate / base:.2f} | {batch_rate / cli_rate:.2f} | | | {batch_same:.0%} |")
         for row in rows:
             lines.append(f"| {method} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.1f} | "
                          f"{row['tokens_per_s'] / base:.2f} | {row['tokens_per_s'] / cli_rate:.2f} | "
                          f"{row['ttft_p50']:.2f} / {row['ttft_p95']:.2f} | {row['total_p50']:.2f} / "
                          f"{row['total_p95']:.2f} | {row['identical']:.0%} |")
-        report["methods"][method] = {"cli_tokens_per_s": cli_rate, "levels": rows}
+        report["methods"][method] = {"cli_tokens_per_s": cli_rate, "batch_tokens_per_s": batch_rate,
+                                     "batch_identical": batch_same, "levels": rows}
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -408,3 +408,19 @@ def test_requests_admitted_together_are_prefilled_in_packs(chat_target, monkeypa
         got = [t for kind, value in events[i] if kind == "tokens" for t in value]
         assert got == alone(chat_target, p, 6) and events[i][-1][0] == "done"
     assert events[len(ps) - 1][-1][0] == "error" and "a prefill that fails" in events[len(ps) - 1][-1][1]
+
+
+def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp_path):
+    """The load benchmark end to end on a tiny model: the server's answers at every level, and the batch loop's
+    without HTTP, equal the CLI engine's."""
+    from eval.serve_bench import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--target", str(tiny_model_dir), "--methods", "vanilla,lookup", "--clients", "1,3",
+                 "--requests", "3", "--max-tokens", "12", "--threads", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for method in ("vanilla", "lookup"):
+        got = report["methods"][method]
+        assert got["batch_identical"] == 1.0 and got["batch_tokens_per_s"] > 0
+        assert [row["clients"] for row in got["levels"]] == [1, 3]
+        assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 for row in got["levels"])

@@ -424,3 +424,52 @@ def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp
         assert got["batch_identical"] == 1.0 and got["batch_tokens_per_s"] > 0
         assert [row["clients"] for row in got["levels"]] == [1, 3]
         assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 for row in got["levels"])
+
+
+@pytest.mark.parametrize("method", ["lookup", "eagle"])
+def test_prompts_that_start_like_a_finished_one_reuse_its_cache(chat_target, method):
+    """A finished request's KV cache is kept (`prefix_cache`), with its drafter; a later prompt sharing its start
+    prefills only the rest and answers what it answers alone; kept caches count in the KV budget and give way to
+    new requests."""
+    from eagle_lite.serve.scheduler import MIN_REUSE, Job
+
+    torch.manual_seed(0)
+    head = DraftHead.for_target(chat_target) if method == "eagle" else None
+    make = PromptLookupDrafter if method == "lookup" else (lambda: eagle_drafter(chat_target, head))
+    pipeline = Pipeline(chat_target, make(), method)
+    pipeline.tree = TREE
+    service = build_service(pipeline, "tiny", Limits(max_batch=2, prefix_cache=2, kv_budget_mb=64),
+                            make_drafter=make, verify_seconds=COST)
+    scheduler = service.scheduler
+    scheduler.start()
+    system = [(7 * j) % 50 + 8 for j in range(MIN_REUSE + 6)]   # a shared start, like a chat's system turn
+
+    def ask(prompt: list[int], n: int = 6) -> Job:
+        done = threading.Event()
+        tokens: list[int] = []
+        job = Job(prompt, GenerationConfig(max_new_tokens=n, tree=TREE),
+                  lambda e: tokens.extend(e[1]) if e[0] == "tokens" else done.set())
+        scheduler.submit(job)
+        assert done.wait(60)
+        job.tokens = tokens
+        return job
+
+    try:
+        first = ask(system + [20, 21, 22])
+        assert first.stats.reused_prompt_tokens == 0 and len(scheduler.donors) == 1
+        kept = scheduler.reserved
+        assert kept == scheduler.donors[0].kv_bytes > 0          # a kept cache counts in the budget
+        second = ask(system + [30, 31])
+        assert second.stats.reused_prompt_tokens == len(system) - 1   # the shared start (its last token re-read
+        # for the drafter's pairs), not read again
+        assert second.tokens == alone(chat_target, system + [30, 31], 6)
+        other = ask([40 + j for j in range(12)])                # no shared start: read whole
+        assert other.stats.reused_prompt_tokens == 0 and other.tokens == alone(chat_target, other.prompt_ids, 6)
+        assert len(scheduler.donors) == 2                       # at most prefix_cache kept
+        # a request that needs the memory the kept caches hold gets it: they are dropped, oldest first
+        scheduler.budget_bytes = scheduler.reserved + 10 * scheduler.bytes_per_slot
+        newest = scheduler.donors[-1]
+        ask([60 + j for j in range(12)], n=12)   # needs ~30 slots
+        assert scheduler.donors[:-1] in ([], [newest]) and scheduler.reserved <= scheduler.budget_bytes
+    finally:
+        scheduler.stop()

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest max_tokens a request may ask for; more: 400")
     s.add_argument("--kv-budget-mb", type=float, default=limits.kv_budget_mb,
                    help="target KV cache memory for all admitted requests; a request that does not fit: 429")
+    s.add_argument("--prefix-cache", type=int, default=limits.prefix_cache,
+                   help="finished requests whose KV cache is kept for later prompts that start the same way (a chat "
+                        "template's system turn, an earlier turn): those tokens are not read again; 0: none")
     s.add_argument("--drain-seconds", type=float, default=limits.drain_seconds,
                    help="how long SIGTERM waits for running requests before it stops them")
     s.add_argument("--batch-threads", type=int, default=None,
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         check_threads(args.batch_threads, "--batch-threads")
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens=args.max_tokens_limit, kv_budget_mb=args.kv_budget_mb,
-                        drain_seconds=args.drain_seconds)
+                        drain_seconds=args.drain_seconds, prefix_cache=args.prefix_cache)
         if args.max_new_tokens > limits.max_tokens:
             raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) is above --max-tokens-limit "
                              f"({limits.max_tokens})")

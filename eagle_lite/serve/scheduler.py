@@ -7,6 +7,11 @@ the target verifies all of them in one forward, every sequence accepts its own p
 comes from the cost model (cost.py). Events go back to each request's `sink` (called on this thread; the HTTP
 layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
 
+A finished request's KV cache and drafter are kept (the last `Limits.prefix_cache` of them): a later prompt that
+starts with the same tokens (a chat template's system turn, the earlier turns of a conversation) is prefilled on
+that cache from where they part, as the CLI's next chat turn is. Kept caches count in the KV budget and are
+dropped, oldest first, when a request needs the memory.
+
 Admission is where the limits live: a full queue and a full KV memory budget refuse with 429 (`Refused`), a
 draining server with 503. The budget counts the target's KV cache slots every admitted request reserves (its
 prompt, its token budget and one tree: what `Engine.begin` allocates), so memory never grows past it.
@@ -25,7 +30,7 @@ import torch
 from ..config import GenerationConfig, check_finite, check_whole
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, token_budget
-from ..kv_cache import ContextOverflowError
+from ..kv_cache import ContextOverflowError, StaticKVCache
 from .cost import CostModel
 
 log = logging.getLogger("eagle_lite.serve")
@@ -43,7 +48,9 @@ class Refused(Exception):
 class Limits:
     """max_batch: sequences decoded together; max_queue: requests waiting for a place; max_prompt_tokens,
     max_tokens: the longest prompt and answer a request may ask for; kv_budget_mb: the target's KV cache memory
-    for all admitted requests together; drain_seconds: how long a SIGTERM waits for running requests."""
+    for all admitted requests together (and the finished ones kept for their prefix); drain_seconds: how long a
+    SIGTERM waits for running requests; prefix_cache: finished sequences whose KV cache is kept for requests whose
+    prompt starts the same way (0: none)."""
 
     max_batch: int = 8
     max_queue: int = 64
@@ -51,11 +58,13 @@ class Limits:
     max_tokens: int = 2048
     kv_budget_mb: float = 2048.0
     drain_seconds: float = 60.0
+    prefix_cache: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_prompt_tokens", "max_tokens"):
             check_whole(name, getattr(self, name), 1)
         check_whole("max_queue", self.max_queue, 0)
+        check_whole("prefix_cache", self.prefix_cache, 0)
         if check_finite("kv_budget_mb", self.kv_budget_mb) <= 0:
             raise ValueError(f"kv_budget_mb must be > 0, got {self.kv_budget_mb}")
         if check_finite("drain_seconds", self.drain_seconds) < 0:
@@ -78,6 +87,20 @@ class Job:
         self.cancelled = True
 
 
+@dataclass
+class Donor:
+    """A finished sequence kept for its prompt prefix (`Limits.prefix_cache`): the tokens its KV cache holds, the
+    cache, the drafter whose state matches it, and the KV bytes it holds."""
+
+    tokens: list[int]
+    cache: StaticKVCache
+    drafter: Drafter
+    kv_bytes: int
+
+
+# A request starts from a kept sequence's cache when their tokens agree on at least this many (fewer are cheaper
+# to read again than to copy).
+MIN_REUSE = 8
 # A step of this many sequences or more runs on `threads[1]` torch threads, a smaller one on `threads[0]`: a large
 # step keeps every core busy, while a small one stalls whenever a thread waits for the core the HTTP loop holds.
 BUSY_BATCH = 4
@@ -96,7 +119,8 @@ class Scheduler:
         threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are)."""
         self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
         self.threads = threads
-        self.pool = [make_drafter() for _ in range(limits.max_batch)]
+        self.make_drafter = make_drafter
+        self.pool = [make_drafter() for _ in range(limits.max_batch)]   # more are made while kept sequences hold some
         self.tree_nodes = tree_nodes
         cache = engine.target.new_cache(1)
         self.bytes_per_slot = (cache.keys.numel() + cache.values.numel()) * cache.keys.element_size()
@@ -104,6 +128,7 @@ class Scheduler:
         self.reserved = 0                 # KV bytes of the admitted requests (waiting and running)
         self.waiting: deque[Job] = deque()
         self.running: list[tuple[Job, Sequence]] = []
+        self.donors: list[Donor] = []     # finished sequences kept for their prefix, the most recent last
         self.last_cap: int = 0            # the tree cap of the last step (0: the configured tree)
         self.draining = False
         self._busy = False                # admitted requests between the queue and the batch
@@ -146,6 +171,8 @@ class Scheduler:
                 raise Refused(413, f"this request needs {job.kv_bytes / 2**20:.1f} MiB of KV cache, more than the "
                                    f"server's whole budget ({self.limits.kv_budget_mb:g} MiB): lower max_tokens or "
                                    f"shorten the prompt", "max_tokens", "kv_budget_exceeded")
+            while self.reserved + job.kv_bytes > self.budget_bytes and self.donors:
+                self._evict()                 # kept prefixes give way to requests
             if self.reserved + job.kv_bytes > self.budget_bytes:
                 raise Refused(429, f"the KV cache budget ({self.limits.kv_budget_mb:g} MiB) is taken by running "
                                    f"requests; retry later", None, "kv_budget_full")
@@ -216,14 +243,17 @@ class Scheduler:
         prompt tokens a pack), and let them join the batch."""
         packs: list[list[Job]] = []
         for job in jobs:
+            donor = None if job.cancelled else self._donor_for(job.prompt_ids)
             if job.cancelled:
                 self._release(job)
+            elif donor is not None:
+                self._begin_from(job, *donor)
             elif packs and sum(len(j.prompt_ids) for j in packs[-1]) + len(job.prompt_ids) <= PACK_TOKENS:
                 packs[-1].append(job)
             else:
                 packs.append([job])
         for pack in packs:
-            drafters = [self.pool.pop() for _ in pack]
+            drafters = [self._drafter() for _ in pack]
             try:
                 begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats)
                                                for job, drafter in zip(pack, drafters)])
@@ -236,12 +266,56 @@ class Scheduler:
                 log.exception("a prefill failed")
                 self._finish(pack[0], drafters[0], ("error", f"generation failed ({type(err).__name__}: {err})"))
                 continue
-            for job, drafter, (seq, first) in zip(pack, drafters, begun):
-                job.sink(("tokens", first))
-                if seq.done:
-                    self._finish(job, drafter, ("done", job.stats))
-                else:
-                    self.running.append((job, seq))
+            for job, (seq, first) in zip(pack, begun):
+                self._joined(job, seq, first)
+
+    def _drafter(self) -> Drafter:
+        with self._cond:
+            return self.pool.pop() if self.pool else self.make_drafter()
+
+    def _joined(self, job: Job, seq: Sequence, first: list[int]) -> None:
+        job.sink(("tokens", first))
+        if seq.done:
+            self._finish(job, seq.drafter, ("done", job.stats), seq)
+        else:
+            self.running.append((job, seq))
+
+    def _donor_for(self, prompt_ids: list[int]) -> tuple[Donor, int] | None:
+        """The kept sequence sharing the longest prefix with this prompt (at least MIN_REUSE tokens), taken out of
+        the kept ones, and the length of that prefix; None where none does."""
+        with self._cond:
+            best, common = None, 0
+            for donor in self.donors:
+                n = 0
+                for a, b in zip(donor.tokens, prompt_ids):
+                    if a != b:
+                        break
+                    n += 1
+                if n > common:
+                    best, common = donor, n
+            if best is None or common < MIN_REUSE:
+                return None
+            self.donors.remove(best)
+            self.reserved -= best.kv_bytes
+            return best, common
+
+    def _begin_from(self, job: Job, donor: Donor, common: int) -> None:
+        """Prefill a request on a kept sequence's cache: its first tokens are not read again (`Engine.begin` with
+        `keep`, as a chat's next turn in the CLI)."""
+        drafter = donor.drafter
+        try:
+            need = self.engine.slots(job.prompt_ids, job.cfg, drafter)
+            # keep < common: the drafter's pair t holds token t + 1; keep < the prompt: its last token is re-read
+            keep = drafter.reset(need, max(0, min(common - 1, len(job.prompt_ids) - 1)))
+            donor.cache.truncate(keep)
+            cache = donor.cache.grown(need)     # exactly the slots this request reserved; the old buffers go
+            seq, first = self.engine.begin(job.prompt_ids, job.cfg, drafter=drafter, stats=job.stats, cache=cache,
+                                           keep=keep)
+        except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
+            log.exception("a prefill failed")
+            self._finish(job, drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+            return
+        self._joined(job, seq, first)
 
     def _drop_cancelled(self) -> None:
         kept = []
@@ -272,16 +346,32 @@ class Scheduler:
         for (job, seq), out in zip(self.running, outs):
             job.sink(("tokens", out))
             if seq.done:
-                self._finish(job, seq.drafter, ("done", job.stats))
+                self._finish(job, seq.drafter, ("done", job.stats), seq)
             else:
                 kept.append((job, seq))
         self.running = kept
 
-    def _finish(self, job: Job, drafter: Drafter, event: tuple | None) -> None:
-        self.pool.append(drafter)
+    def _finish(self, job: Job, drafter: Drafter, event: tuple | None, seq: Sequence | None = None) -> None:
+        """A request leaves: its KV reservation is freed and its drafter goes back to the pool, or, where it finished
+        (`seq`) and prefixes are kept, both stay with its cache as the newest kept sequence."""
         self._release(job)
+        if seq is not None and self.limits.prefix_cache:
+            kv = seq.cache.max_len * self.bytes_per_slot
+            with self._cond:
+                self.donors.append(Donor(seq.tokens[:seq.cache.length], seq.cache, drafter, kv))
+                self.reserved += kv
+                while len(self.donors) > self.limits.prefix_cache:
+                    self._evict()
+        else:
+            self.pool.append(drafter)
         if event is not None:
             job.sink(event)
+
+    def _evict(self) -> None:
+        """Drop the oldest kept sequence (with the lock held): its memory is freed, its drafter back in the pool."""
+        donor = self.donors.pop(0)
+        self.reserved -= donor.kv_bytes
+        self.pool.append(donor.drafter)
 
     def _release(self, job: Job) -> None:
         with self._cond:

@@ -207,12 +207,11 @@ class Engine:
         return self._prefill([_Start(prompt_ids, cfg, drafter or self.drafter, stats, cache, keep)])[0]
 
     @torch.inference_mode()
-    def begin_all(self, starts: list[tuple[list[int], GenerationConfig, Drafter, GenerationStats | None]]
-                  ) -> list[tuple[Sequence, list[int]]]:
-        """`begin` for several new sequences, (prompt, config, drafter, stats or None) each: their prompts are read
-        in ONE target forward (a server's requests that join its batch together), each over a fresh cache of its
-        own, so each gets what its own prefill gives (to fp32 rounding)."""
-        return self._prefill([_Start(prompt, cfg, drafter, stats) for prompt, cfg, drafter, stats in starts])
+    def begin_all(self, starts: list[tuple]) -> list[tuple[Sequence, list[int]]]:
+        """`begin` for several new sequences, (prompt, config, drafter, stats or None[, cache, keep]) each: what their
+        caches do not hold yet is read in ONE target forward (a server's requests that join its batch together),
+        each over its own cache, so each gets what its own prefill gives (to fp32 rounding)."""
+        return self._prefill([_Start(*start) for start in starts])
 
     def _prefill(self, starts: list[_Start]) -> list[tuple[Sequence, list[int]]]:
         target = self.target

@@ -240,34 +240,54 @@ class Scheduler:
 
     def _begin(self, jobs: list[Job]) -> None:
         """Prefill the admitted requests, several prompts to a forward (`Engine.begin_all`, up to PACK_TOKENS
-        prompt tokens a pack), and let them join the batch."""
-        packs: list[list[Job]] = []
+        prompt tokens to read a pack), each on a kept cache where one shares its start, and let them join."""
+        packs: list[list[tuple]] = []    # (job, drafter, cache or None, tokens the cache holds already)
         for job in jobs:
-            donor = None if job.cancelled else self._donor_for(job.prompt_ids)
             if job.cancelled:
                 self._release(job)
-            elif donor is not None:
-                self._begin_from(job, *donor)
-            elif packs and sum(len(j.prompt_ids) for j in packs[-1]) + len(job.prompt_ids) <= PACK_TOKENS:
-                packs[-1].append(job)
+                continue
+            start = self._start(job)
+            if start is None:
+                continue
+            if packs and sum(len(j.prompt_ids) - keep for j, _, _, keep in packs[-1]) + \
+                    len(job.prompt_ids) - start[3] <= PACK_TOKENS:
+                packs[-1].append(start)
             else:
-                packs.append([job])
+                packs.append([start])
         for pack in packs:
-            drafters = [self._drafter() for _ in pack]
             try:
-                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats)
-                                               for job, drafter in zip(pack, drafters)])
+                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep)
+                                               for job, drafter, cache, keep in pack])
             except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
                 if len(pack) > 1:     # find which: each on its own
-                    self.pool += drafters
-                    for job in pack:
+                    self.pool += [drafter for _, drafter, _, _ in pack]
+                    for job, *_ in pack:
                         self._begin([job])
                     continue
                 log.exception("a prefill failed")
-                self._finish(pack[0], drafters[0], ("error", f"generation failed ({type(err).__name__}: {err})"))
+                self._finish(pack[0][0], pack[0][1], ("error", f"generation failed ({type(err).__name__}: {err})"))
                 continue
-            for job, (seq, first) in zip(pack, begun):
+            for (job, *_), (seq, first) in zip(pack, begun):
                 self._joined(job, seq, first)
+
+    def _start(self, job: Job) -> tuple | None:
+        """How a request is prefilled: (job, drafter, cache, keep), on a kept sequence's cache whose first `keep`
+        tokens it shares (not read again, as a chat's next turn in the CLI), else (job, a pooled drafter, None, 0).
+        None where preparing it failed (the request got the error)."""
+        found = self._donor_for(job.prompt_ids)
+        if found is None:
+            return job, self._drafter(), None, 0
+        donor, common = found
+        try:
+            need = self.engine.slots(job.prompt_ids, job.cfg, donor.drafter)
+            # keep < common: the drafter's pair t holds token t + 1; keep < the prompt: its last token is re-read
+            keep = donor.drafter.reset(need, max(0, min(common - 1, len(job.prompt_ids) - 1)))
+            donor.cache.truncate(keep)
+            return job, donor.drafter, donor.cache.grown(need), keep   # exactly the slots the request reserved
+        except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
+            log.exception("a prefill failed")
+            self._finish(job, donor.drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+            return None
 
     def _drafter(self) -> Drafter:
         with self._cond:
@@ -298,24 +318,6 @@ class Scheduler:
             self.donors.remove(best)
             self.reserved -= best.kv_bytes
             return best, common
-
-    def _begin_from(self, job: Job, donor: Donor, common: int) -> None:
-        """Prefill a request on a kept sequence's cache: its first tokens are not read again (`Engine.begin` with
-        `keep`, as a chat's next turn in the CLI)."""
-        drafter = donor.drafter
-        try:
-            need = self.engine.slots(job.prompt_ids, job.cfg, drafter)
-            # keep < common: the drafter's pair t holds token t + 1; keep < the prompt: its last token is re-read
-            keep = drafter.reset(need, max(0, min(common - 1, len(job.prompt_ids) - 1)))
-            donor.cache.truncate(keep)
-            cache = donor.cache.grown(need)     # exactly the slots this request reserved; the old buffers go
-            seq, first = self.engine.begin(job.prompt_ids, job.cfg, drafter=drafter, stats=job.stats, cache=cache,
-                                           keep=keep)
-        except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
-            log.exception("a prefill failed")
-            self._finish(job, drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
-            return
-        self._joined(job, seq, first)
 
     def _drop_cancelled(self) -> None:
         kept = []

@@ -101,12 +101,13 @@ class Donor:
 # A request starts from a kept sequence's cache when their tokens agree on at least this many (fewer are cheaper
 # to read again than to copy).
 MIN_REUSE = 8
-# A step of this many sequences or more runs on `threads[1]` torch threads, a smaller one on `threads[0]`: a large
-# step keeps every core busy, while a small one stalls whenever a thread waits for the core the HTTP loop holds.
+# A step of this many sequences or more runs on `threads[1]` torch threads, a smaller one on `threads[0]` (the
+# server's --batch-threads and --threads): where clients or other work share the cores, a small step may do better
+# on fewer threads than a large one, whose length hides a thread's wait for a core.
 BUSY_BATCH = 4
 # Requests admitted together are prefilled in one forward, up to this many prompt tokens a forward: a pack of short
-# prompts reads the weights once for all of them (8 chat prompts of ~60 tokens: ~0.52 s instead of ~0.75 one by one
-# on 2 cores), while a long prompt, whose forward is compute-bound anyway, goes alone and stalls the batch no longer.
+# prompts reads the weights once for all of them, while a long prompt, whose forward is compute-bound anyway, goes
+# alone.
 PACK_TOKENS = 1024
 
 

@@ -473,3 +473,13 @@ def test_prompts_that_start_like_a_finished_one_reuse_its_cache(chat_target, met
         assert scheduler.donors[:-1] in ([], [newest]) and scheduler.reserved <= scheduler.budget_bytes
     finally:
         scheduler.stop()
+
+
+def test_a_taken_port_is_one_line_before_loading(capsys):
+    from eagle_lite.serve.__main__ import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port), "--target", "/nonexistent/model"]) == 1   # refused before any load
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: cannot listen on 127.0.0.1:{port} (Address already in use)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -74,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens > limits.max_tokens:
             raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) is above --max-tokens-limit "
                              f"({limits.max_tokens})")
+    try:   # before the (slow) load: a port that is taken says so at once
+        sock = socket.create_server((args.host, args.port))
+    except OSError as err:   # the port is taken, the address is not ours
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        print(f"error: cannot listen on {args.host}:{args.port} ({reason})", file=sys.stderr)
+        return 1
     quiet_libraries(args.verbose)
     try:
         import torch
@@ -99,11 +106,6 @@ def main(argv: list[str] | None = None) -> int:
                                 default_seed=args.seed, threads=(threads, batch_threads))
     except ImportError as err:
         print(f"error: {err}: install the server's packages with pip install 'eagle_lite[serve]'", file=sys.stderr)
-        return 1
-    try:
-        sock = socket.create_server((args.host, args.port))
-    except OSError as err:   # the port is taken, the address is not ours
-        print(f"error: cannot listen on {args.host}:{args.port} ({err.strerror or err})", file=sys.stderr)
         return 1
     server = DrainingServer(uvicorn.Config(create_app(service), host=args.host, port=args.port,
                                            log_level="info" if args.verbose else "warning",

@@ -483,3 +483,18 @@ def test_a_taken_port_is_one_line_before_loading(capsys):
         assert main(["--port", str(port), "--target", "/nonexistent/model"]) == 1   # refused before any load
     err = capsys.readouterr().err
     assert err.strip() == f"error: cannot listen on 127.0.0.1:{port} (Address already in use)"
+
+
+def test_a_shared_chat_start_is_reported_as_cached_tokens(serve):
+    """Two chat requests share the chat template's start: the second reads it from the first one's kept cache, says
+    so in `usage.prompt_tokens_details.cached_tokens`, and /metrics counts it."""
+    s = serve("vanilla")
+    ask = lambda text: s.client.chat.completions.create(   # noqa: E731
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=5, temperature=0)
+    first, second = ask("hello there, how are you?"), ask("hello there, who are you?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 8 <= cached < second.usage.prompt_tokens
+    metrics = httpx.get(s.url + "/metrics").text
+    assert f"eagle_lite_prefix_cache_hit_tokens_total {cached}" in metrics
+    assert "eagle_lite_prefix_cache_sequences 1" in metrics   # the first cache went on with the second

@@ -178,7 +178,8 @@ def create_app(service: Service) -> FastAPI:
 
     def usage(run: Run) -> dict:
         n_prompt, n_new = len(run.job.prompt_ids), run.job.stats.new_tokens
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+                "prompt_tokens_details": {"cached_tokens": run.job.stats.reused_prompt_tokens}}
 
     async def whole(run: Run, ident: str):
         pieces = [piece async for piece in run.pieces()]
@@ -188,7 +189,8 @@ def create_app(service: Service) -> FastAPI:
         text, finish = "".join(pieces), run.finish_reason
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                   if run.chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        metrics.request(run.request.url.path, 200, len(run.job.prompt_ids), run.job.stats.new_tokens)
+        metrics.request(run.request.url.path, 200, len(run.job.prompt_ids), run.job.stats.new_tokens,
+                            run.job.stats.reused_prompt_tokens)
         return {**head(ident, run.chat), "choices": [choice], "usage": usage(run)}
 
     async def stream(run: Run, ident: str, include_usage: bool):
@@ -219,7 +221,8 @@ def create_app(service: Service) -> FastAPI:
             if include_usage:
                 yield sse({**top, "choices": [], "usage": usage(run)})
             yield "data: [DONE]\n\n"
-            metrics.request(run.request.url.path, 200, len(run.job.prompt_ids), run.job.stats.new_tokens)
+            metrics.request(run.request.url.path, 200, len(run.job.prompt_ids), run.job.stats.new_tokens,
+                            run.job.stats.reused_prompt_tokens)
         finally:
             run.job.cancel()   # a client that went away: its sequence leaves the batch at the next step
 

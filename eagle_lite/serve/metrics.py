@@ -17,6 +17,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.prompt_tokens = 0
+        self.cached_tokens = 0         # prompt tokens read from a kept cache (prefix reuse), not prefilled
         self.generation_tokens = 0
         self.steps = 0                 # batched target forwards (prefills not counted)
         self.drafts = 0                # sequence verify steps
@@ -24,10 +25,12 @@ class Metrics:
         self.emitted_tokens = 0        # tokens those steps emitted
         self.last_batch = 0
 
-    def request(self, endpoint: str, status: int, prompt_tokens: int = 0, generated: int = 0) -> None:
+    def request(self, endpoint: str, status: int, prompt_tokens: int = 0, generated: int = 0,
+                cached: int = 0) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
             self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached
             self.generation_tokens += generated
 
     def step(self, batch: int, cap: int, rows: int, emitted: list[int]) -> None:
@@ -48,6 +51,11 @@ class Metrics:
             rate = self.emitted_tokens / self.drafts if self.drafts else 0.0
             series = [
                 ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", "", self.prompt_tokens),
+                ("prefix_cache_hit_tokens_total", "counter",
+                 "Prompt tokens of finished requests taken from a kept cache instead of prefilled.", "",
+                 self.cached_tokens),
+                ("prefix_cache_sequences", "gauge", "Finished sequences kept for their prefix.", "",
+                 len(scheduler.donors)),
                 ("generation_tokens_total", "counter", "Tokens generated for finished requests.", "",
                  self.generation_tokens),
                 ("queue_length", "gauge", "Requests waiting for a place in the batch.", "", len(scheduler.waiting)),

@@ -498,3 +498,57 @@ def test_a_shared_chat_start_is_reported_as_cached_tokens(serve):
     metrics = httpx.get(s.url + "/metrics").text
     assert f"eagle_lite_prefix_cache_hit_tokens_total {cached}" in metrics
     assert "eagle_lite_prefix_cache_sequences 1" in metrics   # the first cache went on with the second
+
+
+@pytest.mark.parametrize("method", ["vanilla", "eagle"])
+def test_a_long_prompt_is_read_in_parts_between_steps(chat_target, monkeypatch, method):
+    """A prompt longer than a pack is read a part a turn, between the running batch's steps (which go on meanwhile),
+    then answers what it answers alone; the head (eagle) reads the features of every part."""
+    from eagle_lite.serve import scheduler as sched
+    from eagle_lite.serve.scheduler import Job
+
+    monkeypatch.setattr(sched, "PACK_TOKENS", 8)
+    torch.manual_seed(0)
+    head = DraftHead.for_target(chat_target) if method == "eagle" else None
+    make = NoDrafter if method == "vanilla" else (lambda: eagle_drafter(chat_target, head))
+    pipeline = Pipeline(chat_target, make(), method)
+    pipeline.tree = TREE
+    service = build_service(pipeline, "tiny", Limits(max_batch=4, prefix_cache=0), make_drafter=make,
+                            verify_seconds=COST)
+    scheduler, engine = service.scheduler, service.scheduler.engine
+    order: list[str] = []
+    parts, read_part = [], engine.read_part
+    monkeypatch.setattr(engine, "read_part", lambda *a: order.append("part") or parts.append(1) or read_part(*a))
+    done = {name: threading.Event() for name in "ab"}
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+
+    def sink(name):
+        def put(event):
+            if event[0] == "tokens":
+                tokens[name].extend(event[1])
+                order.append(name)
+            else:
+                assert event[0] == "done", event
+                done[name].set()
+        return put
+
+    short = [11, 12, 13, 14]
+    long = [(5 * j) % 50 + 8 for j in range(37)]
+    cfg = GenerationConfig(max_new_tokens=40, tree=TREE, stop_at_eos=False)
+    scheduler.start()
+    try:
+        scheduler.submit(Job(short, cfg, sink("a")))
+        deadline = time.monotonic() + 30
+        while not tokens["a"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        scheduler.submit(Job(long, GenerationConfig(max_new_tokens=6, tree=TREE, stop_at_eos=False), sink("b")))
+        assert done["a"].wait(60) and done["b"].wait(60)
+    finally:
+        scheduler.stop()
+    assert len(parts) == 4                                     # 37 tokens: 4 parts of 8, the last 5 with the first token
+    between = order[order.index("part"):order.index("b")]
+    assert between.count("a") >= 2                             # the running sequence stepped between the parts
+    want = lambda p, n: Engine(chat_target, make()).generate(p, GenerationConfig(   # noqa: E731
+        max_new_tokens=n, tree=TREE, stop_at_eos=False)).token_ids
+    assert tokens["b"] == want(long, 6) and tokens["a"] == want(short, 40)

@@ -208,17 +208,27 @@ class Engine:
 
     @torch.inference_mode()
     def begin_all(self, starts: list[tuple]) -> list[tuple[Sequence, list[int]]]:
-        """`begin` for several new sequences, (prompt, config, drafter, stats or None[, cache, keep]) each: what their
-        caches do not hold yet is read in ONE target forward (a server's requests that join its batch together),
-        each over its own cache, so each gets what its own prefill gives (to fp32 rounding)."""
+        """`begin` for several new sequences, (prompt, config, drafter, stats or None[, cache, keep, before]) each:
+        what their caches do not hold yet is read in ONE target forward (a server's requests that join its batch
+        together), each over its own cache, so each gets what its own prefill gives (to fp32 rounding)."""
         return self._prefill([_Start(*start) for start in starts])
+
+    @torch.inference_mode()
+    def read_part(self, ids: list[int], cache: StaticKVCache, drafter: Drafter) -> torch.Tensor:
+        """Read a part of a long prompt into `cache` (a prefill in chunks: a server reads one between steps, so the
+        running sequences do not wait for the whole prompt); returns the tokens' features, which `begin_all` takes
+        as `before` when it reads the rest and chooses the first token."""
+        ((_, features),) = self.target.verify([(torch.tensor(ids, device=self.target.device), cache, None, None)],
+                                              taps=_taps(drafter))
+        cache.commit(len(ids))
+        return features
 
     def _prefill(self, starts: list[_Start]) -> list[tuple[Sequence, list[int]]]:
         target = self.target
         taps = _taps(starts[0].drafter)
         if any(_taps(s.drafter) != taps for s in starts):
             raise ValueError("sequences prefilled together must read the same feature layers")
-        ready = []   # (start, stats, budget, cache, keep, generator)
+        ready = []   # (start, stats, budget, cache, generator)
         for s in starts:
             stats = s.stats if s.stats is not None else GenerationStats()
             budget = token_budget(s.prompt_ids, target, s.cfg.max_new_tokens)
@@ -232,11 +242,11 @@ class Engine:
                 generator = torch.Generator(device=target.device)
                 generator.manual_seed(s.cfg.seed if s.cfg.seed is not None else int(torch.seed()))
             stats.prompt_tokens, stats.reused_prompt_tokens = len(s.prompt_ids), keep
-            ready.append((s, stats, budget, cache, keep, generator))
+            ready.append((s, stats, budget, cache, generator))
         start = time.perf_counter()
         # 1. prefill (what each cache does not hold yet): only the last prompt token's next token is read
-        outs = target.verify([(torch.tensor(s.prompt_ids[keep:], device=target.device), cache, None, None)
-                              for s, _, _, cache, keep, _ in ready], taps=taps)    # per sequence: T H, T H'
+        outs = target.verify([(torch.tensor(s.prompt_ids[cache.length:], device=target.device), cache, None, None)
+                              for s, _, _, cache, _ in ready], taps=taps)    # per sequence: T H, T H'
         last = [hidden[-1] for hidden, _ in outs]
         greedy = [i for i, (s, *_) in enumerate(ready) if s.cfg.sampling.greedy]
         firsts: dict[int, int] = {}
@@ -244,8 +254,10 @@ class Engine:
             rows = NodeLogits.together(target.lm, [(last[i][None], [0]) for i in greedy])
             firsts = {i: nodes.top_token(0) for i, nodes in zip(greedy, rows)}
         begun = []
-        for i, ((s, stats, budget, cache, keep, generator), (_, features)) in enumerate(zip(ready, outs)):
-            cache.commit(len(s.prompt_ids) - keep)
+        for i, ((s, stats, budget, cache, generator), (_, features)) in enumerate(zip(ready, outs)):
+            cache.commit(len(s.prompt_ids) - cache.length)
+            if s.before is not None:
+                features = torch.cat([s.before, features])
             if i in firsts:
                 first = firsts[i]
             elif s.cfg.sampling.greedy:
@@ -315,7 +327,8 @@ class Engine:
 @dataclass
 class _Start:
     """A sequence to prefill (`Engine.begin`): its prompt and config, its drafter, stats to fill (None: new), and a
-    cache whose first `keep` slots hold the prompt's first tokens (None: a fresh one)."""
+    cache whose first `keep` slots hold the prompt's first tokens (None: a fresh one), then any more it read in parts
+    (`Engine.read_part`), whose features are `before`."""
 
     prompt_ids: list[int]
     cfg: GenerationConfig
@@ -323,6 +336,7 @@ class _Start:
     stats: GenerationStats | None = None
     cache: StaticKVCache | None = None
     keep: int = 0
+    before: torch.Tensor | None = None   # features of the prompt tokens after `keep` read already (`read_part`)
 
 
 def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:

@@ -1,8 +1,8 @@
 """The batch loop: requests join a running batch between steps and leave it when they finish or are cancelled.
 
 One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (prefilled
-together by `Engine.begin_all`, each with a drafter of its own from a pool), drops the ones whose client went away
-or whose text hit a stop string, then runs one `Engine.step` over the whole batch: every sequence drafts its tree,
+together by `Engine.begin_all`, each with a drafter of its own from a pool; a long prompt a part a turn), drops the
+ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch: every sequence drafts its tree,
 the target verifies all of them in one forward, every sequence accepts its own path. The tree cap of the step
 comes from the cost model (cost.py). Events go back to each request's `sink` (called on this thread; the HTTP
 layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
@@ -106,8 +106,7 @@ MIN_REUSE = 8
 # on fewer threads than a large one, whose length hides a thread's wait for a core.
 BUSY_BATCH = 4
 # Requests admitted together are prefilled in one forward, up to this many prompt tokens a forward: a pack of short
-# prompts reads the weights once for all of them, while a long prompt, whose forward is compute-bound anyway, goes
-# alone.
+# prompts reads the weights once for all of them. A longer prompt is read this many tokens a turn, between steps.
 PACK_TOKENS = 1024
 
 
@@ -130,6 +129,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.running: list[tuple[Job, Sequence]] = []
         self.donors: list[Donor] = []     # finished sequences kept for their prefix, the most recent last
+        self.reading: list[list] = []     # long prompts read in parts: [job, drafter, cache, keep, features]
         self.last_cap: int = 0            # the tree cap of the last step (0: the configured tree)
         self.draining = False
         self._busy = False                # admitted requests between the queue and the batch
@@ -192,7 +192,7 @@ class Scheduler:
                 return True
             time.sleep(0.05)
         with self._cond:
-            for job in list(self.waiting) + [job for job, _ in self.running]:
+            for job in list(self.waiting) + [job for job, _ in self.running] + [r[0] for r in self.reading]:
                 job.sink(("error", "the server shut down before this request finished"))
                 job.cancel()
         return self.idle
@@ -206,7 +206,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self._busy
+        return not self.waiting and not self.running and not self.reading and not self._busy
 
     # -- the worker -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -220,11 +220,12 @@ class Scheduler:
                 if self._stopped:
                     break
                 admit = []
-                while self.waiting and len(self.running) + len(admit) < self.limits.max_batch:
+                while self.waiting and len(self.running) + len(self.reading) + len(admit) < self.limits.max_batch:
                     admit.append(self.waiting.popleft())
                 self._busy = True
             try:
                 self._begin(admit)
+                self._read_part()
                 self._drop_cancelled()
                 if self.running:
                     self._step()
@@ -237,7 +238,9 @@ class Scheduler:
                 self._busy = False
         for job, seq in self.running:
             self._finish(job, seq.drafter, ("error", "the server stopped"))
-        self.running = []
+        for job, drafter, *_ in self.reading:
+            self._finish(job, drafter, ("error", "the server stopped"))
+        self.running, self.reading = [], []
 
     def _begin(self, jobs: list[Job]) -> None:
         """Prefill the admitted requests, several prompts to a forward (`Engine.begin_all`, up to PACK_TOKENS
@@ -250,18 +253,22 @@ class Scheduler:
             start = self._start(job)
             if start is None:
                 continue
-            if packs and sum(len(j.prompt_ids) - keep for j, _, _, keep in packs[-1]) + \
+            if len(job.prompt_ids) - start[3] > PACK_TOKENS:   # a long prompt: read in parts between steps
+                self._read_later(*start)
+                continue
+            if packs and sum(len(j.prompt_ids) - c.length if c is not None else len(j.prompt_ids)
+                             for j, _, c, *_ in packs[-1]) + \
                     len(job.prompt_ids) - start[3] <= PACK_TOKENS:
                 packs[-1].append(start)
             else:
                 packs.append([start])
         for pack in packs:
             try:
-                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep)
-                                               for job, drafter, cache, keep in pack])
+                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep, *rest)
+                                               for job, drafter, cache, keep, *rest in pack])
             except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
                 if len(pack) > 1:     # find which: each on its own
-                    self.pool += [drafter for _, drafter, _, _ in pack]
+                    self.pool += [drafter for _, drafter, *_ in pack]
                     for job, *_ in pack:
                         self._begin([job])
                     continue
@@ -270,6 +277,40 @@ class Scheduler:
                 continue
             for (job, *_), (seq, first) in zip(pack, begun):
                 self._joined(job, seq, first)
+
+    def _read_later(self, job: Job, drafter: Drafter, cache: StaticKVCache | None, keep: int) -> None:
+        if cache is None:
+            need = self.engine.slots(job.prompt_ids, job.cfg, drafter)
+            cache = self.engine.target.new_cache(need)
+            drafter.reset(need, 0)
+        self.reading.append([job, drafter, cache, keep, []])
+
+    def _read_part(self) -> None:
+        """Read the next part (PACK_TOKENS tokens) of the oldest long prompt; one whose rest fits a pack then
+        joins the batch through `Engine.begin_all` with the features of its parts. One part a turn, between steps:
+        the running sequences wait for a part, not for the whole prompt."""
+        if not self.reading:
+            return
+        entry = self.reading[0]
+        job, drafter, cache, keep, parts = entry
+        if job.cancelled:
+            self.reading.pop(0)
+            self._finish(job, drafter, None)
+            return
+        try:
+            done = cache.length
+            if len(job.prompt_ids) - done > PACK_TOKENS:
+                parts.append(self.engine.read_part(job.prompt_ids[done:done + PACK_TOKENS], cache, drafter))
+            if len(job.prompt_ids) - cache.length <= PACK_TOKENS:
+                self.reading.pop(0)
+                ((seq, first),) = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep,
+                                                          torch.cat(parts) if parts else None)])
+                self._joined(job, seq, first)
+        except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
+            log.exception("a prefill failed")
+            if entry in self.reading:
+                self.reading.remove(entry)
+            self._finish(job, drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
 
     def _start(self, job: Job) -> tuple | None:
         """How a request is prefilled: (job, drafter, cache, keep), on a kept sequence's cache whose first `keep`

@@ -546,7 +546,7 @@ def test_a_long_prompt_is_read_in_parts_between_steps(chat_target, monkeypatch, 
         assert done["a"].wait(60) and done["b"].wait(60)
     finally:
         scheduler.stop()
-    assert len(parts) == 4                                     # 37 tokens: 4 parts of 8, the last 5 with the first token
+    assert len(parts) == 4                        # 37 tokens: 4 parts of 8, the last 5 with the first token
     between = order[order.index("part"):order.index("b")]
     assert between.count("a") >= 2                             # the running sequence stepped between the parts
     want = lambda p, n: Engine(chat_target, make()).generate(p, GenerationConfig(   # noqa: E731

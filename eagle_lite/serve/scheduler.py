@@ -2,8 +2,9 @@
 
 One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (prefilled
 together by `Engine.begin_all`, each with a drafter of its own from a pool; a long prompt a part a turn), drops the
-ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch: every sequence drafts its tree,
-the target verifies all of them in one forward, every sequence accepts its own path. The tree cap of the step
+ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch:
+every sequence drafts its tree, the target verifies all of them in one forward, every sequence accepts its own
+path. The tree cap of the step
 comes from the cost model (cost.py). Events go back to each request's `sink` (called on this thread; the HTTP
 layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
 

@@ -257,16 +257,15 @@ class Scheduler:
             if len(job.prompt_ids) - start[3] > PACK_TOKENS:   # a long prompt: read in parts between steps
                 self._read_later(*start)
                 continue
-            if packs and sum(len(j.prompt_ids) - c.length if c is not None else len(j.prompt_ids)
-                             for j, _, c, *_ in packs[-1]) + \
+            if packs and sum(len(j.prompt_ids) - keep for j, _, _, keep in packs[-1]) + \
                     len(job.prompt_ids) - start[3] <= PACK_TOKENS:
                 packs[-1].append(start)
             else:
                 packs.append([start])
         for pack in packs:
             try:
-                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep, *rest)
-                                               for job, drafter, cache, keep, *rest in pack])
+                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep)
+                                               for job, drafter, cache, keep in pack])
             except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
                 if len(pack) > 1:     # find which: each on its own
                     self.pool += [drafter for _, drafter, *_ in pack]

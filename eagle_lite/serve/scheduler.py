@@ -111,6 +111,11 @@ BUSY_BATCH = 4
 PACK_TOKENS = 1024
 
 
+def failed(err: Exception) -> tuple:
+    """The event a request gets when its generation raised `err`."""
+    return "error", f"generation failed ({type(err).__name__}: {err})"
+
+
 class Scheduler:
     def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
                  cost: CostModel, on_step: Callable[[int, int, int, list[int]], None] | None = None,
@@ -233,7 +238,7 @@ class Scheduler:
             except Exception as err:  # noqa: BLE001 (the worker must outlive any one request's failure)
                 log.exception("a batch step failed; its requests get an error and the server goes on")
                 for job, seq in self.running:
-                    self._finish(job, seq.drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+                    self._finish(job, seq.drafter, failed(err))
                 self.running = []
             with self._cond:
                 self._busy = False
@@ -273,7 +278,7 @@ class Scheduler:
                         self._begin([job])
                     continue
                 log.exception("a prefill failed")
-                self._finish(pack[0][0], pack[0][1], ("error", f"generation failed ({type(err).__name__}: {err})"))
+                self._finish(pack[0][0], pack[0][1], failed(err))
                 continue
             for (job, *_), (seq, first) in zip(pack, begun):
                 self._joined(job, seq, first)
@@ -310,7 +315,7 @@ class Scheduler:
             log.exception("a prefill failed")
             if entry in self.reading:
                 self.reading.remove(entry)
-            self._finish(job, drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+            self._finish(job, drafter, failed(err))
 
     def _start(self, job: Job) -> tuple | None:
         """How a request is prefilled: (job, drafter, cache, keep), on a kept sequence's cache whose first `keep`
@@ -328,7 +333,7 @@ class Scheduler:
             return job, donor.drafter, donor.cache.grown(need), keep   # exactly the slots the request reserved
         except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
             log.exception("a prefill failed")
-            self._finish(job, donor.drafter, ("error", f"generation failed ({type(err).__name__}: {err})"))
+            self._finish(job, donor.drafter, failed(err))
             return None
 
     def _drafter(self) -> Drafter:

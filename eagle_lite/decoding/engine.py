@@ -88,6 +88,23 @@ def token_budget(prompt_ids: list[int], target: Target, max_new_tokens: int) -> 
     return min(max_new_tokens, target.max_context - n_prompt)
 
 
+def shared_start(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reusable(cached: list[int], prompt_ids: list[int]) -> int:
+    """How many of a cache's leading tokens (`cached`) a new prompt may keep: fewer than they share, since a
+    drafter's pair t holds token t + 1, which must be unchanged too; and fewer than the prompt, whose last token is
+    always re-read for its logits."""
+    return max(0, min(shared_start(cached, prompt_ids) - 1, len(prompt_ids) - 1))
+
+
 def emit_tokens(new: list[int], stats: GenerationStats, eos: set[int], budget: int, max_new_tokens: int,
                 start: float) -> list[int]:
     """`new` cut exactly where the target alone would stop (at EOS or the token budget); `stats` counts them and the
@@ -154,14 +171,7 @@ class Engine:
         elif self._cache.max_len < max_len:
             # grow geometrically (a chat grows a little every turn), keeping the committed entries
             self._cache = self._cache.grown(max(max_len, min(2 * self._cache.max_len, self.target.max_context)))
-        common = 0
-        for a, b in zip(self._cached_tokens, prompt_ids):
-            if a != b:
-                break
-            common += 1
-        # keep < common: the drafter's pair t holds token t + 1, which must be unchanged too;
-        # keep < len(prompt): the last prompt token is always re-read for its logits
-        keep = self.drafter.reset(max_len, max(0, min(common - 1, len(prompt_ids) - 1)))
+        keep = self.drafter.reset(max_len, reusable(self._cached_tokens, prompt_ids))
         self._cache.truncate(keep)
         self._cached_tokens = []  # until this call commits a consistent state
         return self._cache, keep
@@ -169,6 +179,12 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached conversation (the next call re-reads its whole prompt)."""
         self._cached_tokens = []
+
+    def fresh_cache(self, prompt_ids: list[int], cfg: GenerationConfig, drafter: Drafter) -> StaticKVCache:
+        """An empty cache of `slots()` slots for a new sequence, its drafter reset to match."""
+        need = self.slots(prompt_ids, cfg, drafter)
+        drafter.reset(need, 0)
+        return self.target.new_cache(need)
 
     def slots(self, prompt_ids: list[int], cfg: GenerationConfig, drafter: Drafter | None = None) -> int:
         """The KV cache slots a sequence of this prompt and config needs: prompt + token budget + one tree."""
@@ -234,9 +250,7 @@ class Engine:
             budget = token_budget(s.prompt_ids, target, s.cfg.max_new_tokens)
             cache, keep = s.cache, s.keep
             if cache is None:
-                need = self.slots(s.prompt_ids, s.cfg, s.drafter)
-                cache, keep = target.new_cache(need), 0
-                s.drafter.reset(need, 0)
+                cache, keep = self.fresh_cache(s.prompt_ids, s.cfg, s.drafter), 0
             generator = None
             if not s.cfg.sampling.greedy:
                 generator = torch.Generator(device=target.device)

@@ -30,7 +30,7 @@ import torch
 
 from ..config import GenerationConfig, check_finite, check_whole
 from ..decoding.drafter import Drafter
-from ..decoding.engine import Engine, GenerationStats, Sequence, token_budget
+from ..decoding.engine import Engine, GenerationStats, Sequence, reusable, shared_start, token_budget
 from ..kv_cache import ContextOverflowError, StaticKVCache
 from .cost import CostModel
 
@@ -285,9 +285,7 @@ class Scheduler:
 
     def _read_later(self, job: Job, drafter: Drafter, cache: StaticKVCache | None, keep: int) -> None:
         if cache is None:
-            need = self.engine.slots(job.prompt_ids, job.cfg, drafter)
-            cache = self.engine.target.new_cache(need)
-            drafter.reset(need, 0)
+            cache = self.engine.fresh_cache(job.prompt_ids, job.cfg, drafter)
         self.reading.append([job, drafter, cache, keep, []])
 
     def _read_part(self) -> None:
@@ -321,14 +319,12 @@ class Scheduler:
         """How a request is prefilled: (job, drafter, cache, keep), on a kept sequence's cache whose first `keep`
         tokens it shares (not read again, as a chat's next turn in the CLI), else (job, a pooled drafter, None, 0).
         None where preparing it failed (the request got the error)."""
-        found = self._donor_for(job.prompt_ids)
-        if found is None:
+        donor = self._donor_for(job.prompt_ids)
+        if donor is None:
             return job, self._drafter(), None, 0
-        donor, common = found
         try:
             need = self.engine.slots(job.prompt_ids, job.cfg, donor.drafter)
-            # keep < common: the drafter's pair t holds token t + 1; keep < the prompt: its last token is re-read
-            keep = donor.drafter.reset(need, max(0, min(common - 1, len(job.prompt_ids) - 1)))
+            keep = donor.drafter.reset(need, reusable(donor.tokens, job.prompt_ids))
             donor.cache.truncate(keep)
             return job, donor.drafter, donor.cache.grown(need), keep   # exactly the slots the request reserved
         except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
@@ -347,24 +343,20 @@ class Scheduler:
         else:
             self.running.append((job, seq))
 
-    def _donor_for(self, prompt_ids: list[int]) -> tuple[Donor, int] | None:
+    def _donor_for(self, prompt_ids: list[int]) -> Donor | None:
         """The kept sequence sharing the longest prefix with this prompt (at least MIN_REUSE tokens), taken out of
-        the kept ones, and the length of that prefix; None where none does."""
+        the kept ones; None where none does."""
         with self._cond:
             best, common = None, 0
             for donor in self.donors:
-                n = 0
-                for a, b in zip(donor.tokens, prompt_ids):
-                    if a != b:
-                        break
-                    n += 1
+                n = shared_start(donor.tokens, prompt_ids)
                 if n > common:
                     best, common = donor, n
             if best is None or common < MIN_REUSE:
                 return None
             self.donors.remove(best)
             self.reserved -= best.kv_bytes
-            return best, common
+            return best
 
     def _drop_cancelled(self) -> None:
         kept = []

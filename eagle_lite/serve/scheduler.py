@@ -99,6 +99,22 @@ class Donor:
     kv_bytes: int
 
 
+@dataclass
+class Admitted:
+    """A request on its way into the batch: its drafter, the cache it starts from (None: a fresh one) and how many
+    leading prompt tokens that cache holds; a long prompt read in parts also the features of the parts so far."""
+
+    job: Job
+    drafter: Drafter
+    cache: StaticKVCache | None = None
+    keep: int = 0
+    parts: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def to_read(self) -> int:
+        return len(self.job.prompt_ids) - self.keep
+
+
 # A request starts from a kept sequence's cache when their tokens agree on at least this many (fewer are cheaper
 # to read again than to copy).
 MIN_REUSE = 8
@@ -135,7 +151,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.running: list[tuple[Job, Sequence]] = []
         self.donors: list[Donor] = []     # finished sequences kept for their prefix, the most recent last
-        self.reading: list[list] = []     # long prompts read in parts: [job, drafter, cache, keep, features]
+        self.reading: list[Admitted] = []  # long prompts read in parts, a part a turn
         self.last_cap: int = 0            # the tree cap of the last step (0: the configured tree)
         self.draining = False
         self._busy = False                # admitted requests between the queue and the batch
@@ -198,7 +214,7 @@ class Scheduler:
                 return True
             time.sleep(0.05)
         with self._cond:
-            for job in list(self.waiting) + [job for job, _ in self.running] + [r[0] for r in self.reading]:
+            for job in list(self.waiting) + [job for job, _ in self.running] + [a.job for a in self.reading]:
                 job.sink(("error", "the server shut down before this request finished"))
                 job.cancel()
         return self.idle
@@ -218,7 +234,7 @@ class Scheduler:
     def run(self) -> None:
         """The batch loop, until `stop`: admit, drop the cancelled, step. A server runs it on the thread that loaded
         the model (torch's OpenMP worker threads belong to the thread that starts them: a second thread running torch
-        gets workers of its own, which then wait for the cores passively, and a step takes about twice as long)."""
+        gets workers of its own, libgomp then throttles their spinning, and a step takes about twice as long)."""
         while True:
             with self._cond:
                 while not self._stopped and self.idle:
@@ -244,49 +260,44 @@ class Scheduler:
                 self._busy = False
         for job, seq in self.running:
             self._finish(job, seq.drafter, ("error", "the server stopped"))
-        for job, drafter, *_ in self.reading:
-            self._finish(job, drafter, ("error", "the server stopped"))
+        for a in self.reading:
+            self._finish(a.job, a.drafter, ("error", "the server stopped"))
         self.running, self.reading = [], []
 
     def _begin(self, jobs: list[Job]) -> None:
         """Prefill the admitted requests, several prompts to a forward (`Engine.begin_all`, up to PACK_TOKENS
         prompt tokens to read a pack), each on a kept cache where one shares its start, and let them join."""
-        packs: list[list[tuple]] = []    # (job, drafter, cache or None, tokens the cache holds already)
+        packs: list[list[Admitted]] = []
         for job in jobs:
             if job.cancelled:
                 self._release(job)
                 continue
-            start = self._start(job)
-            if start is None:
+            admitted = self._admit(job)
+            if admitted is None:
                 continue
-            if len(job.prompt_ids) - start[3] > PACK_TOKENS:   # a long prompt: read in parts between steps
-                self._read_later(*start)
-                continue
-            if packs and sum(len(j.prompt_ids) - keep for j, _, _, keep in packs[-1]) + \
-                    len(job.prompt_ids) - start[3] <= PACK_TOKENS:
-                packs[-1].append(start)
+            if admitted.to_read > PACK_TOKENS:    # a long prompt: read in parts between steps
+                if admitted.cache is None:
+                    admitted.cache = self.engine.fresh_cache(job.prompt_ids, job.cfg, admitted.drafter)
+                self.reading.append(admitted)
+            elif packs and sum(a.to_read for a in packs[-1]) + admitted.to_read <= PACK_TOKENS:
+                packs[-1].append(admitted)
             else:
-                packs.append([start])
+                packs.append([admitted])
         for pack in packs:
             try:
-                begun = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep)
-                                               for job, drafter, cache, keep in pack])
+                begun = self.engine.begin_all([(a.job.prompt_ids, a.job.cfg, a.drafter, a.job.stats, a.cache, a.keep)
+                                               for a in pack])
             except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
                 if len(pack) > 1:     # find which: each on its own
-                    self.pool += [drafter for _, drafter, *_ in pack]
-                    for job, *_ in pack:
-                        self._begin([job])
+                    self.pool += [a.drafter for a in pack]
+                    for a in pack:
+                        self._begin([a.job])
                     continue
                 log.exception("a prefill failed")
-                self._finish(pack[0][0], pack[0][1], failed(err))
+                self._finish(pack[0].job, pack[0].drafter, failed(err))
                 continue
-            for (job, *_), (seq, first) in zip(pack, begun):
-                self._joined(job, seq, first)
-
-    def _read_later(self, job: Job, drafter: Drafter, cache: StaticKVCache | None, keep: int) -> None:
-        if cache is None:
-            cache = self.engine.fresh_cache(job.prompt_ids, job.cfg, drafter)
-        self.reading.append([job, drafter, cache, keep, []])
+            for a, (seq, first) in zip(pack, begun):
+                self._joined(a.job, seq, first)
 
     def _read_part(self) -> None:
         """Read the next part (PACK_TOKENS tokens) of the oldest long prompt; one whose rest fits a pack then
@@ -294,39 +305,39 @@ class Scheduler:
         the running sequences wait for a part, not for the whole prompt."""
         if not self.reading:
             return
-        entry = self.reading[0]
-        job, drafter, cache, keep, parts = entry
+        a = self.reading[0]
+        job, cache = a.job, a.cache
         if job.cancelled:
             self.reading.pop(0)
-            self._finish(job, drafter, None)
+            self._finish(job, a.drafter, None)
             return
         try:
             done = cache.length
             if len(job.prompt_ids) - done > PACK_TOKENS:
-                parts.append(self.engine.read_part(job.prompt_ids[done:done + PACK_TOKENS], cache, drafter))
+                a.parts.append(self.engine.read_part(job.prompt_ids[done:done + PACK_TOKENS], cache, a.drafter))
             if len(job.prompt_ids) - cache.length <= PACK_TOKENS:
                 self.reading.pop(0)
-                ((seq, first),) = self.engine.begin_all([(job.prompt_ids, job.cfg, drafter, job.stats, cache, keep,
-                                                          torch.cat(parts) if parts else None)])
+                ((seq, first),) = self.engine.begin_all([(job.prompt_ids, job.cfg, a.drafter, job.stats, cache,
+                                                          a.keep, torch.cat(a.parts) if a.parts else None)])
                 self._joined(job, seq, first)
         except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
             log.exception("a prefill failed")
-            if entry in self.reading:
-                self.reading.remove(entry)
-            self._finish(job, drafter, failed(err))
+            if a in self.reading:
+                self.reading.remove(a)
+            self._finish(job, a.drafter, failed(err))
 
-    def _start(self, job: Job) -> tuple | None:
-        """How a request is prefilled: (job, drafter, cache, keep), on a kept sequence's cache whose first `keep`
-        tokens it shares (not read again, as a chat's next turn in the CLI), else (job, a pooled drafter, None, 0).
-        None where preparing it failed (the request got the error)."""
+    def _admit(self, job: Job) -> Admitted | None:
+        """How a request is prefilled: on a kept sequence's cache whose first `keep` tokens it shares (not read
+        again, as a chat's next turn in the CLI), else with a pooled drafter on a fresh cache. None where preparing
+        it failed (the request got the error)."""
         donor = self._donor_for(job.prompt_ids)
         if donor is None:
-            return job, self._drafter(), None, 0
+            return Admitted(job, self._drafter())
         try:
             need = self.engine.slots(job.prompt_ids, job.cfg, donor.drafter)
             keep = donor.drafter.reset(need, reusable(donor.tokens, job.prompt_ids))
             donor.cache.truncate(keep)
-            return job, donor.drafter, donor.cache.grown(need), keep   # exactly the slots the request reserved
+            return Admitted(job, donor.drafter, donor.cache.grown(need), keep)   # exactly the slots it reserved
         except Exception as err:  # noqa: BLE001 (one request's failure: it gets the error, the batch goes on)
             log.exception("a prefill failed")
             self._finish(job, donor.drafter, failed(err))

@@ -10,6 +10,7 @@ import numbers
 from dataclasses import dataclass
 
 DRAFT_SAMPLING = ("q", "match")  # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
+DRAFT_VOCAB = ("head", "full")   # what an EAGLE head drafts over (EagleOptions.draft_vocab)
 
 SEEDS = 1 << 64   # torch generators take seeds in [0, 2**64)
 

@@ -19,7 +19,15 @@ import sys
 
 from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_line
 from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
-from .drafters.registry import AUTO, DRAFT_SAMPLING, NAMES, EagleOptions, LookaheadOptions, options_from_flags
+from .drafters.registry import (
+    AUTO,
+    DRAFT_SAMPLING,
+    DRAFT_VOCAB,
+    NAMES,
+    EagleOptions,
+    LookaheadOptions,
+    options_from_flags,
+)
 from .threads import check_threads
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
@@ -72,6 +80,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "and accepts sibling by sibling by recursive rejection (EAGLE's sampling); 'match' drafts the "
                         "head's top-k and accepts the child the target's sample matches. Both exact (default: "
                         f"{EagleOptions().draft_sampling})")
+    p.add_argument("--draft-vocab", default=None, choices=DRAFT_VOCAB,
+                   help="--method eagle/staged: 'head' drafts over the head's own draft vocabulary; 'full' over the "
+                        "target's whole vocabulary (heads that score through the target's lm_head): each draft row "
+                        f"costs more, and wide trees accept more (default: {EagleOptions().draft_vocab})")
     p.add_argument("--draft-model", default=None, metavar="SPEC",
                    help="--method draft_model: the smaller model (same tokenizer as the target), given like --target")
     p.add_argument("--exit-layer", type=int, default=None, metavar="N",
@@ -286,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                  exit_layer=args.exit_layer, medusa=args.medusa, medusa_choices=args.medusa_choices,
-                                 draft_sampling=args.draft_sampling, **lookahead_flags(args))
+                                 draft_sampling=args.draft_sampling, draft_vocab=args.draft_vocab,
+                                 **lookahead_flags(args))
     lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
               attention=args.attention, static=args.static)
     with arguments():   # a tree flag that does not fit the head's recommended tree

@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="eagle and staged when sampling: 'q' (the head's draws, recursive rejection) or 'match' "
                         "(top-k, sample-and-match); unset: the default. "
                         "Methods eagle_q and eagle_match run one rule each")
+    p.add_argument("--draft-vocab", default=None, choices=["head", "full"],
+                   help="eagle and staged: draft over the head's own draft vocabulary or the target's whole one; "
+                        "unset: the default. Method eagle_full_vocab runs eagle over the whole one")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
@@ -112,7 +115,8 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
                                                      ("ngram", args.lookahead_ngram),
                                                      ("candidates", args.lookahead_candidates)) if v is not None},
                         top_k=args.top_k, seed=args.seed, attention=args.attention, static_mode=args.static_mode,
-                        static_max_len=args.static_max_len, draft_sampling=args.draft_sampling)
+                        static_max_len=args.static_max_len, draft_sampling=args.draft_sampling,
+                        draft_vocab=args.draft_vocab)
 
 
 @entry_point

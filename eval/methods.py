@@ -135,7 +135,8 @@ def static_method(target: Target, head=None, mode: str = "auto", max_len: int | 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
 STATIC_METHODS = ("vanilla_graph", "eagle_graph")   # greedy only
 # eval's names for a registry method with some options set: (method, EagleOptions fields)
-VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"})}
+VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"}),
+            "eagle_full_vocab": ("eagle", {"draft_vocab": "full"})}
 NAMES = (*HF_METHODS[:3], *registry.NAMES, *VARIANTS, *STATIC_METHODS, "llama_cpp")   # every method eval can run
 
 

@@ -65,6 +65,7 @@ class EvalSettings:
     static_mode: str = "auto"       # vanilla_graph / eagle_graph: how their steps run (static_step.MODES)
     static_max_len: int | None = 2048   # their cache slots, allocated once (more if a call needs them)
     draft_sampling: str | None = None   # eagle and staged with temperature > 0: "q" or "match" (None: the default)
+    draft_vocab: str | None = None      # eagle and staged: "head" or "full" (None: the default)
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -101,6 +102,8 @@ def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
     eagle = registry.EagleOptions(head=head) if head is not None else registry.EagleOptions(draft=s.draft)
     if s.draft_sampling is not None:
         eagle = replace(eagle, draft_sampling=s.draft_sampling)
+    if s.draft_vocab is not None:
+        eagle = replace(eagle, draft_vocab=s.draft_vocab)
     unknown = sorted(set(s.lookahead) - {"window", "ngram", "candidates"})
     if unknown:
         raise ValueError(f"unknown lookahead setting(s) {unknown}: lookahead has window, ngram, candidates")
@@ -262,7 +265,7 @@ def settings_from(cfg) -> EvalSettings:
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
                         seed=_number(c, "seed", int, 0), attention=c.get("attention", "auto"),
                         static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048),
-                        draft_sampling=c.get("draft_sampling"))
+                        draft_sampling=c.get("draft_sampling"), draft_vocab=c.get("draft_vocab"))
 
 
 def _main() -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, eagle_drafter, reference_greedy
+from conftest import VOCAB, eagle_drafter, make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
@@ -90,6 +90,44 @@ def test_reduced_draft_vocabulary_stays_exact(llama):
     result = engine.generate(prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False,
                                                       tree=TreeConfig(depth=3, top_k=4, total_tokens=10)))
     assert result.token_ids == ref
+
+
+def test_a_reduced_vocabulary_head_drafting_over_the_whole_vocabulary_stays_exact(llama):
+    prompt = [9, 8, 7, 6]
+    ref = reference_greedy(llama, prompt, 30)
+    torch.manual_seed(1)
+    d2t = torch.randperm(VOCAB)[:24]
+    head = DraftHead.for_target(llama, d2t=d2t)
+    full = head.over_full_vocabulary()
+    assert full.d2t is None and full.fc is head.fc and torch.equal(head.d2t, d2t)   # shared weights, head as it was
+    assert full.output_weight(llama.lm_head.weight).shape[0] == VOCAB
+    tree = TreeConfig(depth=3, top_k=4, total_tokens=10)
+    proposed: set[int] = set()
+    for vocab in ("head", "full"):
+        drafter = eagle_drafter(llama, head, draft_vocab=vocab)
+        drafter.propose = recording(drafter.propose, proposed)
+        result = Engine(llama, drafter).generate(prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False,
+                                                                          tree=tree))
+        assert result.token_ids == ref
+        if vocab == "head":
+            assert proposed <= set(d2t.tolist())
+    assert proposed - set(d2t.tolist())                 # over the whole vocabulary it proposed tokens d2t lacks
+
+
+def recording(propose, seen: set[int]):
+    """`propose` that also adds each tree's drafted tokens to `seen`."""
+    def wrapped(*args, **kwargs):
+        tree = propose(*args, **kwargs)
+        seen.update(tree.tokens[1:].tolist())
+        return tree
+    return wrapped
+
+
+def test_an_eagle3_head_cannot_draft_over_the_whole_vocabulary():
+    deep = make_target("llama", layers=4)
+    head = DraftHead.for_target(deep, torch.arange(10, 50), feature_layers=(0, 1, 2), design="eagle3")
+    with pytest.raises(ValueError, match="own lm_head; it cannot draft over the target's whole vocabulary"):
+        head.over_full_vocabulary()
 
 
 def test_vanilla_equals_transformers_generate(target):

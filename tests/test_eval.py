@@ -122,14 +122,18 @@ def test_a_benchmark_compares_the_static_step_with_the_engine(tiny_model_dir, tm
 
 
 def test_benchmark_runs_staged_and_each_sampling_rule(tiny_model_dir, tmp_path, capsys):
-    """staged beside eagle (greedy: identical to the baseline), and eagle_q / eagle_match sampled in one run."""
+    """staged and eagle over the whole vocabulary beside eagle (greedy: identical to the baseline), and eagle_q /
+    eagle_match sampled in one run."""
     from eval import benchmark
+    from eval.methods import registry_method
 
     common = ["--target", str(tiny_model_dir), "--draft", "random", "--tasks", "", "--questions",
               str(two_question_file(tmp_path)), "--per-task", "1", "--max-new-tokens", "12", "--tree-lookup", "3"]
-    assert benchmark.main(common + ["--methods", "vanilla,eagle,staged"]) == 0
+    assert benchmark.main(common + ["--methods", "vanilla,eagle,staged,eagle_full_vocab"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| overall |")]
-    assert len(rows) == 3 and all(line.rstrip().endswith("| 100% |") for line in rows)
+    assert len(rows) == 4 and all(line.rstrip().endswith("| 100% |") for line in rows)
+    assert registry_method("eagle_full_vocab", {"eagle": EagleOptions(draft="h")}) == (
+        "eagle", EagleOptions(draft="h", draft_vocab="full"))
     sampled = ["--methods", "vanilla,eagle_q,eagle_match,eagle", "--temperature", "0.8", "--draft-sampling", "match"]
     assert benchmark.main(common + sampled) == 0
     out = capsys.readouterr().out

@@ -42,6 +42,8 @@ def test_options_are_checked_before_a_model_loads():
         registry.options_for("lookup", registry.EagleOptions())
     with pytest.raises(ValueError, match="draft_sampling must be one of q, match"):
         registry.check("staged", registry.EagleOptions(draft_sampling="greedy"))
+    with pytest.raises(ValueError, match="draft_vocab must be one of head, full"):
+        registry.check("eagle", registry.EagleOptions(draft_vocab="all"))
 
 
 def test_flags_reach_the_eagle_options():
@@ -49,6 +51,7 @@ def test_flags_reach_the_eagle_options():
         assert registry.options_from_flags(name, draft="random", draft_sampling="match") == registry.EagleOptions(
             draft="random", draft_sampling="match")
     assert registry.options_from_flags("eagle").draft_sampling == registry.EagleOptions().draft_sampling
+    assert registry.options_from_flags("eagle", draft_vocab="full") == registry.EagleOptions(draft_vocab="full")
 
 
 def test_the_tree_is_defaults_then_the_recommendation_then_the_flags():

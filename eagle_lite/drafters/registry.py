@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DRAFT_SAMPLING
+from ..config import DRAFT_SAMPLING, DRAFT_VOCAB
 from ..decoding.drafter import Drafter, NoDrafter
 
 log = logging.getLogger("eagle_lite")
@@ -29,13 +29,17 @@ class EagleOptions:
     folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft.
     draft_sampling: with temperature > 0, "q" draws the tree from the head's distribution and accepts sibling by
     sibling by recursive rejection (EAGLE's sampling); "match" drafts the head's top-k as in greedy decoding and
-    accepts by sample-and-match (drafters/eagle.py). Both are exact; greedy decoding ignores it."""
+    accepts by sample-and-match (drafters/eagle.py). Both are exact; greedy decoding ignores it.
+    draft_vocab: "head" drafts over the head's own draft vocabulary; "full" over the target's whole vocabulary,
+    for heads that score through the target's lm_head (DraftHead.over_full_vocabulary): costlier per draft row,
+    and it accepts more in wide trees (docs/training.md)."""
 
     draft: str | None = "auto"
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True
     draft_sampling: str = "q"
+    draft_vocab: str = "head"
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     if head is None:
         raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
                                 f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
+    if o.draft_vocab == "full":
+        head = head.over_full_vocabulary()
     return LookupGraft(EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling),
                        copy_mode=o.copy_mode, staged=staged)
 
@@ -172,6 +178,8 @@ def _check_folder(path: str | Path, method: str) -> None:
 def _check_eagle(o: EagleOptions) -> None:
     if o.draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {o.draft_sampling!r}")
+    if o.draft_vocab not in DRAFT_VOCAB:
+        raise ValueError(f"draft_vocab must be one of {', '.join(DRAFT_VOCAB)}, got {o.draft_vocab!r}")
     if o.head is None and o.draft not in (None, AUTO, "random"):
         _check_folder(o.draft, "eagle")
 
@@ -228,11 +236,13 @@ HEAD_METHODS = ("eagle", "staged")   # the methods of an EAGLE head, which take 
 def options_from_flags(name: str, draft: str | None = "auto", draft_model: str | None = None,
                        exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None,
                        draft_sampling: str | None = None, lookahead_window: int | None = None,
-                       lookahead_ngram: int | None = None, lookahead_candidates: int | None = None) -> Any:
+                       lookahead_ngram: int | None = None, lookahead_candidates: int | None = None,
+                       draft_vocab: str | None = None) -> Any:
     """The options of method `name` from the command-line flags every entry point shares (each flag belongs to
     one method; the others are ignored; None: the method's default)."""
     if name == AUTO or name in HEAD_METHODS:
-        return EagleOptions(draft=draft, **({"draft_sampling": draft_sampling} if draft_sampling else {}))
+        given = {"draft_sampling": draft_sampling, "draft_vocab": draft_vocab}
+        return EagleOptions(draft=draft, **{k: v for k, v in given.items() if v})
     _method(name)
     return {"lookup": LookupOptions, "vanilla": VanillaOptions,
             "lookahead": lambda: lookahead_options(lookahead_window, lookahead_ngram, lookahead_candidates),

@@ -149,6 +149,21 @@ class DraftHead(nn.Module):
             return self.lm_head.weight
         return target_lm_weight if self.d2t is None else target_lm_weight[self.d2t]
 
+    def over_full_vocabulary(self) -> DraftHead:
+        """This head scoring the target's whole vocabulary instead of its draft vocabulary `d2t`, its weights
+        shared (itself where it has no `d2t`). Only for heads that score through the target's lm_head: the draft
+        vocabulary narrows which rows they read, not what they learned, while an EAGLE-3 head's own lm_head has
+        rows for its draft tokens alone. Over the whole vocabulary the tree may hold tokens the draft vocabulary
+        lacks, and its path probabilities are not renormalised over a subset (docs/training.md measures both)."""
+        if self.lm_head is not None:
+            raise ValueError(f"this {self.design} head scores its draft vocabulary of {self.lm_head.out_features} "
+                             f"tokens with its own lm_head; it cannot draft over the target's whole vocabulary")
+        if self.d2t is None:
+            return self
+        twin = copy.copy(self)
+        twin._buffers = {**self._buffers, "d2t": None}
+        return twin
+
     def step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, cache, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
         """Inference over a static cache: T new inputs ([T, H] each) after its committed slots.

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
                                      medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,
-                                     **lookahead_flags(args))
+                                     draft_vocab=args.draft_vocab, **lookahead_flags(args))
         lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
                   attention=args.attention)
         cfg = generation_config(args, lm.tree)

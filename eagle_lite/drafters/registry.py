@@ -102,14 +102,8 @@ def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     from .eagle import EagleDrafter
     from .lookup_graft import LookupGraft
 
-    head = o.head if o.head is not None else load_eagle_head(target, o.draft)
-    if head is None:
-        raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
-                                f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
-    if o.draft_vocab == "full":
-        head = head.over_full_vocabulary()
-    return LookupGraft(EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling),
-                       copy_mode=o.copy_mode, staged=staged)
+    drafter = EagleDrafter(target, eagle_head(target, o), round_head=o.round_head, draft_sampling=o.draft_sampling)
+    return LookupGraft(drafter, copy_mode=o.copy_mode, staged=staged)
 
 
 def _staged(target, o: EagleOptions) -> Drafter:
@@ -300,14 +294,14 @@ def build(name: str, target, options: Any = None) -> Drafter:
 
 
 def eagle_head(target, options=None):
-    """The EAGLE head the static step runs for method eagle: the one `options` (drafters.EagleOptions) holds or
-    names, the shipped one by default."""
+    """The EAGLE head method eagle runs (the drafter, and the static step): the one `options` (EagleOptions) holds
+    or names, the shipped one by default, over the vocabulary `options.draft_vocab` says."""
     options = options or EagleOptions()
     head = options.head if options.head is not None else load_eagle_head(target, options.draft)
     if head is None:
-        raise FileNotFoundError(f"no draft head ships for target '{target.name}': the static step's eagle needs a "
-                                f"head (--draft PATH, or --draft random: untrained, exact but slow)")
-    return head
+        raise FileNotFoundError(f"no draft head ships for target '{target.name}': pass --draft PATH (a trained head), "
+                                f"--draft random (untrained: exact but slow), or --method lookup / vanilla")
+    return head.over_full_vocabulary() if options.draft_vocab == "full" else head
 
 
 def load_eagle_head(target, draft: str | Path | None):

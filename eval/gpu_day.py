@@ -23,7 +23,8 @@ The steps, in the order the GPU-day issue asks for them:
                     lookup, lookup, eagle and eagle_graph at the head's shipped `tree_cuda`
   4. tune           `eval.tune --method eagle_graph --save-tree` on the GPU: the head's `tree_cuda` tuned on the
                     spot through the static step with CUDA graphs (the default path there), against vanilla_graph
-  5. table_tuned    the baseline, eagle and eagle_graph again at the tuned tree
+  5. table_tuned    the baseline, eagle, eagle over the target's whole vocabulary (eagle_full_vocab) and eagle_graph
+                    again at the tuned tree
   6. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
                     improving or the time left runs out, exported; `trainers.validate` against the shipped head
 
@@ -126,7 +127,8 @@ STEPS = (
          60, 20, True),
     Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
     Step("tune", "eval.tune --method eagle_graph --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
-    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_graph at the tuned tree", 40, 20, True),
+    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 50, 20,
+         True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),
     Step("head_fit", "trainers.train: fit until validation stops improving or time runs out, export", 200, 60, True),
@@ -300,8 +302,9 @@ class Day:
                                  "--questions", p.questions, "--limit", str(p.tune_limit), "--max-new-tokens",
                                  str(p.tune_tokens), "--trees", *p.tune_trees, "--save-tree"), min(left, 150))]
         if name == "table_tuned":
-            return [(self.python("eval.benchmark", *bench, "--methods", "vanilla_graph,eagle,eagle_graph", "--out",
-                                 str(r / "table_tuned")), min(left, 120))]
+            methods = "vanilla_graph,eagle,eagle_full_vocab,eagle_graph"
+            return [(self.python("eval.benchmark", *bench, "--methods", methods, "--out", str(r / "table_tuned")),
+                     min(left, 120))]
         if name == "head_features":
             # leave the fit at least its minimum and the validation its time
             return [([sys.executable, *train, "stop_after=features"], max(30.0, min(left - 120, 300)))]

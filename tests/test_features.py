@@ -266,6 +266,33 @@ def test_engine_answers_with_the_shipped_head_are_the_targets_greedy_answers(tar
         assert record["input_ids"] == prompt + expected, i
 
 
+def test_engine_answers_are_the_same_whatever_the_batch(tmp_path, monkeypatch):
+    """Prompts decoded together (continuous batching, each over its own cache) answer as each does alone, greedy and
+    sampled (a generator per prompt)."""
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
+
+    torch.manual_seed(0)
+    heads = tmp_path / "heads"
+    save_head(DraftHead.for_target(tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))), heads / "tiny",
+              tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0)))
+    monkeypatch.setattr("eagle_lite.heads.checkpoint.default_head_path", lambda name: heads / name)
+    from eagle_lite.decoding.engine import Engine
+
+    widths, step = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self, seqs, caps=None: (widths.append(len(seqs)), step(self, seqs))[1])
+    for sampled in (False, True):
+        made = []
+        for batch in (1, 4):
+            other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=0))   # a fresh engine each time
+            cfg = DistillConfig(source="synthetic", limit=7, max_new_tokens=20, shard_size=7, backend="engine",
+                                batch_size=batch, do_sample=sampled, seed=2)
+            distill(other, cfg, tmp_path / f"{sampled}-{batch}", progress=False)
+            made.append(list(read_records(tmp_path / f"{sampled}-{batch}")))
+        assert made[0] == made[1] and len(made[0]) == 7
+    assert max(widths) == 4 and min(widths) == 1               # batches of 4 (and of 1) were stepped
+
+
 def test_sampled_engine_answers_are_reproducible_per_shard(target, tmp_path):
     cfg = DistillConfig(source="synthetic", limit=4, max_new_tokens=12, shard_size=2, backend="engine",
                         do_sample=True, temperature=1.0, seed=3)

@@ -1,8 +1,10 @@
 """How the target answers distillation prompts: eagle_lite's own decoding engine, or batched `generate()`.
 
-  "engine"   - one prompt at a time through `eagle_lite.decoding.engine.Engine` with the head shipped for the target
-               (prompt lookup where none ships). Speculative decoding is lossless, so each answer is the
-               target's own greedy answer (or a draw from its own distribution when sampling), and on a CPU
+  "engine"   - `eagle_lite.decoding.engine.Engine` with the head shipped for the target (prompt lookup where none
+               ships), `batch_size` prompts decoded together as a server batches requests (`Engine.begin_all`,
+               `Engine.step`: each over its own cache, a finished one replaced by the next prompt at once).
+               Speculative decoding is lossless, so each answer is the target's own greedy answer (or a draw
+               from its own distribution when sampling, from the prompt's own seeded generator), and on a CPU
                it is the faster way (docs/benchmarks.md, "Distillation backends"). The speed-ups it applies to
                the target are set aside wherever the target is read as built (`Target.stock`).
   "generate" - transformers' `model.generate` on batches of prompts, left-padded and grouped by length:
@@ -15,6 +17,7 @@ from the weights' GGUF grid codes; the tests check them token for token on a tin
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -80,23 +83,42 @@ def batched_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
 
 def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
                    progress: tqdm | None = None) -> list[list[int]]:
-    """One prompt at a time through eagle_lite's engine (speculative, hence exactly the target's answers).
+    """The answers through eagle_lite's engine, `cfg.batch_size` prompts decoded together (continuous batching: a
+    finished answer's place goes to the next prompt before the next step).
 
-    Sampled answers draw from a generator seeded from torch's global RNG, which `distill` seeds per shard,
-    so a shard's answers are the same whether or not the run was resumed.
+    Sampled answers draw from a generator per prompt, seeded in prompt order from torch's global RNG, which
+    `distill` seeds per shard, so a shard's answers are the same whether or not the run was resumed, and whatever
+    the batch size.
     """
     from eagle_lite.config import GenerationConfig, SamplingConfig
 
     engine, tree = _engine_for(target)
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else SamplingConfig()
-    answers = []
-    for prompt in prompts:
-        seed = int(torch.randint(2**62, (1,))) if cfg.do_sample else None
-        result = engine.generate(list(prompt), GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                                                                tree=tree, seed=seed))
-        answers.append(result.token_ids)  # ends with the EOS token when the target wrote one
-        if progress is not None:
-            progress.update(1)
+    configs = [GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, tree=tree,
+                                seed=int(torch.randint(2**62, (1,))) if cfg.do_sample else None) for _ in prompts]
+    sibling = getattr(engine.drafter, "sibling", None)
+    width = cfg.batch_size if sibling is not None else 1      # a drafter keeps per-sequence state: one each
+    free = [engine.drafter] + [sibling() for _ in range(min(width, len(prompts)) - 1)]
+    answers: list[list[int]] = [[] for _ in prompts]
+    waiting = deque(range(len(prompts)))
+    running: list[tuple[int, object]] = []                    # (prompt index, its engine Sequence)
+    while waiting or running:
+        joining = [waiting.popleft() for _ in range(min(len(waiting), len(free)))]
+        if joining:
+            begun = engine.begin_all([(list(prompts[i]), configs[i], free.pop(), None) for i in joining])
+            for i, (seq, first) in zip(joining, begun):
+                answers[i] += first
+                running.append((i, seq))
+        stepping = [(i, seq) for i, seq in running if not seq.done]
+        if stepping:
+            for (i, _), new in zip(stepping, engine.step([seq for _, seq in stepping])):
+                answers[i] += new   # ends with the EOS token when the target wrote one
+        for _, seq in running:
+            if seq.done:
+                free.append(seq.drafter)
+                if progress is not None:
+                    progress.update(1)
+        running = [(i, seq) for i, seq in running if not seq.done]
     return answers
 
 

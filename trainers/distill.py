@@ -80,8 +80,8 @@ class DistillConfig:
     batch_size: int = 8
     shard_size: int = 64          # items per JSONL shard (the unit of resumption)
     seed: int = 0
-    backend: str = "auto"         # "engine" (eagle_lite's decoding, one prompt at a time) | "generate" (batched
-                                  # model.generate) | "auto" (engine on a CPU): trainers/answering.py
+    backend: str = "auto"         # "engine" (eagle_lite's decoding, batch_size prompts stepped together) |
+                                  # "generate" (batched model.generate) | "auto" (engine on a CPU): answering.py
     start_from: str | None = None  # a folder of finished shards (the committed data/distill/...) to start from
     prompt_len_min: int = 4       # synthetic only
     prompt_len_max: int = 16

@@ -127,7 +127,7 @@ STEPS = (
          60, 20, True),
     Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
     Step("tune", "eval.tune --method eagle_graph --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
-    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 50, 20,
+    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 40, 20,
          True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.config import TreeConfig
+from eagle_lite.config import DRAFT_SAMPLING, DRAFT_VOCAB, TreeConfig
 from eagle_lite.generate import add_lookahead_flags
 from eagle_lite.threads import check_threads
 
@@ -65,11 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
-    p.add_argument("--draft-sampling", default=None, choices=["q", "match"],
+    p.add_argument("--draft-sampling", default=None, choices=DRAFT_SAMPLING,
                    help="eagle and staged when sampling: 'q' (the head's draws, recursive rejection) or 'match' "
                         "(top-k, sample-and-match); unset: the default. "
                         "Methods eagle_q and eagle_match run one rule each")
-    p.add_argument("--draft-vocab", default=None, choices=["head", "full"],
+    p.add_argument("--draft-vocab", default=None, choices=DRAFT_VOCAB,
                    help="eagle and staged: draft over the head's own draft vocabulary or the target's whole one; "
                         "unset: the default. Method eagle_full_vocab runs eagle over the whole one")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")

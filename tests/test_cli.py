@@ -64,6 +64,31 @@ def test_staged_and_both_sampling_rules_run_from_the_command_line(tiny_model_dir
         assert run_json(capsys, *sampled)["token_ids"] == run_json(capsys, *sampled)["token_ids"]
 
 
+def test_a_reduced_vocabulary_head_drafts_over_the_whole_vocabulary_from_the_command_line(tiny_model_dir, tmp_path,
+                                                                                           capsys):
+    import torch
+
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.pipeline import load
+
+    target = load(str(tiny_model_dir), method="vanilla").target
+    torch.manual_seed(0)
+    head = save_head(DraftHead.for_target(target, d2t=torch.arange(0, target.vocab_size, 2)), tmp_path / "head",
+                     target)
+    common = ["--target", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "16"]
+    vanilla = run_json(capsys, *common, "--method", "vanilla")
+    for vocab in ("head", "full"):
+        out = run_json(capsys, *common, "--method", "eagle", "--draft", str(head), "--draft-vocab", vocab)
+        assert out["token_ids"] == vanilla["token_ids"]
+    for static in ([], ["--static"]):
+        assert run_json(capsys, *common, "--draft", str(head), "--draft-vocab", "full", *static)["token_ids"] == \
+            vanilla["token_ids"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*common, "--draft-vocab", "all"])
+    assert exit_info.value.code == 2 and "invalid choice: 'all'" in capsys.readouterr().err
+
+
 def test_seeded_sampling_is_reproducible(tiny_model_dir, capsys):
     common = ["--target", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "16", "--temperature", "0.9",
               "--seed", "3", "--method", "eagle", "--draft", "random"]

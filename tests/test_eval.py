@@ -340,6 +340,8 @@ def no_target_load(monkeypatch):
     ("tune", ["--method", "eagle_graph", "--trees", "10,16,128"], "larger than the static step's largest bucket", 2),
     ("profile_step", ["--draft", "{nowhere}"], "no draft head at", 1),
     ("profile_step", ["--threads", "0"], "--threads must be a whole number >= 1", 2),
+    ("ceiling", ["--draft", "{nowhere}"], "no draft head at", 1),
+    ("ceiling", ["--trees", "2,2,2"], "--trees must be chains", 2),
 ])
 def test_eval_inputs_are_checked_before_the_target_loads(tool, args, message, status, tmp_path, capsys, no_target_load):
     import importlib
@@ -412,3 +414,48 @@ def test_a_sweep_number_that_is_not_one_names_the_setting(override, message):
         cfg = compose("sweep", overrides=[override])
     with pytest.raises(ValueError, match=message):
         settings_from(cfg)
+
+
+# -- eval.ceiling: the oracle that measures what a tree returns at a given head accuracy --------------------------
+def test_ceiling_oracle_sets_the_heads_accuracy_and_stays_exact(tiny_model_dir, tmp_path, capsys):
+    """Rate 1 proposes the target's own chain (every drafted token accepted: accepted length depth + 1 on a tree
+    without a graft); rate 0 never (one token a step), while counting the head's own top-1 at every position;
+    every output equals vanilla's."""
+    from eval.ceiling import main as ceiling_main
+
+    qfile = two_question_file(tmp_path)
+    out_rows = {}
+    assert ceiling_main(["--target", str(tiny_model_dir), "--draft", "random", "--questions", str(qfile),
+                         "--limit", "1", "--max-new-tokens", "12", "--trees", "3,1,3,0", "--rates", "0,1"]) == 0
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[0] not in ("method", "---"):
+            out_rows[cells[0]] = cells
+    assert set(out_rows) == {"vanilla", "lookup", "eagle d=3 k=1 n=3", "oracle@0 d=3 k=1 n=3",
+                             "oracle@1 d=3 k=1 n=3"}
+    assert all(row[5] == "100%" for row in out_rows.values())
+    assert float(out_rows["oracle@0 d=3 k=1 n=3"][4]) == 1.0
+    assert float(out_rows["oracle@1 d=3 k=1 n=3"][4]) > 3.0    # 4 a step, less the turns' last steps
+    asked = out_rows["oracle@0 d=3 k=1 n=3"][6]
+    # asked at every position of every turn's answer but its first (the prefill's) and its last (past the answer)
+    assert " of " in asked and int(asked.split(" of ")[1]) >= 3 * 10
+
+
+def test_ceiling_oracle_rewrites_only_what_its_rate_says(tiny_model_dir):
+    from eagle_lite.tree import DraftTree
+    from eval.ceiling import OracleDraft, Reference
+
+    class Head:   # what the oracle reads of the drafter it wraps
+        target = type("T", (), {"vocab_size": 100})()
+
+    ref = Reference()
+    ref.ids = [5, 6, 7, 8, 9]
+    chain = DraftTree(torch.tensor([6, 7, 50, 9]), [-1, 0, 1, 2])   # root 6 at position 1; the head: 7 right, 50 wrong
+    right = OracleDraft(Head(), ref, 1.0).rewrite(chain, 2)
+    assert right.tokens.tolist() == [6, 7, 8, 9]
+    wrong = OracleDraft(Head(), ref, 0.0)
+    out = wrong.rewrite(chain, 2)
+    assert out.tokens[0] == 6 and all(int(t) != r for t, r in zip(out.tokens[1:], [7, 8, 9]))
+    assert (wrong.asked, wrong.head_right) == (1, 1)              # depth 1: the head's own 7 was the target's
+    past = OracleDraft(Head(), ref, 1.0).rewrite(chain, 4)        # past the reference's end: the head's tokens stay
+    assert past.tokens.tolist() == [6, 9, 50, 9]

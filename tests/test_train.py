@@ -650,8 +650,15 @@ def test_cpu_head_composes_the_served_layout_on_complete_caches_only():
 
     cfg = train_config("experiment=cpu_head")
     assert (cfg.draft.fc_bias, cfg.draft.input_norm, cfg.draft.design) == (False, False, "eagle")
-    assert group_names(cfg, data_sources(cfg)) == ["sharegpt", "text1"]
-    assert group_names(cfg, data_sources(train_config("experiment=cpu_head", "data.mix.text1=null"))) == ["sharegpt"]
+    assert group_names(cfg, data_sources(cfg)) == ["sharegpt", "text1", "seed"]
+    assert group_names(cfg, data_sources(train_config("experiment=cpu_head", "data.mix.text1=null",
+                                                      "data.mix.seed=null"))) == ["sharegpt"]
     data = train_config("experiment=cpu_data")
-    assert [s.features for s in data_sources(data)][:2] == [s.features for s in data_sources(cfg)]
-    assert group_names(data, data_sources(data)) == ["sharegpt", "text1", "text2", "text3", "text4"]
+    sources = data_sources(data)
+    assert [s.features for s in sources if s.name in ("main", "text1", "seed")] == [
+        s.features for s in data_sources(cfg)]
+    assert group_names(data, sources) == ["sharegpt", "text1", "text2", "text3", "text4", "seed"]
+    seed = data_sources(train_config("experiment=cpu_seed"))   # stage 0: the answers, no text caches
+    assert [s.name for s in seed] == ["main", "seed"]
+    assert seed[1].settings["start_from"] == "data/distill/smollm2-sharegpt_all-seed"
+    assert seed[1].settings["source"] == "prompts"

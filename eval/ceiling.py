@@ -39,7 +39,7 @@ from eagle_lite.threads import check_threads
 from eagle_lite.tree import DraftTree
 
 from .methods import Method, Run, engine_method
-from .tune import Candidate, skip_per_category, tree_label, tree_spec, tune
+from .tune import Candidate, floats, skip_per_category, tree_label, tree_spec, tune
 
 BASELINE = "vanilla"
 TASKS = ("sharegpt", "humaneval")   # built-in prompt sets --questions may name
@@ -164,14 +164,8 @@ def markdown(rows: list[dict], oracles: dict[str, OracleDraft]) -> str:
 
 
 def rates(text: str) -> list[float]:
-    """Accuracies in [0, 1], comma-separated: 0.7,0.8,1."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.7,0.9,1, got {text!r}") from None
-    if not values or not all(0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected accuracies in [0, 1], got {text!r}")
-    return values
+    """The oracle's accuracies in [0, 1], comma-separated: 0.7,0.8,1."""
+    return floats(text, one=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -238,14 +238,14 @@ def tree_spec(text: str) -> TreeConfig:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def floats(text: str) -> list[float]:
-    """Probabilities in [0, 1): comma-separated, e.g. 0.02,0.05,0.1."""
+def floats(text: str, one: bool = False) -> list[float]:
+    """Probabilities in [0, 1) (one: [0, 1]), comma-separated, e.g. 0.02,0.05,0.1."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.02,0.05, got {text!r}") from None
-    if not values or not all(0.0 <= v < 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected probabilities in [0, 1), got {text!r}")
+    if not values or not all(0.0 <= v < 1.0 or (one and v == 1.0) for v in values):
+        raise argparse.ArgumentTypeError(f"expected probabilities in [0, {'1]' if one else '1)'}, got {text!r}")
     return values
 
 

@@ -449,7 +449,7 @@ def test_ceiling_oracle_rewrites_only_what_its_rate_says(tiny_model_dir):
         target = type("T", (), {"vocab_size": 100})()
 
     ref = Reference()
-    ref.ids = [5, 6, 7, 8, 9]
+    ref.ids, ref.runs = [5, 6, 7, 8, 9], 1      # one vanilla run recorded: the oracles count from it
     chain = DraftTree(torch.tensor([6, 7, 50, 9]), [-1, 0, 1, 2])   # root 6 at position 1; the head: 7 right, 50 wrong
     right = OracleDraft(Head(), ref, 1.0).rewrite(chain, 2)
     assert right.tokens.tolist() == [6, 7, 8, 9]

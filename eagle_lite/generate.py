@@ -304,6 +304,11 @@ def run(args: argparse.Namespace) -> int:
               attention=args.attention, static=args.static)
     with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
+    if lm.tree_unrecommended and not any(v is not None for v in tree_flags(args).values()):
+        t = cfg.tree
+        print(f"note: the head recommends no draft tree for {args.device}, so the default one runs (depth {t.depth}, "
+              f"top_k {t.top_k}, total_tokens {t.total_tokens}); python -m eval.tune --method eagle --draft "
+              f"{args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
     if args.prompt is not None:
         return one_shot(lm, args, cfg)
     chat(lm, cfg)

@@ -37,7 +37,10 @@ class Pipeline:
         self.target, self.method = target, method
         self.engine = engine if engine is not None else Engine(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the library default
-        self.tree: TreeConfig = resolve_tree(getattr(drafter if engine is None else engine, "recommended_tree", None))
+        source = drafter if engine is None else engine
+        self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None))
+        # a tree drafter (an EAGLE head) whose head recommends no tree here: the library default stands in
+        self.tree_unrecommended = hasattr(source, "recommended_tree") and source.recommended_tree is None
 
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""

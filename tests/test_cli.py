@@ -172,6 +172,28 @@ def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_mo
     assert generation_config(build_parser().parse_args([]), lm.tree).tree == TreeConfig(2, 3, 5)
 
 
+def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one(tiny_model_dir, tmp_path, capsys):
+    """A freshly trained head recommends no tree: the CLI says which one runs and how to find this machine's; not
+    when the head has one, nor when the tree flags choose it."""
+    from eagle_lite.generate import main
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.pipeline import load
+
+    target = load(str(tiny_model_dir), method="vanilla").target
+    bare = save_head(DraftHead.for_target(target), tmp_path / "bare", target)
+    tuned = save_head(DraftHead.for_target(target), tmp_path / "tuned", target,
+                      extra={"tree": {"depth": 2, "top_k": 3, "total_tokens": 5}})
+    common = ["--target", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "4", "--method", "eagle"]
+    assert main([*common, "--draft", str(bare)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: the head recommends no draft tree for cpu") == 1
+    assert f"--draft {bare} --save-tree" in err and "(depth 5, top_k 8, total_tokens 24)" in err
+    for flags in (["--draft", str(tuned)], ["--draft", str(bare), "--tree-depth", "2"]):
+        assert main([*common, *flags]) == 0
+        assert "recommends no draft tree" not in capsys.readouterr().err
+
+
 def test_a_target_without_a_head_drafts_by_prompt_lookup_by_default(tiny_model_dir, caplog):
     from eagle_lite import load
 

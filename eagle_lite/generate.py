@@ -155,6 +155,18 @@ def generation_config(args: argparse.Namespace, recommended: TreeConfig | None =
     )
 
 
+def note_default_tree(lm, args: argparse.Namespace, cfg: GenerationConfig) -> None:
+    """One `note:` line on stderr where a trained EAGLE head recommends no tree for the device and no tree flag chose
+    one: which tree runs (the library default) and how to find this machine's (the CLI and the server). An untrained
+    head (`--draft random`) checks exactness, not speed, and gets none."""
+    chosen = any(v is not None for v in tree_flags(args).values())
+    if lm.tree_unrecommended and not chosen and args.draft != "random":
+        t = cfg.tree
+        print(f"note: the head recommends no draft tree for {args.device}, so the default one runs (depth {t.depth}, "
+              f"top_k {t.top_k}, total_tokens {t.total_tokens}); python -m eval.tune --method eagle --draft "
+              f"{args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse, before the (slow) model load, every flag that is wrong whatever the model: ValueError."""
     TreeConfig.check_overrides(tree_flags(args))
@@ -304,11 +316,7 @@ def run(args: argparse.Namespace) -> int:
               attention=args.attention, static=args.static)
     with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
-    if lm.tree_unrecommended and not any(v is not None for v in tree_flags(args).values()):
-        t = cfg.tree
-        print(f"note: the head recommends no draft tree for {args.device}, so the default one runs (depth {t.depth}, "
-              f"top_k {t.top_k}, total_tokens {t.total_tokens}); python -m eval.tune --method eagle --draft "
-              f"{args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
+    note_default_tree(lm, args, cfg)
     if args.prompt is not None:
         return one_shot(lm, args, cfg)
     chat(lm, cfg)

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import replace
 
 import torch
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.decoding.drafter import DraftInput, Proposal
+from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
 from eagle_lite.targets.model import Target
@@ -39,7 +38,7 @@ from eagle_lite.threads import check_threads
 from eagle_lite.tree import DraftTree
 
 from .methods import Method, Run, engine_method
-from .tune import Candidate, floats, skip_per_category, tree_label, tree_spec, tune
+from .tune import Candidate, check_counts, floats, skip_per_category, tree_label, tree_spec, tune, with_tree
 
 BASELINE = "vanilla"
 TASKS = ("sharegpt", "humaneval")   # built-in prompt sets --questions may name
@@ -86,7 +85,6 @@ class OracleDraft:
         return getattr(inner, name)
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
-        from eagle_lite.decoding.drafter import propose_together
         return propose_together([self.proposal(inp, tree)])[0]
 
     def proposal(self, inp: DraftInput, tree: TreeConfig, **probe) -> Proposal:
@@ -130,22 +128,21 @@ def eagle_drafter(target: Target, options: registry.EagleOptions, oracle: Oracle
 def candidates(target: Target, options: registry.EagleOptions, trees: list[TreeConfig], rates: list[float],
                reference: Reference) -> tuple[list[Candidate], dict[str, OracleDraft]]:
     """lookup, then for each tree eagle and oracle@P for each rate; and each oracle by its label."""
-    out = [Candidate("lookup", {}, lambda: engine_method(Engine(target, registry.build("lookup", target))))]
+    out = [Candidate("lookup", {}, lambda: _engine(target, registry.build("lookup", target)))]
     oracles: dict[str, OracleDraft] = {}
     for tree in trees:
         out.append(Candidate(tree_label(tree), {"tree": tree},
-                             lambda t=tree: _with_tree(eagle_drafter(target, options), target, t)))
+                             lambda t=tree: with_tree(_engine(target, eagle_drafter(target, options)), t)))
         for rate in rates:
             label = tree_label(tree, f"oracle@{rate:g}")
             oracles[label] = OracleDraft(None, reference, rate)
-            out.append(Candidate(label, {"tree": tree, "rate": rate}, lambda t=tree, o=oracles[label]: _with_tree(
-                eagle_drafter(target, options, o), target, t)))
+            out.append(Candidate(label, {"tree": tree, "rate": rate}, lambda t=tree, o=oracles[label]: with_tree(
+                _engine(target, eagle_drafter(target, options, o)), t)))
     return out, oracles
 
 
-def _with_tree(drafter, target: Target, tree: TreeConfig) -> Method:
-    method = engine_method(Engine(target, drafter))
-    return lambda prompt, cfg: method(prompt, replace(cfg, tree=tree))
+def _engine(target: Target, drafter) -> Method:
+    return engine_method(Engine(target, drafter))
 
 
 def markdown(rows: list[dict], oracles: dict[str, OracleDraft]) -> str:
@@ -190,10 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     with arguments():   # the flags alone: a bad one is exit status 2
-        for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
-                                   ("--max-new-tokens", args.max_new_tokens, 1)):
-            if value < least:
-                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        check_counts(args)
         bad = [tree_label(t) for t in args.trees if t.top_k != 1 or t.total_tokens != t.depth]
         if bad:
             raise ValueError(f"--trees must be chains (depth,1,depth[,lookup]), got {', '.join(bad)}")
@@ -223,7 +217,7 @@ def main(argv=None) -> int:
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     options = registry.EagleOptions(head=registry.eagle_head(target, registry.EagleOptions(draft=args.draft)))
     reference = Reference(warmups=1)   # tune's warm-up generation runs first
-    baseline = reference.recording(engine_method(Engine(target, registry.build(BASELINE, target))))
+    baseline = reference.recording(_engine(target, registry.build(BASELINE, target)))
     runs, oracles = candidates(target, options, args.trees, args.rates, reference)
     rows = tune(target, questions, runs, args.max_new_tokens, baseline=BASELINE, make_baseline=lambda: baseline)
     print(f"target {target.name} · {args.dtype} · {args.device} · {args.questions}: {len(questions)} questions, "

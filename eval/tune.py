@@ -319,15 +319,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """--limit and --max-new-tokens >= 1, --skip >= 0: ValueError naming the flag."""
+    for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
+                               ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse every flag that is wrong whatever the target, before it loads (20-80 s): counts, threads, the tree
     grid, and the draft head, Medusa heads or draft model the method needs. Raises ValueError /
     FileNotFoundError naming the flag or the path."""
     with arguments():   # the flags alone: a bad one is exit status 2
-        for flag, value, least in (("--limit", args.limit, 1), ("--skip", args.skip, 0),
-                                   ("--max-new-tokens", args.max_new_tokens, 1)):
-            if value < least:
-                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        check_counts(args)
         check_threads(args.threads)
         if args.save_tree and (args.method not in TREE_METHODS or args.draft == "random"):
             raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle or eagle_graph "

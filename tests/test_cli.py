@@ -174,7 +174,7 @@ def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_mo
 
 def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one(tiny_model_dir, tmp_path, capsys):
     """A freshly trained head recommends no tree: the CLI says which one runs and how to find this machine's; not
-    when the head has one, nor when the tree flags choose it."""
+    when the head has one, nor when the tree flags choose it, nor for an untrained head (eval.tune refuses it)."""
     from eagle_lite.generate import main
     from eagle_lite.heads.checkpoint import save_head
     from eagle_lite.heads.draft import DraftHead
@@ -189,7 +189,7 @@ def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one
     err = capsys.readouterr().err
     assert err.count("note: the head recommends no draft tree for cpu") == 1
     assert f"--draft {bare} --save-tree" in err and "(depth 5, top_k 8, total_tokens 24)" in err
-    for flags in (["--draft", str(tuned)], ["--draft", str(bare), "--tree-depth", "2"]):
+    for flags in (["--draft", str(tuned)], ["--draft", str(bare), "--tree-depth", "2"], ["--draft", "random"]):
         assert main([*common, *flags]) == 0
         assert "recommends no draft tree" not in capsys.readouterr().err
 

@@ -19,6 +19,7 @@ from ..generate import (
     check_flags,
     generation_config,
     lookahead_flags,
+    note_default_tree,
     quiet_libraries,
 )
 from ..threads import check_threads
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
                   attention=args.attention)
         cfg = generation_config(args, lm.tree)
+        note_default_tree(lm, args, cfg)
         lm.tree = cfg.tree
         service = build_service(lm, args.model_id or args.target or "smollm2", limits, options=options,
                                 default_max_tokens=args.max_new_tokens, default_temperature=args.temperature,

@@ -95,15 +95,30 @@ class TreeConfig:
             raise ValueError(f"bad tree spec {spec!r}: {err}") from None
 
 
-def resolve_tree(recommended: TreeConfig | None = None, **flags) -> TreeConfig:
-    """The tree a call runs: the library defaults, then the drafter's recommendation for the device (a head's
-    config.json, `checkpoint.recommended_tree`), then the user's flags (TreeConfig field names; None: unset).
-    Every entry point resolves its tree here."""
+# The tree a drafter runs where it recommends none, by device kind. On a CPU every verified node and every draft
+# step costs about a tenth of a plain step, so one head token and a prompt-lookup chain; on a GPU a node costs next
+# to nothing, so EAGLE-2's budget (depth 6, top_k 10, 60 nodes) and a longer lookup graft.
+DEVICE_TREES = {"cpu": TreeConfig(1, 1, 1, lookup=4)}
+ACCELERATOR_TREE = TreeConfig(6, 10, 60, lookup=8)
+
+
+def default_tree(device: str | None = None) -> TreeConfig:
+    """The tree for `device` ('cpu', 'cuda', 'cuda:1', ...) where the drafter recommends none; None: `TreeConfig()`,
+    the library's generic default (GenerationConfig's)."""
+    if device is None:
+        return TreeConfig()
+    return DEVICE_TREES.get(str(device).split(":")[0], ACCELERATOR_TREE)
+
+
+def resolve_tree(recommended: TreeConfig | None = None, device: str | None = None, **flags) -> TreeConfig:
+    """The tree a call runs: the drafter's recommendation for the device (a head's config.json,
+    `checkpoint.recommended_tree`), else the device's default (`default_tree`), then the user's flags (TreeConfig
+    field names; None: unset). Every entry point resolves its tree here."""
     unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(TreeConfig)})
     if unknown:
         raise ValueError(f"unknown tree setting(s) {unknown}: a tree has depth, top_k, total_tokens, lookup, min_prob")
     given = {k: v for k, v in flags.items() if v is not None}
-    return dataclasses.replace(recommended or TreeConfig(), **given)
+    return dataclasses.replace(recommended or default_tree(device), **given)
 
 
 @dataclass(frozen=True)

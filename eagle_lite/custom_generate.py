@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .config import GenerationConfig, SamplingConfig, TreeConfig
+from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 
 SAMPLING_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
 # model attribute holding (its Target, {draft key: Engine}): the load-time checks and KV caches are made once per
@@ -91,7 +91,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor, stopping_crit
         raise ValueError(f"{', '.join(wanted)}: eagle_lite's speculative decoding returns the sequences only")
     engine = engine_for(model, draft)
     head = getattr(engine.drafter, "head", None)
-    tree = tree or (head.tree if head is not None and head.tree else TreeConfig())
+    tree = tree or resolve_tree(getattr(head, "tree", None), device=str(engine.target.device))
     prompt = input_ids[0].tolist()
     new_max = generation_config.max_length - len(prompt)
     seed = int(torch.randint(1 << 62, (1,))) if generation_config.do_sample else None   # torch.manual_seed applies

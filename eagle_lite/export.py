@@ -17,6 +17,7 @@ with the reason. docs/deploy.md has the serving commands.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .cli import UsageError, entry_point
+from .config import default_tree
 
 FORMATS = ("eagle", "eagle3", "medusa")
 ENGINES = ("official", "sglang", "vllm")
@@ -203,12 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     for note in notes:
         print(f"note: {note}")
-    tree = head_record(head).get("tree_cuda") or head_record(head).get("tree")
-    if tree and args.format != "medusa":
-        for server, flags in serving_flags(tree).items():
-            print(f"{server}: {flags}   (the head's recommended tree: depth {tree['depth']}, top_k {tree['top_k']}, "
-                  f"{tree['total_tokens']} nodes)")
+    if args.format != "medusa":
+        for line in serving_lines(head_record(head).get("tree_cuda")):
+            print(line)
     return 0
+
+
+def serving_lines(tree: dict | None) -> list[str]:
+    """Each server's settings for the head's GPU tree (config.json "tree_cuda"), else for the GPU default
+    (`config.default_tree`): servers run on GPUs, where a CPU's tree is far too small."""
+    whose = "the head's recommended GPU tree"
+    if tree is None:
+        tree, whose = dataclasses.asdict(default_tree("cuda")), "no GPU tree recorded: the GPU default"
+    return [f"{server}: {flags}   ({whose}: depth {tree['depth']}, top_k {tree['top_k']}, {tree['total_tokens']} "
+            f"nodes)" for server, flags in serving_flags(tree).items()]
 
 
 def main_target(args) -> int:

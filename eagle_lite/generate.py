@@ -18,7 +18,7 @@ import logging
 import sys
 
 from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_line
-from .config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
+from .config import GenerationConfig, SamplingConfig, TreeConfig, default_tree, resolve_tree
 from .drafters.registry import (
     AUTO,
     DRAFT_SAMPLING,
@@ -100,15 +100,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=sampling.top_p)
     g.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible outputs)")
-    t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree; unset: the tree the draft head recommends, "
-                             f"else depth {tree.depth}, top_k {tree.top_k}, total_tokens {tree.total_tokens})")
+    cpu, gpu = default_tree("cpu"), default_tree("cuda")
+    t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree; unset: the tree the draft head recommends for the "
+                             f"device, else depth {cpu.depth}, top_k {cpu.top_k}, total_tokens {cpu.total_tokens}, "
+                             f"lookup {cpu.lookup} on a CPU and depth {gpu.depth}, top_k {gpu.top_k}, total_tokens "
+                             f"{gpu.total_tokens}, lookup {gpu.lookup} on a GPU)")
     t.add_argument("--tree-depth", type=int, default=None, help="expansion steps (longest drafted path)")
     t.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node")
     t.add_argument("--tree-total-tokens", type=int, default=None, help="drafted nodes verified per step")
     t.add_argument("--tree-lookup", type=int, default=None,
-                   help=f"graft up to N prompt-lookup tokens onto the tree as one more path; once one is accepted "
-                        f"whole, the next trees are lookup chains alone while they keep being accepted (0: off; "
-                        f"without a head's tree: {tree.lookup})")
+                   help="graft up to N prompt-lookup tokens onto the tree as one more path; once one is accepted "
+                        "whole, the next trees are lookup chains alone while they keep being accepted (0: off)")
     t.add_argument("--tree-min-prob", type=float, default=None,
                    help="verify only drafted nodes whose path probability under the draft is at least P, and stop "
                         f"expanding below it (0: off; default {tree.min_prob})")
@@ -157,13 +159,14 @@ def generation_config(args: argparse.Namespace, recommended: TreeConfig | None =
 
 def note_default_tree(lm, args: argparse.Namespace, cfg: GenerationConfig) -> None:
     """One `note:` line on stderr where a trained EAGLE head recommends no tree for the device and no tree flag chose
-    one: which tree runs (the library default) and how to find this machine's (the CLI and the server). An untrained
+    one: which tree runs (the device's default) and how to find this machine's (the CLI and the server). An untrained
     head (`--draft random`) checks exactness, not speed, and gets none."""
     chosen = any(v is not None for v in tree_flags(args).values())
     if lm.tree_unrecommended and not chosen and args.draft != "random":
         t = cfg.tree
-        print(f"note: the head recommends no draft tree for {args.device}, so the default one runs (depth {t.depth}, "
-              f"top_k {t.top_k}, total_tokens {t.total_tokens}); python -m eval.tune --method eagle --draft "
+        print(f"note: the head recommends no draft tree for {args.device}, so the device's default runs (depth "
+              f"{t.depth}, top_k {t.top_k}, total_tokens {t.total_tokens}, lookup {t.lookup}); python -m eval.tune "
+              f"--method eagle --draft "
               f"{args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
 
 

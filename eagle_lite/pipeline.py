@@ -36,10 +36,10 @@ class Pipeline:
     def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None) -> None:
         self.target, self.method = target, method
         self.engine = engine if engine is not None else Engine(target, drafter)
-        # the tree the drafter recommends for this device (a head's config.json), else the library default
+        # the tree the drafter recommends for this device (a head's config.json), else the device's default
         source = drafter if engine is None else engine
-        self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None))
-        # a tree drafter (an EAGLE head) whose head recommends no tree here: the library default stands in
+        self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None), device=str(target.device))
+        # a tree drafter (an EAGLE head) whose head recommends no tree here: the device's default stands in
         self.tree_unrecommended = hasattr(source, "recommended_tree") and source.recommended_tree is None
 
     def config(self, **overrides) -> GenerationConfig:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.config import DRAFT_SAMPLING, DRAFT_VOCAB, TreeConfig
+from eagle_lite.config import DRAFT_SAMPLING, DRAFT_VOCAB, default_tree
 from eagle_lite.generate import add_lookahead_flags
 from eagle_lite.threads import check_threads
 
@@ -39,7 +39,7 @@ def default_methods() -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    tree = TreeConfig()
+    tree = default_tree("cpu")
     p = argparse.ArgumentParser(prog="python -m eval.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-task", type=int, default=3, help="questions per task (and per category of --questions)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree-depth", type=int, default=None,
-                   help=f"eagle's tree (unset: the head's recommended tree, else depth {tree.depth}, top_k "
-                        f"{tree.top_k}, total_tokens {tree.total_tokens})")
+                   help=f"eagle's tree (unset: the head's recommended tree for --device, else the device's default: "
+                        f"depth {tree.depth}, top_k {tree.top_k}, total_tokens {tree.total_tokens}, lookup "
+                        f"{tree.lookup} on a CPU)")
     p.add_argument("--tree-top-k", type=int, default=None)
     p.add_argument("--tree-total-tokens", type=int, default=None)
     p.add_argument("--tree-lookup", type=int, default=None, help="prompt-lookup tokens grafted onto the tree (0: off)")

@@ -92,9 +92,9 @@ def head_for(target, draft: str) -> tuple[DraftHead, str]:
     return head, f"head {'shipped for ' + target.name if draft == registry.AUTO else draft}"
 
 
-def tree_for(head: DraftHead | None, overrides: dict) -> TreeConfig:
-    """The head's recommended tree (else the library default) with `overrides` set over it (`resolve_tree`)."""
-    return resolve_tree(getattr(head, "tree", None), **overrides)
+def tree_for(head: DraftHead | None, overrides: dict, device: str | None = None) -> TreeConfig:
+    """The head's recommended tree (else the device's default) with `overrides` set over it (`resolve_tree`)."""
+    return resolve_tree(getattr(head, "tree", None), device=device, **overrides)
 
 
 def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
@@ -166,7 +166,7 @@ def evaluate(s: EvalSettings, progress: bool = True):
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads, static_mode=s.static_mode,
                             static_max_len=s.static_max_len)
-    tree = tree_for(head, s.tree)
+    tree = tree_for(head, s.tree, str(target.device))
     sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     cfg = GenerationConfig(max_new_tokens=s.max_new_tokens, tree=tree, sampling=sampling, seed=s.seed)
     total = sum(len(q.turns) for q in questions) * len(methods)

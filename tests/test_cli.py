@@ -154,7 +154,7 @@ def test_chat_survives_a_conversation_longer_than_the_context(tiny_model_dir):
 
 
 def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_model_dir, tmp_path):
-    from eagle_lite.config import TreeConfig
+    from eagle_lite.config import TreeConfig, default_tree
     from eagle_lite.generate import build_parser, generation_config
     from eagle_lite.heads.checkpoint import save_head
     from eagle_lite.heads.draft import DraftHead
@@ -164,7 +164,7 @@ def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_mo
     head = save_head(DraftHead.for_target(vanilla.target), tmp_path / "head", vanilla.target,
                      extra={"tree": {"depth": 2, "top_k": 3, "total_tokens": 5}})
     lm = load(str(tiny_model_dir), draft=str(head), method="eagle")
-    assert lm.tree == TreeConfig(2, 3, 5) and lm.config().tree == lm.tree and vanilla.tree == TreeConfig()
+    assert lm.tree == TreeConfig(2, 3, 5) and lm.config().tree == lm.tree and vanilla.tree == default_tree("cpu")
     out = lm.generate("hello there", lm.config(max_new_tokens=12))
     assert out.token_ids == vanilla.generate("hello there", vanilla.config(max_new_tokens=12)).token_ids
     args = build_parser().parse_args(["--tree-total-tokens", "4"])
@@ -175,6 +175,7 @@ def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_mo
 def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one(tiny_model_dir, tmp_path, capsys):
     """A freshly trained head recommends no tree: the CLI says which one runs and how to find this machine's; not
     when the head has one, nor when the tree flags choose it, nor for an untrained head (eval.tune refuses it)."""
+    from eagle_lite.config import TreeConfig
     from eagle_lite.generate import main
     from eagle_lite.heads.checkpoint import save_head
     from eagle_lite.heads.draft import DraftHead
@@ -188,7 +189,8 @@ def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one
     assert main([*common, "--draft", str(bare)]) == 0
     err = capsys.readouterr().err
     assert err.count("note: the head recommends no draft tree for cpu") == 1
-    assert f"--draft {bare} --save-tree" in err and "(depth 5, top_k 8, total_tokens 24)" in err
+    assert f"--draft {bare} --save-tree" in err and "(depth 1, top_k 1, total_tokens 1, lookup 4)" in err
+    assert load(str(tiny_model_dir), draft=str(bare), method="eagle").tree == TreeConfig(1, 1, 1, lookup=4)
     for flags in (["--draft", str(tuned)], ["--draft", str(bare), "--tree-depth", "2"], ["--draft", "random"]):
         assert main([*common, *flags]) == 0
         assert "recommends no draft tree" not in capsys.readouterr().err

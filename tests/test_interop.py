@@ -547,3 +547,13 @@ def test_serving_flags_map_the_tree_onto_each_server():
     tree = vllm_tree(3, 4, 10)   # 3 branches (3 * 3 <= 10 nodes), each a chain of 3
     assert tree == [(0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0), (1, 0, 0), (2, 0, 0)]
     assert f'"num_speculative_tokens": {len(tree)}' in flags["vllm"]
+
+
+def test_serving_lines_take_the_heads_gpu_tree_else_the_gpu_default_never_the_cpu_one():
+    from eagle_lite.export import serving_lines
+
+    tuned = serving_lines({"depth": 4, "top_k": 8, "total_tokens": 31})
+    assert len(tuned) == 3 and all("the head's recommended GPU tree: depth 4, top_k 8, 31 nodes" in x for x in tuned)
+    assert any("--speculative-num-draft-tokens 32" in x for x in tuned)
+    bare = serving_lines(None)   # a head tuned on a CPU only: its 1-node tree would throw a GPU's budget away
+    assert all("no GPU tree recorded: the GPU default: depth 6, top_k 10, 60 nodes" in x for x in bare)

@@ -1,6 +1,8 @@
 """The drafter registry and tree resolution: one place builds every method and resolves "auto" and the tree."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import make_target
 
@@ -58,8 +60,21 @@ def test_the_tree_is_defaults_then_the_recommendation_then_the_flags():
     recommended = TreeConfig(depth=1, top_k=1, total_tokens=1, lookup=4)
     assert resolve_tree() == TreeConfig()
     assert resolve_tree(recommended) == recommended
+    assert resolve_tree(recommended, device="cuda") == recommended
     assert resolve_tree(recommended, depth=None, lookup=0) == TreeConfig(1, 1, 1, 0)
     with pytest.raises(ValueError, match="unknown tree setting"):
         resolve_tree(recommended, width=3)
     with pytest.raises(ValueError, match="total_tokens=50 exceeds"):
         resolve_tree(recommended, total_tokens=50)
+
+
+@pytest.mark.parametrize("device, tree", [
+    ("cpu", TreeConfig(1, 1, 1, lookup=4)),           # every node and draft step costs ~a tenth of a plain step
+    ("cuda", TreeConfig(6, 10, 60, lookup=8)),        # nodes nearly free: EAGLE-2's budget
+    ("cuda:1", TreeConfig(6, 10, 60, lookup=8)),
+    ("mps", TreeConfig(6, 10, 60, lookup=8)),
+])
+def test_without_a_recommendation_the_device_picks_the_tree_and_flags_still_override(device, tree):
+    assert resolve_tree(None, device=device) == tree
+    assert resolve_tree(None, device=device, top_k=2, total_tokens=2) == dataclasses.replace(tree, top_k=2,
+                                                                                             total_tokens=2)

@@ -139,5 +139,6 @@ def _engine_for(target: Target):
                         target.name, err)
             drafter = registry.build("lookup", target)
         log.info("distill: answering with eagle_lite's engine (%s drafter)", drafter.name)
-        target._distill_engine = (Engine(target, drafter), resolve_tree(getattr(drafter, "recommended_tree", None)))
+        target._distill_engine = (Engine(target, drafter), resolve_tree(getattr(drafter, "recommended_tree", None),
+                                                                    device=str(target.device)))
     return target._distill_engine

@@ -179,11 +179,9 @@ def recommend_tree(path: str | Path, tree: TreeConfig, command: str = "", device
 
 def recommended_tree(config: dict, path: Path | str = "", device: str = "cpu") -> TreeConfig | None:
     """The draft tree config.json recommends on `device` (`"tree"` on the CPU, `"tree_cuda"` on CUDA: `{"depth",
-    "top_k", "total_tokens", "lookup", "min_prob"}`, the fastest one `eval.tune` found for this head there); off the
-    CPU without a tree of its own, the CPU's; None where it names none."""
+    "top_k", "total_tokens", "lookup", "min_prob"}`, the fastest one `eval.tune` found for this head there); None
+    where it names none for the device (a CPU's tree says nothing about a GPU's: `config.default_tree` runs)."""
     key = _tree_key(device)
-    if key not in config:
-        key = "tree"
     tree = config.get(key)
     if tree is None:
         return None

@@ -2,12 +2,16 @@
 
     python -m eval.profile_step --draft runs/train/smollm2/sharegpt/default/head --threads 1
     python -m eval.profile_step --draft random --trees 3,8,8 5,8,24
+    python -m eval.profile_step --questions eval/questions/heldout12.jsonl --limit 1 --trees 1,1,1,4
     python -m eval.profile_step --device cuda --dtype bfloat16 --static cuda-graph   # adds the static step's rows
 
-Per step: draft, verify (the target's forward over the tree), accept + cache commit; plus tokens per step
-and tokens/s, for vanilla decoding and EAGLE at each tree (depth,top_k,total_tokens). With --static, the same
-through the fixed-shape step (static_step.py), synchronised between draft and verify to time them (its
-accept+commit runs inside the verify step's time).
+Per step: draft, verify (the target's forward over the tree), accept + cache commit, and their sum; plus tokens per
+step and tokens/s, for vanilla decoding, prompt lookup (its default adaptive chain: the drafter a head has to beat)
+and EAGLE at each tree (depth,top_k,total_tokens[,lookup[,min_prob]]). One prompt (`--prompt`), or the first turn
+of the first `--limit` questions of each category of a question file (`--questions`), every method run on each
+prompt in turn and the steps of all prompts summed. With --static, the same through the fixed-shape step
+(static_step.py), synchronised between draft and verify to time them (its accept+commit runs inside the verify
+step's time).
 """
 from __future__ import annotations
 
@@ -26,19 +30,36 @@ from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads
 
 from .sweep import head_for
+from .tasks import load_question_file
 from .tune import tree_label, tree_spec
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 
 
-def profile(engine: Engine, ids: list[int], cfg: GenerationConfig) -> dict:
-    engine.generate(ids, GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
-    engine.reset()
-    s = engine.generate(ids, cfg).stats
-    steps = max(len(s.accept_lengths), 1)
-    return {"draft": 1000 * s.draft_seconds / steps, "verify": 1000 * s.verify_seconds / steps,
-            "accept": 1000 * s.accept_seconds / steps, "tokens_per_step": s.accept_length_mean,
-            "tokens_per_s": s.tokens_per_s, "prefill": 1000 * s.prefill_seconds}
+def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list[int]]) -> dict[str, dict]:
+    """runs: (name, engine, config); every one warms up, then each prompt is decoded by every run in turn (machine
+    drift hits them alike). Per run: ms a step of draft, verify and accept + commit (all prompts' steps together),
+    tokens a step, tokens/s and prefill ms a prompt."""
+    sums = {name: dict.fromkeys(("draft", "verify", "accept", "prefill", "seconds", "tokens", "steps"), 0.0)
+            for name, _, _ in runs}
+    for _, engine, cfg in runs:
+        engine.generate(prompts[0], GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
+    for ids in prompts:
+        for name, engine, cfg in runs:
+            engine.reset()
+            s, total = engine.generate(ids, cfg).stats, sums[name]
+            for key, value in (("draft", s.draft_seconds), ("verify", s.verify_seconds), ("accept", s.accept_seconds),
+                               ("prefill", s.prefill_seconds), ("seconds", s.seconds), ("tokens", s.new_tokens),
+                               ("steps", len(s.accept_lengths))):
+                total[key] += value
+    rows = {}
+    for name, t in sums.items():
+        steps = max(t["steps"], 1)
+        rows[name] = {"draft": 1000 * t["draft"] / steps, "verify": 1000 * t["verify"] / steps,
+                      "accept": 1000 * t["accept"] / steps, "tokens_per_step": (t["tokens"] - len(prompts)) / steps,
+                      "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
+                      "prefill": 1000 * t["prefill"] / len(prompts)}
+    return rows
 
 
 @entry_point
@@ -50,7 +71,10 @@ def main(argv=None) -> int:
     p.add_argument("--trees", nargs="*", type=tree_spec, default=[TreeConfig(3, 8, 8), TreeConfig(5, 8, 24)],
                    help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--prompt", default=PROMPT, help="the one prompt profiled (unless --questions)")
+    p.add_argument("--questions", default=None,
+                   help="an MT-bench / Spec-Bench JSONL file: profile the first turn of its questions instead")
+    p.add_argument("--limit", type=int, default=1, help="--questions: questions per category")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -67,33 +91,39 @@ def run(args: argparse.Namespace) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     with arguments():
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         check_threads(args.threads)
     registry.check("eagle", registry.EagleOptions(draft=args.draft))
+    texts = [args.prompt]
+    if args.questions is not None:
+        texts = [q.turns[0] for q in load_question_file(args.questions, per_category_limit=args.limit)]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     head, note = head_for(target, args.draft)
-    ids = chat_ids(target.tokenizer, [{"role": "user", "content": args.prompt}])
-    rows = [("vanilla", profile(Engine(target, registry.build("vanilla", target)), ids,
-                                GenerationConfig(args.max_new_tokens)))]
+    prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    plain = GenerationConfig(args.max_new_tokens)
+    runs = [("vanilla", Engine(target, registry.build("vanilla", target)), plain)]
     if args.static:
-        rows.append(("vanilla_graph", profile(StaticEngine(target, None, mode=args.static, profile=True), ids,
-                                              GenerationConfig(args.max_new_tokens))))
+        runs.append(("vanilla_graph", StaticEngine(target, None, mode=args.static, profile=True), plain))
+    runs.append(("lookup", Engine(target, registry.build("lookup", target)), plain))
     for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
-        rows.append((tree_label(tree), profile(Engine(target, registry.build(
-            "eagle", target, registry.EagleOptions(head=head))), ids, cfg)))
+        runs.append((tree_label(tree), Engine(target, registry.build(
+            "eagle", target, registry.EagleOptions(head=head))), cfg))
         if args.static:
-            static = StaticEngine(target, head, mode=args.static, profile=True)
-            rows.append((f"{tree_label(tree)} graph", profile(static, ids, cfg)))
-    print(f"target {target.name} · {torch.get_num_threads()} threads · {note}\n")
-    print("| method | draft ms/step | verify ms/step | accept+commit ms/step | tokens/step | tokens/s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, r in rows:
+            runs.append((f"{tree_label(tree)} graph", StaticEngine(target, head, mode=args.static, profile=True), cfg))
+    rows = profile(runs, prompts)
+    where = f"{args.questions}: {len(prompts)} prompts" if args.questions else "one prompt"
+    print(f"target {target.name} · {torch.get_num_threads()} threads · {note} · {where}\n")
+    print("| method | draft ms/step | verify ms/step | accept+commit ms/step | step ms | tokens/step | tokens/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
         draft = "—" if name.startswith("vanilla") else f"{r['draft']:.1f}"
-        print(f"| {name} | {draft} | {r['verify']:.1f} | {r['accept']:.2f} | {r['tokens_per_step']:.2f} | "
+        step = r["draft"] + r["verify"] + r["accept"]
+        print(f"| {name} | {draft} | {r['verify']:.1f} | {r['accept']:.2f} | {step:.1f} | {r['tokens_per_step']:.2f} | "
               f"{r['tokens_per_s']:.1f} |")
     return 0
 

@@ -271,11 +271,33 @@ def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
     assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "2,2,3",
                          "--max-new-tokens", "6", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
-    assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out
+    assert "| vanilla | — |" in out and "| eagle d=2 k=2 n=3 |" in out and "| lookup |" in out
     assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "2,2,3",
                          "--max-new-tokens", "6", "--prompt", "hi", "--static"]) == 0
     out = capsys.readouterr().out
     assert "| vanilla_graph | — |" in out and "| eagle d=2 k=2 n=3 graph |" in out
+
+
+def test_profile_step_sums_the_steps_of_a_question_files_prompts(tiny_model_dir, tmp_path, capsys):
+    from eagle_lite.config import GenerationConfig
+    from eagle_lite.decoding.engine import Engine
+    from eagle_lite.drafters import registry
+    from eagle_lite.pipeline import load
+    from eval.profile_step import main as profile_main
+    from eval.profile_step import profile
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": f"{kind}{i}", "category": kind, "turns": [f"{kind} {i}"]})
+                                 + "\n" for kind in ("a", "b") for i in range(3)))
+    assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "1,1,1,4",
+                         "--max-new-tokens", "5", "--questions", str(questions), "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{questions}: 4 prompts" in out and "| lookup |" in out and "| eagle d=1 k=1 n=1 lookup=4 |" in out
+    # the steps of every prompt are summed: tokens a step are all new tokens but each prompt's first over all steps
+    target = load(str(tiny_model_dir), method="vanilla").target
+    rows = profile([("vanilla", Engine(target, registry.build("vanilla", target)), GenerationConfig(5))],
+                   [[1, 2, 3], [4, 5], [6]])
+    assert rows["vanilla"]["tokens_per_step"] == 1.0 and rows["vanilla"]["verify"] > 0
 
 
 def test_step_cost_times_verify_against_tree_size_and_the_draft_step(capsys, tmp_path):
@@ -340,6 +362,8 @@ def no_target_load(monkeypatch):
     ("tune", ["--method", "eagle_graph", "--trees", "10,16,128"], "larger than the static step's largest bucket", 2),
     ("profile_step", ["--draft", "{nowhere}"], "no draft head at", 1),
     ("profile_step", ["--threads", "0"], "--threads must be a whole number >= 1", 2),
+    ("profile_step", ["--limit", "0"], "--limit must be >= 1", 2),
+    ("profile_step", ["--questions", "{nowhere}"], "not found", 1),
     ("ceiling", ["--draft", "{nowhere}"], "no draft head at", 1),
     ("ceiling", ["--trees", "2,2,2"], "--trees must be chains", 2),
 ])

@@ -98,9 +98,12 @@ def test_without_the_kernel_nothing_is_fused(monkeypatch):
     assert not any(_fused(make_target("llama", grid=True)))
 
 
+@pytest.mark.parametrize("wide", ["1", "0"])   # grid products 16 lanes wide where the CPU has AVX-512, or 8
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
-def test_fused_targets_decode_exactly_like_generate(family):
+def test_fused_targets_decode_exactly_like_generate(family, wide, monkeypatch):
     from test_engine import eagle_engine
+
+    monkeypatch.setenv("EAGLE_LITE_AVX512", wide)
 
     target = make_target(family, grid=True)
     prompt = list(range(3, 20))

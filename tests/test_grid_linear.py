@@ -91,6 +91,21 @@ def test_kernel_products_equal_the_dense_products(rows, bits, wide, monkeypatch)
     torch.testing.assert_close(grid(x[None]), exact[None], rtol=1e-5, atol=1e-5)   # [..., K] inputs
 
 
+@needs_kernel
+@pytest.mark.parametrize("wide", ["1", "0"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_multiplies_by_each_weight_rebuilt_bit_for_bit(bits, wide, monkeypatch):
+    """Rows of the identity pick out single weights (every other product is a zero): the kernel's rebuild of each
+    weight (per weight, or by table lookup of the group's 16 levels) must give the stored fp32 weight exactly."""
+    monkeypatch.setenv("EAGLE_LITE_AVX512", wide)
+    raw = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
+    w = snap_to_q4_1(raw) if bits == 4 else snap_to_q8_0(raw)
+    grid = grid_of(w)
+    for rows in (torch.eye(96)[:1], torch.eye(96)[:5], torch.eye(96)[5:37], torch.eye(96)[60:96]):
+        picked = rows.argmax(-1)
+        assert torch.equal(grid(rows.contiguous()), w.t()[picked])
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

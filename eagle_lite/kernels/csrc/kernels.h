@@ -159,14 +159,16 @@ void run_tile(int64_t rows, const float* x, int64_t K, const uint8_t* codes, con
 // instructions per weight: the weights' rebuild is what bounds a few-row product once they are in cache.
 #define EAGLE_LITE_AVX512 __attribute__((target("avx512f")))
 
+// A group's 16 possible weights, q * d + m for q = 0..15 (the same multiply and add), fill one register; each
+// weight is then looked up by its code (vpermps reads the low 4 bits of each index): 3 shuffles and a shift for
+// 32 weights instead of 32 conversions, multiplies and adds.
 struct Q4x16 {
     EAGLE_LITE_AVX512 static inline void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
-        const __m128i halves[2] = {_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask)};
-        for (int p = 0; p < 2; ++p)   // low nibbles: elements 0..15; high: 16..31
-            w[p] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[p])), d), m);
+        const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(s[0])), _mm512_set1_ps(s[1]));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        w[0] = _mm512_permutexvar_ps(bytes, table);                        // low nibbles: elements 0..15
+        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);  // high nibbles: elements 16..31
     }
 };
 

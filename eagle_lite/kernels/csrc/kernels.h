@@ -186,11 +186,12 @@ template <typename Codec> struct Wide;
 template <> struct Wide<Q4> { using type = Q4x16; };
 template <> struct Wide<Q8> { using type = Q8x16; };
 
-// `rows_tile` 16 lanes wide: two products a group per row, on two chains where the rows are few.
+// `rows_tile` 16 lanes wide: two products a group per row, on two chains for up to 8 rows (at least 8 chains keep
+// both FMA units busy through their latency), one beyond.
 template <typename Codec, int ROWS>
 EAGLE_LITE_AVX512 void rows_tile16(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y,
                                    int64_t N, int64_t j0, int64_t j1) {
-    constexpr int C = ROWS <= 2 ? 2 : 1;
+    constexpr int C = ROWS <= 8 ? 2 : 1;
     const int64_t groups = K / 32;
     for (int64_t j = j0; j < j1; ++j) {
         __m512 acc[ROWS][C];

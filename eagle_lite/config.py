@@ -96,8 +96,9 @@ class TreeConfig:
 
 
 # The tree a drafter runs where it recommends none, by device kind. On a CPU every verified node and every draft
-# step costs about a tenth of a plain step, so one head token and a prompt-lookup chain; on a GPU a node costs next
-# to nothing, so EAGLE-2's budget (depth 6, top_k 10, 60 nodes) and a longer lookup graft.
+# step costs a fifth to a tenth of a plain step (docs/benchmarks.md, "Cost of one step"), so one head token and a
+# prompt-lookup chain; on a GPU a node costs next to nothing, so EAGLE-2's budget (depth 6, top_k 10, 60 nodes) and
+# a longer lookup graft.
 DEVICE_TREES = {"cpu": TreeConfig(1, 1, 1, lookup=4)}
 ACCELERATOR_TREE = TreeConfig(6, 10, 60, lookup=8)
 

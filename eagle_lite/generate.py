@@ -166,8 +166,7 @@ def note_default_tree(lm, args: argparse.Namespace, cfg: GenerationConfig) -> No
         t = cfg.tree
         print(f"note: the head recommends no draft tree for {args.device}, so the device's default runs (depth "
               f"{t.depth}, top_k {t.top_k}, total_tokens {t.total_tokens}, lookup {t.lookup}); python -m eval.tune "
-              f"--method eagle --draft "
-              f"{args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
+              f"--method eagle --draft {args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
 
 
 def check_flags(args: argparse.Namespace) -> None:

@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
-#include <string>
 #include <vector>
 
 namespace eagle_lite {
@@ -237,7 +237,7 @@ inline bool wide_products() {
     static const bool supported = __builtin_cpu_supports("avx512f");
     if (!supported) return false;
     const char* env = std::getenv("EAGLE_LITE_AVX512");
-    return env == nullptr || std::string(env) != "0";
+    return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
 // y [M, N] = x [M, K] W^T over the threads (columns split between them).
@@ -402,15 +402,21 @@ inline void attend_rows(const AttendRow* rows, int64_t R, const float* kh, int64
             if (end <= b) continue;
             const float* pr = p + r * (S + 4);
             float* ar = acc + r * D;
-            switch (wide ? chunks : -chunks) {   // a head size known when compiled keeps the accumulators in registers
-                case 4: weigh_values16<2>(pr, b, end, vh, vs, ar); break;
-                case 8: weigh_values16<4>(pr, b, end, vh, vs, ar); break;
-                case 12: weigh_values16<6>(pr, b, end, vh, vs, ar); break;
-                case 16: weigh_values16<8>(pr, b, end, vh, vs, ar); break;
-                case -4: weigh_values<4>(pr, b, end, vh, vs, ar); break;
-                case -8: weigh_values<8>(pr, b, end, vh, vs, ar); break;
-                case -12: weigh_values<12>(pr, b, end, vh, vs, ar); break;
-                case -16: weigh_values<16>(pr, b, end, vh, vs, ar); break;
+            // a head size known when compiled keeps the accumulators in registers
+            if (wide && chunks % 4 == 0 && chunks <= 16) {
+                switch (chunks) {
+                    case 4: weigh_values16<2>(pr, b, end, vh, vs, ar); break;
+                    case 8: weigh_values16<4>(pr, b, end, vh, vs, ar); break;
+                    case 12: weigh_values16<6>(pr, b, end, vh, vs, ar); break;
+                    default: weigh_values16<8>(pr, b, end, vh, vs, ar);
+                }
+                continue;
+            }
+            switch (chunks) {
+                case 4: weigh_values<4>(pr, b, end, vh, vs, ar); break;
+                case 8: weigh_values<8>(pr, b, end, vh, vs, ar); break;
+                case 12: weigh_values<12>(pr, b, end, vh, vs, ar); break;
+                case 16: weigh_values<16>(pr, b, end, vh, vs, ar); break;
                 default: weigh_values<0>(pr, b, end, vh, vs, ar, chunks);
             }
         }

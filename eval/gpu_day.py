@@ -28,7 +28,9 @@ The steps, in the order the GPU-day issue asks for them:
   6. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
                     improving or the time left runs out, exported; `trainers.validate` against the shipped head
 
-`run --dry-run` runs the same steps on the CPU with a tiny target and tiny sizes (the test suite does), so the
+The plan leaves out the steps an earlier GPU day measured (`MEASURED`; `--all` keeps them), so the lease goes to
+what is still missing, and refuses a bundle packed before the working tree grew past what a call can carry beside
+it. `run --dry-run` runs the same steps on the CPU with a tiny target and tiny sizes (the test suite does), so the
 script cannot rot while no GPU is lent.
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ from trainers import device_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_LIMIT = 64 * 2**20           # what one device call carries, the working tree included
+CALL_SPARE = 1 << 20              # kept free in a call for files written between packing and the calls
 FILES_BACK = 8                    # files one call returns
 FILE_BACK_BYTES = 15 * 2**20      # under the 16 MiB a returned file may hold
 # The wheels the day needs on the device: hydra for trainers.train, gguf to read the target, the target itself.
@@ -64,7 +67,12 @@ LEASE_S = 15 * 60
 START_S = 45                      # a machine's start and the first transfer (35 s measured on an H200)
 TRANSFER_S = 15                   # one call's transfers and the idle wait before it
 RESERVE_S = 15                    # kept at the end of a call to pack the outputs
+FIRST_CALLS_S = 300               # --budget-s of the calls before the last (they run no step needing the target)
+LAST_CALL_S = 570                 # the last call's --budget-s: a command runs at most 600 s
 HEAD_NAME = "gpu_day_eagle3"
+# Steps an earlier GPU day measured, their tables in docs/benchmarks.md ("On a GPU"): the plan leaves them out, so
+# the lease goes to what is still missing (`--all` keeps them).
+MEASURED = ("step_cost_llama1b", "step_cost_smollm2", "table_shipped")
 # for the static step (no lookup graft): each tree fills its verify bucket (static_tree.BUCKETS, the root included)
 TUNE_TREES = ("4,8,31", "6,10,63", "8,12,95", "10,16,127")
 
@@ -146,34 +154,60 @@ def tree_bytes(root: Path = ROOT) -> int:
                if name and (root / os.fsdecode(name)).is_file())
 
 
-def plan_lines(folders: int, budget_s: int = LEASE_S) -> list[str]:
-    """The device calls and the steps with their estimates, against the lease."""
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def stale_folders(carry: Path, tree: int) -> list[str]:
+    """A line for each packed folder that no longer fits a call beside the working tree (it grew since `pack`)."""
+    folders = sorted(d for d in carry.iterdir() if d.is_dir()) if carry.is_dir() else []
+    return [f"{d}: {folder_bytes(d) / 2**20:.1f} MiB beside the working tree's {tree / 2**20:.1f} MiB is more than "
+            f"a call's {CALL_LIMIT >> 20} MiB (the tree grew since the bundle was packed): repack with `make gpu-day`"
+            for d in folders if folder_bytes(d) + tree > CALL_LIMIT]
+
+
+def call_budget(call: int, folders: int) -> int:
+    return LAST_CALL_S if call == folders else FIRST_CALLS_S
+
+
+def plan_lines(folders: int, skip: frozenset[str] = frozenset(), budget_s: int = LEASE_S) -> list[str]:
+    """The device calls and the steps with their estimates, against the lease; the head's fit gets what is left
+    of the last call."""
+    steps = [s for s in STEPS if s.name not in skip]
+    first = [s for s in steps if not s.needs_target]
+    last = [s for s in steps if s.needs_target]
     lines = [f"The GPU day in {folders} device call(s); the lease is {budget_s // 60} min, its start ~{START_S} s.", ""]
-    first = [s for s in STEPS if not s.needs_target]
-    last = [s for s in STEPS if s.needs_target]
+    if skip:
+        lines += [f"left out (measured on an earlier GPU day, docs/benchmarks.md; --all keeps them): "
+                  f"{', '.join(sorted(skip, key=[s.name for s in STEPS].index))}", ""]
     total = START_S
     for call in range(1, folders + 1):
-        steps = first if call == 1 else (last if call == folders else [])
-        seconds = TRANSFER_S + sum(s.estimate_s for s in steps)
+        budget = call_budget(call, folders)
+        in_call = first if call == 1 else (last if call == folders else [])
+        estimates = {s.name: s.estimate_s for s in in_call}
+        if "head_fit" in estimates:
+            others = sum(v for k, v in estimates.items() if k != "head_fit")
+            estimates["head_fit"] = max(estimates["head_fit"], budget - RESERVE_S - others)
+        seconds = TRANSFER_S + sum(estimates.values())
         total += seconds
         lines.append(f"call {call}: carry .carry/{call}, ~{seconds} s"
-                     + ("" if steps else " (the bundle's middle part only)"))
-        lines += [f"    {s.name:<18} ~{s.estimate_s:>3} s  {s.what}" for s in steps]
+                     + ("" if in_call else " (the bundle's middle part only)"))
+        lines += [f"    {s.name:<18} ~{estimates[s.name]:>3} s  {s.what}" for s in in_call]
     lines += ["", f"planned: ~{total} s of {budget_s} s. The head's fit takes what is left (+trainer.max_time): give "
                   f"the last call --budget-s = the lease's budget_left_s in the previous reply minus 40 (at most "
-                  f"570), and make it at once (a machine idle 30 s is given back). --skip STEP,... leaves out steps "
-                  f"an earlier GPU day measured."]
+                  f"{LAST_CALL_S}), and make it at once (a machine idle 30 s is given back)."]
     return lines
 
 
-def device_commands(folders: int) -> list[str]:
+def device_commands(folders: int, skip: frozenset[str] = frozenset()) -> list[str]:
     """The device tool's calls, to make back to back (a machine left idle ~30 s is given back)."""
+    left_out = f" --skip {','.join(s.name for s in STEPS if s.name in skip)}" if skip else ""
     calls = []
     for call in range(1, folders + 1):
-        budget = 300 if call == 1 else 560
+        budget = call_budget(call, folders)
         calls.append(f'run(carry=[".carry/{call}"], timeout_s={min(600, budget + 30)}, command="mkdir -p /tmp/carry '
                      f'&& cp .carry/{call}/* /tmp/carry/ && PYTHONUNBUFFERED=1 python3 -m eval.gpu_day run '
-                     f'--carry /tmp/carry --out $OUT --budget-s {budget}")')
+                     f'--carry /tmp/carry --out $OUT --budget-s {budget}{left_out}")')
     return calls
 
 
@@ -181,7 +215,7 @@ def pack(out: Path, wheels: Path) -> list[Path]:
     """Download the day's wheels (at the versions installed here) and cut them into folders that each fit one
     call beside the working tree."""
     tree = tree_bytes()
-    per_call = CALL_LIMIT - tree - (1 << 20)   # a MiB for files written before the calls
+    per_call = CALL_LIMIT - tree - CALL_SPARE
     if per_call < 4 << 20:
         raise RuntimeError(f"the working tree takes {tree / 2**20:.1f} MiB of a call's 64: too little is "
                            f"left to carry the bundle")
@@ -459,13 +493,25 @@ def report(folder: Path) -> int:
     return 0
 
 
+def steps_list(text: str) -> list[str]:
+    return [s for s in text.split(",") if s]
+
+
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.gpu_day", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="verb")
-    sub.add_parser("plan", help="print the device calls and the steps with their estimates (the default)")
-    pk = sub.add_parser("pack", help="download the bundle and cut it into .carry/1, .carry/2, ... (one per call)")
+    planning = argparse.ArgumentParser(add_help=False)
+    planning.add_argument("--skip", type=steps_list, default=list(MEASURED),
+                          help=f"comma-separated steps the calls leave out (default: those an earlier GPU day "
+                               f"measured, {','.join(MEASURED)})")
+    planning.add_argument("--all", action="store_true", help="leave out no step")
+    pl = sub.add_parser("plan", parents=[planning],
+                        help="print the device calls and the steps with their estimates (the default)")
+    pl.add_argument("--carry", type=Path, default=ROOT / ".carry", help="the packed folders (checked to fit a call)")
+    pk = sub.add_parser("pack", parents=[planning],
+                        help="download the bundle and cut it into .carry/1, .carry/2, ... (one per call)")
     pk.add_argument("--out", type=Path, default=ROOT / ".carry", help="folder of the parts (git-ignored)")
     pk.add_argument("--wheels", type=Path, default=ROOT / ".carry-wheels", help="where the downloads go")
     r = sub.add_parser("run", help="on the device: install what has arrived, run the steps not yet run")
@@ -474,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--carry", type=Path, help="the folder the bundle's parts are copied into (/tmp/carry)")
     r.add_argument("--work", type=Path, help="results and the record of steps done (default runs/gpu_day)")
     r.add_argument("--runs", type=Path, help="EAGLE_LITE_RUNS of the training steps (default WORK/runs)")
-    r.add_argument("--skip", type=lambda text: [s for s in text.split(",") if s], default=[],
+    r.add_argument("--skip", type=steps_list, default=[],
                    help="comma-separated steps not to run (e.g. those an earlier GPU day measured)")
     r.add_argument("--dry-run", action="store_true", help="on the CPU with --target and --draft, tiny sizes")
     r.add_argument("--target", help="dry run: a tiny target folder")
@@ -483,33 +529,37 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("report", help="print what the calls returned: step times and tables")
     rp.add_argument("folder", type=Path)
     args = p.parse_args(argv)
-    verb = args.verb or "plan"
+    if args.verb is None:
+        args = p.parse_args(["plan"])
+    verb = args.verb
     if verb == "report":
         return report(args.folder)
-    if verb == "run":
-        with arguments():
+    with arguments():
+        unknown = sorted(set(args.skip) - {s.name for s in STEPS})
+        if unknown:
+            raise ValueError(f"--skip: unknown step(s) {unknown}; the steps are {[s.name for s in STEPS]}")
+        if verb == "run":
             if args.budget_s <= 0:
                 raise ValueError(f"--budget-s must be > 0, got {args.budget_s}")
-            unknown = sorted(set(args.skip) - {s.name for s in STEPS})
-            if unknown:
-                raise ValueError(f"--skip: unknown step(s) {unknown}; the steps are {[s.name for s in STEPS]}")
             if args.dry_run and not (args.target and args.draft and args.questions):
                 raise ValueError("--dry-run needs --target (a tiny target folder), --draft (a head folder made for "
                                  "it) and --questions (prompts that fit its context)")
             if args.carry and not (args.carry / device_bundle.MANIFEST).is_file():
                 raise ValueError(f"--carry {args.carry}: no {device_bundle.MANIFEST} there; copy .carry/1 first")
+    if verb == "run":
         return run(args)
-    carry = ROOT / ".carry"
-    folders = len([d for d in carry.iterdir() if d.is_dir()]) if carry.is_dir() else 2
+    skip = frozenset() if args.all else frozenset(args.skip)
+    carry = args.out if verb == "pack" else args.carry
     if verb == "pack":
-        made = pack(args.out, args.wheels)
-        carry, folders = args.out, len(made)
-        for d in made:
-            size = sum(f.stat().st_size for f in d.iterdir())
-            print(f"{d}: {size / 2**20:.1f} MiB")
-    print("\n".join(plan_lines(folders)))
+        for d in pack(args.out, args.wheels):
+            print(f"{d}: {folder_bytes(d) / 2**20:.1f} MiB")
+    stale = stale_folders(carry, tree_bytes())
+    if stale:
+        raise RuntimeError(stale[0])
+    folders = len([d for d in carry.iterdir() if d.is_dir()]) if carry.is_dir() else 2
+    print("\n".join(plan_lines(folders, skip)))
     print("\nThe device calls, back to back:")
-    print("\n".join("  " + c for c in device_commands(folders)))
+    print("\n".join("  " + c for c in device_commands(folders, skip)))
     return 0
 
 

@@ -86,14 +86,45 @@ def test_a_file_larger_than_a_call_returns_is_cut_and_put_back_together(tmp_path
     assert gpu_day.uncut(tmp_path, "nothing.tar") is None
 
 
-def test_the_plan_fits_the_lease_and_names_every_step(capsys):
-    assert gpu_day.main([]) == 0
+def test_the_plan_fits_the_lease_and_names_every_step(tmp_path, capsys):
+    assert gpu_day.main(["plan", "--all", "--carry", str(tmp_path / "none")]) == 0
     text = capsys.readouterr().out
     for step in gpu_day.STEPS:
         assert step.name in text
     planned = gpu_day.START_S + 2 * gpu_day.TRANSFER_S + sum(s.estimate_s for s in gpu_day.STEPS)
     assert planned <= gpu_day.LEASE_S
-    assert 'run(carry=[".carry/1"]' in text and "--budget-s" in text
+    assert 'run(carry=[".carry/1"]' in text and "--budget-s" in text and "--skip" not in text
+
+
+def test_the_plan_leaves_out_what_an_earlier_day_measured_and_gives_the_fit_the_time(tmp_path, capsys):
+    assert gpu_day.main(["plan", "--carry", str(tmp_path / "none")]) == 0
+    text = capsys.readouterr().out
+    calls = [line for line in text.splitlines() if line.startswith("  run(")]
+    assert len(calls) == 2 and all(f"--skip {','.join(gpu_day.MEASURED)}\"" in c for c in calls), calls
+    steps = [line.split()[0] for line in text.splitlines() if line.startswith("    ")]
+    assert steps == [s.name for s in gpu_day.STEPS if s.name not in gpu_day.MEASURED]
+    fit = next(int(line.split("~")[1].split()[0]) for line in text.splitlines() if line.startswith("    head_fit"))
+    others = sum(s.estimate_s for s in gpu_day.STEPS if s.needs_target and s.name not in gpu_day.MEASURED
+                 and s.name != "head_fit")
+    assert fit == gpu_day.LAST_CALL_S - gpu_day.RESERVE_S - others > dict((s.name, s.estimate_s)
+                                                                          for s in gpu_day.STEPS)["head_fit"]
+    assert gpu_day.main(["plan", "--skip", "tune", "--carry", str(tmp_path / "none")]) == 0
+    assert "--skip tune\"" in capsys.readouterr().out
+    assert gpu_day.main(["plan", "--skip", "tables", "--carry", str(tmp_path / "none")]) == 2
+    assert "--skip: unknown step(s) ['tables']" in capsys.readouterr().err
+
+
+def test_a_bundle_packed_before_the_tree_grew_is_refused_with_what_to_do(tmp_path, capsys):
+    tree = gpu_day.tree_bytes()
+    for n, size in ((1, gpu_day.CALL_LIMIT - tree - gpu_day.CALL_SPARE - 10), (2, gpu_day.CALL_LIMIT - tree + 1)):
+        (tmp_path / str(n)).mkdir()
+        with open(tmp_path / str(n) / "000.000", "wb") as f:
+            f.truncate(size)        # sparse: the size counts, not the disk
+    assert gpu_day.main(["plan", "--carry", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / '2'}:" in err and "repack with `make gpu-day`" in err
+    (tmp_path / "2" / "000.000").unlink()
+    assert gpu_day.main(["plan", "--carry", str(tmp_path)]) == 0
 
 
 def test_run_without_its_inputs_is_one_line(tmp_path, capsys):

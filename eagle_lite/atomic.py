@@ -34,6 +34,21 @@ def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
     return path
 
 
+def check_writable(path: str | Path, flag: str) -> Path:
+    """Make sure a file can be written at `path` before the work whose results it will hold: a folder there is a
+    ValueError naming `flag`; a folder that cannot be made or written to, an OSError naming it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give a file name")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as err:   # named as the file asked for, not the probe's random name
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    return path
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 

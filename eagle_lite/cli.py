@@ -156,14 +156,33 @@ def entry_point(main: Callable[..., int | None] | None = None, *, stopped: str =
     return wrap(main) if main is not None else wrap
 
 
+class _WithoutHydraJobLine:
+    """stderr less the line Hydra writes before it raises what a job raised ("Error executing job with overrides:
+    [...]"): the boundary's own line says what failed, and that line is all a user's mistake prints."""
+
+    LINE = "Error executing job with overrides:"
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return len(text) if text.startswith(self.LINE) else self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def hydra_entry(hydra_main: Callable[[], None], stopped: str = "[stopped]") -> int:
     """Run a `@hydra.main` function under the boundary. HYDRA_FULL_ERROR makes Hydra raise what failed, in its own
     set-up too (a run folder it cannot create), instead of printing a trimmed traceback itself."""
-    previous = os.environ.get("HYDRA_FULL_ERROR")
+    previous, stderr = os.environ.get("HYDRA_FULL_ERROR"), sys.stderr
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    sys.stderr = _WithoutHydraJobLine(stderr)
     try:
         return run(hydra_main, stopped)
     finally:
+        if sys.stderr.__class__ is _WithoutHydraJobLine:
+            sys.stderr = stderr
         if previous is None:
             del os.environ["HYDRA_FULL_ERROR"]
         else:

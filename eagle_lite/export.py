@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -33,11 +32,18 @@ EAGLE3_ENGINES = ("openvino", "speculators")          # --format eagle3 only
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+def head_config(path: Path) -> dict:
+    """The head folder's config.json ({} without one); one that is not a JSON object is refused, naming the file."""
+    from .formats.detect import read_json
+
+    file = Path(path) / "config.json"
+    return read_json(file) if file.is_file() else {}
+
+
 def head_record(path: Path) -> dict:
     """The eagle_lite record an export carries (config.json "eagle_lite"): the target's fingerprint, the training
     summary and the recommended trees of an eagle_lite head; a published folder's own record, if it has one."""
-    file = path / "config.json"
-    config = json.loads(file.read_text()) if file.is_file() else {}
+    config = head_config(path)
     if "format" not in config:
         return dict(config.get("eagle_lite") or {})
     keys = ("target", "training", "tree", "tree_measured", "tree_cuda", "tree_cuda_measured")
@@ -48,7 +54,8 @@ def target_spec(path: Path, given: str | None) -> str:
     """--target, else the target the head records."""
     if given:
         return given
-    name = head_record(path).get("target", {}).get("name")
+    recorded = head_record(path).get("target")
+    name = recorded.get("name") if isinstance(recorded, dict) else None
     if not name:
         raise ValueError(f"{path} does not say which target it was made for: pass --target SPEC")
     return name
@@ -195,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     head = Path(args.head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
-    config_file = head / "config.json"
-    stored = json.loads(config_file.read_text()).get("dtype") if config_file.is_file() else None
+    stored = head_config(head).get("dtype")
     dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
     target = load_target(target_spec(head, args.target))
     notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,

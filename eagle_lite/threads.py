@@ -5,15 +5,16 @@ import logging
 import os
 
 log = logging.getLogger("eagle_lite")
+MOST_THREADS = 1024   # more than any CPU has cores: a count past it is a typo, and starting them fails
 _warned: set[int] = set()  # counts already warned about: a flag checked at the CLI and again in its config warns once
 
 
 def check_threads(threads: int | None, name: str = "--threads") -> int | None:
     """`threads` when it is a usable count of torch CPU threads (None: torch's default, one per core).
 
-    Below 1 (or not a whole number) is a ValueError naming `name`. Above this machine's cores is allowed with a
-    warning (once per count in a process): the extra threads wait for a core, and every step waits for the
-    slowest thread.
+    Below 1 (or not a whole number), or past `MOST_THREADS` and 4 per core, is a ValueError naming `name`. Above
+    this machine's cores is allowed with a warning (once per count in a process): the extra threads wait for a
+    core, and every step waits for the slowest thread.
     """
     if threads is None:
         return None
@@ -21,6 +22,10 @@ def check_threads(threads: int | None, name: str = "--threads") -> int | None:
         raise ValueError(f"{name} must be a whole number >= 1 (torch CPU threads; leave it unset for one per core), "
                          f"got {threads!r}")
     cores = os.cpu_count()
+    most = max(MOST_THREADS, 4 * (cores or 1))
+    if threads > most:   # torch would try to start them all: libgomp gives up, or the process crashes
+        raise ValueError(f"{name} must be at most {most} (this machine has {cores or 'an unknown number of'} CPU "
+                         f"cores), got {threads}")
     if cores and threads > cores and threads not in _warned:
         _warned.add(threads)
         log.warning("%s %d is more than the %d CPU cores here: the extra threads wait for a core and slow every "

@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     with arguments():
         if args.per_task < 0:
             raise ValueError(f"--per-task must be >= 0, got {args.per_task}")
+        if args.static_max_len < 1:
+            raise ValueError(f"--static-max-len must be >= 1, got {args.static_max_len}")
         check_threads(args.threads)  # named as the flag here; evaluate checks the settings again
         settings = settings_of(args)
     if args.out:

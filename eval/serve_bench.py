@@ -28,6 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle_lite.atomic import check_writable, write_text_atomic
+from eagle_lite.cli import arguments, entry_point
+
 QUESTIONS = Path(__file__).parent / "questions" / "heldout12.jsonl"
 
 
@@ -50,8 +53,37 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def prompts(path: Path) -> list[str]:
-    with open(path) as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+    """The first turn of each question of an MT-bench-style file (eval.tasks: a missing or malformed file says so)."""
+    from .tasks import load_question_file
+
+    return [q.turns[0] for q in load_question_file(path)]
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The flags, before anything loads: (methods, concurrency levels); a ValueError names the flag."""
+    from eagle_lite.config import check_finite
+    from eagle_lite.drafters.registry import AUTO, NAMES
+    from eagle_lite.threads import check_threads
+
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods or any(m not in (AUTO, *NAMES) for m in methods):
+        raise ValueError(f"--methods takes comma-separated methods of {', '.join((AUTO, *NAMES))}, "
+                         f"got {args.methods!r}")
+    try:
+        levels = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--clients takes comma-separated counts >= 1 like 1,2,4,8, got {args.clients!r}")
+    for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens),
+                        ("--max-batch", args.max_batch)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if check_finite("--seconds", args.seconds) <= 0:
+        raise ValueError(f"--seconds must be > 0, got {args.seconds}")
+    check_threads(args.threads)
+    check_threads(args.batch_threads, "--batch-threads")
+    return methods, levels
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -204,12 +236,15 @@ def level(url: str, model: str, questions: list[str], clients: int, args) -> tup
     return row, results
 
 
+@entry_point
 def main(argv=None) -> int:
     import httpx
 
     args = parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
-    levels = [int(c) for c in args.clients.split(",")]
+    with arguments():
+        methods, levels = check_args(args)
+        if args.json:
+            check_writable(args.json, "--json")   # before the runs whose figures it holds
     questions = prompts(args.questions)
     model = args.target or "smollm2"
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(sys.argv),
@@ -251,7 +286,7 @@ def main(argv=None) -> int:
                                      "batch_identical": batch_same, "levels": rows}
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        write_text_atomic(args.json, json.dumps(report, indent=1))
     return 0
 
 

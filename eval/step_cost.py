@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_lite.atomic import check_writable, write_text_atomic
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_step import StaticEngine
@@ -243,6 +244,8 @@ def main(argv=None) -> int:
             raise ValueError("--prefix and --reps must be >= 1")
         if max(args.sizes) > BUCKETS[-1]:
             raise ValueError(f"--sizes: the largest tree the static step verifies is {BUCKETS[-1]} nodes")
+        if args.out:
+            check_writable(args.out, "--out")   # before the measurements it will hold
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     results = {}
@@ -257,7 +260,7 @@ def main(argv=None) -> int:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+        write_text_atomic(args.out, json.dumps(results, indent=1))
     return 0
 
 

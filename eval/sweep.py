@@ -249,18 +249,31 @@ def _number(c: dict, key: str, kind: type, default=None):
         raise ValueError(f"{key}={value!r} is not a {'whole number' if kind is int else 'number'}") from None
 
 
+def _shaped(value, key: str, kind: type, example: str):
+    """Setting `key` when it is a `kind` (a list, a mapping), or a ValueError naming the setting and the value."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{key}={value!r} is not a {'list' if kind is list else 'mapping'}, e.g. {key}={example}")
+    return value
+
+
 def settings_from(cfg) -> EvalSettings:
     from omegaconf import OmegaConf
 
     c = OmegaConf.to_container(cfg, resolve=True)
     threads = c.get("threads")
-    return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=list(c["methods"]),
+    methods = _shaped(c["methods"], "methods", list, "[vanilla,eagle]")
+    tree = _shaped(c["tree"], "tree", dict, "{depth: 3}")
+    tasks = _shaped(c["task"]["tasks"], "task.tasks", list, "[{name: sharegpt}]")
+    if not all(isinstance(task, dict) for task in tasks):
+        raise ValueError(f"task.tasks={tasks!r} is not a list of mappings, e.g. task.tasks=[{{name: sharegpt}}]")
+    lookahead = _shaped(c.get("lookahead") or {}, "lookahead", dict, "{window: 1}")
+    return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=methods,
                         baseline=c["baseline"], max_new_tokens=_number(c, "max_new_tokens", int),
-                        warmup=bool(c["warmup"]), tree=dict(c["tree"]), tasks=list(c["task"]["tasks"]),
+                        warmup=bool(c["warmup"]), tree=tree, tasks=tasks,
                         per_category_limit=c["task"].get("per_category_limit"),
                         threads=None if threads is None else _number(c, "threads", int),
                         exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"),
-                        lookahead={k: v for k, v in (c.get("lookahead") or {}).items() if v is not None},
+                        lookahead={k: v for k, v in lookahead.items() if v is not None},
                         device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
                         seed=_number(c, "seed", int, 0), attention=c.get("attention", "auto"),

@@ -353,6 +353,15 @@ def test_threads_are_checked_before_loading(tiny_model_dir, capsys, monkeypatch,
     assert check_threads(None) is None and check_threads(4) == 4
     with pytest.raises(ValueError, match="target.threads must be"):
         check_threads(-1, "target.threads")
+    # a count no machine has is refused: starting that many threads ends the process without a word (SIGSEGV)
+    assert main(["--target", "no/such/model", "--prompt", "x", "--threads", "100000000"]) == 2
+    assert "--threads must be at most 1024" in capsys.readouterr().err
+
+
+def test_a_tree_top_k_wider_than_the_draft_vocabulary_drafts_every_token(tiny_model_dir, capsys):
+    common = ["--target", str(tiny_model_dir), "--draft", "random", "--prompt", "hi", "--max-new-tokens", "4"]
+    expected = run_json(capsys, *common, "--method", "vanilla")["token_ids"]
+    assert run_json(capsys, *common, "--tree-top-k", "500", "--tree-total-tokens", "8")["token_ids"] == expected
 
 
 def test_tree_flags_are_checked_against_the_heads_tree_not_the_default(tiny_model_dir, tmp_path, capsys):

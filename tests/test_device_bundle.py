@@ -49,3 +49,11 @@ def test_a_missing_or_damaged_part_is_named(tmp_path):
             (collected / p.name).write_bytes(b"\0" * p.stat().st_size)   # arrived, but not the same bytes
     with pytest.raises(ValueError, match="does not match its checksum"):
         join(collected, tmp_path / "joined")
+
+
+@pytest.mark.parametrize("text, problem", [("{oops", "not JSON: Expecting"), ('{"a": 1}', "not a list of files"),
+                                           ('[{"name": "x.whl"}]', "not a list of files")])
+def test_a_damaged_manifest_is_named(text, problem, tmp_path):
+    (tmp_path / MANIFEST).write_text(text)
+    with pytest.raises(ValueError, match=f"{MANIFEST} is not a bundle manifest \\({problem}"):
+        join(tmp_path, tmp_path / "joined")

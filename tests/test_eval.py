@@ -313,6 +313,26 @@ def test_step_cost_times_verify_against_tree_size_and_the_draft_step(capsys, tmp
     assert "captures CUDA graphs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [(["--per-task", "-1"], "--per-task must be >= 0, got -1"),
+                                            (["--static-max-len", "-5"], "--static-max-len must be >= 1, got -5")])
+def test_benchmark_flags_are_checked_before_anything_loads(flags, message, capsys, monkeypatch):
+    from eval import benchmark
+
+    monkeypatch.setattr(benchmark, "evaluate", lambda *a, **k: pytest.fail("ran before the flags were checked"))
+    assert benchmark.main(flags) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_step_cost_checks_its_out_file_before_measuring(capsys, tmp_path, monkeypatch):
+    import eval.step_cost
+
+    monkeypatch.setattr(eval.step_cost, "load", lambda *a, **k: pytest.fail("measured before --out was checked"))
+    assert eval.step_cost.main(["--tiny", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --out {tmp_path} is a folder: give a file name"
+    assert eval.step_cost.main(["--tiny", "--out", "/proc/no/such.json"]) == 1
+    assert capsys.readouterr().err.strip().startswith("error: No such file or directory (ENOENT): /proc/no")
+
+
 # -- a user's mistake is one line, found before the target loads ---------------------------------------------------
 def test_a_question_file_without_questions_is_an_error(tmp_path):
     empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
@@ -428,7 +448,11 @@ def test_a_sweep_setting_error_is_one_line(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [("max_new_tokens=abc", "max_new_tokens='abc' is not a whole number"),
-                                               ("temperature=warm", "temperature='warm' is not a number")])
+                                               ("temperature=warm", "temperature='warm' is not a number"),
+                                               ("methods=5", "methods=5 is not a list"),
+                                               ("tree=5", "tree=5 is not a mapping"),
+                                               ("lookahead=5", "lookahead=5 is not a mapping"),
+                                               ("task.tasks=[5]", r"task.tasks=\[5\] is not a list of mappings")])
 def test_a_sweep_number_that_is_not_one_names_the_setting(override, message):
     from hydra import compose, initialize_config_dir
 

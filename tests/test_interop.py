@@ -503,6 +503,14 @@ def test_export_cli_errors_are_one_line_and_exit_non_zero(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["x", "--format", "gguf", "--out", "o"])
     assert exit_.value.code == 2
+    capsys.readouterr()
+    for text, says in (("[1, 2]", "holds a list, not a JSON object"), ("{oops", "is corrupt: Expecting")):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "config.json").write_text(text)
+        assert main([str(tmp_path / "bad"), "--format", "eagle", "--out", str(tmp_path / "o")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: draft head config {tmp_path / 'bad' / 'config.json'} ") and says in err
+        assert err.count("\n") == 1
 
 
 def test_export_cli_writes_a_folder_and_prints_its_notes(tiny_model_dir, tmp_path, capsys):

@@ -426,6 +426,25 @@ def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp
         assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 for row in got["levels"])
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--clients", "1,x"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '1,x'"),
+    (["--clients", "0"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '0'"),
+    (["--methods", "nosuch"], "error: --methods takes comma-separated methods of auto, eagle, "),
+    (["--requests", "0"], "error: --requests must be >= 1, got 0"),
+    (["--seconds", "nan"], "error: --seconds must be a finite number, got nan"),
+    (["--threads", "0"], "error: --threads must be a whole number >= 1"),
+    (["--json", "{tmp}"], "error: --json {tmp} is a folder: give a file name"),
+    (["--questions", "{tmp}/none.jsonl"], "error: question file {tmp}/none.jsonl not found"),
+])
+def test_serve_bench_checks_its_flags_in_one_line_before_anything_runs(args, message, tmp_path, capsys, monkeypatch):
+    import eval.serve_bench
+
+    monkeypatch.setattr(eval.serve_bench, "cli_run", lambda *a, **k: pytest.fail("ran before the flags were checked"))
+    assert eval.serve_bench.main([a.format(tmp=tmp_path) for a in args]) in (1, 2)
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("method", ["lookup", "eagle"])
 def test_prompts_that_start_like_a_finished_one_reuse_its_cache(chat_target, method):
     """A finished request's KV cache is kept (`prefix_cache`), with its drafter; a later prompt sharing its start
@@ -483,6 +502,20 @@ def test_a_taken_port_is_one_line_before_loading(capsys):
         assert main(["--port", str(port), "--target", "/nonexistent/model"]) == 1   # refused before any load
     err = capsys.readouterr().err
     assert err.strip() == f"error: cannot listen on 127.0.0.1:{port} (Address already in use)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "error: --port must be in 0..65535 (0: any free one), got 70000"),
+    (["--port", "-1"], "error: --port must be in 0..65535 (0: any free one), got -1"),
+    (["--host", "999.1.1.1", "--port", "0"], "error: cannot listen on 999.1.1.1:0 ("),
+])
+def test_a_port_or_host_it_cannot_listen_on_is_one_line_before_loading(args, message, capsys):
+    """An address that does not resolve says why in the resolver's words (not 'Unknown error -2')."""
+    from eagle_lite.serve.__main__ import main
+
+    assert main([*args, "--target", "/nonexistent/model"]) in (1, 2)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err and "Unknown error" not in err and "attempting" not in err
 
 
 def test_a_shared_chat_start_is_reported_as_cached_tokens(serve):

@@ -537,7 +537,8 @@ def test_train_refuses_zero_threads_in_one_line(tmp_path):
                            "target.threads=0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: target.threads must be a whole number >= 1")
+    [line] = proc.stderr.strip().splitlines()     # not Hydra's "Error executing job with overrides: [...]" too
+    assert line.startswith("error: target.threads must be a whole number >= 1")
     with pytest.raises(ValueError, match="target.threads must be"):
         TargetConfig(kind="tiny", threads=-2)
 
@@ -624,6 +625,25 @@ def test_early_stopping_settings_are_checked():
         early_stop_of(train_config("early_stopping={monitor: val/loss, wait: 2}"))
     with pytest.raises(ValueError, match="mode max or min"):
         early_stop_of(train_config("early_stopping={monitor: val/loss, mode: lower}"))
+    with pytest.raises(ValueError, match="early_stopping must be null or a mapping"):
+        early_stop_of(train_config("early_stopping=5"))
+    with pytest.raises(ValueError, match="early_stopping.monitor must be a validation metric"):
+        early_stop_of(train_config("early_stopping={monitor: val_loss}"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.loader.batch_size=0", "data.loader.batch_size must be >= 1"),
+    ("data.distill.limit=-1", "data.distill.limit must be >= 1"),
+    ("data.features.shard_size=0", "data.features.shard_size must be >= 1"),
+    ("early_stopping=5", "early_stopping must be null or a mapping"),
+    ("target.threads=0", "target.threads must be a whole number >= 1"),
+])
+def test_every_stages_settings_are_checked_before_the_first_stage_runs(override, message, tmp_path):
+    from trainers.train import train
+
+    with pytest.raises(ValueError, match=message):
+        train(tiny_train_config(tmp_path, override))
+    assert not (tmp_path / "data").exists()     # nothing distilled before the refusal
 
 
 def test_gpu_eagle3_all_composes_its_three_sources():

@@ -87,11 +87,24 @@ def split(files: list[Path], out: Path, call_bytes: int = CALL_BYTES) -> list[Pa
     return folders
 
 
+def read_manifest(file: Path) -> list[dict]:
+    """The entries of a bundle's manifest.json; a file that is not one is a ValueError naming it."""
+    try:
+        manifest = json.loads(file.read_text())
+        if isinstance(manifest, list) and all(isinstance(e, dict) and {"name", "parts", "bytes", "blake2b"} <= set(e)
+                                              for e in manifest):
+            return manifest
+        problem = "not a list of files with name, parts, bytes and blake2b"
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problem = f"not JSON: {err}"
+    raise ValueError(f"{file} is not a bundle manifest ({problem}): copy .carry/1 again")
+
+
 def join(parts_dir: Path, dest: Path, only: set[str] | None = None) -> list[Path]:
     """Put every file of the manifest in `parts_dir` (the folders' contents copied into it), or those named in
     `only`, back together in `dest`; a missing part or a checksum that does not match is a ValueError naming the
     file."""
-    manifest = json.loads((parts_dir / MANIFEST).read_text())
+    manifest = read_manifest(parts_dir / MANIFEST)
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for entry in manifest:

@@ -263,6 +263,9 @@ def early_stop_of(cfg: DictConfig) -> EarlyStop | None:
     node = cfg.get("early_stopping")
     if not node or cfg.trainer.get("fast_dev_run"):
         return None
+    if not isinstance(node, (DictConfig, dict)):
+        raise ValueError(f"early_stopping must be null or a mapping such as {{monitor: val/accept_len_est, mode: max, "
+                         f"patience: 3, min_delta: 0.002}}, got {node!r}")
     values = _container(node)
     unknown = set(values) - set(EarlyStop._fields)
     if unknown:
@@ -270,6 +273,9 @@ def early_stop_of(cfg: DictConfig) -> EarlyStop | None:
     stop = EarlyStop(**values)
     if stop.mode not in ("max", "min") or stop.patience < 1 or stop.min_delta < 0:
         raise ValueError(f"early_stopping needs mode max or min, patience >= 1 and min_delta >= 0, got {values}")
+    if not str(stop.monitor).startswith(("val/", "val_kind/")):   # else Lightning finds out after an epoch
+        raise ValueError(f"early_stopping.monitor must be a validation metric (val/accept_len_est, val/loss, "
+                         f"val/top1, ...), got {stop.monitor!r}")
     return stop
 
 
@@ -373,6 +379,20 @@ def check_settings(cfg: DictConfig) -> str | None:
     else:
         check_whole("trainer.fast_dev_run", fast, 1)
     check_whole("checkpoint.every_n_train_steps", cfg.checkpoint.every_n_train_steps, 1)
+    # the settings of each stage this run reaches, so that a typo is not found after the answers are written
+    from .datamodule import LoaderConfig
+    from .distill import DistillConfig
+    from .features import FeatureConfig
+    from .targets import TargetConfig
+
+    _typed(TargetConfig, cfg.target)
+    for source in data_sources(cfg):
+        _typed(DistillConfig, source.settings)
+    if stop_after != "distill":
+        _typed(FeatureConfig, cfg.data.features)
+    if stop_after is None:
+        _typed(LoaderConfig, cfg.data.loader)
+        early_stop_of(cfg)
     return stop_after
 
 

@@ -296,7 +296,7 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
 
     def children(logits: torch.Tensor, parent_cum: torch.Tensor):
         if not sampled:
-            scores, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+            scores, ids = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)   # k > V_draft: all
             values = parent_cum[:, None] + scores
             return values, values, ids if vocab is None else vocab[ids]
         q, p, ids = _draw(logits, k, sampling, generator)

@@ -73,13 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens=args.max_tokens_limit, kv_budget_mb=args.kv_budget_mb,
                         drain_seconds=args.drain_seconds, prefix_cache=args.prefix_cache)
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535 (0: any free one), got {args.port}")
         if args.max_new_tokens > limits.max_tokens:
             raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) is above --max-tokens-limit "
                              f"({limits.max_tokens})")
     try:   # before the (slow) load: a port that is taken says so at once
         sock = socket.create_server((args.host, args.port))
     except OSError as err:   # the port is taken, the address is not ours
-        reason = os.strerror(err.errno) if err.errno else str(err)
+        # an address that does not resolve is getaddrinfo's (negative) code, which os.strerror does not know
+        reason = (os.strerror(err.errno) if err.errno and err.errno > 0
+                  else (err.strerror or str(err)).split(" (while attempting")[0])
         print(f"error: cannot listen on {args.host}:{args.port} ({reason})", file=sys.stderr)
         return 1
     quiet_libraries(args.verbose)

@@ -13,7 +13,7 @@ received so far complete, then runs every step not yet run whose needs are met, 
 left (`--budget-s`), and leaves its log, a JSON of the steps and its outputs in `--out`. A step that fails or
 runs out of time is recorded and the next one runs; a rerun on the same warm machine skips the steps done.
 
-The steps, in the order the GPU-day issue asks for them:
+The steps, in order:
   1. gpu_tests      `pytest -m gpu`: the static step in bf16 equals the engine (eager, CUDA graphs,
                     reduce-overhead), no synchronising call, the attention backends
   2. step_cost      `eval.step_cost`: verify time against tree size 1..128 and the draft step, for a random
@@ -23,10 +23,11 @@ The steps, in the order the GPU-day issue asks for them:
                     lookup, lookup, eagle and eagle_graph at the head's shipped `tree_cuda`
   4. tune           `eval.tune --method eagle_graph --save-tree` on the GPU: the head's `tree_cuda` tuned on the
                     spot through the static step with CUDA graphs (the default path there), against vanilla_graph
-  5. table_tuned    the baseline, eagle, eagle over the target's whole vocabulary (eagle_full_vocab) and eagle_graph
-                    again at the tuned tree
-  6. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
+  5. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
                     improving or the time left runs out, exported; `trainers.validate` against the shipped head
+  6. table_tuned    the baseline, eagle, eagle over the target's whole vocabulary (eagle_full_vocab) and eagle_graph
+                    again at the tuned tree (after the head: tune has timed eagle_graph already, and a step that
+                    overruns should not take the head's minutes)
 
 The plan leaves out the steps an earlier GPU day measured (`MEASURED`; `--all` keeps them), so the lease goes to
 what is still missing, and refuses a bundle packed before the working tree grew past what a call can carry beside
@@ -135,12 +136,13 @@ STEPS = (
          60, 20, True),
     Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
     Step("tune", "eval.tune --method eagle_graph --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
-    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 40, 20,
-         True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),
     Step("head_fit", "trainers.train: fit until validation stops improving or time runs out, export", 200, 60, True),
     Step("head_validate", "trainers.validate: the new head against the shipped one, same held-out rows", 30, 20, True),
+    # last: tune already times eagle_graph against vanilla_graph at each tree, and the head needs the time more
+    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 40, 20,
+         True),
 )
 
 
@@ -208,6 +210,10 @@ def device_commands(folders: int, skip: frozenset[str] = frozenset()) -> list[st
         calls.append(f'run(carry=[".carry/{call}"], timeout_s={min(600, budget + 30)}, command="mkdir -p /tmp/carry '
                      f'&& cp .carry/{call}/* /tmp/carry/ && PYTHONUNBUFFERED=1 python3 -m eval.gpu_day run '
                      f'--carry /tmp/carry --out $OUT --budget-s {budget}{left_out}")')
+    # the bundle stays in /tmp/carry while the machine is warm: a last call carries nothing
+    calls.append(f'then, if the lease has a minute or more left and a step is not run yet (steps.json): run(carry=[], '
+                 f'timeout_s=LEFT - 30, command="PYTHONUNBUFFERED=1 python3 -m eval.gpu_day run --carry /tmp/carry '
+                 f'--out $OUT --budget-s LEFT - 40{left_out}")   (LEFT: the lease\'s budget_left_s)')
     return calls
 
 
@@ -230,7 +236,7 @@ def pack(out: Path, wheels: Path) -> list[Path]:
 def install(carry: Path, site: Path, log) -> set[str]:
     """Join every file of the bundle whose parts have all arrived and pip-install the wheels not yet installed;
     returns the names of the installed wheels."""
-    manifest = json.loads((carry / device_bundle.MANIFEST).read_text())
+    manifest = device_bundle.read_manifest(carry / device_bundle.MANIFEST)
     here = {p.name for p in carry.iterdir()}
     complete = [e for e in manifest if all(Path(part).name in here for part in e["parts"])]
     wheels = carry / "joined"
@@ -467,6 +473,20 @@ def run(args) -> int:
     return 0
 
 
+def read_steps(file: Path) -> list[dict]:
+    """The step records of a returned steps.json; a file that is not one is a ValueError naming it."""
+    try:
+        steps = json.loads(file.read_text())["steps"]
+        if all({"name", "status", "seconds"} <= set(step) for step in steps):
+            return steps
+        problem = "a step lacks name, status or seconds"
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problem = f"not JSON: {err}"
+    except (KeyError, TypeError):
+        problem = 'no "steps" list of records'
+    raise ValueError(f"{file} is not a gpu_day steps.json ({problem}): copy it again from what the call returned")
+
+
 def report(folder: Path) -> int:
     """Print what came back from the calls (their folders under `folder`, or one folder): each step's status
     and seconds, then the tables."""
@@ -474,7 +494,7 @@ def report(folder: Path) -> int:
     if not folders:
         raise FileNotFoundError(f"{folder}: no steps.json under it (the files a gpu_day call returns)")
     for f in folders:
-        steps = json.loads((f / "steps.json").read_text())["steps"]
+        steps = read_steps(f / "steps.json")
         print(f"## {f}\n\n| step | status | seconds |\n|---|---|---:|")
         for s in steps:
             print(f"| {s['name']} | {s['status']} | {s['seconds']} |")

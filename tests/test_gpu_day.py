@@ -135,3 +135,14 @@ def test_run_without_its_inputs_is_one_line(tmp_path, capsys):
     assert gpu_day.main(["run", "--out", str(tmp_path), "--budget-s", "10", "--skip", "tables"]) == 2
     assert "--skip: unknown step(s) ['tables']" in capsys.readouterr().err
     assert gpu_day.main(["report", str(tmp_path / "nothing")]) == 1
+
+
+@pytest.mark.parametrize("text, problem", [("{oops", "not JSON: Expecting"), ('{"x": 1}', 'no "steps" list'),
+                                           ('{"steps": [{"name": "tune"}]}', "a step lacks name, status or seconds")])
+def test_a_damaged_steps_file_is_named_in_one_line(text, problem, tmp_path, capsys):
+    (tmp_path / "call1").mkdir()
+    (tmp_path / "call1" / "steps.json").write_text(text)
+    assert gpu_day.main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'call1' / 'steps.json'} is not a gpu_day steps.json") and problem in err
+    assert err.count("\n") == 1

@@ -40,13 +40,20 @@ def check_writable(path: str | Path, flag: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a folder: give a file name")
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as err:   # named as the file asked for, not the probe's random name
+        check_folder_writable(path.parent)
+    except OSError as err:   # named as the file asked for
         raise OSError(err.errno, err.strerror, str(path)) from None
     return path
+
+
+def check_folder_writable(folder: str | Path) -> Path:
+    """Make `folder` (and its parents) and write a temporary file in it: an OSError if either cannot be done."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+    return folder
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

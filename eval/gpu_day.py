@@ -162,26 +162,26 @@ def folder_bytes(folder: Path) -> int:
 
 def stale_folders(carry: Path, tree: int) -> list[str]:
     """A line for each packed folder that no longer fits a call beside the working tree (it grew since `pack`)."""
-    folders = sorted(d for d in carry.iterdir() if d.is_dir()) if carry.is_dir() else []
-    return [f"{d}: {folder_bytes(d) / 2**20:.1f} MiB beside the working tree's {tree / 2**20:.1f} MiB is more than "
-            f"a call's {CALL_LIMIT >> 20} MiB (the tree grew since the bundle was packed): repack with `make gpu-day`"
-            for d in folders if folder_bytes(d) + tree > CALL_LIMIT]
+    sizes = {d: folder_bytes(d) for d in sorted(carry.iterdir()) if d.is_dir()} if carry.is_dir() else {}
+    return [f"{d}: {size / 2**20:.1f} MiB beside the working tree's {tree / 2**20:.1f} MiB is more than a call's "
+            f"{CALL_LIMIT >> 20} MiB (the tree grew since the bundle was packed): repack with `make gpu-day`"
+            for d, size in sizes.items() if size + tree > CALL_LIMIT]
 
 
 def call_budget(call: int, folders: int) -> int:
     return LAST_CALL_S if call == folders else FIRST_CALLS_S
 
 
-def plan_lines(folders: int, skip: frozenset[str] = frozenset(), budget_s: int = LEASE_S) -> list[str]:
+def plan_lines(folders: int, skip: tuple[str, ...] = (), budget_s: int = LEASE_S) -> list[str]:
     """The device calls and the steps with their estimates, against the lease; the head's fit gets what is left
-    of the last call."""
+    of the last call. `skip`: the steps left out, in their order."""
     steps = [s for s in STEPS if s.name not in skip]
     first = [s for s in steps if not s.needs_target]
     last = [s for s in steps if s.needs_target]
     lines = [f"The GPU day in {folders} device call(s); the lease is {budget_s // 60} min, its start ~{START_S} s.", ""]
     if skip:
         lines += [f"left out (measured on an earlier GPU day, docs/benchmarks.md; --all keeps them): "
-                  f"{', '.join(sorted(skip, key=[s.name for s in STEPS].index))}", ""]
+                  f"{', '.join(skip)}", ""]
     total = START_S
     for call in range(1, folders + 1):
         budget = call_budget(call, folders)
@@ -201,9 +201,9 @@ def plan_lines(folders: int, skip: frozenset[str] = frozenset(), budget_s: int =
     return lines
 
 
-def device_commands(folders: int, skip: frozenset[str] = frozenset()) -> list[str]:
+def device_commands(folders: int, skip: tuple[str, ...] = ()) -> list[str]:
     """The device tool's calls, to make back to back (a machine left idle ~30 s is given back)."""
-    left_out = f" --skip {','.join(s.name for s in STEPS if s.name in skip)}" if skip else ""
+    left_out = f" --skip {','.join(skip)}" if skip else ""
     calls = []
     for call in range(1, folders + 1):
         budget = call_budget(call, folders)
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--carry {args.carry}: no {device_bundle.MANIFEST} there; copy .carry/1 first")
     if verb == "run":
         return run(args)
-    skip = frozenset() if args.all else frozenset(args.skip)
+    skip = () if args.all else tuple(s.name for s in STEPS if s.name in args.skip)   # in the steps' order
     carry = args.out if verb == "pack" else args.carry
     if verb == "pack":
         for d in pack(args.out, args.wheels):

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from eagle_lite.atomic import write_atomic, write_text_atomic
+from eagle_lite.atomic import check_folder_writable, write_atomic, write_text_atomic
 from eagle_lite.cli import hydra_entry
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
 from eagle_lite.decoding.static_step import MODES
@@ -219,10 +218,7 @@ def check_out_dir(out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file: give a folder for the records, summary and plots")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=out_dir):
-        pass
-    return out_dir
+    return check_folder_writable(out_dir)
 
 
 def write_outputs(out_dir: Path, records, rows, baseline: str, header: str) -> str:

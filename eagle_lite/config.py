@@ -13,6 +13,31 @@ DRAFT_SAMPLING = ("q", "match")  # the sampling rules of EAGLE trees (EagleOptio
 DRAFT_VOCAB = ("head", "full")   # what an EAGLE head drafts over (EagleOptions.draft_vocab)
 
 SEEDS = 1 << 64   # torch generators take seeds in [0, 2**64)
+OPTION = "option"   # the dataclass field metadata key of an `option`
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a method's option is set from outside: the command-line flag `--name` and the config key `name` with `_`
+    (eagle_lite/options.py reads these for every entry point). type: what the text of the flag is converted by."""
+
+    name: str
+    help: str
+    type: object = None
+    choices: tuple | None = None
+    metavar: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The config key and the argparse attribute: exit-layer -> exit_layer."""
+        return self.name.replace("-", "_")
+
+
+def option(default, name: str, help: str, *, type=None, choices=None, metavar: str | None = None):
+    """A field of a method's options dataclass that every entry point exposes: flag `--name` and config key `name`
+    (dashes as underscores), parsed by `type`, with `help`. Fields without it are for Python callers only."""
+    return dataclasses.field(default=default, metadata={OPTION: Flag(name, help, type, choices and tuple(choices),
+                                                                     metavar)})
 
 
 def check_whole(name: str, value, low: int | None = None, high: int | None = None) -> int:

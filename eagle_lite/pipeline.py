@@ -8,14 +8,14 @@
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
 from .chat_format import chat_ids, clean_text
 from .config import GenerationConfig, TreeConfig, resolve_tree
-from .decoding.drafter import Drafter
+from .decoding.drafter import Drafter, NoDrafter
 from .decoding.engine import Engine, GenerationStats
 from .drafters import registry
 from .targets.loading import load_target
@@ -30,17 +30,35 @@ class Output:
 
 
 class Pipeline:
-    """A target with one drafter (`drafters.build`); `generate`/`stream` take text or chat messages.
-    engine: what generates instead of `Engine(target, drafter)` (the static step: `static_step.StaticEngine`)."""
+    """A target with one drafter (`drafters.build`; `for_target` makes both); `generate`/`stream` take text or chat
+    messages. engine: what generates instead of `Engine(target, drafter)` (the static step: `StaticEngine`).
+    options: the method's options the drafter was built with (None: its defaults)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None) -> None:
-        self.target, self.method = target, method
+    def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None, options=None) -> None:
+        self.target, self.method, self.options = target, method, options
         self.engine = engine if engine is not None else Engine(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
         source = drafter if engine is None else engine
         self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None), device=str(target.device))
         # a tree drafter (an EAGLE head) whose head recommends no tree here: the device's default stands in
         self.tree_unrecommended = hasattr(source, "recommended_tree") and source.recommended_tree is None
+
+    def drafter_factory(self, options=None) -> Callable[[], Drafter]:
+        """A function making fresh drafters of this method (one per sequence of a batch: a drafter keeps
+        per-sequence state); an EAGLE head is loaded once and shared, with its speed-ups and output weight.
+        options: the method's (None: the pipeline's own; options of another method, given for "auto": ignored)."""
+        method = self.method
+        if method == "vanilla":
+            return NoDrafter
+        options = options if options is not None else self.options
+        if options is not None and not isinstance(options, registry.METHODS[method].options):
+            options = None   # options given for "auto", which resolved to another method
+        options = registry.options_for(method, options)
+        if method in registry.HEAD_METHODS and options.head is None:
+            options = replace(options, head=self.engine.drafter.head)
+        first = registry.build(method, self.target, options)
+        # head drafters: siblings of one, sharing its head's output weight instead of a copy each
+        return getattr(first, "sibling", None) or (lambda: registry.build(method, self.target, options))
 
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
@@ -132,7 +150,14 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
         check_static(method, static)
         head = eagle_head(tgt, options) if method == "eagle" else None
         return Pipeline(tgt, None, f"{method}_graph", StaticEngine(tgt, head, mode=static))
-    return Pipeline(tgt, registry.METHODS[method].build(tgt, options), method)
+    return for_target(tgt, method, options)
+
+
+def for_target(target: Target, method: str = registry.AUTO, options=None) -> Pipeline:
+    """The drafter of `method` (its `options`; "auto" resolved) for a loaded target, with its tree: the one place
+    a drafter and its tree are made for a target (`load`, the server, training's answers)."""
+    method, options = registry.resolve(method, target, options)
+    return Pipeline(target, registry.METHODS[method].build(target, options), method, options=options)
 
 
 def check_static(method: str, mode: str) -> None:

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.config import DRAFT_SAMPLING, DRAFT_VOCAB, default_tree
-from eagle_lite.generate import add_lookahead_flags
+from eagle_lite.config import default_tree
+from eagle_lite.options import add_method_flags, option_values
 from eagle_lite.threads import check_threads
 
 from . import report
@@ -43,7 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="auto", help="'auto' (shipped head), 'random' (untrained), or a head folder")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated; the first is the baseline (default: {','.join(ALL_METHODS)}, "
                         f"plus llama_cpp when llama-cpp-python is installed)")
@@ -66,24 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
-    p.add_argument("--draft-sampling", default=None, choices=DRAFT_SAMPLING,
-                   help="eagle and staged when sampling: 'q' (the head's draws, recursive rejection) or 'match' "
-                        "(top-k, sample-and-match); unset: the default. "
-                        "Methods eagle_q and eagle_match run one rule each")
-    p.add_argument("--draft-vocab", default=None, choices=DRAFT_VOCAB,
-                   help="eagle and staged: draft over the head's own draft vocabulary or the target's whole one; "
-                        "unset: the default. Method eagle_full_vocab runs eagle over the whole one")
     p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
                    help="the target's tree-verification backend (docs/attention.md); vanilla_graph and eagle_graph "
                         "run an SDPA backend (gqa unless this is sdpa)")
     add_static_flags(p)
-    p.add_argument("--exit-layer", type=int, default=None, help="method layer_skip: draft layers (default: half)")
-    p.add_argument("--draft-model", default=None,
-                   help="methods draft_model and hf_assisted: a smaller LM with the target's tokenizer")
-    p.add_argument("--medusa", default=None, help="method medusa: a heads folder or 'random'")
-    add_lookahead_flags(p)
+    g = p.add_argument_group("the methods' own options (eagle_q, eagle_match and eagle_full_vocab: eagle with one "
+                             "draft sampling rule or the whole vocabulary; hf_assisted: --draft-model's LM)")
+    add_method_flags(g)
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)
 
@@ -105,19 +95,14 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
-    return EvalSettings(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, methods=methods,
+    return EvalSettings(target=args.target, dtype=args.dtype, device=args.device, methods=methods,
                         baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
                         tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
                               "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,
                               "min_prob": args.tree_min_prob},
-                        threads=args.threads, exit_layer=args.exit_layer, draft_model=args.draft_model,
-                        medusa=args.medusa, temperature=args.temperature, top_p=args.top_p,
-                        lookahead={k: v for k, v in (("window", args.lookahead_window),
-                                                     ("ngram", args.lookahead_ngram),
-                                                     ("candidates", args.lookahead_candidates)) if v is not None},
-                        top_k=args.top_k, seed=args.seed, attention=args.attention, static_mode=args.static_mode,
-                        static_max_len=args.static_max_len, draft_sampling=args.draft_sampling,
-                        draft_vocab=args.draft_vocab)
+                        threads=args.threads, options=option_values(args), temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, attention=args.attention,
+                        static_mode=args.static_mode, static_max_len=args.static_max_len)
 
 
 @entry_point

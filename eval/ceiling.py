@@ -192,7 +192,7 @@ def check_args(args: argparse.Namespace) -> None:
         if bad:
             raise ValueError(f"--trees must be chains (depth,1,depth[,lookup]), got {', '.join(bad)}")
         check_threads(args.threads)
-    registry.check("eagle", registry.options_from_flags("eagle", draft=args.draft))
+    registry.check("eagle", registry.EagleOptions(draft=args.draft))
 
 
 @entry_point

@@ -137,7 +137,14 @@ STATIC_METHODS = ("vanilla_graph", "eagle_graph")   # greedy only
 # eval's names for a registry method with some options set: (method, EagleOptions fields)
 VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"}),
             "eagle_full_vocab": ("eagle", {"draft_vocab": "full"})}
-NAMES = (*HF_METHODS[:3], *registry.NAMES, *VARIANTS, *STATIC_METHODS, "llama_cpp")   # every method eval can run
+
+
+def method_names() -> tuple[str, ...]:
+    """Every method eval can run: the registry's as it is now (a method registered later included), and eval's own."""
+    return (*HF_METHODS[:3], *registry.METHODS, *VARIANTS, *STATIC_METHODS, "llama_cpp")
+
+
+NAMES = method_names()   # as the registry was at import
 
 
 def registry_method(name: str, options: dict[str, Any]) -> tuple[str, Any] | None:
@@ -159,9 +166,9 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
     and eagle_graph (the fixed-shape step in `static_mode`, its caches `static_max_len` slots; eagle_graph takes the
     head of `options["eagle"]`)."""
     options = dict(options or {})
-    unknown = [n for n in names if n not in NAMES]
+    unknown = [n for n in names if n not in method_names()]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(NAMES)}")
+        raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(method_names())}")
     if "hf_assisted" in names or "draft_model" in names:
         # both run the same smaller LM: load it once
         o = options.get("draft_model") or registry.DraftModelOptions()

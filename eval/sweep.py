@@ -26,11 +26,12 @@ from eagle_lite.decoding.static_step import MODES
 from eagle_lite.drafters import registry
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.attention import BACKENDS
+from eagle_lite.options import every_options, method_flags, option_values, options_of, unknown_keys
 from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads
 
 from . import plots, report, runner
-from .methods import NAMES, STATIC_METHODS, build_methods, gguf_of, registry_method
+from .methods import STATIC_METHODS, build_methods, gguf_of, method_names, registry_method
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -39,7 +40,6 @@ log = logging.getLogger("eagle_lite")
 @dataclass
 class EvalSettings:
     target: str | None = None
-    draft: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"          # torch device of the target (and of the drafts that run on it)
     methods: list[str] = field(
@@ -52,10 +52,9 @@ class EvalSettings:
         default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
     per_category_limit: int | None = None
     threads: int | None = None   # torch CPU threads; None: torch's default (one per core)
-    exit_layer: int | None = None   # layer_skip's draft depth (None: half the layers)
-    draft_model: str | None = None  # draft_model's smaller LM (any load_target spec)
-    medusa: str | None = None       # medusa's heads: a folder from `experiment=medusa`, or "random"
-    lookahead: dict = field(default_factory=dict)   # lookahead's window / ngram / candidates (None: default)
+    # the methods' own options by key (eagle_lite/options.py: draft, exit_layer, lookahead_window, ...; unset: the
+    # method's default)
+    options: dict = field(default_factory=dict)
     temperature: float = 0.0        # 0: greedy, and outputs are checked against the baseline's; else sampled
     top_p: float = 1.0
     top_k: int = 0
@@ -63,8 +62,11 @@ class EvalSettings:
     attention: str = "auto"         # the target's tree-verification backend (kernels/attention.py)
     static_mode: str = "auto"       # vanilla_graph / eagle_graph: how their steps run (static_step.MODES)
     static_max_len: int | None = 2048   # their cache slots, allocated once (more if a call needs them)
-    draft_sampling: str | None = None   # eagle and staged with temperature > 0: "q" or "match" (None: the default)
-    draft_vocab: str | None = None      # eagle and staged: "head" or "full" (None: the default)
+
+    @property
+    def eagle(self) -> registry.EagleOptions:
+        """The options of eagle's head (its folder, draft sampling and vocabulary), which every head method runs."""
+        return options_of("eagle", self.options)
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
@@ -96,31 +98,14 @@ def tree_for(head: DraftHead | None, overrides: dict, device: str | None = None)
     return resolve_tree(getattr(head, "tree", None), device=device, **overrides)
 
 
-def method_options(s: EvalSettings, head: DraftHead | None = None) -> dict:
-    """Each engine method's options (`eagle_lite.drafters.registry`) from the settings."""
-    eagle = registry.EagleOptions(head=head) if head is not None else registry.EagleOptions(draft=s.draft)
-    if s.draft_sampling is not None:
-        eagle = replace(eagle, draft_sampling=s.draft_sampling)
-    if s.draft_vocab is not None:
-        eagle = replace(eagle, draft_vocab=s.draft_vocab)
-    unknown = sorted(set(s.lookahead) - {"window", "ngram", "candidates"})
-    if unknown:
-        raise ValueError(f"unknown lookahead setting(s) {unknown}: lookahead has window, ngram, candidates")
-    return {"eagle": eagle, "staged": eagle,
-            "lookahead": registry.lookahead_options(**s.lookahead),
-            "draft_model": registry.DraftModelOptions(model=s.draft_model),
-            "layer_skip": registry.LayerSkipOptions(exit_layer=s.exit_layer),
-            "medusa": registry.MedusaOptions(heads=s.medusa)}
-
-
 def check_settings(s: EvalSettings) -> None:
     """Refuse every setting that is wrong whatever the target, before it loads (20-80 s): unknown methods or
     dtype, a baseline not among the methods, threads, tree and sampling values, lookahead's sizes, and the draft
     head, draft model, Medusa heads and GGUF file the methods need (the registry's checks). Raises ValueError /
     FileNotFoundError naming the setting."""
-    unknown = [m for m in s.methods if m not in NAMES]
+    unknown = [m for m in s.methods if m not in method_names()]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(NAMES)}")
+        raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(method_names())}")
     if s.baseline not in s.methods:
         raise ValueError(f"baseline '{s.baseline}' must be one of the methods {s.methods}")
     if not isinstance(getattr(torch, str(s.dtype), None), torch.dtype):
@@ -136,7 +121,10 @@ def check_settings(s: EvalSettings) -> None:
     TreeConfig.check_overrides(s.tree)
     GenerationConfig(max_new_tokens=s.max_new_tokens, seed=s.seed,
                      sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
-    options = method_options(s)
+    unknown_options = unknown_keys(s.options)
+    if unknown_options:
+        raise ValueError(f"unknown method option(s) {unknown_options}: each method's are {sorted(method_flags())}")
+    options = every_options(s.options)
     if "hf_assisted" in s.methods:       # runs the draft_model method's smaller LM
         registry.check("draft_model", options["draft_model"])
     for name in s.methods:
@@ -160,8 +148,11 @@ def evaluate(s: EvalSettings, progress: bool = True):
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device, attention=s.attention)
     uses_head = "eagle_graph" in s.methods or any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS
                                                   for m in s.methods)
-    head, note = head_for(target, s.draft) if uses_head else (None, "")
-    options = method_options(s, head)
+    head, note = head_for(target, s.eagle.draft) if uses_head else (None, "")
+    options = every_options(s.options)
+    if head is not None:   # loaded once, for every head method
+        options.update({name: replace(o, head=head) for name, o in options.items()
+                        if isinstance(o, registry.EagleOptions)})
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
     methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads, static_mode=s.static_mode,
                             static_max_len=s.static_max_len)
@@ -206,7 +197,7 @@ def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfi
             f"{tree.total_tokens}, lookup {tree.lookup}"
             + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
                f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
-               f"{s.draft_sampling or registry.EagleOptions().draft_sampling} (outputs differ by draw: no identity "
+               f"{s.eagle.draft_sampling} (outputs differ by draw: no identity "
                f"check)")
             + (f" · {', '.join(static)}: static step, mode {s.static_mode}, no lookup graft" if static else "")
             + (f" · {note}" if note else ""))
@@ -262,19 +253,17 @@ def settings_from(cfg) -> EvalSettings:
     tasks = _shaped(c["task"]["tasks"], "task.tasks", list, "[{name: sharegpt}]")
     if not all(isinstance(task, dict) for task in tasks):
         raise ValueError(f"task.tasks={tasks!r} is not a list of mappings, e.g. task.tasks=[{{name: sharegpt}}]")
-    lookahead = _shaped(c.get("lookahead") or {}, "lookahead", dict, "{window: 1}")
-    return EvalSettings(target=c["target"], draft=str(c["draft"]), dtype=c["dtype"], methods=methods,
+    _shaped(c.get("lookahead") or {}, "lookahead", dict, "{window: 1}")
+    return EvalSettings(target=c["target"], dtype=c["dtype"], methods=methods,
                         baseline=c["baseline"], max_new_tokens=_number(c, "max_new_tokens", int),
                         warmup=bool(c["warmup"]), tree=tree, tasks=tasks,
                         per_category_limit=c["task"].get("per_category_limit"),
                         threads=None if threads is None else _number(c, "threads", int),
-                        exit_layer=c.get("exit_layer"), draft_model=c.get("draft_model"), medusa=c.get("medusa"),
-                        lookahead={k: v for k, v in lookahead.items() if v is not None},
+                        options=option_values(c),
                         device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
                         seed=_number(c, "seed", int, 0), attention=c.get("attention", "auto"),
-                        static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048),
-                        draft_sampling=c.get("draft_sampling"), draft_vocab=c.get("draft_vocab"))
+                        static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048))
 
 
 def _main() -> int:

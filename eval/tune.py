@@ -43,6 +43,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
+from eagle_lite.options import add_method_flags, options_of
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads
 
@@ -70,11 +71,10 @@ def with_tree(method: Method, tree: TreeConfig) -> Method:
     return lambda prompt, cfg: method(prompt, replace(cfg, tree=tree))
 
 
-def chain_candidates(method: str, target: Target, num_tokens: list[int], draft_target: Target | None = None,
-                     exit_layer: int | None = None) -> list[Candidate]:
-    """A fixed K per value (adaptive off), then the drafter's default: adaptive from its default K."""
-    base = {"lookup": registry.LookupOptions(), "draft_model": registry.DraftModelOptions(draft_target=draft_target),
-            "layer_skip": registry.LayerSkipOptions(exit_layer=exit_layer)}[method]
+def chain_candidates(method: str, target: Target, num_tokens: list[int], base=None) -> list[Candidate]:
+    """A fixed K per value (adaptive off), then the drafter's default: adaptive from its default K. base: the method's
+    options the K values are set over (None: its defaults)."""
+    base = registry.options_for(method, base)
 
     def drafter(k: int | None, adaptive: bool):
         kw = {"adaptive": adaptive} if k is None else {"num_tokens": k, "adaptive": adaptive}
@@ -98,16 +98,17 @@ def tree_label(tree: TreeConfig, method: str = "eagle") -> str:
 def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
                      lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,),
                      trees: list[TreeConfig] | None = None, static_mode: str | None = None,
-                     static_max_len: int | None = None) -> list[Candidate]:
+                     static_max_len: int | None = None, options=None) -> list[Candidate]:
     """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, or the
-    given `trees` instead of the grid; each with its own EagleDrafter, or, with `static_mode` set (eagle_graph),
+    given `trees` instead of the grid; each with its own EagleDrafter (of `head` and the rest of `options`, eagle's:
+    its draft sampling and vocabulary), or, with `static_mode` set (eagle_graph),
     its own static step (`static_method`: that mode, `static_max_len` cache slots; no lookup graft, so the trees'
     lookup lengths are dropped and the trees they then repeat run once)."""
     grid = trees or tree_grid(depths, top_ks, totals, lookups, min_probs)
     if static_mode is None:
         name = "eagle"
-        make_method = lambda: engine_method(Engine(target, registry.build("eagle", target,
-                                                                          registry.EagleOptions(head=head))))
+        options = replace(options or registry.EagleOptions(), head=head)
+        make_method = lambda: engine_method(Engine(target, registry.build("eagle", target, options)))
     else:
         name = "eagle_graph"
         grid = list(dict.fromkeys(replace(tree, lookup=0) for tree in grid))
@@ -287,15 +288,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
-    g.add_argument("--draft", default="auto", help="eagle: 'auto' (shipped head), 'random' or a head folder")
+    add_method_flags(g, ("eagle", "draft_model", "layer_skip"))
     g.add_argument("--save-tree", action="store_true",
                    help="eagle, eagle_graph: write the best tree into the head folder's config.json as its "
                         "recommended tree for --device's kind (\"tree\" on a CPU, \"tree_cuda\" on CUDA); "
                         "eagle_graph keeps the lookup length of the tree the head recommends there now (0 if none), "
                         "which the engine's eagle grafts and the static step ignores")
     g.add_argument("--medusa", default=None, help="medusa: a heads folder (save_medusa) or 'random'")
-    g.add_argument("--draft-model", default=None, metavar="SPEC", help="draft_model: the smaller LM")
-    g.add_argument("--exit-layer", type=int, default=None, help="layer_skip: draft layers (default: half)")
     g = p.add_argument_group("grids")
     g.add_argument("--num-tokens", type=ints, default=[1, 2, 3, 4, 6, 8], help="chain drafters: K values")
     g.add_argument("--depths", type=ints, default=[3, 5], help="eagle, eagle_graph: tree depths")
@@ -347,13 +346,13 @@ def check_args(args: argparse.Namespace) -> None:
                                  f"--static-mode eager / compile")
             if args.static_max_len < 1:
                 raise ValueError(f"--static-max-len must be >= 1, got {args.static_max_len}")
-    if args.method == "lookahead":
+    if args.method == "lookahead":   # its grid flags are lists of sizes
         for window, ngram, count in itertools.product(args.lookahead_windows, args.lookahead_ngrams,
                                                       args.lookahead_candidates):
             registry.check("lookahead", registry.LookaheadOptions(window, ngram, count))
+        return
     method = "eagle" if args.method == "eagle_graph" else args.method   # the static step runs eagle's head
-    registry.check(method, registry.options_from_flags(
-        method, draft=args.draft, draft_model=args.draft_model, exit_layer=args.exit_layer, medusa=args.medusa))
+    registry.check(method, options_of(method, args))
 
 
 def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
@@ -373,7 +372,7 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
                                 (0,) if static else tuple(dict.fromkeys([0, *args.lookups])),
                                 tuple(dict.fromkeys([0.0, *args.min_probs])), args.trees,
                                 static_mode=args.static_mode if static else None,
-                                static_max_len=args.static_max_len)
+                                static_max_len=args.static_max_len, options=options_of("eagle", args))
     if args.method == "medusa":
         if args.medusa is None:
             raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "
@@ -386,12 +385,13 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
         return medusa_candidates(target, heads, args.nodes)
     if args.method == "lookahead":
         return lookahead_candidates(target, args.lookahead_windows, args.lookahead_ngrams, args.lookahead_candidates)
-    draft_target = None
+    options = options_of(args.method, args)
     if args.method == "draft_model":
-        if args.draft_model is None:
+        if options.model is None:
             raise ValueError("--method draft_model needs --draft-model SPEC: a smaller LM with the target's tokenizer")
-        draft_target = load_target(args.draft_model, dtype=getattr(torch, args.dtype), device=args.device)
-    return chain_candidates(args.method, target, args.num_tokens, draft_target, args.exit_layer)
+        options = replace(options, draft_target=load_target(options.model, dtype=getattr(torch, args.dtype),
+                                                            device=args.device))
+    return chain_candidates(args.method, target, args.num_tokens, options)
 
 
 @entry_point

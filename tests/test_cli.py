@@ -155,9 +155,10 @@ def test_chat_survives_a_conversation_longer_than_the_context(tiny_model_dir):
 
 def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_model_dir, tmp_path):
     from eagle_lite.config import TreeConfig, default_tree
-    from eagle_lite.generate import build_parser, generation_config
+    from eagle_lite.generate import build_parser
     from eagle_lite.heads.checkpoint import save_head
     from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.options import generation_config
     from eagle_lite.pipeline import load
 
     vanilla = load(str(tiny_model_dir), method="vanilla")

@@ -14,6 +14,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import DraftInput, LookaheadDrafter, LookaheadOptions, PromptLookupDrafter, registry
 from eagle_lite.drafters.lookahead import NgramPool
 from eagle_lite.generate import main
+from eagle_lite.options import every_options, options_of
 from eagle_lite.targets.model import Target
 
 
@@ -248,8 +249,8 @@ def test_sizes_are_checked():
 def test_registry_builds_it_with_its_options(llama):
     drafter = registry.build("lookahead", llama, LookaheadOptions(window=2, ngram=4, candidates=1))
     assert isinstance(drafter, LookaheadDrafter) and (drafter.window, drafter.ngram, drafter.candidates) == (2, 4, 1)
-    assert registry.options_from_flags("lookahead", lookahead_ngram=5) == LookaheadOptions(ngram=5)
-    assert registry.options_from_flags("lookahead") == LookaheadOptions()
+    assert options_of("lookahead", {"lookahead_ngram": 5}) == LookaheadOptions(ngram=5)
+    assert options_of("lookahead") == LookaheadOptions()
 
 
 def test_cli_lookahead_equals_vanilla(tiny_model_dir, capsys):
@@ -282,19 +283,21 @@ def test_cli_refuses_bad_sizes_in_one_line_before_the_target_loads(flag, value, 
 def test_python_api_and_eval_methods_take_it(tiny_model_dir, llama):
     from eagle_lite import load
     from eval.methods import build_methods
-    from eval.sweep import EvalSettings, check_settings, method_options
+    from eval.sweep import EvalSettings, check_settings
 
     lm = load(str(tiny_model_dir), method="lookahead", options=LookaheadOptions(window=2, ngram=3, candidates=2))
     assert lm.method == "lookahead" and isinstance(lm.engine.drafter, LookaheadDrafter)
     assert lm.generate("hi", lm.config(max_new_tokens=8)).token_ids == \
         load(str(tiny_model_dir), method="vanilla").generate("hi", lm.config(max_new_tokens=8)).token_ids
-    settings = EvalSettings(methods=["vanilla", "lookahead"], baseline="vanilla", lookahead={"window": 2})
-    assert method_options(settings)["lookahead"] == LookaheadOptions(window=2)
+    settings = EvalSettings(methods=["vanilla", "lookahead"], baseline="vanilla", options={"lookahead_window": 2})
+    assert every_options(settings.options)["lookahead"] == LookaheadOptions(window=2)
     with pytest.raises(ValueError, match="ngram .* >= 2"):
-        check_settings(EvalSettings(methods=["vanilla", "lookahead"], baseline="vanilla", lookahead={"ngram": 1}))
-    with pytest.raises(ValueError, match="unknown lookahead setting"):
-        check_settings(EvalSettings(methods=["vanilla", "lookahead"], baseline="vanilla", lookahead={"width": 1}))
-    methods = build_methods(llama, ["vanilla", "lookahead"], method_options(settings))
+        check_settings(EvalSettings(methods=["vanilla", "lookahead"], baseline="vanilla",
+                                    options={"lookahead_ngram": 1}))
+    with pytest.raises(ValueError, match=r"unknown method option\(s\) \['lookahead_width'\]"):
+        check_settings(EvalSettings(methods=["vanilla", "lookahead"], baseline="vanilla",
+                                    options={"lookahead_width": 1}))
+    methods = build_methods(llama, ["vanilla", "lookahead"], every_options(settings.options))
     runs = {name: run([5, 6, 7, 5, 6, 7], greedy(12)) for name, run in methods.items()}
     assert runs["lookahead"].token_ids == runs["vanilla"].token_ids
 
@@ -312,7 +315,7 @@ def test_the_sweep_config_sets_its_sizes(tiny_model_dir, tmp_path):
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf" / "eval"), version_base=None):
         settings = settings_from(compose("sweep", overrides=[*overrides, "baseline=vanilla", "lookahead.window=2",
                                                              "lookahead.candidates=3"]))
-    assert settings.lookahead == {"window": 2, "candidates": 3}
+    assert every_options(settings.options)["lookahead"] == LookaheadOptions(window=2, candidates=3)
     records, _, _ = evaluate(settings, progress=False)
     assert {r.method for r in records} == {"vanilla", "lookahead"} and all(r.identical_to_baseline for r in records)
 
@@ -328,7 +331,7 @@ def test_benchmark_and_tune_take_its_flags(capsys, monkeypatch):
     for module in (eagle_lite.targets.loading, eval.sweep):
         monkeypatch.setattr(module, "load_target", refuse)
     args = benchmark.parse_args(["--methods", "vanilla,lookahead", "--lookahead-window", "3"])
-    assert benchmark.settings_of(args).lookahead == {"window": 3}
+    assert every_options(benchmark.settings_of(args).options)["lookahead"] == LookaheadOptions(window=3)
     assert benchmark.main(["--methods", "vanilla,lookahead", "--lookahead-ngram", "1"]) == 1
     assert "lookahead ngram (--lookahead-ngram) must be an integer >= 2" in capsys.readouterr().err
     assert tune.main(["--method", "lookahead", "--lookahead-ngrams", "1,3"]) == 1

@@ -9,6 +9,7 @@ from conftest import make_target
 from eagle_lite.config import TreeConfig, resolve_tree
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.lookup_graft import LookupGraft
+from eagle_lite.options import options_of
 
 
 def test_every_registered_method_builds_a_drafter_with_its_default_options(monkeypatch):
@@ -50,10 +51,10 @@ def test_options_are_checked_before_a_model_loads():
 
 def test_flags_reach_the_eagle_options():
     for name in ("eagle", "staged", "auto"):
-        assert registry.options_from_flags(name, draft="random", draft_sampling="match") == registry.EagleOptions(
+        assert options_of(name, {"draft": "random", "draft_sampling": "match"}) == registry.EagleOptions(
             draft="random", draft_sampling="match")
-    assert registry.options_from_flags("eagle").draft_sampling == registry.EagleOptions().draft_sampling
-    assert registry.options_from_flags("eagle", draft_vocab="full") == registry.EagleOptions(draft_vocab="full")
+    assert options_of("eagle").draft_sampling == registry.EagleOptions().draft_sampling
+    assert options_of("eagle", {"draft_vocab": "full", "exit_layer": 3}) == registry.EagleOptions(draft_vocab="full")
 
 
 def test_the_tree_is_defaults_then_the_recommendation_then_the_flags():

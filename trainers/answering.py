@@ -1,8 +1,10 @@
 """How the target answers distillation prompts: eagle_lite's own decoding engine, or batched `generate()`.
 
-  "engine"   - `eagle_lite.decoding.engine.Engine` with the head shipped for the target (prompt lookup where none
-               ships), `batch_size` prompts decoded together as a server batches requests (`Engine.begin_all`,
-               `Engine.step`: each over its own cache, a finished one replaced by the next prompt at once).
+  "engine"   - `eagle_lite.decoding.engine.Engine` with the drafting method `method` (data.distill.method and
+               .options, the keys of eagle_lite/options.py; "auto": the head shipped for the target, prompt lookup
+               where none ships), `batch_size` prompts decoded together as a server batches requests
+               (`Engine.begin_all`, `Engine.step`: each over its own cache, a finished one replaced by the next
+               prompt at once).
                Speculative decoding is lossless, so each answer is the target's own greedy answer (or a draw
                from its own distribution when sampling, from the prompt's own seeded generator), and on a CPU
                it is the faster way (docs/benchmarks.md, "Distillation backends"). The speed-ups it applies to
@@ -17,12 +19,16 @@ from the weights' GGUF grid codes; the tests check them token for token on a tin
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from eagle_lite.drafters import registry
+from eagle_lite.options import option_values, options_of, unknown_keys
+from eagle_lite.pipeline import for_target
 from eagle_lite.targets.model import Target
 
 from .targets import pad_token_id
@@ -92,13 +98,13 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
     """
     from eagle_lite.config import GenerationConfig, SamplingConfig
 
-    engine, tree = _engine_for(target)
+    pipeline = _pipeline_for(target, cfg.method, cfg.options)
+    engine, tree = pipeline.engine, pipeline.tree
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else SamplingConfig()
     configs = [GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, tree=tree,
                                 seed=int(torch.randint(2**62, (1,))) if cfg.do_sample else None) for _ in prompts]
-    sibling = getattr(engine.drafter, "sibling", None)
-    width = cfg.batch_size if sibling is not None else 1      # a drafter keeps per-sequence state: one each
-    free = [engine.drafter] + [sibling() for _ in range(min(width, len(prompts)) - 1)]
+    new_drafter = pipeline.drafter_factory()                  # a drafter keeps per-sequence state: one each
+    free = [engine.drafter] + [new_drafter() for _ in range(min(cfg.batch_size, len(prompts)) - 1)]
     answers: list[list[int]] = [[] for _ in prompts]
     waiting = deque(range(len(prompts)))
     running: list[tuple[int, object]] = []                    # (prompt index, its engine Sequence)
@@ -122,23 +128,34 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
     return answers
 
 
-def _engine_for(target: Target):
-    """The engine that answers for `target` (built once per target and kept on it, so it goes with the target), with
-    the speed-ups and tree-attention backend applied to it (the features stage and batched generate() run it as
-    built, inside `Target.stock`), and the head shipped for it."""
-    if getattr(target, "_distill_engine", None) is None:
-        from eagle_lite.config import resolve_tree
-        from eagle_lite.decoding.engine import Engine
-        from eagle_lite.drafters import registry
+_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # target -> {(method, options): Pipeline}
 
+
+def check_method(method: str, options: dict) -> None:
+    """Refuse `data.distill.method` and `data.distill.options` (its option keys, eagle_lite/options.py) that cannot
+    work, before a target loads: ValueError naming the setting."""
+    unknown = unknown_keys(option_values(options))
+    if unknown:
+        raise ValueError(f"data.distill.options has unknown key(s) {unknown}: each is a drafting method's option")
+    registry.check(method, options_of(method, option_values(options)))
+
+
+def _pipeline_for(target: Target, method: str = "auto", options: dict | None = None):
+    """The pipeline that answers for `target` with `method` and its `options` (built once per target and kept while
+    the target lives), with the speed-ups and tree-attention backend applied to the target (the features stage and
+    batched generate() run it as built, inside `Target.stock`). "auto": the head shipped for it, else lookup."""
+    settings = options_of(method, option_values(options or {}))
+    built = _PIPELINES.setdefault(target, {})
+    if (method, settings) not in built:
         target.speed_up()
         try:
-            drafter = registry.build(registry.AUTO, target)     # the shipped head, else prompt lookup
+            pipeline = for_target(target, method, settings)
         except (ValueError, FileNotFoundError) as err:
+            if method != registry.AUTO:
+                raise
             log.warning("distill: the head shipped for '%s' does not load (%s); drafting by prompt lookup",
                         target.name, err)
-            drafter = registry.build("lookup", target)
-        log.info("distill: answering with eagle_lite's engine (%s drafter)", drafter.name)
-        target._distill_engine = (Engine(target, drafter), resolve_tree(getattr(drafter, "recommended_tree", None),
-                                                                    device=str(target.device)))
-    return target._distill_engine
+            pipeline = for_target(target, "lookup")
+        log.info("distill: answering with eagle_lite's engine (%s drafter)", pipeline.engine.drafter.name)
+        built[(method, settings)] = pipeline
+    return built[(method, settings)]

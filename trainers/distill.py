@@ -38,7 +38,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ from eagle_lite.chat_format import chat_text, clean_text
 from eagle_lite.cli import entry_point
 from eagle_lite.targets.model import Target
 
-from .answering import BACKENDS, generate_answers, resolve_backend
+from .answering import BACKENDS, check_method, generate_answers, resolve_backend
 from .shards import file_damage, file_digest
 from .targets import pad_token_id
 
@@ -82,6 +82,8 @@ class DistillConfig:
     seed: int = 0
     backend: str = "auto"         # "engine" (eagle_lite's decoding, batch_size prompts stepped together) |
                                   # "generate" (batched model.generate) | "auto" (engine on a CPU): answering.py
+    method: str = "auto"          # backend "engine": the drafting method (any of eagle_lite.drafters.NAMES)
+    options: dict = field(default_factory=dict)   # its options by config key (eagle_lite/options.py): exit_layer: 2
     start_from: str | None = None  # a folder of finished shards (the committed data/distill/...) to start from
     prompt_len_min: int = 4       # synthetic only
     prompt_len_max: int = 16
@@ -99,6 +101,7 @@ class DistillConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"data.distill.backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.backend!r}")
+        check_method(self.method, self.options)
         if self.offset < 0:
             raise ValueError(f"data.distill.offset must be >= 0, got {self.offset}")
         if self.min_user_turns < 1 or self.loss_from_turn < 0:

@@ -4,8 +4,10 @@ drafter here, and "auto" is resolved here alone.
     drafter = build("eagle", target, EagleOptions(draft="auto"))
     drafter = build("lookup", target)                 # default options
 
-A new method is one module in drafters/ plus one `Method` line in `METHODS`. Each method takes its own options
-dataclass; `check` validates what can be checked before the (slow) target load.
+A new method is one module in drafters/ (its drafter, its options dataclass and a function building the one from the
+other) plus one `Method` line in `METHODS`. An options field declared with `config.option` is a flag of every entry
+point and a key of every config (eagle_lite/options.py); `check` validates what can be checked before the (slow)
+target load.
 """
 from __future__ import annotations
 
@@ -15,12 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DRAFT_SAMPLING, DRAFT_VOCAB
+from ..config import DRAFT_SAMPLING, DRAFT_VOCAB, option
 from ..decoding.drafter import Drafter, NoDrafter
 
 log = logging.getLogger("eagle_lite")
-
-
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,18 @@ class EagleOptions:
     for heads that score through the target's lm_head (DraftHead.over_full_vocabulary): costlier per draft row,
     and it accepts more in wide trees (docs/training.md)."""
 
-    draft: str | None = "auto"
+    draft: str | None = option("auto", "draft", "draft head: 'auto' (shipped for the target), 'random' (untrained, "
+                               "exact but slow), or a folder")
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True
-    draft_sampling: str = "q"
-    draft_vocab: str = "head"
+    draft_sampling: str = option("q", "draft-sampling", "with --temperature > 0: 'q' draws the tree from the head's "
+                                 "distribution and accepts sibling by sibling by recursive rejection (EAGLE's "
+                                 "sampling); 'match' drafts the head's top-k and accepts the child the target's sample "
+                                 "matches. Both exact", choices=DRAFT_SAMPLING)
+    draft_vocab: str = option("head", "draft-vocab", "'head' drafts over the head's own draft vocabulary; 'full' over "
+                              "the target's whole vocabulary (heads that score through the target's lm_head): each "
+                              "draft row costs more, and wide trees accept more", choices=DRAFT_VOCAB)
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,8 @@ class DraftModelOptions:
     """model: a smaller LM sharing the target's tokenizer (any spec `load_target` takes), or `draft_target`
     already loaded. num_tokens: chain length to start with (adaptive: grows and shrinks with acceptance)."""
 
-    model: str | None = None
+    model: str | None = option(None, "draft-model", "the smaller model (same tokenizer as the target), given like "
+                               "--target", metavar="SPEC")
     draft_target: Any = None
     num_tokens: int = 4
     adaptive: bool = True
@@ -67,7 +74,8 @@ class DraftModelOptions:
 class LayerSkipOptions:
     """exit_layer: the target's first N decoder layers draft (None: half of them)."""
 
-    exit_layer: int | None = None
+    exit_layer: int | None = option(None, "exit-layer", "draft with the target's first N decoder layers (None: half "
+                                    "of them)", type=int, metavar="N")
     num_tokens: int = 4
     adaptive: bool = True
 
@@ -77,8 +85,10 @@ class MedusaOptions:
     """heads: a folder written by `save_medusa`, "random" (untrained: exact but slow), or loaded MedusaHeads.
     choices: the tree as rank paths, JSON text or a .json file (None: drafters.medusa.DEFAULT_CHOICES)."""
 
-    heads: Any = None
-    choices: Any = None
+    heads: Any = option(None, "medusa", "heads saved by `python -m trainers.train experiment=medusa`, or 'random'",
+                        metavar="PATH")
+    choices: Any = option(None, "medusa-choices", "the tree as rank paths, e.g. '[[0],[1],[0,0]]', or a .json file "
+                          "(None: a 12-node tree)", metavar="JSON")
 
 
 @dataclass(frozen=True)
@@ -88,9 +98,11 @@ class LookaheadOptions:
     defaults suit a CPU, where each verified row costs a good fraction of a one-token forward: wider windows find
     more n-grams but pay only where extra rows are nearly free (a GPU)."""
 
-    window: int = 1
-    ngram: int = 3
-    candidates: int = 2
+    window: int = option(1, "lookahead-window", "Jacobi window width, W verify rows per level; 0: no window",
+                         type=int, metavar="W")
+    ngram: int = option(3, "lookahead-ngram", "n-gram length, >= 2 (the window has N - 1 levels)", type=int,
+                        metavar="N")
+    candidates: int = option(2, "lookahead-candidates", "pool n-grams verified per step", type=int, metavar="G")
 
 
 @dataclass(frozen=True)
@@ -225,31 +237,6 @@ AUTO = "auto"   # eagle where a head is given or ships for the target, else look
 
 
 HEAD_METHODS = ("eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
-
-
-def options_from_flags(name: str, draft: str | None = "auto", draft_model: str | None = None,
-                       exit_layer: int | None = None, medusa: str | None = None, medusa_choices=None,
-                       draft_sampling: str | None = None, lookahead_window: int | None = None,
-                       lookahead_ngram: int | None = None, lookahead_candidates: int | None = None,
-                       draft_vocab: str | None = None) -> Any:
-    """The options of method `name` from the command-line flags every entry point shares (each flag belongs to
-    one method; the others are ignored; None: the method's default)."""
-    if name == AUTO or name in HEAD_METHODS:
-        given = {"draft_sampling": draft_sampling, "draft_vocab": draft_vocab}
-        return EagleOptions(draft=draft, **{k: v for k, v in given.items() if v})
-    _method(name)
-    return {"lookup": LookupOptions, "vanilla": VanillaOptions,
-            "lookahead": lambda: lookahead_options(lookahead_window, lookahead_ngram, lookahead_candidates),
-            "draft_model": lambda: DraftModelOptions(model=draft_model),
-            "layer_skip": lambda: LayerSkipOptions(exit_layer=exit_layer),
-            "medusa": lambda: MedusaOptions(heads=medusa, choices=medusa_choices)}[name]()
-
-
-def lookahead_options(window: int | None = None, ngram: int | None = None,
-                      candidates: int | None = None) -> LookaheadOptions:
-    """LookaheadOptions with the sizes given (None: the default)."""
-    given = {"window": window, "ngram": ngram, "candidates": candidates}
-    return LookaheadOptions(**{k: v for k, v in given.items() if v is not None})
 
 
 def options_for(name: str, options: Any = None) -> Any:

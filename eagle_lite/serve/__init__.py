@@ -18,46 +18,27 @@ what FastAPI gives (with its error handlers and streaming responses) and nothing
 """
 from __future__ import annotations
 
-import dataclasses
-
+from ..config import TreeConfig
 from ..decoding.engine import Engine
-from ..drafters import registry
 from ..pipeline import Pipeline
 from .app import Service, create_app
 from .cost import CostModel, measure_verify
 from .metrics import Metrics
 from .scheduler import Limits, Refused, Scheduler
 
-__all__ = ["Limits", "Refused", "Service", "build_service", "create_app", "drafter_factory"]
-
-
-def drafter_factory(pipeline: Pipeline, options=None):
-    """A function making fresh drafters of the pipeline's method (one per sequence of a batch: a drafter keeps
-    per-sequence state); an EAGLE head is loaded once and shared, with its speed-ups and output weight."""
-    method = pipeline.method
-    if method == "vanilla":
-        from ..drafters import NoDrafter
-
-        return NoDrafter
-    if options is not None and not isinstance(options, registry.METHODS[method].options):
-        options = None   # options given for "auto", which resolved to another method
-    options = registry.options_for(method, options)
-    if method in registry.HEAD_METHODS and getattr(options, "head", None) is None:
-        options = dataclasses.replace(options, head=pipeline.engine.drafter.head)
-    first = registry.build(method, pipeline.target, options)
-    # head drafters: siblings of one, sharing its head's output weight instead of a copy each
-    return getattr(first, "sibling", None) or (lambda: registry.build(method, pipeline.target, options))
+__all__ = ["Limits", "Refused", "Service", "build_service", "create_app"]
 
 
 def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), make_drafter=None,
                   options=None, default_max_tokens: int = 256, default_temperature: float = 0.0,
                   default_seed: int | None = None, verify_seconds: dict | None = None,
-                  threads: tuple[int, int] | None = None) -> Service:
+                  threads: tuple[int, int] | None = None, tree: TreeConfig | None = None) -> Service:
     """The server's state around a loaded pipeline; `start()` its scheduler before serving.
     verify_seconds: the forward cost table of cost.py (None: measured now, about a second). threads: torch
-    threads for small and for large batches (scheduler.BUSY_BATCH; None: as they are)."""
-    make_drafter = make_drafter or drafter_factory(pipeline, options)
-    tree = pipeline.tree
+    threads for small and for large batches (scheduler.BUSY_BATCH; None: as they are). tree: every request's draft
+    tree (None: the pipeline's)."""
+    make_drafter = make_drafter or pipeline.drafter_factory(options)
+    tree = tree or pipeline.tree
     probe = make_drafter()
     tree_nodes = probe.max_tree_nodes(tree)
     cost = CostModel(verify_seconds or measure_verify(pipeline.target), tree_nodes)

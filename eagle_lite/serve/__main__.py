@@ -14,14 +14,7 @@ import sys
 import threading
 
 from ..cli import arguments, entry_point
-from ..generate import (
-    add_model_flags,
-    check_flags,
-    generation_config,
-    lookahead_flags,
-    note_default_tree,
-    quiet_libraries,
-)
+from ..options import add_model_flags, check_flags, load_from_flags, quiet_libraries
 from ..threads import check_threads
 from .scheduler import Limits
 
@@ -91,25 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import uvicorn
 
-        from ..drafters.registry import options_from_flags
-        from ..pipeline import load
         from . import build_service, create_app
 
-        threads = args.threads if args.threads is not None else torch.get_num_threads()   # the CLI's default
-        batch_threads = args.batch_threads or threads
-        torch.set_num_threads(threads)
-        options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
-                                     exit_layer=args.exit_layer, medusa=args.medusa,
-                                     medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,
-                                     draft_vocab=args.draft_vocab, **lookahead_flags(args))
-        lm = load(args.target, method=args.method, options=options, dtype=args.dtype, device=args.device,
-                  attention=args.attention)
-        cfg = generation_config(args, lm.tree)
-        note_default_tree(lm, args, cfg)
-        lm.tree = cfg.tree
-        service = build_service(lm, args.model_id or args.target or "smollm2", limits, options=options,
+        lm, cfg = load_from_flags(args)
+        threads = torch.get_num_threads()   # --threads, else torch's default (one per core)
+        service = build_service(lm, args.model_id or args.target or "smollm2", limits,
                                 default_max_tokens=args.max_new_tokens, default_temperature=args.temperature,
-                                default_seed=args.seed, threads=(threads, batch_threads))
+                                default_seed=args.seed, threads=(threads, args.batch_threads or threads),
+                                tree=cfg.tree)
     except ImportError as err:
         print(f"error: {err}: install the server's packages with pip install 'eagle_lite[serve]'", file=sys.stderr)
         return 1

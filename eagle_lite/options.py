@@ -1,0 +1,204 @@
+"""Every entry point's options in one place: the flags of `python -m eagle_lite.generate` and `python -m
+eagle_lite.serve`, the method flags of the eval tools, and the method keys of their configs and of training's.
+
+A method's own settings are declared once, on its options dataclass (`drafters/registry.py`), with `option`:
+
+    exit_layer: int | None = option(None, "exit-layer", "draft with the target's first N layers", type=int)
+
+is the flag `--exit-layer` of every entry point and the key `exit_layer` of every config. Here:
+  add_method_flags(parser)          every registered method's flags
+  option_values(args or config)     the values given for them (a config's nested keys joined by `_`:
+                                    `lookahead: {window: 2}` is `lookahead_window`)
+  options_of(method, values)        that method's options dataclass, the fields not given at their defaults
+  add_model_flags / load_from_flags the CLI's and the server's flags -> `load()` -> the GenerationConfig
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from .cli import arguments
+from .config import OPTION, Flag, GenerationConfig, SamplingConfig, TreeConfig, default_tree, option, resolve_tree
+from .drafters import registry
+from .threads import check_threads, set_threads
+
+__all__ = ["Flag", "option", "method_flags", "add_method_flags", "option_values", "options_of", "every_options",
+           "add_model_flags", "tree_flags", "generation_config", "check_flags", "load_from_flags",
+           "note_default_tree", "quiet_libraries"]
+
+
+class Declared(NamedTuple):
+    flag: Flag
+    methods: list[str]   # the methods whose options have it
+    default: Any         # its field's default
+
+
+def options_class(method: str) -> type:
+    """The options dataclass of `method` ("auto" takes EagleOptions: it runs eagle where a head exists)."""
+    return registry.EagleOptions if method == registry.AUTO else type(registry.options_for(method))
+
+
+def method_flags(methods=None) -> dict[str, Declared]:
+    """Flag key -> its declaration, over `methods` (None: every registered one), in their order."""
+    flags: dict[str, Declared] = {}
+    for name in methods if methods is not None else registry.METHODS:
+        for f in dataclasses.fields(registry.METHODS[name].options):
+            if OPTION in f.metadata:
+                declared = flags.setdefault(f.metadata[OPTION].key, Declared(f.metadata[OPTION], [], f.default))
+                declared.methods.append(name)
+    return flags
+
+
+def add_method_flags(parser, methods=None) -> None:
+    """`--name` for every option of `methods` (None: every registered method), its default the field's."""
+    for key, (flag, names, default) in method_flags(methods).items():
+        shown = "" if default is None else " (default: %(default)s)"
+        parser.add_argument(f"--{flag.name}", dest=key, default=default, type=flag.type, choices=flag.choices,
+                            metavar=flag.metavar, help=f"--method {'/'.join(names)}: {flag.help}{shown}")
+
+
+def option_values(source) -> dict[str, Any]:
+    """The method options `source` gives, by key: parsed flags (an argparse Namespace) or a config (a mapping,
+    nested keys joined by `_`). Unset ones (None) are left out: their method's default stands."""
+    items = vars(source) if isinstance(source, argparse.Namespace) else _flat(source)
+    keys = method_flags()
+    return {k: v for k, v in items.items() if k in keys and v is not None}
+
+
+def _flat(config: Mapping, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}_"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def unknown_keys(values: Mapping) -> list[str]:
+    """The keys of `values` that are no method's option."""
+    return sorted(set(values) - set(method_flags()))
+
+
+def options_of(method: str, values: Mapping | argparse.Namespace | None = None, **fields) -> Any:
+    """Method `method`'s options dataclass from `values` (`option_values`' keys; the rest are ignored) and `fields`
+    (its own field names: what a caller sets that no flag does, a loaded head)."""
+    values = option_values(values) if isinstance(values, argparse.Namespace) else dict(values or {})
+    cls = options_class(method)
+    given = {f.name: values[f.metadata[OPTION].key] for f in dataclasses.fields(cls)
+             if OPTION in f.metadata and values.get(f.metadata[OPTION].key) is not None}
+    return cls(**{**given, **fields})
+
+
+def every_options(values: Mapping | None = None) -> dict[str, Any]:
+    """Every registered method's options from `values` (`option_values`)."""
+    return {name: options_of(name, values) for name in registry.METHODS}
+
+
+# -- the CLI's and the server's flags ---------------------------------------------------------------------------
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the model, the method (every registered method's own), the draft tree and sampling: the CLI's
+    (`python -m eagle_lite.generate`) and the server's (`python -m eagle_lite.serve`) alike."""
+    tree, sampling = TreeConfig(), SamplingConfig()
+    p.add_argument("--target", default=None,
+                   help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any "
+                        "transformers causal LM whose cached tree forward matches its own (checked at load)")
+    p.add_argument("--method", default=registry.AUTO, choices=[registry.AUTO, *registry.METHODS],
+                   help="; ".join(f"{name}: {m.summary}" for name, m in registry.METHODS.items())
+                        + f"; {registry.AUTO}: eagle if a head exists, else lookup (training-free)")
+    add_method_flags(p)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
+    g = p.add_argument_group("sampling (temperature 0 = greedy)")
+    g.add_argument("--temperature", type=float, default=sampling.temperature)
+    g.add_argument("--top-p", type=float, default=sampling.top_p)
+    g.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible outputs)")
+    cpu, gpu = default_tree("cpu"), default_tree("cuda")
+    t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree; unset: the tree the draft head recommends for the "
+                             f"device, else depth {cpu.depth}, top_k {cpu.top_k}, total_tokens {cpu.total_tokens}, "
+                             f"lookup {cpu.lookup} on a CPU and depth {gpu.depth}, top_k {gpu.top_k}, total_tokens "
+                             f"{gpu.total_tokens}, lookup {gpu.lookup} on a GPU)")
+    t.add_argument("--tree-depth", type=int, default=None, help="expansion steps (longest drafted path)")
+    t.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node")
+    t.add_argument("--tree-total-tokens", type=int, default=None, help="drafted nodes verified per step")
+    t.add_argument("--tree-lookup", type=int, default=None,
+                   help="graft up to N prompt-lookup tokens onto the tree as one more path; once one is accepted "
+                        "whole, the next trees are lookup chains alone while they keep being accepted (0: off)")
+    t.add_argument("--tree-min-prob", type=float, default=None,
+                   help="verify only drafted nodes whose path probability under the draft is at least P, and stop "
+                        f"expanding below it (0: off; default {tree.min_prob})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
+    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads, >= 1 (default: one per core). Use 1 when other jobs share the cores: "
+                        "threads that wait for a busy core stall every step")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
+                   help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
+
+
+def tree_flags(args: argparse.Namespace) -> dict:
+    """The --tree-* flags as TreeConfig fields (None: unset, the drafter's recommendation stands)."""
+    return {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens,
+            "lookup": args.tree_lookup, "min_prob": args.tree_min_prob}
+
+
+def generation_config(args: argparse.Namespace, recommended: TreeConfig | None = None) -> GenerationConfig:
+    """The flags' config; the tree is resolved by `config.resolve_tree` over the drafter's recommendation."""
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
+        tree=resolve_tree(recommended, **tree_flags(args)),
+        seed=args.seed,
+    )
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse, before the (slow) model load, every flag that is wrong whatever the model: ValueError."""
+    TreeConfig.check_overrides(tree_flags(args))
+    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
+                     sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
+    check_threads(args.threads)
+    if args.static is not None:
+        if args.temperature > 0:
+            raise ValueError("--static decodes greedily: drop --temperature (or --static)")
+        from .pipeline import check_static
+
+        check_static(args.method, args.static)
+
+
+def note_default_tree(lm, args: argparse.Namespace, cfg: GenerationConfig) -> None:
+    """One `note:` line on stderr where a trained EAGLE head recommends no tree for the device and no tree flag chose
+    one: which tree runs (the device's default) and how to find this machine's (the CLI and the server). An untrained
+    head (`--draft random`) checks exactness, not speed, and gets none."""
+    chosen = any(v is not None for v in tree_flags(args).values())
+    if lm.tree_unrecommended and not chosen and args.draft != "random":
+        t = cfg.tree
+        print(f"note: the head recommends no draft tree for {args.device}, so the device's default runs (depth "
+              f"{t.depth}, top_k {t.top_k}, total_tokens {t.total_tokens}, lookup {t.lookup}); python -m eval.tune "
+              f"--method eagle --draft {args.draft} --save-tree finds and records the fastest here", file=sys.stderr)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """transformers' loading logs and progress bars only with --verbose."""
+    if not verbose:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+
+
+def load_from_flags(args: argparse.Namespace):
+    """The flags' threads, then `load()` of their target and method, then their GenerationConfig over the
+    pipeline's tree: (pipeline, config). The CLI and the server both start here."""
+    from .pipeline import load
+
+    set_threads(args.threads)
+    lm = load(args.target, method=args.method, options=options_of(args.method, args), dtype=args.dtype,
+              device=args.device, attention=args.attention, static=args.static)
+    with arguments():   # a tree flag that does not fit the head's recommended tree
+        cfg = generation_config(args, lm.tree)
+    note_default_tree(lm, args, cfg)
+    return lm, cfg

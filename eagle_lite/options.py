@@ -79,8 +79,8 @@ def _flat(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def unknown_keys(values: Mapping) -> list[str]:
-    """The keys of `values` that are no method's option."""
-    return sorted(set(values) - set(method_flags()))
+    """The keys of `values` (a config: nested keys joined by `_`) that are no method's option."""
+    return sorted(set(_flat(values)) - set(method_flags()))
 
 
 def options_of(method: str, values: Mapping | argparse.Namespace | None = None, **fields) -> Any:

@@ -134,7 +134,7 @@ _PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # target -
 def check_method(method: str, options: dict) -> None:
     """Refuse `data.distill.method` and `data.distill.options` (its option keys, eagle_lite/options.py) that cannot
     work, before a target loads: ValueError naming the setting."""
-    unknown = unknown_keys(option_values(options))
+    unknown = unknown_keys(options)
     if unknown:
         raise ValueError(f"data.distill.options has unknown key(s) {unknown}: each is a drafting method's option")
     registry.check(method, options_of(method, option_values(options)))

@@ -1,5 +1,8 @@
 """The one error boundary of every entry point: command-line tools (`entry_point`) and Hydra runs (`hydra_entry`).
 
+Not the command line itself: that is `python -m eagle_lite.generate` (eagle_lite/generate.py), and the flags it shares
+with the server and the eval tools are eagle_lite/options.py's.
+
 What a user can cause ends in one line on stderr and an exit status, never a traceback:
   1    an error: a missing or damaged file, a full or read-only disk (OSError, named with its errno), a setting no
        model can take (ValueError), a failed load (RuntimeError)

@@ -45,7 +45,7 @@ class Pipeline:
 
     def drafter_factory(self, options=None) -> Callable[[], Drafter]:
         """A function making fresh drafters of this method (one per sequence of a batch: a drafter keeps
-        per-sequence state); an EAGLE head is loaded once and shared, with its speed-ups and output weight.
+        per-sequence state); the pipeline's EAGLE head is shared, with its speed-ups and output weight.
         options: the method's (None: the pipeline's own; options of another method, given for "auto": ignored)."""
         method = self.method
         if method == "vanilla":
@@ -54,7 +54,7 @@ class Pipeline:
         if options is not None and not isinstance(options, registry.METHODS[method].options):
             options = None   # options given for "auto", which resolved to another method
         options = registry.options_for(method, options)
-        if method in registry.HEAD_METHODS and options.head is None:
+        if method in registry.HEAD_METHODS:   # the head this pipeline runs, with its speed-ups
             options = replace(options, head=self.engine.drafter.head)
         first = registry.build(method, self.target, options)
         # head drafters: siblings of one, sharing its head's output weight instead of a copy each

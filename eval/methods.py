@@ -144,9 +144,6 @@ def method_names() -> tuple[str, ...]:
     return (*HF_METHODS[:3], *registry.METHODS, *VARIANTS, *STATIC_METHODS, "llama_cpp")
 
 
-NAMES = method_names()   # as the registry was at import
-
-
 def registry_method(name: str, options: dict[str, Any]) -> tuple[str, Any] | None:
     """(registry method, its options) that eval's method `name` runs; None for the HF, llama.cpp and static-step
     methods. options: each registry method's options (None: defaults)."""

@@ -19,7 +19,6 @@ from the weights' GGUF grid codes; the tests check them token for token on a tin
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -128,7 +127,9 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
     return answers
 
 
-_PIPELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # target -> {(method, options): Pipeline}
+# the pipelines answering for the target distilled last, by (method, options): one target at a time, so that a
+# pipeline (which holds its target) keeps no other target alive
+_answering: dict = {"target": None, "pipelines": {}}
 
 
 def check_method(method: str, options: dict) -> None:
@@ -141,11 +142,13 @@ def check_method(method: str, options: dict) -> None:
 
 
 def _pipeline_for(target: Target, method: str = "auto", options: dict | None = None):
-    """The pipeline that answers for `target` with `method` and its `options` (built once per target and kept while
-    the target lives), with the speed-ups and tree-attention backend applied to the target (the features stage and
+    """The pipeline that answers for `target` with `method` and its `options` (built once, and kept until another
+    target answers), with the speed-ups and tree-attention backend applied to the target (the features stage and
     batched generate() run it as built, inside `Target.stock`). "auto": the head shipped for it, else lookup."""
     settings = options_of(method, option_values(options or {}))
-    built = _PIPELINES.setdefault(target, {})
+    if _answering["target"] is not target:
+        _answering.update(target=target, pipelines={})
+    built = _answering["pipelines"]
     if (method, settings) not in built:
         target.speed_up()
         try:

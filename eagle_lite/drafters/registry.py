@@ -227,9 +227,11 @@ METHODS: dict[str, Method] = {
     "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
     "lookahead": Method(LookaheadOptions, _lookahead, "lookahead decoding: Jacobi window + n-gram pool (training-free)",
                         _check_lookahead),
-    "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain", _check_draft_model),
-    "layer_skip": Method(LayerSkipOptions, _layer_skip, "the target's first layers draft (no extra weights)"),
-    "medusa": Method(MedusaOptions, _medusa, "Medusa heads' static tree", _check_medusa),
+    "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain (--draft-model)",
+                          _check_draft_model),
+    "layer_skip": Method(LayerSkipOptions, _layer_skip,
+                         "the target's first --exit-layer layers draft (no extra weights)"),
+    "medusa": Method(MedusaOptions, _medusa, "Medusa heads' static tree (--medusa)", _check_medusa),
     "vanilla": Method(VanillaOptions, lambda target, o: NoDrafter(), "one target forward per token"),
 }
 NAMES = tuple(METHODS)

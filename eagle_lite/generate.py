@@ -28,7 +28,7 @@ from .drafters.registry import (
     LookaheadOptions,
     options_from_flags,
 )
-from .threads import check_threads
+from .threads import check_threads, set_threads
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
 
@@ -304,12 +304,9 @@ def quiet_libraries(verbose: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, then answer --prompt or chat; returns the exit status."""
-    import torch
-
     from .pipeline import load
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                  exit_layer=args.exit_layer, medusa=args.medusa, medusa_choices=args.medusa_choices,
                                  draft_sampling=args.draft_sampling, draft_vocab=args.draft_vocab,

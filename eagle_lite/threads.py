@@ -1,4 +1,5 @@
-"""torch CPU threads: the one check behind every entry point's --threads and every config's `threads`."""
+"""torch CPU threads: the one check behind every entry point's --threads and every config's `threads`, and the one
+place that sets them (`set_threads`)."""
 from __future__ import annotations
 
 import logging
@@ -31,3 +32,17 @@ def check_threads(threads: int | None, name: str = "--threads") -> int | None:
         log.warning("%s %d is more than the %d CPU cores here: the extra threads wait for a core and slow every "
                     "step; use %d or fewer", name, threads, cores, cores)
     return threads
+
+
+def set_threads(threads: int | None, name: str = "--threads") -> int:
+    """Checks `threads` (`check_threads`) and makes it torch's CPU thread count; returns the count now in use.
+
+    None leaves torch's count as it is. Setting the count it already has is skipped (a loop may call this at every
+    step). Every runtime entry point, eval tool and trainer sets threads here, not with `torch.set_num_threads`.
+    """
+    import torch
+
+    threads = check_threads(threads, name)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

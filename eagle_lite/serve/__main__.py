@@ -22,7 +22,7 @@ from ..generate import (
     note_default_tree,
     quiet_libraries,
 )
-from ..threads import check_threads
+from ..threads import check_threads, set_threads
 from .scheduler import Limits
 
 log = logging.getLogger("eagle_lite.serve")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
         threads = args.threads if args.threads is not None else torch.get_num_threads()   # the CLI's default
         batch_threads = args.batch_threads or threads
-        torch.set_num_threads(threads)
+        set_threads(threads)
         options = options_from_flags(args.method, draft=args.draft, draft_model=args.draft_model,
                                      exit_layer=args.exit_layer, medusa=args.medusa,
                                      medusa_choices=args.medusa_choices, draft_sampling=args.draft_sampling,

@@ -32,6 +32,7 @@ from ..config import GenerationConfig, check_finite, check_whole
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, reusable, shared_start, token_budget
 from ..kv_cache import ContextOverflowError, StaticKVCache
+from ..threads import set_threads
 from .cost import CostModel
 
 log = logging.getLogger("eagle_lite.serve")
@@ -382,9 +383,7 @@ class Scheduler:
     def _step(self) -> None:
         seqs = [seq for _, seq in self.running]
         if self.threads is not None:
-            want = self.threads[len(seqs) >= BUSY_BATCH]
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
+            set_threads(self.threads[len(seqs) >= BUSY_BATCH])
         cap = self.cost.choose(len(seqs))
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))

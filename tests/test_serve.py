@@ -3,6 +3,7 @@ clients whose greedy answers equal single-request decoding, cancellation, every 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -188,6 +189,57 @@ def test_bad_requests_are_400s_naming_the_field(serve):
     assert r.status_code == 413 and error_of(r)["code"] == "context_length_exceeded"
     r = httpx.get(s.url + "/v1/nothing")
     assert r.status_code == 404 and error_of(r)
+    assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
+
+
+def test_a_body_nested_at_any_depth_is_a_400(serve):
+    from eagle_lite.serve.protocol import MAX_DEPTH, parse_json
+
+    s = serve()
+    # one past the limit; shallow enough for json to read; past Python's stack (a RecursionError in json)
+    bodies = ['{"model": "tiny", "messages": ' + "[" * depth + "]" * depth + "}" for depth in (MAX_DEPTH, 900, 5000)]
+    for body in bodies + ["[" * 100_000 + "]" * 100_000]:
+        r = s.post("/v1/chat/completions", body)
+        assert r.status_code == 400, (body[:40], r.text)
+        assert error_of(r)["code"] == "invalid_json" and f"nested more than {MAX_DEPTH}" in error_of(r)["message"]
+    assert s.service.metrics.requests.get(("/v1/chat/completions", 500)) is None
+    nested = {"a": [{"b": [[["x"]]]}]}   # 6 deep
+    for _ in range(MAX_DEPTH - 6):
+        nested = {"n": nested}
+    assert parse_json(json.dumps(nested).encode()) == nested   # exactly MAX_DEPTH deep is read
+    with pytest.raises(Exception, match=f"nested more than {MAX_DEPTH}"):
+        parse_json(json.dumps({"n": nested}).encode())
+    assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage() + (" traceback" if record.exc_info else ""))
+
+
+def test_a_client_that_disconnects_mid_request_is_not_logged_as_a_failure(serve):
+    s = serve()
+    records = Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "eagle_lite.serve")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:   # half a request, then gone
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\", ")
+            time.sleep(0.2)
+        requests = s.service.metrics.requests
+        wait_until(lambda: any(path == "/v1/completions" for path, _ in requests))
+        time.sleep(0.2)   # uvicorn logs an application's exception after the response
+        assert dict(requests) == {("/v1/completions", 499): 1}
+        assert not [line for line in records.lines if "traceback" in line or "Exception" in line], records.lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
     assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
 
 

@@ -2,9 +2,10 @@
 
 Every answer is JSON or server-sent events in OpenAI's shapes; every failure is OpenAI's error object with a
 status (400 bad request, 404 no such route, 413 too long, 429 busy, 503 draining, 500 a failed generation),
-never a traceback. Text is detokenized here, on the event loop: a step's tokens are decoded with everything
-before them (a multi-byte character held back until it is whole), and stop strings are found in that text (the
-text before the first one is returned and the sequence is cancelled).
+never a traceback; a client that disconnects before its request is whole is counted as 499 (nginx's "client
+closed request") and answered with nothing. Text is detokenized here, on the event loop: a step's tokens are
+decoded with everything before them (a multi-byte character held back until it is whole), and stop strings are
+found in that text (the text before the first one is returned and the sequence is cancelled).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import GenerationConfig, SamplingConfig, TreeConfig
 from ..decoding.engine import GenerationStats
@@ -140,7 +142,13 @@ def create_app(service: Service) -> FastAPI:
     async def complete(request: Request, chat: bool):
         if scheduler.draining:
             raise Refused(503, "the server is shutting down; retry on another instance", None, "draining")
-        body = parse_json(await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:   # gone mid-body: no one to answer, and no failure of the server's to log
+            log.info("a client disconnected before sending its whole request to %s", request.url.path)
+            metrics.request(request.url.path, 499)
+            return Response(status_code=499)
+        body = parse_json(raw)
         params = parse(body, service.model_id, chat, service.default_max_tokens, service.default_temperature)
         try:
             prompt_ids = service.pipeline.prompt_ids(params.prompt, chat_template=chat)

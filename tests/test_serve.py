@@ -387,34 +387,6 @@ def test_batch_threads_below_one_is_one_line_before_loading(capsys):
     assert "--batch-threads must be a whole number >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stops", [[], ["é!"], ["cat"]])
-def test_streamed_text_is_the_whole_answer_decoded_at_once(stops):
-    """The detokenizer decodes a short window of the latest tokens each step; its pieces still add up to the text
-    decoding every token at once gives (a SentencePiece-style leading space dropped, a character split across
-    tokens held back until complete), cut before the first stop string."""
-    from eagle_lite.serve.app import Detokenizer
-
-    pieces = [b" the", b" cat", b" caf", b"\xc3", b"\xa9", b"!", b" \xe2\x82", b"\xac", b"1", b" ok", b"\n"]
-
-    def decode(ids):   # bytes joined, undecodable bytes shown as U+FFFD, one leading space dropped
-        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace").removeprefix(" ")
-
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        ids = torch.randint(len(pieces), (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-        text, out, at = Detokenizer(decode, stops), [], 0
-        while at < len(ids) and not text.stopped:
-            step = int(torch.randint(1, 4, (1,), generator=g))
-            out.append(text.add(ids[at:at + step]))
-            at += step
-        if not text.stopped:
-            out.append(text.add([], final=True))
-        whole = decode(ids)
-        cut = min((whole.find(s) for s in stops if s in whole), default=len(whole))
-        assert "".join(out) == whole[:cut]
-        assert text.stopped == (cut < len(whole))
-
-
 def test_requests_admitted_together_are_prefilled_in_packs(chat_target, monkeypatch):
     """Requests waiting when the worker turns are prefilled several to a forward (up to PACK_TOKENS prompt tokens a
     pack), answer what each answers alone, and a prefill that fails fails its own request only."""

@@ -12,9 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..kernels.certified_argmax import CertifiedArgmax
-from ..kernels.cpu_linear import FEW_ROWS, few_rows_product
-from ..kernels.grid_linear import MAX_GRID_ROWS, GridWeight
+from ..kernels import FEW_ROWS, MAX_GRID_ROWS, CertifiedArgmax, GridWeight, few_rows_product
 
 # On CPU a one-row lm_head product streams a transposed (H x V) copy of the weight about twice as fast
 # as the row-major original (MKL's gemv), so targets whose lm_head is at most this large keep one.

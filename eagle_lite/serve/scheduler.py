@@ -235,7 +235,7 @@ class Scheduler:
     def run(self) -> None:
         """The batch loop, until `stop`: admit, drop the cancelled, step. A server runs it on the thread that loaded
         the model (torch's OpenMP worker threads belong to the thread that starts them: a second thread running torch
-        gets workers of its own, libgomp then throttles their spinning, and a step takes about twice as long)."""
+        gets workers of its own, libgomp then throttles their spinning, and a step takes far longer)."""
         while True:
             with self._cond:
                 while not self._stopped and self.idle:

@@ -11,8 +11,9 @@ eagle3: official EAGLE-3, vLLM (method "eagle3"), SGLang (EAGLE3), SpecForge's l
 medusa: vLLM (method "medusa") and FasterDecoding/Medusa.
 No HEAD: the target itself (formats/hf_target.py), the folder vLLM, official EAGLE, OpenVINO's converter and
         transformers 4.x and 5.x load as they are; reloaded once with transformers and checked against the original.
-What a loader will do differently with the head is printed as notes; a head the format cannot express is refused
-with the reason. docs/deploy.md has the serving commands.
+What a loader will do differently with the head is printed as notes, with what it costs, measured; a folder an
+engine would draft worse from (more than AGREEMENT_MARGIN) or a head the format cannot express is refused with the
+reason. docs/deploy.md has the serving commands.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ FORMATS = ("eagle", "eagle3", "medusa")
 ENGINES = ("official", "sglang", "vllm")
 EAGLE3_ENGINES = ("openvino", "speculators")          # --format eagle3 only
 DTYPES = ("bfloat16", "float16", "float32")
+# How far an engine's measured first-token agreement (formats/fidelity.py) may fall below the head's own, as a share
+# of the measured positions, before a folder it would run inexactly is refused without --allow-lossy. Within it the
+# engine drafts as well as the head as far as the measurement tells; docs/deploy.md states it.
+AGREEMENT_MARGIN = 0.02
 
 
 def head_config(path: Path) -> dict:
@@ -62,14 +67,16 @@ def target_spec(path: Path, given: str | None) -> str:
 
 
 class LossyExport(ValueError):
-    """An engine would run the head inexactly and --allow-lossy was not given."""
+    """An engine would run the head inexactly, drafting worse by more than AGREEMENT_MARGIN, and --allow-lossy was
+    not given."""
 
 
 def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype, engine: str = "all",
            allow_lossy: bool = False, verifier: str | None = None) -> list[str]:
     """Write the head at `head_path` (any folder --draft / --medusa take) for `target` in format `fmt` to `out`;
-    returns the notes for the user. engine (format eagle): the engine the folder is for, "all" for every one;
-    a head some of them cannot run exactly is refused (LossyExport) with the measured loss unless allow_lossy."""
+    returns the notes for the user. engine (format eagle): the engine the folder is for, "all" for every one.
+    What an engine runs differently of the head is measured and noted; where its first-token agreement drops by
+    more than AGREEMENT_MARGIN the head is refused (LossyExport) with the measurement unless allow_lossy."""
     from .formats import load_head, load_medusa
     from .formats.eagle import write_eagle
     from .formats.eagle3 import write_eagle3
@@ -90,22 +97,30 @@ def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torc
     if fmt == "eagle3":
         return write_eagle3(head, target, out, meta, dtype, engine, verifier)
     losses = eagle_losses(head, target, engine)
-    if losses and not allow_lossy:
-        exact = [n for n in ENGINES if n not in losses and engine in ("all", n)]
+    lossy = [loss for loss in losses if loss.drop > AGREEMENT_MARGIN]
+    if lossy and not allow_lossy:
+        exact = [n for n in ENGINES if n not in {loss.engine for loss in losses} and engine in ("all", n)]
         hint = (f"--engine {exact[0]} writes it exactly for {exact[0]}; " if exact else "")
-        raise LossyExport(f"{' '.join(f'{v}.' for v in losses.values())} Not written: {hint}--allow-lossy writes "
-                          f"it anyway")
+        raise LossyExport(f"{' '.join(f'{loss.sentence()}: {below(loss)}.' for loss in lossy)} Not written: "
+                          f"{hint}--allow-lossy writes it anyway")
     notes = write_eagle(head, target, out, meta, dtype, engine="vllm" if engine == "vllm" else "all")
-    return notes + [f"lossy, written with --allow-lossy: {v}" for v in losses.values()]
+    return notes + [f"lossy, written with --allow-lossy: {loss.sentence()}: {below(loss)}" if loss in lossy else
+                    f"differs, written (within the margin): {loss.sentence()}" for loss in losses]
 
 
-def eagle_losses(head, target, engine: str) -> dict[str, str]:
-    """What each engine the eagle folder is for loses of `head`, measured (formats/fidelity.py)."""
-    from .formats.fidelity import losses_report
+def below(loss) -> str:
+    """How far `loss`'s agreement falls short, against the margin."""
+    return (f"{100 * loss.drop:.1f} points below, more than the {100 * AGREEMENT_MARGIN:g} the export allows without "
+            f"--allow-lossy")
+
+
+def eagle_losses(head, target, engine: str) -> list:
+    """What each engine the eagle folder is for runs differently of `head`, measured (formats/fidelity.Loss)."""
+    from .formats.fidelity import measured_losses
 
     if head.design == "eagle3" or head.fuse is not None:
-        return {}                                   # write_eagle refuses these with its own reason
-    return losses_report(head, target, ENGINES if engine == "all" else (engine,), vllm_layout=engine == "vllm")
+        return []                                   # write_eagle refuses these with its own reason
+    return measured_losses(head, target, ENGINES if engine == "all" else (engine,), vllm_layout=engine == "vllm")
 
 
 def vllm_tree(depth: int, top_k: int, total_tokens: int) -> list[tuple[int, ...]]:
@@ -144,13 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target (as --target of eagle_lite.generate); default: the one the head records")
     p.add_argument("--engine", default="all", choices=("all", *ENGINES, *EAGLE3_ENGINES),
                    help="the engine the folder is for. eagle: vllm writes the layout that carries an fc bias "
-                        "exactly in vLLM; all: one folder for every engine, refused if any would lose something. "
+                        "exactly in vLLM; all: one folder for every engine, refused if any would draft worse "
+                        "(--allow-lossy). "
                         "eagle3: openvino adds the embedding optimum-cli export openvino needs; speculators writes "
                         "the speculators package's layout (vLLM reads it for EAGLE-3)")
     p.add_argument("--verifier", default=None,
                    help="--engine speculators: the target's name or path the config records (default: --target)")
     p.add_argument("--allow-lossy", action="store_true",
-                   help="write a folder an engine runs inexactly (the export says what it loses, measured)")
+                   help="write a folder an engine would draft worse from: its measured first-token agreement more "
+                        f"than {100 * AGREEMENT_MARGIN:g} points below the head's own (what differs is printed "
+                        "either way)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="dtype of the written weights (default: the head's stored dtype, else bfloat16; a target: "
                         "float32, the weights eagle_lite runs)")

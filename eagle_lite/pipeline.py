@@ -17,6 +17,7 @@ from .chat_format import chat_ids, clean_text
 from .config import GenerationConfig, TreeConfig, resolve_tree
 from .decoding.drafter import Drafter, NoDrafter
 from .decoding.engine import Engine, GenerationStats
+from .detokenize import Detokenizer
 from .drafters import registry
 from .targets.loading import load_target
 from .targets.model import Target
@@ -99,18 +100,17 @@ class Pipeline:
     def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
                chat_template: bool = True, stats: GenerationStats | None = None,
                token_ids: list[int] | None = None) -> Iterator[str]:
-        """Yield text as tokens are accepted; `stats` and `token_ids` (if given) are filled in as it goes, so
-        whoever stops the stream early (Ctrl-C) still holds what was generated."""
+        """Yield text as tokens are accepted (a multi-byte character once it is whole; detokenize.py decodes a short
+        window of the latest tokens, not the whole answer, at each step); `stats` and `token_ids` (if given) are
+        filled in as it goes, so whoever stops the stream early (Ctrl-C) still holds what was generated."""
         ids: list[int] = token_ids if token_ids is not None else []
-        shown = ""
+        text = Detokenizer(self.decode)
         for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config or self.config(), stats):
             ids += step
-            text = self.decode(ids)
-            # hold back a trailing replacement char: the rest of a multi-byte character is still coming
-            if not text.endswith("\ufffd"):
-                yield text[len(shown):]
-                shown = text
-        rest = self.decode(ids)[len(shown):]
+            piece = text.add(step)
+            if piece:
+                yield piece
+        rest = text.add([], final=True)
         if rest:
             yield rest
 

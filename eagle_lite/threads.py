@@ -1,4 +1,5 @@
-"""torch CPU threads: the one check behind every entry point's --threads and every config's `threads`."""
+"""torch CPU threads: the one check behind every entry point's --threads and every config's `threads`, and the one
+place that sets them (`set_threads`)."""
 from __future__ import annotations
 
 import logging

@@ -34,7 +34,7 @@ from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
 from eagle_lite.targets.model import Target
-from eagle_lite.threads import check_threads
+from eagle_lite.threads import check_threads, set_threads
 from eagle_lite.tree import DraftTree
 
 from .methods import Method, Run, engine_method
@@ -212,8 +212,7 @@ def main(argv=None) -> int:
     questions = skip_per_category(load_questions([{**task, "limit": args.skip + args.limit}]), args.skip)
     if not questions:
         raise ValueError(f"no questions in {args.questions} after the first {args.skip}: lower --skip")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     options = registry.EagleOptions(head=registry.eagle_head(target, registry.EagleOptions(draft=args.draft)))
     reference = Reference(warmups=1)   # tune's warm-up generation runs first

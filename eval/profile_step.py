@@ -27,7 +27,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
 from eagle_lite.targets.loading import load_target
-from eagle_lite.threads import check_threads
+from eagle_lite.threads import check_threads, set_threads
 
 from .sweep import head_for
 from .tasks import load_question_file
@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
     texts = [args.prompt]
     if args.questions is not None:
         texts = [q.turns[0] for q in load_question_file(args.questions, per_category_limit=args.limit)]
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     head, note = head_for(target, args.draft)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from eagle_lite.atomic import check_writable, write_text_atomic
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.threads import set_threads
 
 QUESTIONS = Path(__file__).parent / "questions" / "heldout12.jsonl"
 
@@ -95,11 +96,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def cli_run(args, method: str, questions: list[str]) -> tuple[float, list[str]]:
     """tokens/s of the engine alone (what the CLI runs) over the questions, one after another; and its answers."""
-    import torch
-
     from eagle_lite import load
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     lm = load(args.target, method=method)
     cfg = lm.config(max_new_tokens=args.max_tokens)
     lm.generate(questions[0], lm.config(max_new_tokens=8))   # warm-up: kernels, caches
@@ -148,13 +147,11 @@ def batch_run(args, method: str, questions: list[str]) -> tuple[float, list[str]
     """tokens/s of the server's batch loop alone, without HTTP: every question submitted at once to the scheduler
     `python -m eagle_lite.serve` runs (the same limits, cost model and threads), stepped on this thread until all
     are answered. The ceiling the server's largest level can reach; and its answers."""
-    import torch
-
     from eagle_lite import load
     from eagle_lite.serve import Limits, build_service
     from eagle_lite.serve.scheduler import Job
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     lm = load(args.target, method=method)
     service = build_service(lm, "bench", Limits(max_batch=args.max_batch),
                             threads=(args.threads, args.batch_threads or args.threads))

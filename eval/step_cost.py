@@ -33,7 +33,7 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
-from eagle_lite.threads import check_threads
+from eagle_lite.threads import check_threads, set_threads
 
 from .tune import ints, tree_spec
 
@@ -246,8 +246,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--sizes: the largest tree the static step verifies is {BUCKETS[-1]} nodes")
         if args.out:
             check_writable(args.out, "--out")   # before the measurements it will hold
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     results = {}
     for spec in args.targets:
         target, head, note = load(spec, args.device, getattr(torch, args.dtype), args.attention)

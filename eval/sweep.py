@@ -28,7 +28,7 @@ from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.attention import BACKENDS
 from eagle_lite.options import every_options, method_flags, option_values, options_of, unknown_keys
 from eagle_lite.targets.loading import load_target
-from eagle_lite.threads import check_threads
+from eagle_lite.threads import check_threads, set_threads
 
 from . import plots, report, runner
 from .methods import STATIC_METHODS, build_methods, gguf_of, method_names, registry_method
@@ -144,7 +144,7 @@ def evaluate(s: EvalSettings, progress: bool = True):
     if not questions:
         raise ValueError("no questions to run: check the task settings (each task's limit, per_category_limit)")
     if s.threads is not None:
-        torch.set_num_threads(s.threads)
+        set_threads(s.threads, "threads")
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device, attention=s.attention)
     uses_head = "eagle_graph" in s.methods or any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS
                                                   for m in s.methods)

@@ -45,7 +45,7 @@ from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
 from eagle_lite.options import add_method_flags, options_of
 from eagle_lite.targets.model import Target
-from eagle_lite.threads import check_threads
+from eagle_lite.threads import check_threads, set_threads
 
 from . import report, runner
 from .benchmark import add_static_flags
@@ -415,8 +415,7 @@ def main(argv=None) -> int:
     questions = skip_per_category(load_questions(tasks), args.skip)
     if not questions:
         raise ValueError(f"no questions to tune on in {task_label}: lower --skip or raise --limit")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     if args.save_tree and args.draft == "auto" and default_head_path(target.name) is None:
         raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "

@@ -359,6 +359,31 @@ def test_threads_are_checked_before_loading(tiny_model_dir, capsys, monkeypatch,
     assert "--threads must be at most 1024" in capsys.readouterr().err
 
 
+def test_set_threads_is_the_one_place_torch_threads_are_set():
+    from pathlib import Path
+
+    import torch
+
+    from eagle_lite.threads import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(2) == 2 == torch.get_num_threads()
+        assert set_threads(None) == 2   # None leaves the count as it is
+        with pytest.raises(ValueError, match="target.threads must be a whole number"):
+            set_threads(0, "target.threads")
+        assert torch.get_num_threads() == 2   # a refused count changes nothing
+    finally:
+        torch.set_num_threads(before)
+    # every runtime entry point, eval tool and trainer goes through set_threads (hf4_peer runs in a venv without
+    # eagle_lite); a new direct call would skip the check that stops a count no machine has from crashing torch
+    root = Path(__file__).resolve().parents[1]
+    files = [f for folder in ("eagle_lite", "trainers", "eval") for f in (root / folder).rglob("*.py")]
+    direct = [str(f.relative_to(root)) for f in files
+              if "torch.set_num_threads(" in f.read_text() and f.name not in ("threads.py", "hf4_peer.py")]
+    assert direct == []
+
+
 def test_a_tree_top_k_wider_than_the_draft_vocabulary_drafts_every_token(tiny_model_dir, capsys):
     common = ["--target", str(tiny_model_dir), "--draft", "random", "--prompt", "hi", "--max-new-tokens", "4"]
     expected = run_json(capsys, *common, "--method", "vanilla")["token_ids"]

@@ -3,6 +3,7 @@ clients whose greedy answers equal single-request decoding, cancellation, every 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -191,6 +192,57 @@ def test_bad_requests_are_400s_naming_the_field(serve):
     assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
 
 
+def test_a_body_nested_at_any_depth_is_a_400(serve):
+    from eagle_lite.serve.protocol import MAX_DEPTH, parse_json
+
+    s = serve()
+    # one past the limit; shallow enough for json to read; past Python's stack (a RecursionError in json)
+    bodies = ['{"model": "tiny", "messages": ' + "[" * depth + "]" * depth + "}" for depth in (MAX_DEPTH, 900, 5000)]
+    for body in bodies + ["[" * 100_000 + "]" * 100_000]:
+        r = s.post("/v1/chat/completions", body)
+        assert r.status_code == 400, (body[:40], r.text)
+        assert error_of(r)["code"] == "invalid_json" and f"nested more than {MAX_DEPTH}" in error_of(r)["message"]
+    assert s.service.metrics.requests.get(("/v1/chat/completions", 500)) is None
+    nested = {"a": [{"b": [[["x"]]]}]}   # 6 deep
+    for _ in range(MAX_DEPTH - 6):
+        nested = {"n": nested}
+    assert parse_json(json.dumps(nested).encode()) == nested   # exactly MAX_DEPTH deep is read
+    with pytest.raises(Exception, match=f"nested more than {MAX_DEPTH}"):
+        parse_json(json.dumps({"n": nested}).encode())
+    assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage() + (" traceback" if record.exc_info else ""))
+
+
+def test_a_client_that_disconnects_mid_request_is_not_logged_as_a_failure(serve):
+    s = serve()
+    records = Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "eagle_lite.serve")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:   # half a request, then gone
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\", ")
+            time.sleep(0.2)
+        requests = s.service.metrics.requests
+        wait_until(lambda: any(path == "/v1/completions" for path, _ in requests))
+        time.sleep(0.2)   # uvicorn logs an application's exception after the response
+        assert dict(requests) == {("/v1/completions", 499): 1}
+        assert not [line for line in records.lines if "traceback" in line or "Exception" in line], records.lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    assert s.client.completions.create(model="tiny", prompt="still fine", max_tokens=3).choices[0].text
+
+
 def long_stream(s: Server, tokens: int = 400):
     """A streaming request that is still running when it returns: the client, the response, its first chunk."""
     client = httpx.Client(timeout=60)
@@ -333,34 +385,6 @@ def test_batch_threads_below_one_is_one_line_before_loading(capsys):
 
     assert main(["--batch-threads", "0"]) == 2
     assert "--batch-threads must be a whole number >= 1" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("stops", [[], ["é!"], ["cat"]])
-def test_streamed_text_is_the_whole_answer_decoded_at_once(stops):
-    """The detokenizer decodes a short window of the latest tokens each step; its pieces still add up to the text
-    decoding every token at once gives (a SentencePiece-style leading space dropped, a character split across
-    tokens held back until complete), cut before the first stop string."""
-    from eagle_lite.serve.app import Detokenizer
-
-    pieces = [b" the", b" cat", b" caf", b"\xc3", b"\xa9", b"!", b" \xe2\x82", b"\xac", b"1", b" ok", b"\n"]
-
-    def decode(ids):   # bytes joined, undecodable bytes shown as U+FFFD, one leading space dropped
-        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace").removeprefix(" ")
-
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        ids = torch.randint(len(pieces), (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-        text, out, at = Detokenizer(decode, stops), [], 0
-        while at < len(ids) and not text.stopped:
-            step = int(torch.randint(1, 4, (1,), generator=g))
-            out.append(text.add(ids[at:at + step]))
-            at += step
-        if not text.stopped:
-            out.append(text.add([], final=True))
-        whole = decode(ids)
-        cut = min((whole.find(s) for s in stops if s in whole), default=len(whole))
-        assert "".join(out) == whole[:cut]
-        assert text.stopped == (cut < len(whole))
 
 
 def test_requests_admitted_together_are_prefilled_in_packs(chat_target, monkeypatch):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_lite.targets.model import Target
-from eagle_lite.threads import check_threads
+from eagle_lite.threads import check_threads, set_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,9 +68,8 @@ def tiny_target(cfg: TargetConfig = TargetConfig(kind="tiny", name="tiny")) -> T
 
 
 def build_target(cfg: TargetConfig) -> Target:
-    if cfg.threads is not None:
-        # Tiny models are all OpenMP overhead: one thread is far faster than two on a busy machine.
-        torch.set_num_threads(cfg.threads)
+    # Tiny models are all OpenMP overhead: one thread is far faster than two on a busy machine.
+    set_threads(cfg.threads, "target.threads")
     if cfg.kind == "tiny":
         return tiny_target(cfg)
     from eagle_lite.targets.loading import load_target

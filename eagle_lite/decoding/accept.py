@@ -36,7 +36,7 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of likeliest tokens whose mass reaches top_p (the first token always stays),
-    renormalized. Sorting all 49k tokens costs ~5 ms; the cut usually falls among a few hundred likely ones,
+    renormalized. Sorting all 49k tokens is costly on a CPU; the cut usually falls among a few hundred likely ones,
     so for one distribution [V] only the tokens above a small probability are sorted, where their mass
     reaches top_p (every other token is less likely than each of them, so it is dropped either way)."""
     if probs.dim() == 1:
@@ -61,8 +61,8 @@ def _top_p_sorted(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token drawn from `probs` [V] (non-negative, summing to ~1): the inverse of its CDF at one uniform
-    draw, the distribution `torch.multinomial(probs, 1)` draws from at a fraction of its cost (~1.4 ms at 49k
-    tokens on the 2-core CPU, longer than the rest of a sampled step's acceptance)."""
+    draw, the distribution `torch.multinomial(probs, 1)` draws from at a fraction of its cost (over 49k tokens
+    on a CPU, multinomial takes longer than the rest of a sampled step's acceptance)."""
     cdf = probs.double().cumsum(0)                           # V, float64: no token's share is lost to rounding
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
     token = int(torch.searchsorted(cdf, u, right=True))      # the first token whose CDF exceeds u: p > 0

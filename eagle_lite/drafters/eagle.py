@@ -34,10 +34,7 @@ from ..config import DRAFT_SAMPLING, SamplingConfig, TreeConfig
 from ..decoding.accept import target_probs
 from ..decoding.drafter import DraftInput, Proposal, propose_together
 from ..heads.draft import DraftHead
-from ..kernels import accelerate_head
-from ..kernels.accelerate import draft_vocab_grid
-from ..kernels.cpu_linear import few_rows_product
-from ..kernels.grid_linear import MAX_GRID_ROWS
+from ..kernels import MAX_GRID_ROWS, accelerate_head, draft_vocab_grid, few_rows_product
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, SampledRows, rerank
 

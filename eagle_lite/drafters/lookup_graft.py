@@ -26,8 +26,8 @@ from ..tree import DraftTree, graft_chain
 from .prompt_lookup import PromptLookupDrafter
 
 COPY_MAX = 16   # the longest lookup chain verified alone while the answer copies its context
-# Past LONG_CONTEXT tokens each verified row also attends over the whole context (on a 2-core CPU ~2 ms a row at
-# 2,400 tokens against ~1.2 at 300), so shorter copy chains pay there.
+# Past LONG_CONTEXT tokens each verified row also attends over the whole context, which makes a row cost markedly
+# more than after a short prompt (on a CPU), so shorter copy chains pay there.
 LONG_CONTEXT, COPY_MAX_LONG = 1024, 8
 
 

@@ -32,7 +32,7 @@ class AdaptiveLength:
 class NgramIndex:
     """The latest start of every n-gram (min_ngram <= n <= max_ngram) of a growing sequence that some token
     follows, kept up to date as tokens are appended, so a lookup costs O(1) rather than a scan of the
-    whole context (a 3,000-token prompt: ~3 ms a step in Python). A sequence that does not extend the one
+    whole context, whose cost in Python grows with the prompt. A sequence that does not extend the one
     indexed (a new prompt, an edited turn) is indexed afresh."""
 
     def __init__(self, min_ngram: int, max_ngram: int) -> None:

@@ -1,10 +1,11 @@
 """What each engine builds of an EAGLE-1/2 head, and what it loses of one it cannot build, measured.
 
 An engine that cannot build part of a head drafts with a different head: its output stays lossless (the target
-verifies), but fewer drafted tokens are accepted. The export refuses such a folder unless asked (--allow-lossy),
-and states the loss as the share of positions where the engine's first drafted token is the target's next token,
-against the head's own share, on a few prompts the target continues greedily (teacher-forced, as training's
-validation top-1).
+verifies), but a different share of drafted tokens may be accepted. The export measures that as the share of
+positions where the engine's first drafted token is the target's next token, against the head's own share, on a
+few prompts the target continues greedily (teacher-forced, as training's validation top-1); it prints what differs,
+and refuses the folder unless asked (--allow-lossy) only where the share drops by more than its margin
+(export.AGREEMENT_MARGIN).
 
 | engine   | fc bias                                   | reduced draft vocabulary (d2t)        |
 |----------|-------------------------------------------|---------------------------------------|
@@ -123,19 +124,36 @@ def first_token_agreement(head, target, seqs, view: View) -> tuple[int, int]:
     return sum(int((p == t).sum()) for p, t in rows), sum(t.numel() for _, t in rows)
 
 
-def losses_report(head, target, engines, vllm_layout: bool = False, seqs=None) -> dict[str, str]:
-    """engine -> one sentence of what it loses of `head`, with the measured first-token agreement of its view
-    against the head's own; engines that run the head exactly are left out."""
+@dataclass(frozen=True)
+class Loss:
+    """What one engine runs differently of a head, and the first-token agreement measured with and without that."""
+    engine: str
+    differs: tuple[str, ...]   # View.losses: what the engine builds differently
+    agree: int                 # positions where the engine's first drafted token is the target's
+    exact: int                 # the same for the head as trained
+    positions: int
+    prompts: int
+
+    @property
+    def drop(self) -> float:
+        """How far the engine's agreement falls below the head's own, a share of the positions (< 0: it gains)."""
+        return (self.exact - self.agree) / max(self.positions, 1)
+
+    def sentence(self) -> str:
+        n = max(self.positions, 1)
+        return (f"{NAMES[self.engine]} {' and '.join(self.differs)}: its first drafted token is the target's on "
+                f"{self.agree / n:.0%} of {self.positions} positions, against {self.exact / n:.0%} for the head as "
+                f"trained ({self.prompts} prompts; output stays lossless, only the accepted share can change)")
+
+
+def measured_losses(head, target, engines, vllm_layout: bool = False, seqs=None) -> list[Loss]:
+    """Per engine of `engines` that runs `head` inexactly: what differs and the measured first-token agreement of
+    its view against the head's own; engines that run the head exactly are left out."""
     views = {e: engine_view(head, e, vllm_layout) for e in engines}
     lossy = {e: v for e, v in views.items() if not v.exact}
     if not lossy:
-        return {}
+        return []
     seqs = reference_sequences(target) if seqs is None else seqs
     exact, n = first_token_agreement(head, target, seqs, View())
-    out = {}
-    for engine, view in lossy.items():
-        agree, _ = first_token_agreement(head, target, seqs, view)
-        out[engine] = (f"{NAMES[engine]} {' and '.join(view.losses(head))}: its first drafted token is the "
-                       f"target's on {agree / max(n, 1):.0%} of {n} positions, against {exact / max(n, 1):.0%} for "
-                       f"the head as trained ({len(seqs)} prompts; output stays lossless, fewer tokens accepted)")
-    return out
+    return [Loss(engine, tuple(view.losses(head)), first_token_agreement(head, target, seqs, view)[0], exact, n,
+                 len(seqs)) for engine, view in lossy.items()]

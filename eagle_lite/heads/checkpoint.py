@@ -158,8 +158,8 @@ def load_native_head(path: str | Path, target) -> DraftHead:
 
 def _tree_key(device: str) -> str:
     """config.json's key for the tree recommended on `device` ('cpu', 'cuda', ...): "tree" for the CPU (where
-    the shipped trees are tuned), "tree_<device>" elsewhere: verifying a node costs ~1 ms on this CPU but next to
-    nothing on a GPU, so the fastest trees differ by an order of magnitude in size."""
+    the shipped trees are tuned), "tree_<device>" elsewhere: verifying a node costs a CPU a noticeable share of a
+    step but a GPU next to nothing, so the fastest trees differ by an order of magnitude in size."""
     return "tree" if device == "cpu" else f"tree_{device}"
 
 

@@ -26,7 +26,7 @@ import copy
 import torch
 from torch import nn
 
-from ..kernels.fused_layer import MAX_FUSED_ROWS, running_fused
+from ..kernels import MAX_FUSED_ROWS, running_fused
 from ..kv_cache import PackedKVCache, with_cache
 from ..tree import attention_mask, packed_mask
 from .eagle3_layer import Eagle3Layer

@@ -1,6 +1,22 @@
 """Optional speed-ups that leave every result exact: CPU linears from grid codes or packed weights, fused norms
 and decoder layers (native C++ in csrc/), the certified float16 argmax, and the attention backends for tree
-verification. `accelerate.py` is the one entry point the runtime calls; docs/cpu.md explains the design."""
-from .accelerate import Accelerated, accelerate_head, accelerate_target, stock
+verification. `accelerate.py` is the one entry point the runtime calls for the speed-ups (what it names is exported
+here, and the runtime imports it from here); `attention.py` is the one for the attention backends. docs/cpu.md
+explains the design."""
+from .accelerate import (
+    FEW_ROWS,
+    MAX_FUSED_ROWS,
+    MAX_GRID_ROWS,
+    Accelerated,
+    CertifiedArgmax,
+    GridWeight,
+    accelerate_head,
+    accelerate_target,
+    draft_vocab_grid,
+    few_rows_product,
+    running_fused,
+    stock,
+)
 
-__all__ = ["Accelerated", "accelerate_head", "accelerate_target", "stock"]
+__all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
+           "accelerate_head", "accelerate_target", "draft_vocab_grid", "few_rows_product", "running_fused", "stock"]

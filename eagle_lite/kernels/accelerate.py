@@ -7,6 +7,10 @@ lm_head's grid codes. `accelerate_head` does the same for a draft head. Every pi
 model's own forward when applied and kept only where it computes the same thing (to fp32 rounding), and is a
 no-op off CPU or for non-fp32 weights. `stock(model)` runs a block on the model exactly as transformers built it.
 
+The pieces the runtime calls between those (the few-row lm_head product and its row limits, the running fused
+layer's parts, the certified argmax) are named here too, so nothing outside this package imports its other
+modules: a kernel's module can be split or renamed behind this one.
+
 Turning it off: `Target(..., accelerate=False)`, or EAGLE_LITE_ACCELERATE=0 for a whole process; EAGLE_LITE_NATIVE=0
 keeps the torch-level pieces and drops only the native C++ ops. docs/cpu.md says why the results stay exact.
 """
@@ -19,10 +23,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .cpu_linear import pack_linears, unpacked
-from .fused_layer import FusedStack, fuse_decoder_layers, fuse_stack, unfused_layers
+from .certified_argmax import CertifiedArgmax
+from .cpu_linear import FEW_ROWS, few_rows_product, pack_linears, unpacked
+from .fused_layer import MAX_FUSED_ROWS, FusedStack, fuse_decoder_layers, fuse_stack, running_fused, unfused_layers
 from .fused_norm import fuse_rms_norms, unfused
-from .grid_linear import GridWeight, grid_of
+from .grid_linear import MAX_GRID_ROWS, GridWeight, grid_of
+
+__all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
+           "accelerate_head", "accelerate_target", "draft_vocab_grid", "enabled", "few_rows_product", "running_fused",
+           "stock"]
 
 
 def enabled() -> bool:

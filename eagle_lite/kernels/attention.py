@@ -6,13 +6,13 @@ that dense boolean mask [1, 1, T, P + T]). Four ways to compute the same thing:
 
   sdpa       transformers' own SDPA call with the dense boolean mask (the reference). With a mask it repeats
              the k/v heads of grouped-query attention into full heads first (a copy of the cache per layer).
-  gqa        the same torch SDPA kernel and mask with `enable_gqa=True`: no k/v repeat. On the 2-core CPU a
-             6-node verify of SmolLM2 (3 kv heads for 9 query heads) took 4 ms less after a 200-token prefix
-             and 7 ms less after 600. 'auto' picks it on CPU. There, calls of up to 8 fp32 queries (a small
+  gqa        the same torch SDPA kernel and mask with `enable_gqa=True`: no k/v repeat, which makes a CPU
+             verify of SmolLM2 (3 kv heads for 9 query heads) cheaper, the more so the longer the prefix
+             (docs/attention.md). 'auto' picks it on CPU. There, calls of up to 8 fp32 queries (a small
              tree, a decoding step) run eagle_lite's native loop (csrc/tree_attention.cpp) where it builds:
              the same arithmetic without SDPA's per-call setup, [T, H, D] out with no transpose. A
              prompt read from an empty cache (a plain causal mask, T = S) runs SDPA's causal kernel,
-             which skips the hidden half a mask makes it compute (a 2,400-token prefill: 9.7 -> 7.4 s).
+             which skips the hidden half a mask makes it compute (a long prefill's attention shrinks by that).
   flex       PyTorch FlexAttention with a BlockMask made from the dense mask: fully visible blocks (the
              prefix) run without evaluating the mask, fully hidden blocks are skipped. Compiled on CUDA; eager
              on CPU, where torch 2.13's compiled CPU kernel fails to build once the query length changes.
@@ -91,8 +91,8 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | 
              is nearly all of the work, runs unmasked in the fastest kernel and the T x T tree block is tiny;
       gqa    otherwise: SDPA's own kernels with the mask, without the k/v repeat (sdpa where torch's SDPA has
              no enable_gqa). Not flex: compiled FlexAttention recompiles for every new query and key length,
-             which the engine's steps change every time, and past dynamo's recompile limit runs unfused; on
-             an H200 that held the engine to ~30 tokens/s (docs/attention.md). 'auto' never raises.
+             which the engine's steps change every time, and past dynamo's recompile limit runs unfused: on
+             a GPU that held the engine far below its other backends (docs/attention.md). 'auto' never raises.
     An explicit name is checked: an unknown one raises ValueError, an unavailable one BackendUnavailableError.
     """
     device = torch.device(device)
@@ -297,9 +297,8 @@ def _scale(query: torch.Tensor, scaling: float | None) -> float:
     return scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
 
 
-# Past this many queries SDPA's blocked CPU kernel catches up: interleaved A/B on SmolLM2 (2-core box), a whole
-# forward after a 200 / 600-token prefix took 18.6 / 21.2 ms against 19.2 / 22.5 for 1 query, 26.2 / 30.3
-# against 27.7 / 32.2 for 5, but 47.4 / 55.0 against 47.6 / 53.5 for 13.
+# Past this many queries SDPA's blocked CPU kernel catches up: in interleaved A/B runs of whole SmolLM2 forwards
+# after a short and a longer prefix the native loop was ahead for 1 and 5 queries and level or behind for 13.
 NATIVE_MAX_QUERIES = 8
 
 
@@ -331,7 +330,7 @@ def _gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0
     if (not compiling and t == s and t > NATIVE_MAX_QUERIES and isinstance(mask, torch.Tensor)
             and _per_forward("causal", mask, t, s, query.device, _is_plain_causal)):
         # a prompt from an empty cache: SDPA's causal kernel skips the blocks above the diagonal, which a
-        # mask makes it compute and discard (half the attention of a 2,400-token prefill: ~2 of ~9 s here)
+        # mask makes it compute and discard (half the attention of a long prefill)
         mask, causal = None, True
     if causal and t != s:                                              # causal after a cache: bottom-right
         mask, causal = _causal(t, s, query.device), False

@@ -1,7 +1,7 @@
 """The lm_head's argmax for one hidden state, from a float16 copy of the weight, certified exact.
 
 Greedy decoding needs one thing from a row of logits: which token is largest. On CPU one fp32 row of
-SmolLM2's 49152 x 576 lm_head streams 113 MB (~5 ms on the 2-core box); PyTorch's float16 matrix-vector
+SmolLM2's 49152 x 576 lm_head streams 113 MB, a large part of a CPU decoding step; PyTorch's float16 matrix-vector
 kernel reads half of that. Its logits z~ are not the fp32 logits z, but the difference has a bound
 that holds for every row j (u = 2**-11, float16's unit roundoff; the products are summed in float32):
 

@@ -57,9 +57,9 @@ def packing_available() -> bool:
 def few_rows_product(rows: torch.Tensor, weight: torch.Tensor, grid: GridWeight | None = None) -> torch.Tensor:
     """rows @ weight.T for a tall weight (an lm_head, [V, H]) and a few rows. From `grid` (the weight's grid
     codes, grid_linear.py) where given and it takes the rows; else, for 1-8 rows on CPU, as weight @ rows.T:
-    MKL streams the tall matrix once (measured ~2x faster than `rows @ weight.T` for 2-8 rows of SmolLM2's
-    lm_head and of an 8k-row draft vocabulary; for one row of the latter, from a cold cache at 2 threads,
-    2.7 ms against 3.7). Other shapes and devices take the plain product."""
+    MKL streams the tall matrix once (measured faster than `rows @ weight.T` for 2-8 rows of SmolLM2's lm_head
+    and of an 8k-row draft vocabulary, and for one row of the latter). Other shapes and devices take the plain
+    product."""
     if grid is not None and grid.takes(rows):
         return grid(rows)
     if weight.device.type == "cpu" and 1 <= rows.shape[0] <= FEW_ROWS:

@@ -1,9 +1,9 @@
 """Decoder layers run as one native op each (csrc/decoder_layer.cpp) for few-token forwards on CPU.
 
 transformers' Llama decoder layer is ~125 torch ops: the norms, the projections, the views and splits, the
-rotary embedding's cat/neg/mul/add, the cache write, the residual adds. A one-token SmolLM2 forward on
-the 2-core box spent ~22 ms, of which the projections (4-bit grid codes, grid_linear.py) are ~10: the
-rest is op dispatch and Python. Where a layer's projections all run from grid codes and its norms from the
+rotary embedding's cat/neg/mul/add, the cache write, the residual adds. In a one-token SmolLM2 forward on
+a CPU the projections (4-bit grid codes, grid_linear.py) are under half of the time: the rest is op
+dispatch and Python. Where a layer's projections all run from grid codes and its norms from the
 native kernel, `fuse_decoder_layers` gives it an instance `forward` that runs the whole layer as
 `torch.ops.eagle_lite.decoder_layer`: the same fp32 arithmetic (the rotary and residual adds to the bit,
 the products, norms and attention as the native kernels compute them) in one call.
@@ -17,8 +17,8 @@ another cache class, gradients) run the layer's own forward.
 
 Where every layer of a stack is fused, `fuse_stack` goes one step further for `Target.forward`: a
 `FusedStack` runs the model's few-token forward itself (embed, cos/sin, the layers' ops, final norm), the
-same ops in the same order as `LlamaModel.forward` without its ~1 ms of Python around them (decorators,
-mask building, the layer slice and calls: ~10% of a one-token SmolLM2 forward). It too is taken only after
+same ops in the same order as `LlamaModel.forward` without its Python around them (decorators, mask
+building, the layer slice and calls: a tenth or so of a one-token SmolLM2 forward). It too is taken only after
 it gave the model's own output on a probe; anything else goes through the model.
 """
 from __future__ import annotations

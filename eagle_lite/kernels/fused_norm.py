@@ -1,10 +1,10 @@
 """RMSNorm layers as one op instead of the six or seven small ops transformers runs.
 
 A 30-layer SmolLM2 forward calls 61 RMSNorms. transformers' `LlamaRMSNorm.forward` (cast, pow, mean,
-add, rsqrt, mul, cast, mul) costs ~50 us on 6 rows on the 2-core box where `F.rms_norm` costs ~22 us,
-with the same result to the bit, and eagle_lite's native kernel (csrc/rms_norm.cpp: one pass per row,
-the same fp32 operations with the sum of squares accumulated in another order, as any reduction kernel
-may) a few us: 61 norms took ~2.9 ms of a one-token forward through `F.rms_norm`.
+add, rsqrt, mul, cast, mul) costs more than `F.rms_norm` does on a few rows, with the same result to
+the bit, and eagle_lite's native kernel (csrc/rms_norm.cpp: one pass per row, the same fp32 operations with
+the sum of squares accumulated in another order, as any reduction kernel may) a fraction of either: through
+`F.rms_norm` the 61 norms are a visible share of a one-token forward.
 `fuse_rms_norms(module)` gives each RMSNorm under `module` an instance `forward` that calls the native
 kernel where it builds, else `F.rms_norm`, but only after checking on a probe input that it gives the
 module's own output (bit for bit for `F.rms_norm`; to float32 rounding, 1e-6, for the kernel): a norm

@@ -8,9 +8,9 @@ fp32 add) gives back the weight bit for bit; anything else (a model trained in f
 is left alone. The kernel (csrc/grid_linear.cpp) rebuilds the same fp32 weights on the fly and sums the
 same fp32 products as a dense GEMM, in a different order, as any two GEMM kernels do: the model is
 unchanged, only its storage shrinks from 32 to 5 (Q4) or 9 (Q8) bits a weight. A few-row product
-(plain decoding, tree verification) over fp32 weights is memory-bound on this CPU; from codes it runs
-2-3x faster. Products of
-more than `MAX_GRID_ROWS` rows (a prompt's prefill) are compute-bound and keep the dense weight.
+(plain decoding, tree verification) over fp32 weights is memory-bound on a CPU; from codes it reads a
+fraction of the bytes and runs faster. Products of more than `MAX_GRID_ROWS` rows (a prompt's
+prefill) are compute-bound and keep the dense weight.
 
 The kernel is part of eagle_lite's native extension (native.py: built once per machine, with an fp32
 fallback where it cannot be built).

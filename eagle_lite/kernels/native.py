@@ -37,7 +37,7 @@ SOURCES = [CSRC / name for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_att
 OPS = ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention", "decoder_layer", "decoder_layer_packed")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)   # tuples: torch's builder appends its own flags to the lists it is given
-STALE_LOCK_SECONDS = 600   # a build takes ~1.5 min; a lock this old was left by a build that was killed
+STALE_LOCK_SECONDS = 600   # a build takes minutes at most; a lock this old was left by a build that was killed
 
 
 def _build_root() -> Path:

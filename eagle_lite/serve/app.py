@@ -2,9 +2,10 @@
 
 Every answer is JSON or server-sent events in OpenAI's shapes; every failure is OpenAI's error object with a
 status (400 bad request, 404 no such route, 413 too long, 429 busy, 503 draining, 500 a failed generation),
-never a traceback. Text is detokenized here, on the event loop: a step's tokens are decoded with everything
-before them (a multi-byte character held back until it is whole), and stop strings are found in that text (the
-text before the first one is returned and the sequence is cancelled).
+never a traceback; a client that disconnects before its request is whole is counted as 499 (nginx's "client
+closed request") and answered with nothing. Text is detokenized here, on the event loop (detokenize.py: a
+multi-byte character held back until it is whole), and stop strings are found in that text (the text before the
+first one is returned and the sequence is cancelled).
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import GenerationConfig, SamplingConfig, TreeConfig
 from ..decoding.engine import GenerationStats
+from ..detokenize import Detokenizer
 from ..pipeline import Pipeline
 from .metrics import Metrics
 from .protocol import parse, parse_json
@@ -53,46 +56,6 @@ class Service:
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                                    "param": param, "code": code}}, status_code=status)
-
-
-class Detokenizer:
-    """Tokens in, new text out: a partial character or a possible start of a stop string held back; `stopped` once
-    a stop string appears (the text is cut before it).
-
-    Each call decodes a short window of the latest tokens, not the whole answer (a long answer would cost its
-    length at every step): the window starts a few tokens back, and only what decoding the window adds beyond
-    decoding its older part is new text, so tokenizers that treat a text's first token specially (a leading
-    space dropped) give the text decoding every token at once gives."""
-
-    def __init__(self, decode, stops: list[str]) -> None:
-        self.decode, self.stops = decode, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""       # the decoded text of ids[:self.read]
-        self.start = 0       # the window's first token
-        self.read = 0        # tokens whose text is in self.text
-        self.shown = 0
-        self.stopped = False
-
-    def add(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        if len(self.ids) > self.read:
-            older = self.decode(self.ids[self.start:self.read])
-            window = self.decode(self.ids[self.start:])
-            if final or (len(window) > len(older) and not window.endswith("\ufffd")):
-                self.text += window[len(older):]   # a partial character waits for the token that completes it
-                self.start, self.read = self.read, len(self.ids)
-        text = self.text
-        hits = [i for i in (text.find(s, max(0, self.shown - len(s))) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            end = min(hits)
-        elif final:
-            end = len(text)
-        else:
-            end = max(self.shown, len(text) - self.hold)
-        piece, self.shown = text[self.shown:max(end, self.shown)], max(end, self.shown)
-        return piece
 
 
 def create_app(service: Service) -> FastAPI:
@@ -140,7 +103,13 @@ def create_app(service: Service) -> FastAPI:
     async def complete(request: Request, chat: bool):
         if scheduler.draining:
             raise Refused(503, "the server is shutting down; retry on another instance", None, "draining")
-        body = parse_json(await request.body())
+        try:
+            raw = await request.body()
+        except ClientDisconnect:   # gone mid-body: no one to answer, and no failure of the server's to log
+            log.info("a client disconnected before sending its whole request to %s", request.url.path)
+            metrics.request(request.url.path, 499)
+            return Response(status_code=499)
+        body = parse_json(raw)
         params = parse(body, service.model_id, chat, service.default_max_tokens, service.default_temperature)
         try:
             prompt_ids = service.pipeline.prompt_ids(params.prompt, chat_template=chat)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from .scheduler import Refused
 
 MAX_STOPS = 4
+# The deepest request body read: OpenAI's own requests go a few levels deep (messages[i].content[j].text), a JSON
+# schema in response_format a few more; a body nested deeper is refused before anything walks it.
+MAX_DEPTH = 64
 
 
 @dataclass
@@ -23,13 +26,30 @@ class Params:
     include_usage: bool
 
 
+def nesting(value, most: int) -> int:
+    """How many objects and lists deep `value` goes, counted without recursion; stops once past `most`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= most:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest if isinstance(value, (dict, list)) else 0
+
+
 def parse_json(raw: bytes) -> dict:
+    too_deep = Refused(400, f"the request body is nested more than {MAX_DEPTH} objects or lists deep", None,
+                       "invalid_json")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise Refused(400, f"the request body is not valid JSON ({err})", None, "invalid_json") from None
+    except RecursionError:   # deeper than Python's stack: json gives up before MAX_DEPTH is checked
+        raise too_deep from None
     if not isinstance(body, dict):
         raise Refused(400, "the request body must be a JSON object", None, "invalid_json")
+    if nesting(body, MAX_DEPTH) > MAX_DEPTH:   # what parses may still be too deep to print in an error or to copy
+        raise too_deep
     return body
 
 

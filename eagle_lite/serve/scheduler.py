@@ -32,6 +32,7 @@ from ..config import GenerationConfig, check_finite, check_whole
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, reusable, shared_start, token_budget
 from ..kv_cache import ContextOverflowError, StaticKVCache
+from ..threads import set_threads
 from .cost import CostModel
 
 log = logging.getLogger("eagle_lite.serve")
@@ -234,7 +235,7 @@ class Scheduler:
     def run(self) -> None:
         """The batch loop, until `stop`: admit, drop the cancelled, step. A server runs it on the thread that loaded
         the model (torch's OpenMP worker threads belong to the thread that starts them: a second thread running torch
-        gets workers of its own, libgomp then throttles their spinning, and a step takes about twice as long)."""
+        gets workers of its own, libgomp then throttles their spinning, and a step takes far longer)."""
         while True:
             with self._cond:
                 while not self._stopped and self.idle:
@@ -382,9 +383,7 @@ class Scheduler:
     def _step(self) -> None:
         seqs = [seq for _, seq in self.running]
         if self.threads is not None:
-            want = self.threads[len(seqs) >= BUSY_BATCH]
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
+            set_threads(self.threads[len(seqs) >= BUSY_BATCH])
         cap = self.cost.choose(len(seqs))
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))

@@ -12,12 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..kernels.certified_argmax import CertifiedArgmax
-from ..kernels.cpu_linear import FEW_ROWS, few_rows_product
-from ..kernels.grid_linear import MAX_GRID_ROWS, GridWeight
+from ..kernels import FEW_ROWS, MAX_GRID_ROWS, CertifiedArgmax, GridWeight, few_rows_product
 
-# On CPU a one-row lm_head product streams a transposed (H x V) copy of the weight about twice as fast
-# as the row-major original (MKL's gemv), so targets whose lm_head is at most this large keep one.
+# On CPU a one-row lm_head product streams a transposed (H x V) copy of the weight faster than it streams
+# the row-major original (MKL's gemv), so targets whose lm_head is at most this large keep one.
 TRANSPOSED_LM_HEAD_MAX_BYTES = 512 << 20
 
 
@@ -33,8 +31,8 @@ class LmHead:
         """Logits [R, V] of final hidden states [R, H], in the fastest form for R and device.
 
         On CPU a few rows are memory-bound on the V x H weight: grid codes (Q8_0) where the weight has them;
-        else one row streams the transposed copy and up to FEW_ROWS rows run as W @ h^T (each ~2x faster than
-        `F.linear` there).
+        else one row streams the transposed copy and up to FEW_ROWS rows run as W @ h^T (each faster than
+        `F.linear` there: kernels' few_rows_product).
         """
         out = self._product(hidden)
         return out if self.finish is None else self.finish(out)

@@ -1,8 +1,8 @@
 """Find and load a target: the embedded SmolLM2 GGUF, any GGUF file, a local folder or a hub id.
 
-GGUF files are de-quantized by transformers (~20 s for SmolLM2-135M); the result is saved once as
+GGUF files are de-quantized by transformers (slow: the first load); the result is saved once as
 safetensors under the cache folder (under a file lock: processes started together convert it once), so later
-loads take about a second. Every path ends in the same
+loads only read it. Every path ends in the same
 `AutoModelForCausalLM.from_pretrained` call: no copied modeling files, no remote code.
 """
 from __future__ import annotations

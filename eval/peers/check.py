@@ -207,11 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no venv for {missing}: run eval/peers/install.sh {' '.join(missing)}", file=sys.stderr)
         return 1
-    import torch
-
     from eagle_lite.targets.loading import load_target
+    from eagle_lite.threads import set_threads
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     RUN.mkdir(parents=True, exist_ok=True)
     target = load_target("smollm2")
     started = time.strftime("%Y-%m-%d")

@@ -50,6 +50,7 @@ from ..kernels.attention import KEYS, resolve_backend, select_attention
 from ..kv_cache import cache_keyword
 from .device_kv_cache import DeviceKVCache, slot_mask
 from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
+from .static_stack import RotaryTables, StaticLayer, StaticStack, supported
 from .static_tree import StaticTree, accept_greedy, bucket_for, tree_ancestors
 
 log = logging.getLogger("eagle_lite")
@@ -102,7 +103,8 @@ class StaticEngine:
     """
 
     def __init__(self, target, head=None, mode: str = "auto", max_len: int | None = None,
-                 profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None) -> None:
+                 profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None,
+                 fused: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
@@ -128,6 +130,21 @@ class StaticEngine:
         self._steps: dict = {}             # (kind, shape) -> the callable that runs that step
         self._pool = None                  # the CUDA graphs' shared memory pool
         self._warned_lookup = False
+        # the target's layers in fewer ops (static_stack.py), where it runs them as the model does; else the model
+        self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
+        if self._stack is not None:
+            problem = self._stack_problem()
+            if problem:
+                log.info("the static step runs the model's own layers: the fused ones %s", problem)
+                self._stack = None
+        self._head_layer = None      # (StaticLayer, RotaryTables) of the head's decoder layer, where it is one
+        if fused and head is not None and getattr(head, "design", None) != "eagle3" and supported(head.layer):
+            layer = StaticLayer(head.layer, 0)
+            self._head_layer = (layer, RotaryTables(head.rotary, layer))
+            problem = self._head_problem()
+            if problem:
+                log.info("the static step runs the head's own layer: the fused one %s", problem)
+                self._head_layer = None
         self._check_static_forward()
 
     # -- the model calls --------------------------------------------------------------------------
@@ -180,11 +197,74 @@ class StaticEngine:
         if problem:
             raise ValueError(f"target '{target.name}' cannot run the static step: {problem}; use the engine")
 
+    def _stack_problem(self) -> str | None:
+        """Why the fused layers (`self._stack`) cannot stand in for the model's own: None where a prompt and then
+        two sibling nodes through each give the same hidden states, features and cache entries (to float
+        rounding: the products run in other shapes)."""
+        target, dev = self.target, self.target.device
+        ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
+        tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
+        zero, four = torch.zeros((), dtype=torch.long, device=dev), torch.full((), 4, device=dev)
+        ar = torch.arange(4, device=dev)
+        calls = [(ar, slot_mask(zero, torch.ones(4, 4, dtype=torch.bool, device=dev).tril_(), 16), ar),
+                 (four.expand(2), slot_mask(four, torch.eye(2, dtype=torch.bool, device=dev), 16),
+                  four + torch.arange(2, device=dev))]
+        saved, stack, outs = self._cache, self._stack, []
+        try:
+            with torch.inference_mode(), self._running():
+                for use in (stack, None):
+                    self._stack = use
+                    self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
+                    got = [torch.cat(self._target_forward(t, *call), dim=-1) for t, call in zip(tokens, calls)]
+                    outs.append([*got, self._cache.kv[..., :6, :]])
+        except Exception as err:  # noqa: BLE001 (any failure means: run the model's own layers)
+            return f"fail ({type(err).__name__}: {err})"
+        finally:
+            self._cache, self._stack = saved, stack
+        tolerance = 1e-5 if target.dtype == torch.float32 else 2e-2
+        for mine, own in zip(*outs):
+            if float((mine.float() - own.float()).norm()) > tolerance * float(own.float().norm()) + 1e-6:
+                return "compute something else than the model's layers on a probe"
+        return None
+
+    def _head_problem(self) -> str | None:
+        """As `_stack_problem`, for the head's layer: three rows, then two siblings, through each way."""
+        dev, feats_dim = self.target.device, (len(self.taps) or 1) * self.target.hidden_size
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(5, feats_dim, generator=g).to(dev, self.target.dtype)
+        ids = (torch.arange(5, device=dev) * 7919 + 3) % self.target.vocab_size
+        zero, three = torch.zeros((), dtype=torch.long, device=dev), torch.full((), 3, device=dev)
+        ar = torch.arange(3, device=dev)
+        calls = [(slice(0, 3), ar, slot_mask(zero, torch.ones(3, 3, dtype=torch.bool, device=dev).tril_(), 16), ar),
+                 (slice(3, 5), three.expand(2), slot_mask(three, torch.eye(2, dtype=torch.bool, device=dev), 16),
+                  three + torch.arange(2, device=dev))]
+        saved, fused, outs = self._draft_cache, self._head_layer, []
+        try:
+            with torch.inference_mode(), self._running():
+                for use in (fused, None):
+                    self._head_layer = use
+                    self._draft_cache = DeviceKVCache(1, *cache_shape(self.head.config)[1:], 16, self._lm_weight.dtype,
+                                                      dev)
+                    got = [self._head(feats[rows], ids[rows], *call) for rows, *call in calls]
+                    outs.append([*got, self._draft_cache.kv[..., :5, :]])
+        except Exception as err:  # noqa: BLE001 (any failure means: run the head's own layer)
+            return f"fails ({type(err).__name__}: {err})"
+        finally:
+            self._draft_cache, self._head_layer = saved, fused
+        tolerance = 1e-5 if self.target.dtype == torch.float32 else 2e-2
+        for mine, own in zip(*outs):
+            if float((mine.float() - own.float()).norm()) > tolerance * float(own.float().norm()) + 1e-6:
+                return "computes something else than the head's layer on a probe"
+        return None
+
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                         slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden states [T, H], the features the draft head reads [T, F]) of T tokens; their keys and
         values land at `slots` of the target's cache."""
         t = tokens.numel()
+        if self._stack is not None:
+            hidden, tapped = self._stack(tokens, positions, mask, self._cache.kv, slots)
+            return hidden, (torch.cat(tapped, dim=-1) if self.taps else hidden)
         out = self.target.decoder(input_ids=tokens.view(1, t), attention_mask=mask, position_ids=positions.view(1, t),
                                   use_cache=True, output_hidden_states=bool(self.taps),
                                   **{self._cache_keyword: self._cache.writer(slots)})
@@ -203,6 +283,10 @@ class StaticEngine:
               slots: torch.Tensor) -> torch.Tensor:
         """The draft head over T pairs (feature, next token) at `positions`, written at `slots`: [T, H]."""
         embeds = self.target.embed_tokens(tokens)
+        if self._head_layer is not None:       # DraftHead.forward, its layer fused (static_stack.py)
+            layer, rotary = self._head_layer
+            x = self.head._layer_input(feats.to(embeds.dtype), embeds)
+            return layer(x, rotary(x, positions), mask, self._draft_cache.kv[0], slots)
         return self.head(feats[None], embeds[None], positions[None], mask, self._draft_cache.writer(slots))[0]
 
     def _head_top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,9 +458,8 @@ class StaticEngine:
             self._shape = shape
             self._steps.clear()
         if not self._steps and self.mode == "reduce-overhead":   # what the steps change in place stays put
-            for t in [*self._state.small(), self._cache.keys, self._cache.values,
-                      *([self._lm_weight, self._draft_cache.keys, self._draft_cache.values] if self.head is not None
-                        else [])]:
+            for t in [*self._state.small(), self._cache.kv,
+                      *([self._lm_weight, self._draft_cache.kv] if self.head is not None else [])]:
                 torch._dynamo.mark_static_address(t)
 
     def _prefill(self, prompt_ids: list[int]) -> int:

@@ -54,12 +54,15 @@ class SlotWriter:
                            "its length cannot run it (use the engine)")
 
 
-def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int) -> torch.Tensor:
-    """The boolean mask [1, 1, T, slots] of T tokens whose own block sits at slots [start, start + W): every slot
+def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int | torch.Tensor,
+              at: torch.Tensor | None = None) -> torch.Tensor:
+    """The boolean mask [1, 1, T, S] of T tokens whose own block sits at slots [start, start + W): every slot
     before `start` (the committed prefix) is visible, and inside the block what `visible` [T, W] says. Slots after
-    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read)."""
+    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read).
+    slots: S, or `arange(S)` on the device where the caller keeps one; at: the block's slots, start + arange(W),
+    where the caller has them (each saves an op)."""
     t, w = visible.shape
-    cols = torch.arange(slots, device=visible.device)
-    mask = (cols < start).expand(t, slots).clone()
-    mask.index_copy_(1, start + torch.arange(w, device=visible.device), visible)
-    return mask.view(1, 1, t, slots)
+    cols = torch.arange(slots, device=visible.device) if isinstance(slots, int) else slots
+    at = start + torch.arange(w, device=visible.device) if at is None else at
+    mask = (cols < start).expand(t, cols.numel()).index_copy(1, at, visible)
+    return mask.view(1, 1, t, cols.numel())

@@ -225,7 +225,7 @@ def count_prompts(target, args) -> list[list[int]]:
                 for _ in range(args.count_prompts)]
     from .runner import conversation_prompts
     from .tasks import load_question_file
-    questions = load_question_file(ROOT / "eval" / "questions" / "heldout12.jsonl", 1)[:args.count_prompts]
+    questions = load_question_file(args.count_questions, 1)[:args.count_prompts]
     return [conversation_prompts(target, q, []) for q in questions]
 
 
@@ -253,6 +253,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--count-ops", action="store_true", help="count the device operations the steps launch "
                                                              "(eagerly, on the CPU) instead of timing them")
     p.add_argument("--count-prompts", type=int, default=3, help="--count-ops: held-out prompts (default 3)")
+    p.add_argument("--count-questions", type=Path, default=ROOT / "eval" / "questions" / "heldout12.jsonl",
+                   help="--count-ops: the question file whose first prompt of each kind is counted")
     p.add_argument("--count-tokens", type=int, default=16, help="--count-ops: new tokens a prompt (default 16)")
     p.add_argument("--launch-us", type=float, default=3.8, help="--count-ops: microseconds a launch costs, to price "
                                                                 "the counts (default 3.8: the H100's graph step)")

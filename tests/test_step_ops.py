@@ -96,3 +96,17 @@ def test_the_fused_layers_are_taken_and_emit_what_the_models_layers_emit(tiny):
         reference_greedy(tiny, prompt, 20)
     fewer, more = counts(tiny, head, 6), count_generation(own, [prompt], cfg)
     assert fewer.per_step() < 0.8 * more.per_step()
+
+
+def test_an_eagle3_head_runs_fused_and_exact():
+    """An EAGLE-3 head's layer (two norms side by side before the attention) fused: the same tokens as its own
+    layer, and transformers' greedy output."""
+    target = make_target("llama", layers=4)
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target, feature_layers=(0, 1, 2), design="eagle3")
+    fused, own = StaticEngine(target, head), StaticEngine(target, head, fused=False)
+    assert fused._head_layer is not None and fused._head_layer[0].eagle3 and own._head_layer is None
+    prompt = list(range(5, 25))
+    cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False, tree=TREE)
+    assert fused.generate(prompt, cfg).token_ids == own.generate(prompt, cfg).token_ids == \
+        reference_greedy(target, prompt, 16)

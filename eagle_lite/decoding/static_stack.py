@@ -41,6 +41,8 @@ def supported(layer: nn.Module) -> bool:
     parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    if hasattr(layer, "hidden_norm"):
+        norms.append(layer.hidden_norm)
     return (all(isinstance(p, nn.Linear) for p in parts) and callable(getattr(mlp, "act_fn", None))
             and all(isinstance(getattr(n, "variance_epsilon", None), float) and getattr(n, "weight", None) is not None
                     for n in norms)
@@ -68,16 +70,22 @@ class StaticLayer:
             self.gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat(
                 [mlp.gate_proj.bias, mlp.up_proj.bias]).detach()
         self.intermediate = mlp.gate_proj.out_features
+        self.eagle3 = isinstance(getattr(layer, "hidden_norm", None), nn.Module)   # heads/eagle3_layer.py
 
     def __call__(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                 kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                 kv: torch.Tensor, slots: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H]; rotary: (cos', sin') [T, heads + 2 kv heads, D] (`RotaryTables`); kv: this layer's cache
         [1, 2 kv heads, S, D]. Returns the layer's output [T, H]. Attention runs through the function the layer's
-        own attention would call (its config's implementation)."""
+        own attention would call (its config's implementation). embeds [T, H]: an EAGLE-3 layer's token
+        embeddings, normed beside the normed x as its attention's input (heads/eagle3_layer.py)."""
         layer, t, hq, hk = self.layer, x.shape[0], self.heads, self.kv_heads
         attn, mlp = layer.self_attn, layer.mlp
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-        qkv = F.linear(rms_norm(layer.input_layernorm, x), self.qkv, self.qkv_bias).view(t, -1, self.head_dim)
+        if self.eagle3:
+            normed = torch.cat([rms_norm(layer.input_layernorm, embeds), rms_norm(layer.hidden_norm, x)], dim=-1)
+        else:
+            normed = rms_norm(layer.input_layernorm, x)
+        qkv = F.linear(normed, self.qkv, self.qkv_bias).view(t, -1, self.head_dim)
         cos, sin = rotary
         qkv = qkv * cos + qkv.roll(self.head_dim // 2, dims=-1) * sin
         kv[0].index_copy_(1, slots, qkv[:, hq:].transpose(0, 1))

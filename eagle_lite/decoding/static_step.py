@@ -50,7 +50,7 @@ from ..kernels.attention import KEYS, resolve_backend, select_attention
 from ..kv_cache import cache_keyword
 from .device_kv_cache import DeviceKVCache, slot_mask
 from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
-from .static_stack import RotaryTables, StaticLayer, StaticStack, supported
+from .static_stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
 from .static_tree import StaticTree, accept_greedy, bucket_for
 
 log = logging.getLogger("eagle_lite")
@@ -217,7 +217,7 @@ class StaticEngine:
                 log.info("the static step runs the model's own layers: the fused ones %s", problem)
                 self._stack = None
         self._head_layer = None      # (StaticLayer, RotaryTables) of the head's decoder layer, where it is one
-        if fused and head is not None and getattr(head, "design", None) != "eagle3" and supported(head.layer):
+        if fused and head is not None and supported(head.layer):
             layer = StaticLayer(head.layer, 0)
             self._head_layer = (layer, RotaryTables(head.rotary, layer))
             problem = self._head_problem()
@@ -365,14 +365,23 @@ class StaticEngine:
         embeds = self.target.embed_tokens(tokens)
         if self._head_layer is not None:       # DraftHead.forward, its layer fused (static_stack.py)
             layer, tables = self._head_layer
-            x = self.head._layer_input(feats.to(embeds.dtype), embeds)
+            if layer.eagle3:
+                x = feats.to(embeds.dtype)
+                x = self.head.fc(x) if x.shape[-1] != embeds.shape[-1] else x
+            else:
+                x = self.head._layer_input(feats.to(embeds.dtype), embeds)
             return layer(x, rotary if rotary is not None else tables(x, positions), mask, self._draft_cache.kv[0],
-                         slots)
+                         slots, embeds)
         return self.head(feats[None], embeds[None], positions[None], mask, self._draft_cache.writer(slots))[0]
 
     def _head_top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [R, H] -> (log-probs [R, k], target token ids [R, k]) of the draft's k likeliest next tokens."""
-        logits = self.head.logit_features(h) @ self._lm_weight.t()
+        norm = getattr(self.head, "norm", None)
+        if self._head_layer is not None and norm is not None and supported_norm(norm):
+            h = rms_norm(norm, h)                                          # logit_features in one op
+        else:
+            h = self.head.logit_features(h)
+        logits = h @ self._lm_weight.t()
         scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
 

@@ -3,14 +3,16 @@
 On a GPU a small target's step is bound by kernel launches: transformers' Llama layer dispatches 36 ops in fp32
 (each RMSNorm six: pow, mean, add, rsqrt, mul, mul; q, k and v three products; the rotary embedding five per
 tensor: mul, neg, cat, mul, add; two cache writes; gate and up two products), 44 in bf16 (the norms' casts).
-`StaticLayer` computes the same layer in 16:
+`StaticLayer` computes the same layer in 13:
 
 - each RMSNorm one `F.rms_norm` (fp32; in other dtypes the model's order kept: normalise in fp32, cast, then the
   weight's product: four);
 - q, k and v one product over their weights stacked once (`qkv`), gate and up one (`gate_up`);
-- the rotary embedding over q, k and v at once: x * cos + roll(x, D/2) * sin', where sin' is sin with its first
-  half negated (roll(x) * sin' is rotate_half(x) * sin to the bit) and v's heads get cos 1, sin 0 (v * 1 + 0 is v);
-  cos' and sin' are built once per forward for every layer;
+- the rotary embedding over q, k and v at once: addcmul(x * cos, roll(x, D/2), sin'), where sin' is sin with its
+  first half negated (roll(x) * sin' is rotate_half(x) * sin to the bit) and v's heads get cos 1, sin 0 (v * 1 + 0
+  is v); cos' and sin' are built once per forward for every layer;
+- the two residual adds inside the o and down products (`addmm` with the residual as its input: one rounding
+  where the model rounds twice);
 - keys and values written in one `index_copy_`: the cache holds them in one buffer (`DeviceKVCache.kv`), keys the
   first kv heads, values the rest, so the rotated k and v heads are written where they lie.
 
@@ -71,6 +73,7 @@ class StaticLayer:
                 [mlp.gate_proj.bias, mlp.up_proj.bias]).detach()
         self.intermediate = mlp.gate_proj.out_features
         self.eagle3 = isinstance(getattr(layer, "hidden_norm", None), nn.Module)   # heads/eagle3_layer.py
+        self.fold = attn.o_proj.bias is None and mlp.down_proj.bias is None    # residual adds inside the products
 
     def __call__(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                  kv: torch.Tensor, slots: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,14 +90,16 @@ class StaticLayer:
             normed = rms_norm(layer.input_layernorm, x)
         qkv = F.linear(normed, self.qkv, self.qkv_bias).view(t, -1, self.head_dim)
         cos, sin = rotary
-        qkv = qkv * cos + qkv.roll(self.head_dim // 2, dims=-1) * sin
+        qkv = torch.addcmul(qkv * cos, qkv.roll(self.head_dim // 2, dims=-1), sin)
         kv[0].index_copy_(1, slots, qkv[:, hq:].transpose(0, 1))
         out, _ = attention(attn, qkv[:, :hq].transpose(0, 1)[None], kv[:, :hk], kv[:, hk:], mask, dropout=0.0,
                            scaling=attn.scaling)
-        x = x + attn.o_proj(out.reshape(t, hq * self.head_dim))
+        out = out.reshape(t, hq * self.head_dim)
+        x = torch.addmm(x, out, attn.o_proj.weight.t()) if self.fold else x + attn.o_proj(out)
         gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), self.gate_up,
                             self.gate_up_bias).split(self.intermediate, dim=-1)
-        return x + mlp.down_proj(mlp.act_fn(gate) * up)
+        act = mlp.act_fn(gate) * up
+        return torch.addmm(x, act, mlp.down_proj.weight.t()) if self.fold else x + mlp.down_proj(act)
 
 
 class RotaryTables:

@@ -13,25 +13,28 @@ received so far complete, then runs every step not yet run whose needs are met, 
 left (`--budget-s`), and leaves its log, a JSON of the steps and its outputs in `--out`. A step that fails or
 runs out of time is recorded and the next one runs; a rerun on the same warm machine skips the steps done.
 
-The steps, in order:
-  1. gpu_tests      `pytest -m gpu`: the static step in bf16 equals the engine (eager, CUDA graphs,
-                    reduce-overhead), no synchronising call, the attention backends
-  2. step_cost      `eval.step_cost`: verify time against tree size 1..128 and the draft step, for a random
-                    ~1B Llama (needs no target files) and then for SmolLM2 with its head
-  3. table_shipped  `eval.benchmark` on the held-out prompts of twelve kinds, one interleaved run: the engine's
-                    graph-captured vanilla (the baseline), its vanilla, transformers generate() and prompt
-                    lookup, lookup, eagle and eagle_graph at the head's shipped `tree_cuda`
-  4. tune           `eval.tune --method eagle_graph --save-tree` on the GPU: the head's `tree_cuda` tuned on the
-                    spot through the static step with CUDA graphs (the default path there), against vanilla_graph
-  5. head           the EAGLE-3 head on the committed answers: features, then the fit until validation stops
-                    improving or the time left runs out, exported; `trainers.validate` against the shipped head
-  6. table_tuned    the baseline, eagle, eagle over the target's whole vocabulary (eagle_full_vocab) and eagle_graph
-                    again at the tuned tree (after the head: tune has timed eagle_graph already, and a step that
-                    overruns should not take the head's minutes)
+The steps, in order (issue #49: is eagle_graph 2x vanilla_graph on the GPU once the step launches fewer ops?):
+  1. gpu_tests        `pytest -m gpu`: every static step mode equals transformers in fp32, differs from the
+                      engine only at near-ties in bf16, makes no synchronising call; the attention backends
+  2. table_bf16       `eval.benchmark --dtype bfloat16`, 2 held-out prompts of each of 12 kinds x 256 tokens:
+                      vanilla_graph against eagle_graph, the shipped head at its `tree_cuda`
+  3. table_bf16_eagle3   the same with the EAGLE-3 head `../shared/heads/smollm2-eagle3-gpu` (d6 k10 n63)
+  4. table_bf16_full_vocab   the shipped head drafting over the target's whole vocabulary (`--draft-vocab full`;
+                      the EAGLE-3 head's own lm_head has rows for its 8k draft tokens alone)
+  5. table_fp32, table_fp32_eagle3   both heads in float32 (exact: 100% identical is the claim)
+  6. step_cost_smollm2   `eval.step_cost`: verify time against tree size and the draft step, CUDA graphs
+  7. hf_generate      vanilla_graph against transformers' greedy generate(), one prompt of each kind x 128 tokens
+  8. op_counts        `eval.step_cost --count-ops` on the device's CPU, both heads (the counts docs/benchmarks.md
+                      has, checked where the tables ran)
+  then, left out by default (an earlier day measured or made them; `--all` keeps them): step_cost_llama1b,
+  table_shipped (7 methods), tune, the EAGLE-3 head's training (head_features, head_fit, head_validate),
+  table_tuned.
 
-The plan leaves out the steps an earlier GPU day measured (`MEASURED`; `--all` keeps them), so the lease goes to
-what is still missing, and refuses a bundle packed before the working tree grew past what a call can carry beside
-it. `run --dry-run` runs the same steps on the CPU with a tiny target and tiny sizes (the test suite does), so the
+The plan leaves out the steps an earlier GPU day measured (`MEASURED`; `--all` keeps them, past the lease), so the
+lease goes to what is still missing, and refuses a bundle packed before the working tree grew past what a call can
+carry beside it. The EAGLE-3 head is not in the repository: copy its folder to .carry/eagle3 and the plan's first
+call carries it to /tmp/eagle3 (`run --eagle3`); where it is missing its steps are skipped and recorded so.
+`run --dry-run` runs the same steps on the CPU with a tiny target and tiny sizes (the test suite does), so the
 script cannot rot while no GPU is lent.
 """
 from __future__ import annotations
@@ -73,7 +76,8 @@ LAST_CALL_S = 570                 # the last call's --budget-s: a command runs a
 HEAD_NAME = "gpu_day_eagle3"
 # Steps an earlier GPU day measured, their tables in docs/benchmarks.md ("On a GPU"): the plan leaves them out, so
 # the lease goes to what is still missing (`--all` keeps them).
-MEASURED = ("step_cost_llama1b", "step_cost_smollm2", "table_shipped")
+MEASURED = ("step_cost_llama1b", "table_shipped", "tune", "head_features", "head_fit", "head_validate", "table_tuned")
+EAGLE3_HEAD = "../shared/heads/smollm2-eagle3-gpu"     # the EAGLE-3 head the 2026-11-26 H100 day trained
 # for the static step (no lookup graft): each tree fills its verify bucket (static_tree.BUCKETS, the root included)
 TUNE_TREES = ("4,8,31", "6,10,63", "8,12,95", "10,16,127")
 
@@ -86,8 +90,13 @@ class Profile:
     target: str | None = None              # None: the embedded SmolLM2-135M-Instruct
     draft: str = "eagle_lite/heads/smollm2"
     questions: str = "eval/questions/heldout12.jsonl"
-    per_task: int = 1
-    max_new_tokens: int = 128
+    per_task: int = 2
+    max_new_tokens: int = 256
+    eagle3: str = EAGLE3_HEAD
+    eagle3_tree: tuple[str, ...] = ("--tree-depth", "6", "--tree-top-k", "10", "--tree-total-tokens", "63")
+    hf_per_task: int = 1
+    hf_tokens: int = 128
+    count_ops: tuple[str, ...] = ("--count-ops", "--targets", "smollm2")
     tune_trees: tuple[str, ...] = TUNE_TREES
     tune_limit: int = 1
     tune_tokens: int = 64
@@ -107,6 +116,10 @@ def dry_profile(target: str, draft: str, questions: str) -> Profile:
     """The same steps on the CPU: a tiny target folder and a head folder made for it, a few tokens each."""
     return Profile(
         device="cpu", dtype="float32", target=target, draft=draft, questions=questions, per_task=1, max_new_tokens=8,
+        eagle3=draft, eagle3_tree=("--tree-depth", "2", "--tree-top-k", "2", "--tree-total-tokens", "3"),
+        hf_per_task=1, hf_tokens=8,
+        count_ops=("--count-ops", "--targets", target, "--count-questions", questions, "--count-prompts", "1",
+                   "--count-tokens", "4", "--trees", "2,2,3"),
         tune_trees=("2,2,3", "1,1,1"), tune_limit=1, tune_tokens=8,
         pytest=("-m", "gpu", "-q", "--collect-only"),
         step_cost_first=("--tiny", "--sizes", "1,4", "--reps", "1"),
@@ -128,22 +141,34 @@ class Step:
 
 
 STEPS = (
-    Step("gpu_tests", "pytest -m gpu: static step == engine in bf16 (eager, graphs, reduce-overhead), no syncs",
+    Step("gpu_tests", "pytest -m gpu: fp32 every mode == transformers, bf16 only near-ties differ, no syncs",
          120, 30, False),
+    Step("table_bf16", "eval.benchmark bf16: vanilla_graph vs eagle_graph, shipped head, 24 prompts x 256", 70, 30,
+         True),
+    Step("table_bf16_eagle3", "the same, the EAGLE-3 head (../shared/heads/smollm2-eagle3-gpu), d6 k10 n63", 70, 30,
+         True),
+    Step("table_bf16_full_vocab", "the same, the shipped head over the whole vocabulary (--draft-vocab full)", 70, 30,
+         True),
+    Step("table_fp32", "the same in float32, shipped head", 75, 30, True),
+    Step("table_fp32_eagle3", "the same in float32, the EAGLE-3 head", 75, 30, True),
+    Step("step_cost_smollm2", "eval.step_cost: SmolLM2 and its head, verify 1..128 nodes and the draft step",
+         50, 20, True),
+    Step("hf_generate", "eval.benchmark: vanilla_graph vs transformers generate(), 12 prompts x 128", 70, 30, True),
+    Step("op_counts", "eval.step_cost --count-ops (the device's CPU): launches per step and per token, both heads",
+         60, 20, True),
+    # left out by default (MEASURED): measured or made on an earlier GPU day
     Step("step_cost_llama1b", "eval.step_cost: a random ~1B Llama, verify 1..128 nodes, eager and CUDA graphs",
          40, 20, False),
-    Step("step_cost_smollm2", "eval.step_cost: SmolLM2 and its head, verify 1..128 nodes and the draft step",
-         60, 20, True),
     Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
     Step("tune", "eval.tune --method eagle_graph --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),
     Step("head_fit", "trainers.train: fit until validation stops improving or time runs out, export", 200, 60, True),
     Step("head_validate", "trainers.validate: the new head against the shipped one, same held-out rows", 30, 20, True),
-    # last: tune already times eagle_graph against vanilla_graph at each tree, and the head needs the time more
     Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 40, 20,
          True),
 )
+EAGLE3_STEPS = ("table_bf16_eagle3", "table_fp32_eagle3")
 
 
 # -- here: the plan and the bundle ---------------------------------------------------------------------------------
@@ -201,19 +226,23 @@ def plan_lines(folders: int, skip: tuple[str, ...] = (), budget_s: int = LEASE_S
     return lines
 
 
-def device_commands(folders: int, skip: tuple[str, ...] = ()) -> list[str]:
-    """The device tool's calls, to make back to back (a machine left idle ~30 s is given back)."""
+def device_commands(folders: int, skip: tuple[str, ...] = (), eagle3: bool = False) -> list[str]:
+    """The device tool's calls, to make back to back (a machine left idle ~30 s is given back). eagle3: the first
+    call also carries the EAGLE-3 head from .carry/eagle3 to /tmp/eagle3 (it stays there while the machine is warm)."""
     left_out = f" --skip {','.join(skip)}" if skip else ""
+    head = " --eagle3 /tmp/eagle3" if eagle3 else ""
     calls = []
     for call in range(1, folders + 1):
         budget = call_budget(call, folders)
-        calls.append(f'run(carry=[".carry/{call}"], timeout_s={min(600, budget + 30)}, command="mkdir -p /tmp/carry '
-                     f'&& cp .carry/{call}/* /tmp/carry/ && PYTHONUNBUFFERED=1 python3 -m eval.gpu_day run '
-                     f'--carry /tmp/carry --out $OUT --budget-s {budget}{left_out}")')
+        extra = ', ".carry/eagle3"' if eagle3 and call == 1 else ""
+        copy = " && cp -r .carry/eagle3 /tmp/eagle3" if eagle3 and call == 1 else ""
+        calls.append(f'run(carry=[".carry/{call}"{extra}], timeout_s={min(600, budget + 30)}, command="mkdir -p '
+                     f'/tmp/carry && cp .carry/{call}/* /tmp/carry/{copy} && PYTHONUNBUFFERED=1 python3 -m '
+                     f'eval.gpu_day run --carry /tmp/carry --out $OUT --budget-s {budget}{left_out}{head}")')
     # the bundle stays in /tmp/carry while the machine is warm: a last call carries nothing
     calls.append(f'then, if the lease has a minute or more left and a step is not run yet (steps.json): run(carry=[], '
                  f'timeout_s=LEFT - 30, command="PYTHONUNBUFFERED=1 python3 -m eval.gpu_day run --carry /tmp/carry '
-                 f'--out $OUT --budget-s LEFT - 40{left_out}")   (LEFT: the lease\'s budget_left_s)')
+                 f'--out $OUT --budget-s LEFT - 40{left_out}{head}")   (LEFT: the lease\'s budget_left_s)')
     return calls
 
 
@@ -324,6 +353,26 @@ class Day:
                  "--per-task", str(p.per_task), "--max-new-tokens", str(p.max_new_tokens)]
         runs = Path(self.env["EAGLE_LITE_RUNS"])
         train = ["-m", "trainers.train", *p.train, f"name={HEAD_NAME}"]
+        tables = {"table_bf16": ("bfloat16", p.draft, ()), "table_bf16_eagle3": ("bfloat16", p.eagle3, p.eagle3_tree),
+                  "table_bf16_full_vocab": ("bfloat16", p.draft, ("--draft-vocab", "full")),
+                  "table_fp32": ("float32", p.draft, ()), "table_fp32_eagle3": ("float32", p.eagle3, p.eagle3_tree)}
+        if name in tables:
+            dtype, draft, extra = tables[name]
+            dtype = dtype if p.device != "cpu" else p.dtype
+            return [(self.python("eval.benchmark", *(["--target", p.target] if p.target else []), "--device",
+                                 p.device, "--dtype", dtype, "--draft", draft, "--questions", p.questions, "--tasks",
+                                 "", "--per-task", str(p.per_task), "--max-new-tokens", str(p.max_new_tokens),
+                                 *extra, "--methods", "vanilla_graph,eagle_graph", "--out", str(r / name)),
+                     min(left, 150))]
+        if name == "hf_generate":
+            return [(self.python("eval.benchmark", *self.common(), "--draft", p.draft, "--questions", p.questions,
+                                 "--tasks", "", "--per-task", str(p.hf_per_task), "--max-new-tokens",
+                                 str(p.hf_tokens), "--methods", "vanilla_graph,hf_generate", "--out",
+                                 str(r / name)), min(left, 150))]
+        if name == "op_counts":
+            return [(self.python("eval.step_cost", *p.count_ops, "--draft", draft, "--out",
+                                 str(r / f"op_counts_{label}.json")), min(left, 90))
+                    for label, draft in (("shipped", p.draft), ("eagle3", p.eagle3)) if (ROOT / draft).is_dir()]
         if name == "gpu_tests":
             return [([sys.executable, "-m", "pytest", *p.pytest, "tests/test_static_step.py",
                       "tests/test_attention.py"], min(left, 150))]
@@ -371,6 +420,10 @@ class Day:
                 continue
             if step.needs_target and not installed_target:
                 record.status = "waiting for the target's files (a later call)"
+                continue
+            if step.name in EAGLE3_STEPS and not (ROOT / self.profile.eagle3).is_dir():
+                record.status = f"skipped (no EAGLE-3 head at {self.profile.eagle3}: carry it there)"
+                self.log(f"== {step.name}: {record.status}")
                 continue
             if step.name == "head_validate" and self.done.get("head_fit", {}).get("status") != "ok":
                 record.status = "skipped (no head was exported)"
@@ -454,7 +507,7 @@ def run(args) -> int:
         profile = dry_profile(args.target, args.draft, args.questions)
         installed_target = True
     else:
-        profile = Profile()
+        profile = Profile(eagle3=args.eagle3)
     day = Day(profile, work, out, args.budget_s, env)
     day.log(f"gpu_day call: {args.budget_s:.0f} s, profile {'dry run (CPU)' if args.dry_run else profile.device}")
     if args.carry:
@@ -542,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--runs", type=Path, help="EAGLE_LITE_RUNS of the training steps (default WORK/runs)")
     r.add_argument("--skip", type=steps_list, default=[],
                    help="comma-separated steps not to run (e.g. those an earlier GPU day measured)")
+    r.add_argument("--eagle3", default=EAGLE3_HEAD, help=f"the EAGLE-3 head's folder (default {EAGLE3_HEAD})")
     r.add_argument("--dry-run", action="store_true", help="on the CPU with --target and --draft, tiny sizes")
     r.add_argument("--target", help="dry run: a tiny target folder")
     r.add_argument("--draft", help="dry run: a head folder made for it")
@@ -576,10 +630,14 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_folders(carry, tree_bytes())
     if stale:
         raise RuntimeError(stale[0])
-    folders = len([d for d in carry.iterdir() if d.is_dir()]) if carry.is_dir() else 2
+    folders = len([d for d in carry.iterdir() if d.is_dir() and d.name != "eagle3"]) if carry.is_dir() else 2
     print("\n".join(plan_lines(folders, skip)))
+    eagle3 = (carry / "eagle3" / "config.json").is_file()
+    if not eagle3:
+        print(f"\n(no .carry/eagle3: the EAGLE-3 head's steps run only where {EAGLE3_HEAD} exists on the device; "
+              f"copy the head folder to .carry/eagle3 to carry it with the first call)")
     print("\nThe device calls, back to back:")
-    print("\n".join("  " + c for c in device_commands(folders, skip)))
+    print("\n".join("  " + c for c in device_commands(folders, skip, eagle3)))
     return 0
 
 

@@ -13,6 +13,16 @@ verify's cost in units of that one-token step in the same mode: the issue's aim 
 The draft step (the head reads the accepted features, then grows the tree: `depth` head forwards, top-k, rerank)
 is timed for each `--trees` (default: the head's recommended tree on the device, without its lookup graft).
 
+`--count-ops` counts instead of timing (eval/op_count.py): the device operations the steps launch, run eagerly on
+the CPU through the models' own modules (the code a CUDA graph captures), per step, per emitted token, per draft
+depth and per target layer, for vanilla_graph and eagle_graph over `--count-prompts` held-out prompts (random
+tokens for a target without a tokenizer) at the `--trees` given (default depth 6, top_k 10, 60 nodes: the GPU's
+tree), with the host reads inside the steps. `--launch-us` prices a launch (the H100's plain graph step, ~4.3 ms
+for 1,143 launches: ~3.8 us). Counting needs no exclusive machine: the counts do not depend on its load.
+
+    python -m eval.step_cost --count-ops                     # SmolLM2 and its head
+    python -m eval.step_cost --count-ops --targets tiny      # a 2-layer random Llama, seconds
+
 Targets: `smollm2` (the embedded target; the head shipped for it, else a random one), `llama1b` (a random-weight
 Llama of Llama-3.2-1B's shape, ~1.2B parameters, built in-process on the device: no download), `tiny` (a 2-layer
 random Llama), or any spec `load_target` takes (with a random head).
@@ -37,6 +47,8 @@ from eagle_lite.threads import check_threads, set_threads
 
 from .tune import ints, tree_spec
 
+ROOT = Path(__file__).resolve().parents[1]
+
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
                 tie_word_embeddings=True)
@@ -56,8 +68,8 @@ def random_llama(sizes: dict, name: str, device: str, dtype: torch.dtype, attent
     return Target(model.to(dtype).eval(), name=name, attention=attention)
 
 
-def load(spec: str, device: str, dtype: torch.dtype, attention: str):
-    """(target, head, note) for a --targets entry."""
+def load(spec: str, device: str, dtype: torch.dtype, attention: str, draft: str = "auto"):
+    """(target, head, note) for a --targets entry; `draft`: the head ("auto": the shipped one, or a head folder)."""
     from eagle_lite.drafters import registry
     from eagle_lite.heads.draft import DraftHead
     from eagle_lite.targets.loading import load_target
@@ -68,8 +80,8 @@ def load(spec: str, device: str, dtype: torch.dtype, attention: str):
         target = random_llama(TINY, "tiny-llama-random", device, dtype, attention)
     else:
         target = load_target(spec, dtype=dtype, device=device, attention=attention)
-    head = registry.load_eagle_head(target, "auto") if spec not in ("llama1b", "tiny") else None
-    note = "shipped head"
+    head = registry.load_eagle_head(target, draft) if spec not in ("llama1b", "tiny") else None
+    note = "shipped head" if draft == "auto" else f"head {draft}"
     if head is None:
         torch.manual_seed(0)
         head, note = DraftHead.for_target(target), "random head"
@@ -192,6 +204,31 @@ def markdown(name: str, result: dict, modes: list[str], sizes: list[int]) -> str
     return f"### {name}\n\n" + "\n".join(lines)
 
 
+def count_ops(target, head, args) -> list:
+    """[vanilla_graph, eagle_graph] StepOps over the prompts (eval/op_count.py)."""
+    from eagle_lite.config import GenerationConfig
+
+    from .op_count import count_generation
+    prompts = count_prompts(target, args)
+    tree = args.trees[0] if args.trees else TreeConfig(depth=6, top_k=10, total_tokens=60)
+    cfg = GenerationConfig(max_new_tokens=args.count_tokens, stop_at_eos=False, tree=tree)
+    with torch.inference_mode():
+        return [count_generation(StaticEngine(target, h, mode="eager"), prompts, cfg) for h in (None, head)]
+
+
+def count_prompts(target, args) -> list[list[int]]:
+    """The first `--count-prompts` held-out questions in the target's chat format; random tokens where the target
+    has no tokenizer (the random Llamas)."""
+    if getattr(target, "tokenizer", None) is None:
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(target.vocab_size, (args.prefix,), generator=g).tolist()
+                for _ in range(args.count_prompts)]
+    from .runner import conversation_prompts
+    from .tasks import load_question_file
+    questions = load_question_file(args.count_questions, 1)[:args.count_prompts]
+    return [conversation_prompts(target, q, []) for q in questions]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.step_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,9 +249,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per cell (default 20; --tiny 3)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, help="also write the numbers as JSON here")
+    p.add_argument("--draft", default="auto", help="the head of a real target: auto (the shipped one) or a folder")
+    p.add_argument("--count-ops", action="store_true", help="count the device operations the steps launch "
+                                                             "(eagerly, on the CPU) instead of timing them")
+    p.add_argument("--count-prompts", type=int, default=3, help="--count-ops: held-out prompts (default 3)")
+    p.add_argument("--count-questions", type=Path, default=ROOT / "eval" / "questions" / "heldout12.jsonl",
+                   help="--count-ops: the question file whose first prompt of each kind is counted")
+    p.add_argument("--count-tokens", type=int, default=16, help="--count-ops: new tokens a prompt (default 16)")
+    p.add_argument("--launch-us", type=float, default=3.8, help="--count-ops: microseconds a launch costs, to price "
+                                                                "the counts (default 3.8: the H100's graph step)")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    args.targets = [t.strip() for t in (args.targets or ("tiny" if args.tiny else "smollm2,llama1b")).split(",")
+    default = "tiny" if args.tiny else ("smollm2" if args.count_ops else "smollm2,llama1b")
+    args.targets = [t.strip() for t in (args.targets or default).split(",")
                     if t.strip()]
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.prefix = args.prefix if args.prefix is not None else (32 if args.tiny else 512)
@@ -240,8 +287,10 @@ def main(argv=None) -> int:
         bad = [m for m in args.modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
-        if args.prefix < 1 or args.reps < 1:
-            raise ValueError("--prefix and --reps must be >= 1")
+        if args.prefix < 1 or args.reps < 1 or args.count_prompts < 1 or args.count_tokens < 2:
+            raise ValueError("--prefix, --reps and --count-prompts must be >= 1, --count-tokens >= 2")
+        if args.count_ops and args.device != "cpu":
+            raise ValueError("--count-ops counts on the CPU (the counts are the device's launches): drop --device")
         if max(args.sizes) > BUCKETS[-1]:
             raise ValueError(f"--sizes: the largest tree the static step verifies is {BUCKETS[-1]} nodes")
         if args.out:
@@ -249,7 +298,16 @@ def main(argv=None) -> int:
     set_threads(args.threads)
     results = {}
     for spec in args.targets:
-        target, head, note = load(spec, args.device, getattr(torch, args.dtype), args.attention)
+        target, head, note = load(spec, args.device, getattr(torch, args.dtype), args.attention, args.draft)
+        if args.count_ops:
+            from .op_count import markdown as ops_markdown
+            rows = count_ops(target, head, args)
+            results[spec] = {"target": target.name, "note": note, "ops": [r.as_dict() for r in rows]}
+            tree = args.trees[0] if args.trees else TreeConfig(depth=6, top_k=10, total_tokens=60)
+            print(f"target {target.name} ({note}) · {args.dtype} · launches counted eagerly on the CPU · "
+                  f"{tree_label(tree)} · {args.count_prompts} prompts x {args.count_tokens} tokens\n\n"
+                  + ops_markdown(rows, args.launch_us) + "\n", flush=True)
+            continue
         result = measure(target, head, args)
         results[spec] = {"target": target.name, "note": note, **result}
         header = (f"target {target.name} ({note}) · {target.device} · {args.dtype} · prefix {args.prefix} · "

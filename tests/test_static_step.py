@@ -3,6 +3,7 @@ greedy generate(), token for token, and that torch.compile traces its draft and 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import pytest
@@ -308,22 +309,84 @@ def test_steps_compile_with_inductor_on_cpu():
     assert engine.generate(prompt, cfg).token_ids == ref
 
 
-# -- on a GPU (skipped on CPU; run with -m gpu) ------------------------------------------------------------
-def cuda_target(family: str = "llama"):
+# -- on a GPU (run with -m gpu; skipped without CUDA, or run on the CPU with EAGLE_LITE_GPU_DRY_RUN=1) -------------
+# What is true on a GPU, and tested: in fp32 every mode (eager, captured, compiled) emits transformers' greedy
+# tokens; in bf16 the modes may differ from the engine only where the two best logits are a near-tie (inductor's
+# fused kernels and other shapes round differently, issue #49), which these tests bound by LOGIT_TIE. The dry run
+# (EAGLE_LITE_GPU_DRY_RUN=1) runs the same logic on the CPU: CUDA-only modes become eager, bf16 stays bf16, and the
+# sync check uses eval/op_count.py's guard instead of CUDA's sync debug mode. docs/gpu.md.
+DRY_RUN = os.environ.get("EAGLE_LITE_GPU_DRY_RUN") == "1"
+CUDA_MODES = ("cuda-graph", "reduce-overhead")
+LOGIT_TIE = 0.02           # bf16: a token may differ only where its logit is within this share of the best's magnitude
+
+
+def gpu_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if DRY_RUN:
+        return "cpu"
+    pytest.skip("needs CUDA (or EAGLE_LITE_GPU_DRY_RUN=1 to run the logic on the CPU)")
+
+
+def gpu_mode(mode: str) -> str:
+    return "eager" if gpu_device() == "cpu" and mode in CUDA_MODES else mode
+
+
+def cuda_target(family: str = "llama", dtype: torch.dtype = torch.bfloat16):
     from eagle_lite.targets.model import Target
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    model = make_model(family).to("cuda", torch.bfloat16)
-    # gqa: the engine and the static step then run the same SDPA kernel (bf16 sums in other orders could flip a tie)
-    return Target(model, name=f"tiny-{family}-cuda-bf16", attention="gqa")
+    device = gpu_device()
+    model = make_model(family).to(device, dtype)
+    # gqa: the engine and the static step then run the same SDPA kernel (bf16 sums in other orders could flip a tie);
+    # accelerate=False: the model as transformers runs it on any device
+    return Target(model, name=f"tiny-{family}-{device}-{dtype}".replace("torch.", ""), attention="gqa",
+                  accelerate=False)
+
+
+def device_greedy(target, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt], device=target.device)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_ties_only(target, prompt: list[int], want: list[int], got: list[int]) -> None:
+    """`got` equals `want`, or first differs where the model's own forward in its dtype puts the two tokens'
+    logits within LOGIT_TIE of the best logit's magnitude (a near-tie that another kernel may round either way)."""
+    diff = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if diff is None:
+        assert len(got) == len(want)
+        return
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt + want[:diff]], device=target.device)).logits[0, -1]
+    logits = logits.float()
+    gap = float(logits[want[diff]] - logits[got[diff]])
+    assert abs(gap) <= LOGIT_TIE * float(logits.abs().max()), (
+        f"token {diff}: {got[diff]} instead of {want[diff]}, logit gap {gap:.4f}: not a near-tie")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["eager", "cuda-graph", "reduce-overhead"])
 @pytest.mark.parametrize("method", ["vanilla", "eagle"])
-def test_static_step_on_cuda_in_bf16_equals_the_engine(mode, method):
-    """Greedy in bf16: the static step (eager, captured, compiled) emits what the engine emits in the same dtype."""
+def test_static_step_on_the_gpu_in_fp32_equals_transformers(mode, method):
+    """fp32: every mode, captured or compiled, emits transformers' greedy tokens, and replays them."""
+    target = cuda_target(dtype=torch.float32)
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target) if method == "eagle" else None
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=15))
+    static = StaticEngine(target, head, mode=gpu_mode(mode))
+    for prompt in ([3, 4, 5], list(range(10, 90))):
+        want = device_greedy(target, prompt, 40)
+        assert static.generate(prompt, cfg).token_ids == want
+        assert static.generate(prompt, cfg).token_ids == want           # replayed graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "cuda-graph", "reduce-overhead"])
+@pytest.mark.parametrize("method", ["vanilla", "eagle"])
+def test_static_step_on_the_gpu_in_bf16_differs_from_the_engine_only_at_near_ties(mode, method):
+    """bf16: the static step (eager, captured, compiled) emits the engine's tokens up to a near-tie of the model's
+    own logits (LOGIT_TIE); a captured graph replays exactly what it emitted once."""
     from conftest import eagle_drafter
 
     target = cuda_target()
@@ -331,34 +394,43 @@ def test_static_step_on_cuda_in_bf16_equals_the_engine(mode, method):
     head = DraftHead.for_target(target) if method == "eagle" else None
     cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=15))
     engine = Engine(target, eagle_drafter(target, head) if head is not None else None)
-    static = StaticEngine(target, head, mode=mode)
+    static = StaticEngine(target, head, mode=gpu_mode(mode))
     for prompt in ([3, 4, 5], list(range(10, 90))):
         want = engine.generate(prompt, cfg).token_ids
-        assert static.generate(prompt, cfg).token_ids == want
-        assert static.generate(prompt, cfg).token_ids == want           # replayed graphs
+        got = static.generate(prompt, cfg).token_ids
+        assert_ties_only(target, prompt, want, got)
+        assert static.generate(prompt, cfg).token_ids == got            # replayed graphs: the same
 
 
 @pytest.mark.gpu
-def test_step_cost_runs_on_cuda(capsys):
+def test_step_cost_runs_on_the_gpu(capsys):
     from eval.step_cost import main as step_cost
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    assert step_cost(["--device", "cuda", "--targets", "tiny", "--sizes", "1,8,64", "--reps", "3"]) == 0
+    device = gpu_device()
+    modes = [] if device == "cuda" else ["--modes", "eager"]
+    assert step_cost(["--device", device, "--targets", "tiny", "--sizes", "1,8,64", "--reps", "3", *modes]) == 0
     out = capsys.readouterr().out
-    assert "verify cuda-graph ms" in out and "| 64 |" in out
+    assert f"verify {'cuda-graph' if device == 'cuda' else 'eager'} ms" in out and "| 64 |" in out
 
 
 @pytest.mark.gpu
 def test_static_steps_never_wait_for_the_device():
-    """The draft and verify steps, run eagerly on CUDA, make no synchronising call (CUDA's sync debug mode raises
-    on one): the step's only read is the read-back the engine makes after it."""
+    """The draft and verify steps, run eagerly, make no synchronising call (CUDA's sync debug mode raises on one;
+    in the dry run, eval/op_count.py's guard raises on any host read): the step's only read is the read-back the
+    engine makes after it."""
+    from eval.op_count import SyncGuard
+
     target = cuda_target()
     torch.manual_seed(0)
     engine = StaticEngine(target, DraftHead.for_target(target), mode="eager")
     engine.generate([3, 4, 5, 6], GenerationConfig(max_new_tokens=8, stop_at_eos=False,
                                                    tree=TreeConfig(depth=4, top_k=4, total_tokens=15)))
     with torch.inference_mode(), engine._running():
+        if target.device.type != "cuda":
+            with SyncGuard():
+                engine.draft_step()
+                engine.verify_step()
+            return
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -9,6 +9,9 @@ import torch
 class DeviceKVCache:
     """Keys/values of every layer: [layers, 1, H_kv, slots, D] each, written at slots given by a tensor.
 
+    Both live in one buffer `kv` [layers, 1, 2 H_kv, slots, D] (keys: the first H_kv heads, values the rest;
+    `keys` and `values` are views), so a layer that has its keys and values side by side writes them in one op
+    and a commit moves both in one gather and one copy (static_stack.py).
     There is no host-side length: the caller keeps it on the device and masks what a forward may see.
     `writer(slots)` is what a model's layers receive as their cache during one forward.
     """
@@ -17,9 +20,8 @@ class DeviceKVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, 1, kv_heads, slots, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((num_layers, 1, 2 * kv_heads, slots, head_dim), dtype=dtype, device=device)
+        self.keys, self.values = self.kv[:, :, :kv_heads], self.kv[:, :, kv_heads:]
         self.slots = slots
 
     def writer(self, slots: torch.Tensor) -> SlotWriter:
@@ -27,8 +29,7 @@ class DeviceKVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the entries at slots `src` to slots `dst` (all layers; a gather first, so overlaps are safe)."""
-        self.keys.index_copy_(3, dst, self.keys.index_select(3, src))
-        self.values.index_copy_(3, dst, self.values.index_select(3, src))
+        self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
 
 
 class SlotWriter:
@@ -53,12 +54,15 @@ class SlotWriter:
                            "its length cannot run it (use the engine)")
 
 
-def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int) -> torch.Tensor:
-    """The boolean mask [1, 1, T, slots] of T tokens whose own block sits at slots [start, start + W): every slot
+def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int | torch.Tensor,
+              at: torch.Tensor | None = None) -> torch.Tensor:
+    """The boolean mask [1, 1, T, S] of T tokens whose own block sits at slots [start, start + W): every slot
     before `start` (the committed prefix) is visible, and inside the block what `visible` [T, W] says. Slots after
-    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read)."""
+    the block hold stale entries and stay hidden. start: a 0-d long tensor (on the device: no host read).
+    slots: S, or `arange(S)` on the device where the caller keeps one; at: the block's slots, start + arange(W),
+    where the caller has them (each saves an op)."""
     t, w = visible.shape
-    cols = torch.arange(slots, device=visible.device)
-    mask = (cols < start).expand(t, slots).clone()
-    mask.index_copy_(1, start + torch.arange(w, device=visible.device), visible)
-    return mask.view(1, 1, t, slots)
+    cols = torch.arange(slots, device=visible.device) if isinstance(slots, int) else slots
+    at = start + torch.arange(w, device=visible.device) if at is None else at
+    mask = (cols < start).expand(t, cols.numel()).index_copy(1, at, visible)
+    return mask.view(1, 1, t, cols.numel())

@@ -50,7 +50,8 @@ from ..kernels.attention import KEYS, resolve_backend, select_attention
 from ..kv_cache import cache_keyword
 from .device_kv_cache import DeviceKVCache, slot_mask
 from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
-from .static_tree import StaticTree, accept_greedy, bucket_for, tree_ancestors
+from .static_stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
+from .static_tree import StaticTree, accept_greedy, bucket_for
 
 log = logging.getLogger("eagle_lite")
 
@@ -62,6 +63,83 @@ STATIC_BACKENDS = ("sdpa", "gqa")
 
 
 # -- the engine ----------------------------------------------------------------------------------------
+@dataclass
+class DraftConstants:
+    """What the draft step reads that depends only on the tree's shape and the draft cache's size, built once per
+    shape (`draft_constants`): a captured graph reads them where they lie, and a step launches nothing for them.
+    Candidates are numbered from 1 in the order they are drafted (0: the root); W = top_k * (depth - 1) expansion
+    slots, after the draft cache's `main` slots."""
+
+    read_rows: torch.Tensor       # [D + 1] arange
+    causal: torch.Tensor          # [D + 1, D + 1] bool
+    cols: torch.Tensor            # [S] arange over the draft cache
+    main_cols: torch.Tensor       # [main] arange
+    expansion_levels: torch.Tensor   # [depth - 1] arange: expansion d's tokens sit at position length + d - 1
+    own: torch.Tensor             # [depth - 1, k, W] bool: expansion d's frontier node i at its slot
+    expansion_slots: torch.Tensor    # [depth - 1, k] the draft cache slots expansion d writes
+    no_ancestors: torch.Tensor    # [k, W] bool, all False
+    zero1: torch.Tensor           # [1] long 0
+    true1: torch.Tensor           # [1] bool True
+    first_front: torch.Tensor     # [k] candidates 1..k: the root's children
+    bases: list[int]              # expansion d's children are candidates bases[d] + (row * k + child)
+    parent_of: torch.Tensor       # [C]: each candidate's parent as an index into cat(the frontiers, root first)
+    no_slot: torch.Tensor         # [C + 1] long zeros
+    tree_nodes: torch.Tensor      # [n] arange(1, n + 1): the kept candidates' nodes
+    level_of: torch.Tensor        # [C] each candidate's depth in the tree
+    pad_zeros: torch.Tensor       # [pad] long zeros
+    pad_ones: torch.Tensor        # [pad] long ones (padding nodes hang off the root)
+    valid: torch.Tensor           # [B] bool: the root and the n kept nodes
+    eye: torch.Tensor             # [B, B] bool
+    tree_rows: torch.Tensor       # [B] arange
+    ones: torch.Tensor            # [B] bool
+
+
+def draft_constants(tree: TreeConfig, bucket: int, slots: int, device) -> DraftConstants:
+    """The DraftConstants of `tree` drafted into a bucket of `bucket` nodes, the draft cache having `slots`."""
+    k, depth = tree.top_k, tree.depth
+    levels, width = depth - 1, max(k * (depth - 1), 1)
+    main = slots - k * (depth - 1)
+    cands = k + levels * k * k
+    kept = min(tree.total_tokens, cands)
+    pad = bucket - 1 - kept
+    kk = torch.arange(k)
+    own = torch.zeros(max(levels, 1), k, width, dtype=torch.bool)
+    for d in range(levels):
+        own[d, kk, d * k + kk] = True
+    parent_of = [0] * k + [1 + d * k + i for d in range(levels) for i in range(k) for _ in range(k)]
+    level_of = [1] * k + [d + 2 for d in range(levels) for _ in range(k * k)]
+    long = dict(dtype=torch.long, device=device)
+    return DraftConstants(
+        read_rows=torch.arange(depth + 1, device=device),
+        causal=torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=device).tril_(),
+        cols=torch.arange(slots, device=device), main_cols=torch.arange(main, device=device),
+        expansion_levels=torch.arange(max(levels, 1), device=device), own=own.to(device),
+        expansion_slots=(main + torch.arange(max(levels, 1))[:, None] * k + kk).to(device),
+        no_ancestors=torch.zeros(k, width, dtype=torch.bool, device=device),
+        zero1=torch.zeros(1, **long), true1=torch.ones(1, dtype=torch.bool, device=device),
+        first_front=torch.arange(1, k + 1, device=device), bases=[1 + k + (d - 1) * k * k for d in range(depth)],
+        parent_of=torch.tensor(parent_of, **long), no_slot=torch.zeros(cands + 1, **long),
+        tree_nodes=torch.arange(1, kept + 1, device=device), level_of=torch.tensor(level_of, **long),
+        pad_zeros=torch.zeros(pad, **long), pad_ones=torch.ones(pad, **long),
+        valid=torch.arange(bucket, device=device) <= kept, eye=torch.eye(bucket, dtype=torch.bool, device=device),
+        tree_rows=torch.arange(bucket, device=device), ones=torch.ones(bucket, dtype=torch.bool, device=device))
+
+
+@dataclass
+class VerifyConstants:
+    """What the verify step reads that depends only on the bucket, the depth and the cache size."""
+
+    cols: torch.Tensor            # [S] arange over the target's cache
+    tree_rows: torch.Tensor       # [B] arange
+    is_root: torch.Tensor         # [B] bool: node 0
+    levels: torch.Tensor          # [D + 1] arange
+
+    @classmethod
+    def build(cls, bucket: int, depth: int, slots: int, device) -> VerifyConstants:
+        rows = torch.arange(bucket, device=device)
+        return cls(torch.arange(slots, device=device), rows, rows == 0, torch.arange(depth + 1, device=device))
+
+
 @dataclass
 class StepState:
     """What one step reads and writes on the device; the buffers never move (captured graphs read them)."""
@@ -102,7 +180,8 @@ class StaticEngine:
     """
 
     def __init__(self, target, head=None, mode: str = "auto", max_len: int | None = None,
-                 profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None) -> None:
+                 profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None,
+                 fused: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
@@ -127,7 +206,24 @@ class StaticEngine:
         self._shape: tuple = ()            # (bucket, depth, top_k, total_tokens, min_prob) the state was built for
         self._steps: dict = {}             # (kind, shape) -> the callable that runs that step
         self._pool = None                  # the CUDA graphs' shared memory pool
+        self._draft_consts: DraftConstants | None = None
+        self._verify_consts: VerifyConstants | None = None
         self._warned_lookup = False
+        # the target's layers in fewer ops (static_stack.py), where it runs them as the model does; else the model
+        self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
+        if self._stack is not None:
+            problem = self._stack_problem()
+            if problem:
+                log.info("the static step runs the model's own layers: the fused ones %s", problem)
+                self._stack = None
+        self._head_layer = None      # (StaticLayer, RotaryTables) of the head's decoder layer, where it is one
+        if fused and head is not None and supported(head.layer):
+            layer = StaticLayer(head.layer, 0)
+            self._head_layer = (layer, RotaryTables(head.rotary, layer))
+            problem = self._head_problem()
+            if problem:
+                log.info("the static step runs the head's own layer: the fused one %s", problem)
+                self._head_layer = None
         self._check_static_forward()
 
     # -- the model calls --------------------------------------------------------------------------
@@ -180,11 +276,76 @@ class StaticEngine:
         if problem:
             raise ValueError(f"target '{target.name}' cannot run the static step: {problem}; use the engine")
 
+    def _stack_problem(self) -> str | None:
+        """Why the fused layers (`self._stack`) cannot stand in for the model's own: None where a prompt and then
+        two sibling nodes through each give the same hidden states, features and cache entries (to float
+        rounding: the products run in other shapes)."""
+        target, dev = self.target, self.target.device
+        ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
+        tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
+        zero, four = torch.zeros((), dtype=torch.long, device=dev), torch.full((), 4, device=dev)
+        ar = torch.arange(4, device=dev)
+        calls = [(ar, slot_mask(zero, torch.ones(4, 4, dtype=torch.bool, device=dev).tril_(), 16), ar),
+                 (four.expand(2), slot_mask(four, torch.eye(2, dtype=torch.bool, device=dev), 16),
+                  four + torch.arange(2, device=dev))]
+        saved, stack, outs = self._cache, self._stack, []
+        try:
+            with torch.inference_mode(), self._running(), stock(target.model):   # the model as transformers built it
+                for use in (stack, None):
+                    self._stack = use
+                    self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
+                    got = [torch.cat(self._target_forward(t, *call), dim=-1) for t, call in zip(tokens, calls)]
+                    outs.append([*got, self._cache.kv[..., :6, :]])
+        except Exception as err:  # noqa: BLE001 (any failure means: run the model's own layers)
+            return f"fail ({type(err).__name__}: {err})"
+        finally:
+            self._cache, self._stack = saved, stack
+        tolerance = 1e-4 if target.dtype == torch.float32 else 2e-2   # float rounding, summed over the layers
+        for mine, own in zip(*outs):
+            error = float((mine.float() - own.float()).norm()) / (float(own.float().norm()) + 1e-6)
+            log.debug("the fused layers on the probe: relative error %.1e", error)
+            if error > tolerance:
+                return f"compute something else than the model's layers on a probe (relative error {error:.1e})"
+        return None
+
+    def _head_problem(self) -> str | None:
+        """As `_stack_problem`, for the head's layer: three rows, then two siblings, through each way."""
+        dev, feats_dim = self.target.device, (len(self.taps) or 1) * self.target.hidden_size
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(5, feats_dim, generator=g).to(dev, self.target.dtype)
+        ids = (torch.arange(5, device=dev) * 7919 + 3) % self.target.vocab_size
+        zero, three = torch.zeros((), dtype=torch.long, device=dev), torch.full((), 3, device=dev)
+        ar = torch.arange(3, device=dev)
+        calls = [(slice(0, 3), ar, slot_mask(zero, torch.ones(3, 3, dtype=torch.bool, device=dev).tril_(), 16), ar),
+                 (slice(3, 5), three.expand(2), slot_mask(three, torch.eye(2, dtype=torch.bool, device=dev), 16),
+                  three + torch.arange(2, device=dev))]
+        saved, fused, outs = self._draft_cache, self._head_layer, []
+        try:
+            with torch.inference_mode(), self._running(), stock(self.head):
+                for use in (fused, None):
+                    self._head_layer = use
+                    self._draft_cache = DeviceKVCache(1, *cache_shape(self.head.config)[1:], 16, self._lm_weight.dtype,
+                                                      dev)
+                    got = [self._head(feats[rows], ids[rows], *call) for rows, *call in calls]
+                    outs.append([*got, self._draft_cache.kv[..., :5, :]])
+        except Exception as err:  # noqa: BLE001 (any failure means: run the head's own layer)
+            return f"fails ({type(err).__name__}: {err})"
+        finally:
+            self._draft_cache, self._head_layer = saved, fused
+        tolerance = 1e-5 if self.target.dtype == torch.float32 else 2e-2
+        for mine, own in zip(*outs):
+            if float((mine.float() - own.float()).norm()) > tolerance * float(own.float().norm()) + 1e-6:
+                return "computes something else than the head's layer on a probe"
+        return None
+
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                         slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden states [T, H], the features the draft head reads [T, F]) of T tokens; their keys and
         values land at `slots` of the target's cache."""
         t = tokens.numel()
+        if self._stack is not None:
+            hidden, tapped = self._stack(tokens, positions, mask, self._cache.kv, slots)
+            return hidden, (torch.cat(tapped, dim=-1) if self.taps else hidden)
         out = self.target.decoder(input_ids=tokens.view(1, t), attention_mask=mask, position_ids=positions.view(1, t),
                                   use_cache=True, output_hidden_states=bool(self.taps),
                                   **{self._cache_keyword: self._cache.writer(slots)})
@@ -200,104 +361,126 @@ class StaticEngine:
         return (logits if finish is None else finish(logits)).argmax(dim=-1)
 
     def _head(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-              slots: torch.Tensor) -> torch.Tensor:
-        """The draft head over T pairs (feature, next token) at `positions`, written at `slots`: [T, H]."""
+              slots: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The draft head over T pairs (feature, next token) at `positions`, written at `slots`: [T, H].
+        rotary: the fused layer's tables at `positions`, where the caller has them already."""
         embeds = self.target.embed_tokens(tokens)
+        if self._head_layer is not None:       # DraftHead.forward, its layer fused (static_stack.py)
+            layer, tables = self._head_layer
+            if layer.eagle3:
+                x = feats.to(embeds.dtype)
+                x = self.head.fc(x) if x.shape[-1] != embeds.shape[-1] else x
+            else:
+                x = self.head._layer_input(feats.to(embeds.dtype), embeds)
+            return layer(x, rotary if rotary is not None else tables(x, positions), mask, self._draft_cache.kv[0],
+                         slots, embeds)
         return self.head(feats[None], embeds[None], positions[None], mask, self._draft_cache.writer(slots))[0]
 
     def _head_top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [R, H] -> (log-probs [R, k], target token ids [R, k]) of the draft's k likeliest next tokens."""
-        logits = self.head.logit_features(h) @ self._lm_weight.t()
+        norm = getattr(self.head, "norm", None)
+        if self._head_layer is not None and norm is not None and supported_norm(norm):
+            h = rms_norm(norm, h)                                          # logit_features in one op
+        else:
+            h = self.head.logit_features(h)
+        logits = h @ self._lm_weight.t()
         scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
 
     # -- the steps ------------------------------------------------------------------------------------
     def draft_step(self) -> None:
-        """Read the features the last step produced, then grow the tree under the root into `state.tree`."""
-        s, tree_cfg = self._state, self._tree_cfg
-        k, depth, dev = tree_cfg.top_k, tree_cfg.depth, s.length.device
-        slots = self._draft_cache.slots
+        """Read the features the last step produced, then grow the tree under the root into `state.tree`.
+
+        Everything that depends only on the tree's shape is built once in `_prepare` (`DraftConstants`): the
+        expansions write the draft cache at fixed slots past the main region, so their mask is the prefix (one
+        comparison a step) beside their block; the rotary tables of all expansions come from one call."""
+        s, c, tree_cfg = self._state, self._draft_consts, self._tree_cfg
+        k, depth = tree_cfg.top_k, tree_cfg.depth
         # 1. the pairs (f_t, x_{t+1}) of the tokens the last step emitted, at positions length - n ... length - 1
-        rows = s.feats.shape[0]
         start = s.length - s.n
-        causal = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril_()
-        ar = torch.arange(rows, device=dev)
-        h = self._head(s.feats, s.emitted, start + ar, slot_mask(start, causal, slots), start + ar)   # rows H
-        h_root = h.index_select(0, (s.n - 1).view(1))                      # 1 H: predicts the root's feature
+        at = start + c.read_rows
+        h = self._head(s.feats, s.emitted, at, slot_mask(start, c.causal, c.cols, at), at)   # D+1 H
+        h_root = h.index_select(0, s.n.view(1) - 1)                        # 1 H: predicts the root's feature
         # 2. the root's children, then depth - 1 expansions of the best-k frontier (drafters/eagle.py)
-        width = k * (depth - 1)                                            # draft-cache slots the expansions write
         scores, tokens = self._head_top_k(h_root, k)                       # 1 k
-        cand_scores, cand_tokens = [scores[0]], [tokens[0]]
-        cand_parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-        front = torch.arange(k, device=dev)                                # candidate index of each frontier node
+        cand_scores, cand_tokens, fronts = [scores[0]], [tokens[0]], [c.zero1, c.first_front]
         front_scores, front_tokens = scores[0], tokens[0]
         front_h = h_root.expand(k, -1)
-        front_anc = torch.zeros(k, max(width, 1), dtype=torch.bool, device=dev)   # ancestors among written slots
-        written = torch.zeros(max(width, 1), max(width, 1), dtype=torch.bool, device=dev)
-        kk = torch.arange(k, device=dev)
-        base = k
+        front_anc = c.no_ancestors                                         # k W: ancestors among expansion slots
+        if depth > 1:
+            prefix = (c.main_cols < s.length).expand(k, -1)                # k main: the committed slots
+            positions = s.length + c.expansion_levels                      # depth - 1
+            rotary = self._head_rotary(s.feats, positions)
         for d in range(1, depth):
-            own = (d - 1) * k + kk                                         # this level's slots past the root
-            vis = front_anc.index_put((kk, own), torch.ones(k, dtype=torch.bool, device=dev))
-            h = self._head(front_h, front_tokens, (s.length + d - 1).expand(k),
-                           slot_mask(s.length, vis, slots), s.length + own)   # k H
-            written = written.index_copy(0, own, vis)
+            vis = front_anc | c.own[d - 1]                                 # k W: each frontier node and its path
+            mask = torch.cat([prefix, vis], dim=1)[None, None]
+            h = self._head(front_h, front_tokens, positions[d - 1].expand(k), mask, c.expansion_slots[d - 1],
+                           None if rotary is None else tuple(r[d - 1].expand(k, -1, -1) for r in rotary))   # k H
             scores, tokens = self._head_top_k(h, k)                        # k k
             cum = (front_scores[:, None] + scores).flatten()               # k*k
             cand_scores.append(cum)
             cand_tokens.append(tokens.flatten())
-            cand_parents.append(front[:, None].expand(k, k).reshape(-1))   # each frontier node, k times
-            best = cum.topk(k).indices
-            parent_row = best // k
-            front = base + best
-            base += k * k
-            front_scores, front_tokens = cum[best], tokens.flatten()[best]
-            front_h = h[parent_row]
-            front_anc = written[own[parent_row]]
-        # 3. rerank: the total_tokens best candidates by cumulative log-probability (tree.rerank, in tensors)
+            if d < depth - 1:                                              # the next frontier
+                front_scores, best = cum.topk(k)
+                fronts.append(best + c.bases[d])
+                parent_row = best // k
+                front_tokens = tokens.flatten()[best]
+                front_h = h[parent_row]
+                front_anc = vis[parent_row]
+        # 3. rerank: the total_tokens best candidates by cumulative log-probability (tree.rerank, in tensors).
+        #    Candidates count from 1 (0: the root), so a parent index needs no special case.
         scores = torch.cat(cand_scores).nan_to_num(nan=-math.inf)
         order = torch.sort(scores, descending=True, stable=True).indices[:tree_cfg.total_tokens]
         kept = torch.sort(order).values                                    # candidate order is topological
-        parents = torch.cat(cand_parents)[kept]
-        slot_of = torch.zeros(scores.numel(), dtype=torch.long, device=dev).index_copy(
-            0, kept, torch.arange(1, kept.numel() + 1, device=dev))
-        tree_parents = torch.where(parents < 0, 0, slot_of[parents.clamp(min=0)])
+        parents = torch.cat(fronts)[c.parent_of][kept]                     # candidates' parents, 0: the root
+        slot_of = c.no_slot.index_copy(0, kept + 1, c.tree_nodes)          # candidate -> its node in the tree
+        t = s.tree
+        torch.cat([c.zero1, slot_of[parents], c.pad_zeros], out=t.parents)
+        torch.cat([s.root, torch.cat(cand_tokens)[kept], c.pad_zeros], out=t.tokens)
+        torch.cat([c.zero1, c.level_of[kept], c.pad_ones], out=t.depths)
         if tree_cfg.min_prob > 0:                                          # unlikely nodes: verified, never accepted
-            valid = scores[kept] >= math.log(tree_cfg.min_prob)
+            torch.cat([c.true1, scores[kept] >= math.log(tree_cfg.min_prob), c.pad_zeros.bool()], out=t.valid)
         else:
-            valid = torch.ones_like(kept, dtype=torch.bool)
-        pad = s.tree.tokens.numel() - 1 - kept.numel()
-        zeros = torch.zeros(pad, dtype=torch.long, device=dev)
-        all_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), tree_parents, zeros])
-        anc = tree_ancestors(all_parents, depth)
-        s.tree.fill(StaticTree(
-            tokens=torch.cat([s.root, torch.cat(cand_tokens)[kept], zeros]),
-            parents=all_parents,
-            depths=anc.sum(dim=1) - 1,
-            ancestors=anc,
-            valid=torch.cat([torch.ones(1, dtype=torch.bool, device=dev), valid, zeros.bool()])))
+            t.valid.copy_(c.valid)
+        t.ancestors.copy_(c.eye)                                           # depth gathers up the parent pointers
+        up = c.tree_rows
+        for _ in range(depth):
+            up = t.parents[up]
+            t.ancestors.index_put_((c.tree_rows, up), c.ones)
+
+    def _head_rotary(self, like: torch.Tensor, positions: torch.Tensor):
+        """The fused head layer's rotary tables at `positions` (None where the head runs its own layer)."""
+        if self._head_layer is None:
+            return None
+        return self._head_layer[1](like, positions)
 
     def verify_step(self) -> None:
         """Verify `state.tree` in one target forward, accept its longest greedy path, commit it; `readback` then
-        holds the accepted length and the new tokens."""
-        s = self._state
-        tree, dev, depth = s.tree, s.length.device, s.readback.numel() - 2
-        b = tree.tokens.numel()
+        holds the accepted length and the new tokens (past them, what it holds is not read)."""
+        s, c = self._state, self._verify_consts
+        if s.tree.tokens.numel() == 1:                                     # plain decoding: the root alone
+            hidden, _ = self._target_forward(s.root, s.length.view(1), (c.cols <= s.length).view(1, 1, 1, -1),
+                                             s.length.view(1))
+            s.readback[1:].copy_(self._top(hidden))
+            s.root.copy_(s.readback[1:])
+            s.length.add_(1)
+            return
+        tree = s.tree
         tokens = torch.cat([s.root, tree.tokens[1:]])
-        slots = s.length + torch.arange(b, device=dev)
+        slots = s.length + c.tree_rows
         hidden, feats = self._target_forward(tokens, s.length + tree.depths,
-                                             slot_mask(s.length, tree.ancestors, self._cache.slots), slots)
+                                             slot_mask(s.length, tree.ancestors, c.cols, slots), slots)
         top = self._top(hidden)                                            # B
         path, n, bonus = accept_greedy(StaticTree(tokens, tree.parents, tree.depths, tree.ancestors, tree.valid),
-                                       top, depth)
-        levels = torch.arange(depth + 1, device=dev)
+                                       top, c.levels.numel() - 1, c.is_root, c.levels)
         # commit: the path's entries next to the prefix (slots past length + n are overwritten by the next step)
-        self._cache.move(s.length + path, s.length + levels)
-        emitted = torch.where(levels == n - 1, bonus, torch.cat([tokens[path[1:]], bonus.view(1)]))
-        emitted = torch.where(levels < n, emitted, 0)
+        self._cache.move(s.length + path, slots[:c.levels.numel()])
         if s.feats is not None:
-            s.feats.copy_(feats.index_select(0, path))
-        s.readback.copy_(torch.cat([n.view(1), emitted]))
+            torch.index_select(feats, 0, path, out=s.feats)
+        # the target's argmax at each path node is the next token: the path's own tokens after the root, then the
+        # bonus (entries past n are not read)
+        torch.index_select(top, 0, path, out=s.readback[1:])
+        s.readback[:1].copy_(n.view(1))
         s.root.copy_(bonus.view(1))
         s.length.add_(n)
 
@@ -373,10 +556,15 @@ class StaticEngine:
                 tree=StaticTree.empty(bucket, dev))
             self._shape = shape
             self._steps.clear()
+        if not self._steps or self._verify_consts is None:                # the graphs read them where they lie
+            self._verify_consts = VerifyConstants.build(bucket, depth, self._cache.slots, dev)
+            if self.head is not None:
+                self._draft_consts = draft_constants(tree, bucket, self._draft_cache.slots, dev)
         if not self._steps and self.mode == "reduce-overhead":   # what the steps change in place stays put
-            for t in [*self._state.small(), self._cache.keys, self._cache.values,
-                      *([self._lm_weight, self._draft_cache.keys, self._draft_cache.values] if self.head is not None
-                        else [])]:
+            for t in [*self._state.small(), self._cache.kv,
+                      *([self._lm_weight, self._draft_cache.kv] if self.head is not None else []),
+                      *(t for consts in (self._draft_consts, self._verify_consts) if consts is not None
+                        for t in vars(consts).values() if isinstance(t, torch.Tensor))]:
                 torch._dynamo.mark_static_address(t)
 
     def _prefill(self, prompt_ids: list[int]) -> int:

@@ -66,16 +66,20 @@ class StaticTree:
             getattr(self, f.name).copy_(getattr(other, f.name))
 
 
-def accept_greedy(tree: StaticTree, top: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_greedy(tree: StaticTree, top: torch.Tensor, depth: int, is_root: torch.Tensor | None = None,
+                  levels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy acceptance in tensor ops. top: [B] the target's argmax at each node. depth: the tree's most levels
     below the root (D). Returns (path [D + 1]: the accepted nodes from the root, padded with 0; n: the tokens this
-    step emits, accepted nodes plus the bonus, 0-d; bonus: the target's token after the path, 0-d)."""
+    step emits, accepted nodes plus the bonus, 0-d; bonus: the target's token after the path, 0-d).
+    is_root ([B] bool, node 0) and levels (arange(D + 1)): where the caller keeps them on the device."""
     b = tree.tokens.numel()
-    nodes = torch.arange(b, device=top.device)
-    match = ((tree.tokens == top[tree.parents]) & tree.valid) | (nodes == 0)
-    accepted = ~(tree.ancestors & ~match[None, :]).any(dim=1)            # every node on its path matches
+    if is_root is None:
+        is_root = torch.arange(b, device=top.device) == 0
+    if levels is None:
+        levels = torch.arange(depth + 1, device=top.device)
+    match = ((tree.tokens == top[tree.parents]) & tree.valid) | is_root
+    accepted = torch.le(tree.ancestors, match[None, :]).all(dim=1)      # every node on its path matches
     best = torch.where(accepted, tree.depths, -1).argmax().view(1)       # the deepest: ends the accepted path
-    levels = torch.arange(depth + 1, device=top.device)
     on_path = tree.ancestors.index_select(0, best) & (tree.depths[None, :] == levels[:, None])   # D+1 B
-    path = on_path.long().argmax(dim=1)                                  # the path's node at each level, else 0
+    path = on_path.byte().argmax(dim=1)                                  # the path's node at each level, else 0
     return path, tree.depths.index_select(0, best)[0] + 1, top.index_select(0, best)[0]

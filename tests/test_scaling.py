@@ -104,7 +104,9 @@ def test_two_ddp_processes_train_the_head_one_process_trains(runs, one_process):
     # validation read every held-out sequence once over the two ranks, and the sums were reduced across them
     assert log["val/tokens"] == one_process["val/tokens"] > 0
     assert log["val/top1"] == pytest.approx(one_process["val/top1"], abs=0.02)
-    # one writer: one CSV log, one export, one set of checkpoints; the other rank keeps only Hydra's own log
+    # one writer: one Hydra config and log, one CSV log, one export, one set of checkpoints
+    assert sorted(p.name for p in folder.iterdir()) == [".hydra", ".lock", "checkpoints", "epochs.json",
+                                                        "finished.json", "head", "logs", "train.log"]
     assert sorted(p.name for p in (folder / "logs").iterdir()) == ["version_0"]
     assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["last.ckpt"]
     assert not list(folder.rglob("*.tmp"))
@@ -175,3 +177,16 @@ def test_online_features_train_the_head_the_cache_trains(one_process, tmp_path):
     assert not (tmp_path / "data" / "tiny" / "tiny" / "features").exists()
     assert online["tokens"] == one_process["tokens"] and online["val/tokens"] == one_process["val/tokens"]
     assert_same_head(Path(online["export"]).parent, Path(one_process["export"]).parent)
+
+
+def test_fsdp_and_several_machines_compose_as_lightning_strategies():
+    """trainer=fsdp is Lightning's FSDPStrategy (GPUs only: Lightning refuses it on the CPU accelerator, so it is not
+    run here); trainer.num_nodes reaches the Trainer."""
+    import hydra
+    from conftest import train_config
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    cfg = train_config("trainer=fsdp", "trainer.num_nodes=2")
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy) and cfg.trainer.accelerator == "gpu" and cfg.trainer.num_nodes == 2
+    assert train_config("trainer=ddp", "trainer.num_nodes=2").trainer.num_nodes == 2

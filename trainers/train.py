@@ -45,6 +45,9 @@ from eagle_lite.config import check_whole
 from .ranks import Ranks, current, join
 
 log = logging.getLogger("trainers.train")
+# conf/train.yaml: ${rank_zero:value,other} is value on rank 0 of a run over several ranks, else other (default null)
+OmegaConf.register_new_resolver("rank_zero", lambda value, other=None: value if current().zero else other,
+                                replace=True)
 
 
 def _container(node) -> dict:
@@ -351,12 +354,29 @@ def fit(cfg: DictConfig, module, data):
     if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
         # our own checkpoint, read with torch's restricted unpickler; the frozen buffers are not in it
         state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
-        module.load_state_dict(state["state_dict"])
+        if not sharded(trainer):   # FSDP: run_stages exports from the checkpoint (`whole_module`)
+            module.load_state_dict(state["state_dict"])
         history.best = {"monitor": stop.monitor, "value": round(float(best.best_model_score), 5),
                         "epoch": int(state["epoch"]), "step": int(state["global_step"])}
         log.info("early_stopping: exporting epoch %d (%s %.4f)", history.best["epoch"], stop.monitor,
                  history.best["value"])
     return trainer, history, resume_from
+
+
+def sharded(trainer) -> bool:
+    """Whether the module's parameters are each rank's shards (FSDP), not the whole weights."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(trainer.strategy, FSDPStrategy)
+
+
+def whole_module(cfg: DictConfig, target, data, taps: tuple[int, ...], checkpoint: Path):
+    """After an FSDP fit, the module with the whole weights of `checkpoint` (state_dict_type: full), for the export:
+    the fitted module's own parameters are this rank's shards."""
+    module = build_module(cfg, target, data, taps)
+    # our own checkpoint, read with torch's restricted unpickler
+    module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    return module
 
 
 def check_run_folder(cfg: DictConfig) -> None:
@@ -481,6 +501,9 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
 
     # 4. export
     paths, export = cfg.paths, Path(cfg.paths.export)
+    if trainer.is_global_zero and sharded(trainer):
+        ckpt_dir = Path(paths.output) / "checkpoints"
+        module = whole_module(cfg, target, data, taps, ckpt_dir / ("best.ckpt" if history.best else "last.ckpt"))
     metrics = {k: round(float(v), 5) for k, v in trainer.callback_metrics.items()
                if k.startswith("val/") or k.endswith("_epoch")}
     summary = {

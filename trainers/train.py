@@ -557,8 +557,9 @@ def main(cfg: DictConfig) -> None:
         ready = "answers" if result["stage"] == "distill" else "features"
         made = (f"; {result['new_tokens']} answer tokens written now at {result['new_tokens_per_s']} tokens/s"
                 if result.get("new_tokens") else "")
+        stage = f"; features {result['seconds_features']} s" if "seconds_features" in result else ""
         print(f"{ready} ready: {result['sequences']} sequences, {result['tokens']} tokens "
-              f"({result['seconds']} s){made}")
+              f"({result['seconds']} s{stage}){made}")
         return
     print(f"head: {result['export']}  step {result['global_step']}  "
           f"val/top1 {result.get('val/top1', float('nan')):.3f}  "

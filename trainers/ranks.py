@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 
 log = logging.getLogger("trainers.ranks")
+_DATA_GROUP = None   # the gloo group the data stages meet in (CPU objects, whatever the fit's backend)
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,14 @@ class Ranks:
     def barrier(self) -> None:
         """Every rank waits here for the others (no-op on one process)."""
         if self.world > 1 and torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=_DATA_GROUP)
 
     def broadcast(self, value):
         """Rank 0's `value` on every rank (a picklable object of our own making)."""
         if self.world == 1 or not torch.distributed.is_initialized():
             return value
         box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, group=_DATA_GROUP)
         return box[0]
 
 
@@ -79,4 +80,6 @@ def join(ranks: Ranks, accelerator: str = "cpu") -> None:
     backend = "cpu:gloo,cuda:nccl" if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, rank=ranks.rank, world_size=ranks.world,
                                          timeout=timedelta(hours=2))   # a rank's share of a stage may take long
+    global _DATA_GROUP
+    _DATA_GROUP = None if backend == "gloo" else torch.distributed.new_group(backend="gloo")
     log.info("rank %d of %d joined the process group (%s)", ranks.rank, ranks.world, backend)

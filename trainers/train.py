@@ -6,9 +6,13 @@
   python -m trainers.train experiment=full_vocab            # the target's whole vocabulary instead
   python -m trainers.train experiment=medusa                # Medusa heads instead (draft=medusa)
   python -m trainers.train target=tiny data=tiny debug=fdr  # the whole pipeline in seconds
-  python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP)
+  python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP; trainer=fsdp)
+  torchrun --standalone --nproc_per_node=8 -m trainers.train trainer=ddp   # the same, distill and features shared
+  python -m trainers.train data.features.mode=online        # no feature cache: the fit's target computes them
   python -m trainers.train name=more draft.init_from=eagle_lite/heads/smollm2   # fine-tune the shipped head
   python -m trainers.train --help                           # every config group and option
+
+Several processes or machines (trainer.devices, trainer.num_nodes; torchrun, SLURM): docs/training.md, "Scaling out".
 
 Stages (each a no-op when its output is complete, so rerunning the same command resumes):
   1. distill   the target answers the training prompts (`trainers.distill`) -> paths.distill

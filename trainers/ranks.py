@@ -26,6 +26,11 @@ class Ranks:
     rank: int = 0          # global rank
     world: int = 1         # processes sharing the data stages now
     spawned: bool = False  # started by Lightning inside Trainer.fit: rank 0 prepared the data before
+    local: int = 0         # rank within its machine: its GPU
+
+    def device(self, device: str) -> str:
+        """This rank's own GPU where `device` says only "cuda" (every rank would build its target on GPU 0)."""
+        return f"cuda:{self.local}" if device == "cuda" and self.world > 1 else device
 
     @property
     def zero(self) -> bool:
@@ -60,12 +65,13 @@ def current(num_nodes: int = 1) -> Ranks:
     """This process's place, from the environment (see the module doc); num_nodes: `trainer.num_nodes`."""
     env = external_environment()
     if env is not None:
-        return Ranks(env.global_rank(), env.world_size())
+        return Ranks(env.global_rank(), env.world_size(), local=env.local_rank())
     local = os.environ.get("LOCAL_RANK")
     if local is not None and "WORLD_SIZE" in os.environ:   # a rank Lightning's subprocess launcher started
         world = int(os.environ["WORLD_SIZE"])
         per_node = max(world // max(num_nodes, 1), 1)
-        return Ranks(int(os.environ.get("NODE_RANK", "0")) * per_node + int(local), world, spawned=True)
+        return Ranks(int(os.environ.get("NODE_RANK", "0")) * per_node + int(local), world, spawned=True,
+                     local=int(local))
     return Ranks()
 
 

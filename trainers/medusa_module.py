@@ -42,7 +42,8 @@ class MedusaLightningModule(L.LightningModule):
         losses = medusa_objective(feats, batch, self.lm_weight, self.objective_cfg)
         rows = int(batch["input_ids"].shape[0])
         for key, value in losses.items():
-            self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows)
+            self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows,
+                     sync_dist=True)
         return losses["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -54,7 +55,7 @@ class MedusaLightningModule(L.LightningModule):
         sums, metrics = val_epoch_metrics(self.val_sums)
         for k in range(self.head.num_heads):
             metrics[f"val/top1_head{k}"] = sums[f"hits{k}"] / max(sums[f"rows{k}"], 1.0)
-        self.log_dict(metrics, prog_bar=False)
+        self.log_dict(metrics, prog_bar=False, sync_dist=True)   # the sums are reduced over the ranks already
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, by name, a resume checkpoint of another kind of head (an EAGLE run in the same folder)."""

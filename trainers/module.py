@@ -70,6 +70,7 @@ def val_epoch_metrics(val_sums) -> tuple[dict, dict]:
         "val/top3": sums["top3"] / tokens,
         "val/accept_len_est": sums["accept"] / roots,
         **({"val/top1_novel": sums["top1_novel"] / max(sums["novel"], 1.0)} if "novel" in sums else {}),
+        "val/tokens": sums["tokens"],   # scored over every rank: the same count on any number of them
     }
 
 
@@ -98,6 +99,7 @@ class DraftLightningModule(L.LightningModule):
         of the groups validation batches index (`group`), reported apart."""
         super().__init__()
         self.head = head
+        self.online = None   # an OnlineFeatures (data.features.mode=online): not a submodule, never checkpointed
         self.val_groups = tuple(val_groups)
         if head.design == "eagle3" and objective_cfg.w_reg:
             raise ValueError(f"an EAGLE-3 head predicts no target feature (its own norm and lm_head score its output): "
@@ -142,11 +144,29 @@ class DraftLightningModule(L.LightningModule):
         preds = unroll(self.head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
         novel = novel_pairs(batch) if cfg.copy_weight != 1.0 else None
         features, weight = self.scored(preds)
-        losses = objective(features, pairs, self.draft_weight, cfg, novel, q_weight=weight)
+        losses = objective(features, pairs, self.draft_weight, cfg, novel, q_weight=weight, per_rank=self._per_rank())
         rows = int(batch["input_ids"].shape[0])
         for key, value in losses.items():
-            self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows)
+            self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows,
+                     sync_dist=True)
         return losses["loss"]
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """Online features (`trainers.online`): the target computes this batch's features here, on this device."""
+        if isinstance(batch, list):
+            if self.online is None:
+                raise ValueError("a batch of records without features, and no online features: set "
+                                 "data.features.mode=online for both the data and the module")
+            return self.online(batch, self.device)
+        return batch
+
+    def _per_rank(self):
+        """Over several ranks, the mean of a count over them (`objective.step_losses`: the loss of a step is then the
+        mean over every rank's tokens, as on one process with the ranks' batches together); None on one."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return lambda count: trainer.strategy.reduce(count, reduce_op="mean")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         cfg = self.objective_cfg
@@ -165,9 +185,10 @@ class DraftLightningModule(L.LightningModule):
                     self.group_sums[f"{key}_{i}"].update(stats[f"group_{key}"][i])
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(val_epoch_metrics(self.val_sums)[1], prog_bar=True)
+        # the sums are reduced over the ranks already (torchmetrics); sync_dist=True says so to Lightning
+        self.log_dict(val_epoch_metrics(self.val_sums)[1], prog_bar=True, sync_dist=True)
         if self.val_groups:
-            self.log_dict(group_metrics(self.group_sums, self.val_groups))
+            self.log_dict(group_metrics(self.group_sums, self.val_groups), sync_dist=True)
 
     def configure_optimizers(self):
         cfg = self.optim_cfg

@@ -20,6 +20,7 @@ weights ttt_decay**k.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,12 +171,18 @@ def unroll(head, pairs: Pairs, steps: int, inputs: torch.Tensor | None = None) -
 
 
 def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weight: torch.Tensor,
-                p_target: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None
+                p_target: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None,
+                per_rank: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean (reg, cls, top1) over the rows `weight` marks. p_target: [N0, V_draft] target distribution on
     the rows of `pairs.weight`; rows: [N0] bool, which of those rows `weight` keeps; scale: [B, T'] per-pair
     loss weights (None: all 1), the losses then being weighted means. top1 (no gradient, unweighted):
-    how often the draft's argmax is the target's, both within the draft vocabulary."""
+    how often the draft's argmax is the target's, both within the draft vocabulary. per_rank: over several
+    ranks, the mean over the ranks of this rank's count of weighted rows; the losses are then sums over that, so
+    that the ranks' gradients, averaged by DDP, are those of the mean over every rank's rows."""
+    count = (weight.sum() if scale is None else scale[weight].sum()).float()
+    if per_rank is not None:
+        count = per_rank(count.detach())   # every rank, whether or not it has rows: it is a collective
     if not bool(weight.any()):
         zero = pred.sum() * 0.0  # keeps the graph: every parameter still gets a (zero) gradient
         return zero, zero, zero.detach()
@@ -185,6 +192,10 @@ def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weigh
     p_rows = p_target[rows]                                                  # N V_draft
     cls = -(p_rows * q_logp).sum(-1)                                         # N
     top1 = (q_logp.detach().argmax(-1) == p_rows.argmax(-1)).float().mean()
+    if per_rank is not None:
+        s = 1.0 if scale is None else scale[weight].to(reg.dtype)
+        total = count.clamp_min(1e-8)
+        return (reg * s).sum() / total, (cls * s).sum() / total, top1
     if scale is None:
         return reg.mean(), cls.mean(), top1
     s = scale[weight].to(reg.dtype)
@@ -207,12 +218,14 @@ def target_distribution(pairs: Pairs, lm_weight: torch.Tensor, labels: str = "di
 
 
 def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, cfg: ObjectiveConfig,
-              novel: torch.Tensor | None = None, q_weight: torch.Tensor | None = None) -> dict:
+              novel: torch.Tensor | None = None, q_weight: torch.Tensor | None = None,
+              per_rank: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """The loss over the first cfg.ttt_steps predictions: {"loss", "loss_reg", "loss_cls"} (decay-weighted
     sums over steps) and "top1" (step 0, within the draft vocabulary, no gradient). With cfg.copy_weight != 1,
     `novel` ([B, T'] bool, `novel_pairs`) is required: the other (lookup-copyable) pairs weigh copy_weight.
     lm_weight [V_draft, H] gives the target's distribution; q_weight [V_draft, H] scores the predictions (an
-    EAGLE-3 head's own lm_head, the predictions then being its normed outputs); None: lm_weight."""
+    EAGLE-3 head's own lm_head, the predictions then being its normed outputs); None: lm_weight. per_rank: see
+    `step_losses` (training over several ranks)."""
     scale = None
     if cfg.copy_weight != 1.0:
         if novel is None:
@@ -224,7 +237,7 @@ def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, 
     for k, pred in enumerate(preds[:cfg.ttt_steps]):
         w = step_weight(pairs, k)
         reg, cls, hits = step_losses(pred, pairs, w, lm_weight if q_weight is None else q_weight, p_target,
-                                     w[pairs.weight], scale)
+                                     w[pairs.weight], scale, per_rank)
         total_reg = total_reg + cfg.ttt_decay ** k * reg
         total_cls = total_cls + cfg.ttt_decay ** k * cls
         top1 = hits if top1 is None else top1

@@ -6,9 +6,13 @@
   python -m trainers.train experiment=full_vocab            # the target's whole vocabulary instead
   python -m trainers.train experiment=medusa                # Medusa heads instead (draft=medusa)
   python -m trainers.train target=tiny data=tiny debug=fdr  # the whole pipeline in seconds
-  python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP)
+  python -m trainers.train trainer=ddp                      # all GPUs of the machine (Lightning DDP; trainer=fsdp)
+  torchrun --standalone --nproc_per_node=8 -m trainers.train trainer=ddp   # the same, distill and features shared
+  python -m trainers.train data.features.mode=online        # no feature cache: the fit's target computes them
   python -m trainers.train name=more draft.init_from=eagle_lite/heads/smollm2   # fine-tune the shipped head
   python -m trainers.train --help                           # every config group and option
+
+Several processes or machines (trainer.devices, trainer.num_nodes; torchrun, SLURM): docs/training.md, "Scaling out".
 
 Stages (each a no-op when its output is complete, so rerunning the same command resumes):
   1. distill   the target answers the training prompts (`trainers.distill`) -> paths.distill
@@ -26,9 +30,9 @@ Stages (each a no-op when its output is complete, so rerunning the same command 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 import warnings
@@ -43,7 +47,12 @@ from eagle_lite.atomic import write_text_atomic
 from eagle_lite.cli import hydra_entry
 from eagle_lite.config import check_whole
 
+from .ranks import Ranks, current, join
+
 log = logging.getLogger("trainers.train")
+# conf/train.yaml: ${rank_zero:value,other} is value on rank 0 of a run over several ranks, else other (default null)
+OmegaConf.register_new_resolver("rank_zero", lambda value, other=None: value if current().zero else other,
+                                replace=True)
 
 
 def _container(node) -> dict:
@@ -87,13 +96,14 @@ def data_sources(cfg: DictConfig) -> list[DataSource]:
     return sources
 
 
-def distill_only(cfg: DictConfig, target, sources: list[DataSource]) -> dict:
+def distill_only(cfg: DictConfig, target, sources: list[DataSource], ranks: Ranks = Ranks()) -> dict:
     """Stage 1 alone for every source (stop_after=distill): e.g. answer the prompts on a CPU now, cache features
     and fit on a GPU later from the same folders."""
     from .distill import DistillConfig, distill
 
     t0 = time.perf_counter()
-    summaries = [distill(target, _typed(DistillConfig, s.settings), s.distill, progress=cfg.progress) for s in sources]
+    summaries = [distill(target, _typed(DistillConfig, s.settings), s.distill, progress=cfg.progress, ranks=ranks)
+                 for s in sources]
     records, tokens = sum(x.records for x in summaries), sum(x.tokens for x in summaries)
     log.info("stop_after=distill: %d answered sequences (%d tokens) in %s", records, tokens,
              ", ".join(str(s.distill) for s in sources))
@@ -134,34 +144,43 @@ def group_names(cfg: DictConfig, sources: list[DataSource]) -> list[str]:
     return [str(cfg.data.distill.source) if s.name == "main" else s.name for s in sources]
 
 
-def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple[int, ...] = ()):
+def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple[int, ...] = (),
+                 ranks: Ranks = Ranks()):
     """Stages 1-2 for every source of `data_sources(cfg)`: distill and cache features (each resumes);
     returns (stage seconds, manifest, datamodule). taps: the decoder layers the head reads (`feature_layers`),
     cached beside the last hidden states.
 
     With `data.mix`, every source is prepared in turn and the datamodule reads all their caches; the
-    returned manifest then sums their sequences and tokens.
+    returned manifest then sums their sequences and tokens. ranks: the processes sharing the stages (`trainers.ranks`).
     """
     from .datamodule import DraftDataModule, LoaderConfig
     from .distill import DistillConfig, distill, read_records
     from .features import FeatureConfig, cache_features
+    from .online import OnlineFeatures, RecordCache
 
     seconds = {"seconds_distill": 0.0, "seconds_features": 0.0}
-    manifests = []
+    manifests, records = [], []
+    features = FeatureConfig(**{**_container(cfg.data.features), "feature_layers": taps})
     for source in sources:
         if source.name != "main":
             log.info("data.mix source '%s': %s", source.name, Path(source.distill).parent)
         t0 = time.perf_counter()
-        distill(target, _typed(DistillConfig, source.settings), source.distill, progress=cfg.progress)
+        distill(target, _typed(DistillConfig, source.settings), source.distill, progress=cfg.progress, ranks=ranks)
         t1 = time.perf_counter()
-        manifests.append(cache_features(target, list(read_records(source.distill)), source.features,
-                                        FeatureConfig(**{**_container(cfg.data.features), "feature_layers": taps}),
-                                        progress=cfg.progress))
+        if features.mode == "online":   # the fit computes the features: nothing to cache
+            records.append(RecordCache(list(read_records(source.distill)), features.max_len, source.features, taps))
+            manifests.append({"total_sequences": len(records[-1].ids),
+                              "total_tokens": sum(len(t) for t in records[-1].tokens)})
+        else:
+            manifests.append(cache_features(target, list(read_records(source.distill)), source.features, features,
+                                            progress=cfg.progress, ranks=ranks))
         seconds["seconds_distill"] = round(seconds["seconds_distill"] + t1 - t0, 1)
         seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
     manifest = {**manifests[0], **{k: sum(m[k] for m in manifests) for k in ("total_sequences", "total_tokens")}}
-    data = DraftDataModule([s.features for s in sources], _typed(LoaderConfig, cfg.data.loader),
-                           expect_target=target.fingerprint(), feature_layers=taps, names=group_names(cfg, sources))
+    loader = _typed(LoaderConfig, cfg.data.loader)
+    data = DraftDataModule([s.features for s in sources], loader, expect_target=target.fingerprint(),
+                           feature_layers=taps, names=group_names(cfg, sources), records=records or None)
+    data.online_features = OnlineFeatures(target, loader.max_len, loader.pack, taps) if records else None
     data.setup("fit")
     return seconds, manifest, data
 
@@ -211,9 +230,12 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
             with torch.no_grad():
                 rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
                 head.lm_head.weight.copy_(rows.float())
-    return DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
-                                _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim),
-                                val_groups=getattr(data, "groups", ()) if len(getattr(data, "groups", ())) > 1 else ())
+    groups = getattr(data, "groups", ())
+    module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
+                                  _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim),
+                                  val_groups=groups if len(groups) > 1 else ())
+    module.online = getattr(data, "online_features", None)   # data.features.mode=online
+    return module
 
 
 def warm_start_head(path, target, vocab_size):
@@ -245,6 +267,8 @@ def served_layout(head, target, data, fc_bias: bool, input_norm: bool):
     rms = None
     if head.input_norm and not input_norm:
         batch = next(iter(data.train_dataloader()))
+        if isinstance(batch, list):   # online features: the target computes them now
+            batch = data.online_features(batch, target.device)
         pairs = make_pairs(batch, target.embed_tokens.weight.detach().float())
         rows = pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
         rms = fc_rms(head, pairs.hidden[rows][:4096], pairs.embeds[rows][:4096])
@@ -313,6 +337,8 @@ def fit(cfg: DictConfig, module, data):
     with warnings.catch_warnings():
         # Lightning looks for resumable dataloaders only; our datamodule's state resumes the data order mid-epoch
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        # online features (trainers/online.py) are computed in the module's hook, by design
+        warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
         try:
             # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
             trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)
@@ -333,12 +359,29 @@ def fit(cfg: DictConfig, module, data):
     if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
         # our own checkpoint, read with torch's restricted unpickler; the frozen buffers are not in it
         state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
-        module.load_state_dict(state["state_dict"])
+        if not sharded(trainer):   # FSDP: run_stages exports from the checkpoint (`whole_module`)
+            module.load_state_dict(state["state_dict"])
         history.best = {"monitor": stop.monitor, "value": round(float(best.best_model_score), 5),
                         "epoch": int(state["epoch"]), "step": int(state["global_step"])}
         log.info("early_stopping: exporting epoch %d (%s %.4f)", history.best["epoch"], stop.monitor,
                  history.best["value"])
     return trainer, history, resume_from
+
+
+def sharded(trainer) -> bool:
+    """Whether the module's parameters are each rank's shards (FSDP), not the whole weights."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(trainer.strategy, FSDPStrategy)
+
+
+def whole_module(cfg: DictConfig, target, data, taps: tuple[int, ...], checkpoint: Path):
+    """After an FSDP fit, the module with the whole weights of `checkpoint` (state_dict_type: full), for the export:
+    the fitted module's own parameters are this rank's shards."""
+    module = build_module(cfg, target, data, taps)
+    # our own checkpoint, read with torch's restricted unpickler
+    module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    return module
 
 
 def check_run_folder(cfg: DictConfig) -> None:
@@ -389,7 +432,10 @@ def check_settings(cfg: DictConfig) -> str | None:
     for source in data_sources(cfg):
         _typed(DistillConfig, source.settings)
     if stop_after != "distill":
-        _typed(FeatureConfig, cfg.data.features)
+        features = _typed(FeatureConfig, cfg.data.features)
+        if features.mode == "online" and cfg.draft.get("kind", "eagle") == "medusa":
+            raise ValueError("data.features.mode=online trains EAGLE heads; Medusa heads read the feature cache "
+                             "(data.features.mode=cached)")
     if stop_after is None:
         _typed(LoaderConfig, cfg.data.loader)
         early_stop_of(cfg)
@@ -404,18 +450,27 @@ def train(cfg: DictConfig) -> dict:
 
     stop_after = check_settings(cfg)
     check_run_folder(cfg)
-    if os.environ.get("LOCAL_RANK", "0") != "0":   # a DDP worker Lightning started: rank 0 holds the lock
-        return run_stages(cfg, stop_after)
+    ranks = rank_of(cfg)
+    join(ranks, str(cfg.trainer.get("accelerator", "cpu")))
+    if not ranks.zero:   # rank 0 holds the lock and says whether the run has finished already
+        done = ranks.broadcast(None)
+        return done if done is not None else run_stages(cfg, stop_after, ranks)
     with RunLock(cfg.paths.output):
         done = finished(cfg) if stop_after is None else None
         if done is not None:
-            return {"experiment": cfg.name, "finished": True, "export": done["export"],
+            done = {"experiment": cfg.name, "finished": True, "export": done["export"],
                     "global_step": done["global_step"], "resumed_from_step": done["global_step"],
                     "epochs": done["epochs"], "output": str(cfg.paths.output)}
-        return run_stages(cfg, stop_after)
+        ranks.broadcast(done)
+        return done if done is not None else run_stages(cfg, stop_after, ranks)
 
 
-def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
+def rank_of(cfg: DictConfig) -> Ranks:
+    """This process's place among the ranks of the run (`trainers.ranks`)."""
+    return current(int(cfg.trainer.get("num_nodes") or 1))
+
+
+def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) -> dict:
     """The stages of `train`, up to `stop_after` (None: all four)."""
     import lightning.pytorch as L
 
@@ -429,12 +484,13 @@ def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
 
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
-    target = build_target(_typed(TargetConfig, cfg.target))
+    settings = _typed(TargetConfig, cfg.target)
+    target = build_target(dataclasses.replace(settings, device=ranks.device(settings.device)))
     sources = data_sources(cfg)
     if stop_after == "distill":
-        return {**distill_only(cfg, target, sources), "seconds": round(time.perf_counter() - start, 1)}
+        return {**distill_only(cfg, target, sources, ranks), "seconds": round(time.perf_counter() - start, 1)}
     taps = feature_layers(cfg, target)
-    seconds, manifest, data = prepare_data(cfg, target, sources, taps)
+    seconds, manifest, data = prepare_data(cfg, target, sources, taps, ranks)
     if stop_after == "features":
         log.info("stop_after=features: %d sequences, %d tokens ready in %s; rerun without it to fit",
                  manifest["total_sequences"], manifest["total_tokens"], ", ".join(str(s.features) for s in sources))
@@ -451,6 +507,9 @@ def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
 
     # 4. export
     paths, export = cfg.paths, Path(cfg.paths.export)
+    if trainer.is_global_zero and sharded(trainer):
+        ckpt_dir = Path(paths.output) / "checkpoints"
+        module = whole_module(cfg, target, data, taps, ckpt_dir / ("best.ckpt" if history.best else "last.ckpt"))
     metrics = {k: round(float(v), 5) for k, v in trainer.callback_metrics.items()
                if k.startswith("val/") or k.endswith("_epoch")}
     summary = {
@@ -491,7 +550,10 @@ def run_stages(cfg: DictConfig, stop_after: str | None) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    zero = rank_of(cfg).zero   # before the fit: Lightning's teardown clears WORLD_SIZE
     result = train(cfg)
+    if not zero:   # rank 0 says what the run did
+        return
     if result.get("finished"):
         print(f"run {result['output']} has finished (step {result['global_step']}; head in {result['export']}): "
               f"nothing to do. Raise trainer.max_epochs or trainer.max_steps to train on, or give name=... for a "
@@ -501,8 +563,9 @@ def main(cfg: DictConfig) -> None:
         ready = "answers" if result["stage"] == "distill" else "features"
         made = (f"; {result['new_tokens']} answer tokens written now at {result['new_tokens_per_s']} tokens/s"
                 if result.get("new_tokens") else "")
+        stage = f"; features {result['seconds_features']} s" if "seconds_features" in result else ""
         print(f"{ready} ready: {result['sequences']} sequences, {result['tokens']} tokens "
-              f"({result['seconds']} s){made}")
+              f"({result['seconds']} s{stage}){made}")
         return
     print(f"head: {result['export']}  step {result['global_step']}  "
           f"val/top1 {result.get('val/top1', float('nan')):.3f}  "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, eagle_drafter, make_target, reference_greedy
+from test_grid_linear import needs_kernel
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
@@ -86,3 +87,69 @@ def test_auto_feature_layers_pick_low_middle_and_high():
     assert auto_feature_layers(4) == (0, 1, 2)
     with pytest.raises(ValueError, match="too few to tap"):
         auto_feature_layers(2)
+
+
+def eagle3_head(target) -> DraftHead:
+    """A random head of the published EAGLE-3 layout: fc over three taps, its own norm and lm_head over a draft
+    vocabulary."""
+    torch.manual_seed(1)
+    return DraftHead.for_target(target, torch.arange(8, VOCAB), feature_layers=(0, 1, 2), design="eagle3")
+
+
+def eagle3_drafter(target, round_head: bool = True):
+    """The head drafter of method eagle for `eagle3_head`, its products from rounded codes (round_head) or from its
+    fp32 weights."""
+    from eagle_lite.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(target, eagle3_head(target), round_head=round_head)
+
+
+def draft_rows(drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """A catch-up over 6 pairs of taps [6, 3H] and tokens, then a tree step of three children of the last: the
+    head's predicted features [9, H] and its logits after the root and each child [4, V_draft]."""
+    target, head = drafter.target, drafter.head
+    g = torch.Generator().manual_seed(5)
+    taps = torch.randn(6, 3 * target.hidden_size, generator=g)
+    tokens, children = torch.randint(VOCAB, (6,), generator=g), torch.randint(VOCAB, (3,), generator=g)
+    drafter.reset(64)
+    with torch.inference_mode():
+        h = head.step(taps, target.embed_tokens(tokens), drafter.cache, torch.arange(6),
+                      torch.ones(6, 6, dtype=torch.bool).tril_())
+        drafter.cache.commit(6)
+        tree = head.step(h[[-1, -1, -1]], target.embed_tokens(children), drafter.cache, torch.full((3,), 6),
+                         torch.eye(3, dtype=torch.bool))
+        return torch.cat([h, tree]), drafter._logits(torch.cat([h[-1:], tree]))
+
+
+@needs_kernel
+def test_the_accelerated_eagle3_head_drafts_what_its_torch_path_does_and_decodes_exactly():
+    """Like the shipped head's, an EAGLE-3 head runs its fc over the taps, its 2H-wide q/k/v, o, gate/up, down and
+    its own lm_head from Q8_0 codes rounded from its weights, its norms natively and its layer as the native op.
+    That moves its logits by no more than the rounding, so it proposes the plain fp32 head's tokens wherever the
+    rounding cannot swap them, and decoding with it is the target's greedy output."""
+    from eagle_lite.kernels import cpu_linear
+    from eagle_lite.kernels.fused_layer import running_fused
+    from eagle_lite.kernels.grid_linear import Grid8
+
+    target = make_target("llama", layers=4, grid=True)
+    fast, plain = eagle3_drafter(target), eagle3_drafter(target, round_head=False)
+    parts = running_fused(fast.head.layer)
+    assert parts is not None and parts.wide and running_fused(plain.head.layer) is None
+    linears = [fast.head.fc, fast.head.layer.self_attn.q_proj, fast.head.layer.mlp.down_proj]
+    assert all(isinstance(getattr(m, "cpu_product", None) or m.sibling_product.product, cpu_linear._GridProduct)
+               for m in linears)
+    assert isinstance(fast.lm_grid, Grid8) and plain.lm_grid is None
+    h_fast, fast_logits = draft_rows(fast)
+    h_plain, plain_logits = draft_rows(plain)
+    moved = float((fast_logits - plain_logits).abs().max())
+    assert 0 < moved <= 0.02 * float(plain_logits.abs().max())          # rounded, by a rounding's worth
+    torch.testing.assert_close(h_fast, h_plain, rtol=0.02, atol=0.02 * float(h_plain.abs().max()))
+    top = plain_logits.topk(2, dim=-1).values
+    clear = (top[:, 0] - top[:, 1]) > 2 * moved                         # no rounding of this size swaps these
+    assert clear.any()
+    assert torch.equal(fast_logits.argmax(-1)[clear], plain_logits.argmax(-1)[clear])
+    prompt = torch.randint(VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    for tree in (TreeConfig(depth=4, top_k=3, total_tokens=10), TreeConfig(depth=1, top_k=1, total_tokens=1, lookup=4)):
+        engine = Engine(target, eagle_drafter(target, eagle3_head(target)))
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=tree, stop_at_eos=False))
+        assert result.token_ids == reference_greedy(target, prompt, 40)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, make_target, reference_greedy
+from test_feature_layers import draft_rows, eagle3_drafter
 from test_grid_linear import needs_kernel
 
 from eagle_lite.config import GenerationConfig, TreeConfig
@@ -128,3 +129,33 @@ def test_the_models_own_forward_reaches_the_op_under_its_cache_keyword(monkeypat
             target.forward(torch.arange(1, n + 1), cache)
             cache.commit(n)
     assert calls == [5] * len(target.decoder.layers) + [1] * len(target.decoder.layers)
+
+
+def test_an_eagle3_draft_layer_runs_as_one_op_on_the_codes_its_own_forward_reads():
+    """An EAGLE-3 head's layer (attention over [input_layernorm(embeds); hidden_norm(h)], 2H wide) runs as the op,
+    given the embeddings beside h: the features, logits and cache entries of a catch-up and a tree step are its own
+    forward's over the same rounded codes, and sequences packed into one forward get what each gets alone."""
+    drafter = eagle3_drafter(make_target("llama", layers=4, grid=True))
+    head = drafter.head
+    assert fused_layer.running_fused(head.layer) is not None
+    fused = draft_rows(drafter)
+    fused_kv = drafter.cache.keys[..., :9, :].clone(), drafter.cache.values[..., :9, :].clone()
+    with fused_layer.unfused_layers(head):
+        assert fused_layer.running_fused(head.layer) is None
+        own = draft_rows(drafter)
+        own_kv = drafter.cache.keys[..., :9, :].clone(), drafter.cache.values[..., :9, :].clone()
+    for a, b in zip(fused + fused_kv, own + own_kv):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+    g = torch.Generator().manual_seed(9)
+    blocks = []
+    for t in (4, 6):
+        cache = drafter.sibling()
+        cache.reset(32)
+        blocks.append((torch.randn(t, 3 * head.config.hidden_size, generator=g), torch.randn(t, head.config.hidden_size,
+                       generator=g), cache.cache, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril_()))
+    with torch.inference_mode():
+        together = head.step_packed(blocks)
+        for block, out in zip(blocks, together):
+            block[2].truncate(0)
+            torch.testing.assert_close(out, head.step(*block), rtol=1e-4, atol=1e-5)

@@ -53,14 +53,14 @@ class EagleDrafter:
         self.target = target
         self.head = head.eval()
         self.feature_layers = head.feature_layers   # the target's layers the head reads (EAGLE-3), else ()
-        # the native layer op computes a Llama layer; an EAGLE-3 layer reads a 2H-wide input and keeps its own forward
-        layer = self.head.layer if head.design != "eagle3" else None
-        accelerate_head(self.head, layer, self.head.rotary, round_to_grid=round_head)
+        accelerate_head(self.head, self.head.layer, self.head.rotary, round_to_grid=round_head)
         # V_draft H: the target's lm_head (frozen, shared), or its draft-vocabulary rows, or an EAGLE-3 head's own
         self.lm_weight = head.output_weight(target.lm_head.weight).detach().contiguous()
-        # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own
+        # its integer codes where it lies on a GGUF grid (grid_linear.py); the full vocabulary is the target's own;
+        # an EAGLE-3 head's own lm_head is one of the head's linears, rounded onto a grid as they are (round_head)
         shared = head.d2t is None and head.lm_head is None
-        self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight)
+        own = head.lm_head is not None and round_head
+        self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight, round_to_grid=own)
         self.keep_features = False                 # keep the target's features by position (for `probe`)
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
         self._fresh()

@@ -217,11 +217,15 @@ class DraftHead(nn.Module):
         hidden, embeds = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
         positions = torch.cat([b[3] for b in blocks])
         parts = running_fused(self.layer)
-        if parts is not None and self.design != "eagle3" and embeds.dtype == torch.float32:
-            x = self._layer_input(hidden.to(embeds.dtype), embeds)   # T H; then the native op, as `step` runs it
-            cos, sin = self.rotary(x[None], positions[None])
+        if parts is not None and embeds.dtype == torch.float32:
+            if self.design == "eagle3":    # the op reads the embeddings beside the feature (fc's where 3H wide)
+                x, beside = hidden.to(embeds.dtype), embeds.contiguous()
+                x = self.fc(x) if x.shape[-1] != embeds.shape[-1] else x.contiguous()
+            else:
+                x, beside = self._layer_input(hidden.to(embeds.dtype), embeds), None   # T H
+            cos, sin = self.rotary(x[None], positions[None])    # then the native op, as `step` runs it
             out = parts.packed(x, cos[0].contiguous(), sin[0].contiguous(), caches, rows,
-                               [m.contiguous() for m in masks])
+                               [m.contiguous() for m in masks], beside)
         else:
             out = self.forward(hidden[None], embeds[None], positions[None], packed_mask(masks),
                                PackedKVCache(caches, rows))[0]

@@ -27,7 +27,8 @@ from .certified_argmax import CertifiedArgmax
 from .cpu_linear import FEW_ROWS, few_rows_product, pack_linears, unpacked
 from .fused_layer import MAX_FUSED_ROWS, FusedStack, fuse_decoder_layers, fuse_stack, running_fused, unfused_layers
 from .fused_norm import fuse_rms_norms, unfused
-from .grid_linear import MAX_GRID_ROWS, GridWeight, grid_of
+from .grid_linear import MAX_GRID_ROWS, Grid8, GridWeight, grid_of
+from .native import kernel_available
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
            "accelerate_head", "accelerate_target", "draft_vocab_grid", "enabled", "few_rows_product", "running_fused",
@@ -73,9 +74,13 @@ def accelerate_head(head: nn.Module, layer: nn.Module | None, rotary: nn.Module 
         fuse_decoder_layers([layer], rotary)  # one native op where its linears run from codes
 
 
-def draft_vocab_grid(weight) -> GridWeight | None:
-    """Grid codes of a draft head's own slice of the lm_head (None where it lies on no grid, or when off)."""
-    return grid_of(weight) if enabled() else None
+def draft_vocab_grid(weight, round_to_grid: bool = False) -> GridWeight | None:
+    """Grid codes of a draft head's own slice of the lm_head (None where it lies on no grid, or when off).
+    round_to_grid: a weight on no grid is rounded onto a Q8_0 one (a draft head's own lm_head, as its linears)."""
+    if not enabled():
+        return None
+    found = grid_of(weight)
+    return Grid8.rounded(weight) if found is None and round_to_grid and kernel_available() else found
 
 
 @contextlib.contextmanager

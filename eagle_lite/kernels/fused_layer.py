@@ -15,6 +15,9 @@ then a small tree), so an architecture that differs (biases, q/k norms, another 
 activation) keeps its own forward. Calls the op cannot take (a batch, more than `MAX_FUSED_ROWS` tokens,
 another cache class, gradients) run the layer's own forward.
 
+An EAGLE-3 draft layer (heads/eagle3_layer.py: its attention reads [input_layernorm(embeds); hidden_norm(h)], 2H
+wide, the residual stream being h) runs as the same op, given the token embeddings beside h.
+
 Where every layer of a stack is fused, `fuse_stack` goes one step further for `Target.forward`: a
 `FusedStack` runs the model's few-token forward itself (embed, cos/sin, the layers' ops, final norm), the
 same ops in the same order as `LlamaModel.forward` without its Python around them (decorators, mask
@@ -53,17 +56,26 @@ def _grid(linear: nn.Module, siblings: tuple[str, ...], parent: nn.Module) -> Gr
     return grid if isinstance(grid, GridWeight) and bias is None else None
 
 
+def _wide(layer: nn.Module) -> bool:
+    """Whether `layer` is an EAGLE-3 draft layer: its attention reads the token embeddings beside the hidden state."""
+    return getattr(layer, "hidden_norm", None) is not None
+
+
 class _LayerParts:
-    """What the op reads of one layer: norm weights and eps, grid codes/scales of qkv, o, gate_up, down."""
+    """What the op reads of one layer: norm weights and eps, grid codes/scales of qkv, o, gate_up, down (and an
+    EAGLE-3 layer's norm of the token embeddings, `wide`)."""
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.index = attn.layer_idx
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.scale = float(attn.scaling)
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.wide = _wide(layer)
+        norms = (layer.hidden_norm if self.wide else layer.input_layernorm, layer.post_attention_layernorm)
         self.norms = [n.weight.detach() for n in norms]
         self.eps = [float(n.fused_eps) for n in norms]
+        self.embed_norm = layer.input_layernorm.weight.detach() if self.wide else None
+        self.embed_eps = float(layer.input_layernorm.fused_eps) if self.wide else 0.0
         grids = [_grid(attn.q_proj, ("q_proj", "k_proj", "v_proj"), attn), _grid(attn.o_proj, ("o_proj",), attn),
                  _grid(mlp.gate_proj, ("gate_proj", "up_proj"), mlp), _grid(mlp.down_proj, ("down_proj",), mlp)]
         self.complete = all(g is not None for g in grids)
@@ -72,23 +84,25 @@ class _LayerParts:
         self.scales = [g.scales for g in grids] if self.complete else []
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """x [T, hidden]; cos/sin [T, head_dim]; mask [T, length + T] bool or None (causal)."""
+                 mask: torch.Tensor | None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden]; cos/sin [T, head_dim]; mask [T, length + T] bool or None (causal); embeds [T, hidden]:
+        the token embeddings a `wide` layer reads (None for the others)."""
         if self._kv[0] is not cache.keys:      # views of this layer's slots, made once per cache
             self._kv = (cache.keys, cache.keys[self.index, 0], cache.values[self.index, 0])
         return torch.ops.eagle_lite.decoder_layer(
             x, cos, sin, self._kv[1], self._kv[2], cache.length, mask,
-            self.norms[0], self.norms[1], self.eps[0], self.eps[1], self.codes, self.scales, self.heads, self.scale)
+            self.norms[0], self.norms[1], self.eps[0], self.eps[1], self.codes, self.scales, self.heads, self.scale,
+            embeds, self.embed_norm, self.embed_eps)
 
 
     def packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[StaticKVCache],
-               rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
+               rows: list[int], masks: list[torch.Tensor], embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Several sequences' rows packed in x [T, hidden] (`FusedStack.packed`): sequence i's rows[i] rows write
-        into and attend over caches[i] under masks[i] [rows[i], length_i + rows[i]]."""
+        into and attend over caches[i] under masks[i] [rows[i], length_i + rows[i]]; embeds as `__call__`."""
         return torch.ops.eagle_lite.decoder_layer_packed(
             x, cos, sin, [c.keys[self.index, 0] for c in caches], [c.values[self.index, 0] for c in caches],
             [c.length for c in caches], rows, masks, self.norms[0], self.norms[1], self.eps[0], self.eps[1],
-            self.codes, self.scales, self.heads, self.scale)
+            self.codes, self.scales, self.heads, self.scale, embeds, self.embed_norm, self.embed_eps)
 
 
 def _structured(layer: nn.Module) -> bool:
@@ -98,7 +112,8 @@ def _structured(layer: nn.Module) -> bool:
         return False
     names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"),
              (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
-    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")
+             + (("hidden_norm",) if _wide(layer) else ())]
     return (all(isinstance(getattr(m, n, None), nn.Linear) for m, n in names)
             and all(n is not None and getattr(n, "fused_eps", None) is not None for n in norms)
             and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
@@ -128,20 +143,35 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
                    **kwargs) -> torch.Tensor:
     """The layer's forward, by the fused op where it applies. The KV cache comes as `cache` (transformers
     >= 5.24) or `past_key_values` (before) and goes on to the layer's own forward under the name it takes."""
-    t = hidden_states.shape[1] if hidden_states.dim() == 3 else 0
     cache = cache if cache is not None else past_key_values
-    mask = attention_mask
-    fits = (hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and 0 < t <= MAX_FUSED_ROWS
-            and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
-            and isinstance(cache, StaticKVCache) and cache.pending == t and position_embeddings is not None
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
-                                  and tuple(mask.shape) == (1, 1, t, cache.length + t))))
-    if not fits:
+    if not _fits(hidden_states, cache, position_embeddings, attention_mask):
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings,
                                    **with_cache(layer, cache), **kwargs)
-    cos, sin, visible = _shared(position_embeddings, mask, t)
+    cos, sin, visible = _shared(position_embeddings, attention_mask, hidden_states.shape[1])
     return layer.fused_parts(hidden_states[0].contiguous(), cos, sin, cache, visible)[None]
+
+
+def _fused_wide_forward(layer: nn.Module, token_embeds: torch.Tensor, hidden: torch.Tensor,
+                        attention_mask: torch.Tensor | None, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                        cache=None) -> torch.Tensor:
+    """An EAGLE-3 layer's forward (`Eagle3Layer.forward`'s arguments), by the fused op where it applies."""
+    if not (_fits(hidden, cache, position_embeddings, attention_mask) and token_embeds.shape == hidden.shape
+            and token_embeds.dtype == hidden.dtype):
+        return type(layer).forward(layer, token_embeds, hidden, attention_mask, position_embeddings, cache)
+    cos, sin, visible = _shared(position_embeddings, attention_mask, hidden.shape[1])
+    return layer.fused_parts(hidden[0].contiguous(), cos, sin, cache, visible, token_embeds[0].contiguous())[None]
+
+
+def _fits(x: torch.Tensor, cache, position_embeddings, mask: torch.Tensor | None) -> bool:
+    """Whether the op takes this call: one sequence of a few fp32 rows [1, T, hidden] over a StaticKVCache that
+    reserved them, without gradients, under no mask (causal) or a bool [1, 1, T, length + T] one."""
+    t = x.shape[1] if x.dim() == 3 else 0
+    return (x.dim() == 3 and x.shape[0] == 1 and 0 < t <= MAX_FUSED_ROWS
+            and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and isinstance(cache, StaticKVCache) and cache.pending == t and position_embeddings is not None
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
+                                  and tuple(mask.shape) == (1, 1, t, cache.length + t))))
 
 
 def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
@@ -152,18 +182,25 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
     cache = StaticKVCache(parts.index + 1, kv_heads, layer.self_attn.head_dim, 8)
     x = (torch.linspace(-3.0, 3.0, 5 * hidden).view(1, 5, hidden).sin()
          * torch.linspace(0.5, 4.0, 5)[None, :, None])
+    embeds = torch.linspace(-2.0, 2.0, 5 * hidden).view(1, 5, hidden).cos()   # a wide layer's token embeddings
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+
+    def call(forward, rows: slice, mask, positions, cos_sin):
+        if parts.wide:
+            return forward(layer, embeds[:, rows], x[:, rows], mask, cos_sin, cache)
+        return forward(layer, x[:, rows], attention_mask=mask, position_ids=positions, use_cache=True,
+                       position_embeddings=cos_sin, **with_cache(layer, cache))
 
     def run(forward):
         cache.truncate(0)
         outs = []
-        for ids, positions, visible in ((x[:, :2], torch.arange(2), None), (x[:, 2:], torch.tensor([2, 3, 3]), tree)):
-            n = ids.shape[1]
+        for rows, positions, visible in ((slice(0, 2), torch.arange(2), None), (slice(2, 5), torch.tensor([2, 3, 3]),
+                                                                                tree)):
+            n = positions.numel()
             cache.reserve(n)
             mask = None if visible is None else attention_mask(cache.length, visible)
-            cos_sin = rotary(ids, positions.view(1, n))
-            outs.append(forward(layer, ids, attention_mask=mask, position_ids=positions.view(1, n),
-                                use_cache=True, position_embeddings=cos_sin, **with_cache(layer, cache)))
+            cos_sin = rotary(x[:, rows], positions.view(1, n))
+            outs.append(call(forward, rows, mask, positions.view(1, n), cos_sin))
             cache.commit(n)
         kv = (cache.keys[parts.index, 0, :, :5].clone(), cache.values[parts.index, 0, :, :5].clone())
         return torch.cat(outs, dim=1), kv
@@ -171,7 +208,7 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
     try:
         with torch.inference_mode():
             own, own_kv = run(type(layer).forward)
-            fused, fused_kv = run(_fused_forward)
+            fused, fused_kv = run(_fused_wide_forward if parts.wide else _fused_forward)
     except (RuntimeError, TypeError, ValueError, AttributeError):
         return False
     scale = float(own.abs().max())
@@ -181,9 +218,9 @@ def _agrees(layer: nn.Module, parts: _LayerParts, rotary: nn.Module) -> bool:
 
 
 def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -> int:
-    """Run each of `layers` (decoder layers whose linears run from grid codes and whose norms are native:
-    cpu_linear.pack_linears, fused_norm.fuse_rms_norms) as one native op where it computes the same thing;
-    `rotary` is the module that makes their cos/sin. Returns how many."""
+    """Run each of `layers` (decoder layers, or EAGLE-3 draft layers, whose linears run from grid codes and whose
+    norms are native: cpu_linear.pack_linears, fused_norm.fuse_rms_norms) as one native op where it computes the
+    same thing; `rotary` is the module that makes their cos/sin. Returns how many."""
     if rotary is None or not kernel_available():
         return 0
     fused = 0
@@ -197,7 +234,7 @@ def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -
         if not _agrees(layer, parts, rotary):
             del layer.fused_parts
             continue
-        layer.forward = functools.partial(_fused_forward, layer)
+        layer.forward = functools.partial(_fused_wide_forward if parts.wide else _fused_forward, layer)
         fused += 1
     return fused
 

@@ -9,6 +9,8 @@
 // the kernels of kernels.h compute them (fp32, sums in another order), silu as x / (1 + exp(-x)) with the
 // polynomial exponential. eagle_lite/fused_layer.py checks the result against the layer's own forward
 // before it uses this op.
+// With `embeds` (an EAGLE-3 draft layer, heads/eagle3_layer.py) the attention reads twice the width:
+//   q, k, v = qkv_proj([rms_norm_0(embeds); rms_norm_1(x)])                 x stays the residual stream
 #include "kernels.h"
 
 namespace {
@@ -85,7 +87,8 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t start
 at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                       const std::vector<Segment>& segments, int64_t Hkv, int64_t D,
                       const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
-                      at::TensorList codes, at::TensorList scales, int64_t heads, double scale) {
+                      at::TensorList codes, at::TensorList scales, int64_t heads, double scale,
+                      const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0, double eps0) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
                 "decoder_layer: x must be a contiguous float32 CPU tensor [T, hidden]");
     const int64_t T = x.size(0), H = x.size(1);
@@ -105,9 +108,26 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
     // attention block
     at::Tensor normed = at::empty({T, H}, opts);
-    norm_rows(x, norm1, eps1, normed);
     at::Tensor qkv = at::empty({T, qn + 2 * kn}, opts);
-    product(normed, codes[0], scales[0], qkv, "decoder_layer qkv");
+    if (embeds.has_value()) {   // EAGLE-3: [norm_0(embeds); norm_1(x)], 2H wide
+        const at::Tensor& e = *embeds;
+        TORCH_CHECK(norm0.has_value() && norm0->is_contiguous() && norm0->numel() == H &&
+                    norm0->scalar_type() == at::kFloat, "decoder_layer: embeds need their norm's float32 [hidden]");
+        TORCH_CHECK(e.dim() == 2 && e.size(0) == T && e.size(1) == H && e.scalar_type() == at::kFloat &&
+                    e.is_contiguous(), "decoder_layer: embeds must be contiguous float32 [T, hidden]");
+        at::Tensor wide = at::empty({T, 2 * H}, opts);
+        float* wp = wide.data_ptr<float>();
+        for (int64_t r = 0; r < T; ++r) {
+            rms_norm_row(e.data_ptr<float>() + r * H, norm0->data_ptr<float>(), H, static_cast<float>(eps0),
+                         wp + r * 2 * H);
+            rms_norm_row(x.data_ptr<float>() + r * H, norm1.data_ptr<float>(), H, static_cast<float>(eps1),
+                         wp + r * 2 * H + H);
+        }
+        product(wide, codes[0], scales[0], qkv, "decoder_layer qkv");
+    } else {
+        norm_rows(x, norm1, eps1, normed);
+        product(normed, codes[0], scales[0], qkv, "decoder_layer qkv");
+    }
     at::Tensor q = at::empty({T, heads, D}, opts);
     float* qp = q.data_ptr<float>();
     const float* qkvp = qkv.data_ptr<float>();
@@ -172,14 +192,16 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                          at::Tensor& values, int64_t start, const c10::optional<at::Tensor>& mask,
                          const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
-                         at::TensorList codes, at::TensorList scales, int64_t heads, double scale) {
+                         at::TensorList codes, at::TensorList scales, int64_t heads, double scale,
+                         const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0,
+                         double eps0) {
     TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
     const int64_t T = x.size(0);
     check_cache(keys, values, start, T);
     at::Tensor held;
     const bool* visible = eagle_lite::visible_flags(mask, T, start + T, held, "decoder_layer");
     return layer_rows(x, cos, sin, {segment_of(keys, values, start, 0, T, visible)}, keys.size(0), keys.size(2),
-                      norm1, norm2, eps1, eps2, codes, scales, heads, scale);
+                      norm1, norm2, eps1, eps2, codes, scales, heads, scale, embeds, norm0, eps0);
 }
 
 // Several sequences' new tokens packed into the rows of x (Target.verify): segment i is rows[i] rows over
@@ -189,7 +211,9 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
                                 at::TensorList keys, at::TensorList values, at::IntArrayRef starts,
                                 at::IntArrayRef rows, at::TensorList masks, const at::Tensor& norm1,
                                 const at::Tensor& norm2, double eps1, double eps2, at::TensorList codes,
-                                at::TensorList scales, int64_t heads, double scale) {
+                                at::TensorList scales, int64_t heads, double scale,
+                                const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0,
+                                double eps0) {
     const int64_t n = static_cast<int64_t>(keys.size());
     TORCH_CHECK(n > 0 && static_cast<int64_t>(values.size()) == n && static_cast<int64_t>(starts.size()) == n &&
                 static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(masks.size()) == n,
@@ -211,7 +235,7 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
     TORCH_CHECK(row == x.size(0), "decoder_layer_packed: the segments' rows (", row, ") must be x's (", x.size(0),
                 ")");
     return layer_rows(x, cos, sin, segments, keys[0].size(0), keys[0].size(2), norm1, norm2, eps1, eps2, codes,
-                      scales, heads, scale);
+                      scales, heads, scale, embeds, norm0, eps0);
 }
 
 }  // namespace
@@ -219,10 +243,11 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
 TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
     m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, "
           "Tensor? mask, Tensor norm1, Tensor norm2, float eps1, float eps2, Tensor[] codes, Tensor[] scales, "
-          "int heads, float scale) -> Tensor");
+          "int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, float eps0=0.0) -> Tensor");
     m.def("decoder_layer_packed(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "
           "int[] starts, int[] rows, Tensor[] masks, Tensor norm1, Tensor norm2, float eps1, float eps2, "
-          "Tensor[] codes, Tensor[] scales, int heads, float scale) -> Tensor");
+          "Tensor[] codes, Tensor[] scales, int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, "
+          "float eps0=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_lite, CPU, m) {

@@ -1,0 +1,138 @@
+"""`python -m eval.head_cost`: what one draft forward of each head costs at the CPU tree, piece by piece.
+
+    python -m eval.head_cost --threads 2 --draft auto /path/to/eagle3_head
+
+At the CPU tree (depth 1) a step's draft is one head forward over the features the last verify accepted (`--rows`,
+about the accepted length), then the head's logits of the last row. For each head, as method eagle runs it (its
+speed-ups applied): the median ms of that forward and of its pieces (fc; the q/k/v, o, gate/up and down products;
+the logits, of which the final norm and the lm_head product), and how many torch ops the forward and logits
+dispatch. `eval.profile_step` times whole decoding steps; this splits the draft's share of them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagle_lite.cli import arguments, entry_point
+from eagle_lite.drafters.eagle import EagleDrafter
+from eagle_lite.kernels import few_rows_product, running_fused
+from eagle_lite.threads import check_threads, set_threads
+
+PREFIX = 200   # committed pairs in the draft cache: mid-answer
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(max(3, reps // 10)):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def head_cost(drafter: EagleDrafter, rows: int = 3, reps: int = 200) -> dict[str, float]:
+    """ms of a `rows`-row head forward after PREFIX committed pairs and of its pieces, and the ops it dispatches."""
+    head, target = drafter.head, drafter.target
+    hidden = target.hidden_size
+    width = len(head.feature_layers) * hidden if head.design == "eagle3" else hidden
+    g = torch.Generator().manual_seed(0)
+    embed = target.embed_tokens
+    drafter.reset(PREFIX + rows + 8)
+    visible = torch.ones(rows, rows, dtype=torch.bool).tril_()
+    with torch.inference_mode():
+        for start in range(0, PREFIX, 20):
+            head.step(torch.randn(20, width, generator=g), embed(torch.arange(start, start + 20) % target.vocab_size),
+                      drafter.cache, torch.arange(start, start + 20), torch.ones(20, 20, dtype=torch.bool).tril_())
+            drafter.cache.commit(20)
+        features = torch.randn(rows, width, generator=g)
+        embeds = embed((torch.arange(rows) + 100) % target.vocab_size)
+        positions = torch.arange(PREFIX, PREFIX + rows)
+
+        def forward() -> torch.Tensor:
+            out = head.step(features, embeds, drafter.cache, positions, visible)
+            drafter.cache.truncate(PREFIX)
+            return out
+
+        h = forward()
+        last = h[-1:]
+        attn, mlp = head.layer.self_attn, head.layer.mlp
+        fc_input = features if head.design == "eagle3" else torch.cat([embeds, features], dim=-1)
+        attn_input = torch.cat([embeds, h], dim=-1) if head.design == "eagle3" else h
+        inner = torch.randn(rows, mlp.down_proj.in_features, generator=g)
+        with _OpCount() as count:
+            drafter._logits(forward()[-1:])
+        return {
+            "forward": _median_ms(forward, reps),
+            "  fc": _median_ms(lambda: head.fc(fc_input), reps),
+            "  q/k/v": _median_ms(lambda: (attn.q_proj(attn_input), attn.k_proj(attn_input), attn.v_proj(attn_input)),
+                                  reps),
+            "  o": _median_ms(lambda: attn.o_proj(h), reps),
+            "  gate/up": _median_ms(lambda: (mlp.gate_proj(h), mlp.up_proj(h)), reps),
+            "  down": _median_ms(lambda: mlp.down_proj(inner), reps),
+            "logits": _median_ms(lambda: drafter._logits(last), reps),
+            "  final norm": _median_ms(lambda: head.logit_features(last), reps),
+            "  lm_head": _median_ms(lambda: few_rows_product(last, drafter.lm_weight, drafter.lm_grid), reps),
+            "ops": count.ops,
+        }
+
+
+@entry_point
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.head_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", nargs="+", default=["auto"], help="head folders ('auto': the shipped head)")
+    p.add_argument("--rows", type=int, default=3, help="rows of the head forward (about the accepted length)")
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
+    p.add_argument("--plain", action="store_true", help="the heads' fp32 weights instead of rounded codes")
+    args = p.parse_args(argv)
+    with arguments():
+        for flag, value in (("--rows", args.rows), ("--reps", args.reps)):
+            if not 1 <= value:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        check_threads(args.threads)
+    import transformers
+
+    from eagle_lite.drafters.registry import load_eagle_head
+    from eagle_lite.targets.loading import load_target
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    set_threads(args.threads)
+    target = load_target(args.target)
+    costs = {}
+    for draft in args.draft:
+        drafter = EagleDrafter(target, load_eagle_head(target, draft), round_head=not args.plain)
+        costs[draft] = head_cost(drafter, args.rows, args.reps)
+        fused = "layer as one op" if running_fused(drafter.head.layer) is not None else "layer in torch"
+        print(f"{draft}: {drafter.head.design} head, {fused}, lm_head "
+              f"{'from grid codes' if drafter.lm_grid is not None else 'fp32'}", file=sys.stderr)
+    print(f"target {target.name} · {torch.get_num_threads()} threads · {args.rows} rows · median of {args.reps}\n")
+    print("| ms | " + " | ".join(args.draft) + " |")
+    print("|---|" + "---:|" * len(args.draft))
+    for piece in next(iter(costs.values())):
+        cells = [f"{c[piece]:.0f}" if piece == "ops" else f"{c[piece]:.3f}" for c in costs.values()]
+        print(f"| {piece if piece != 'ops' else 'ops (forward + logits)'} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

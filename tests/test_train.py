@@ -677,8 +677,12 @@ def test_cpu_head_composes_the_served_layout_on_complete_caches_only():
     sources = data_sources(data)
     assert [s.features for s in sources if s.name in ("main", "text1", "seed")] == [
         s.features for s in data_sources(cfg)]
-    assert group_names(data, sources) == ["sharegpt", "text1", "text2", "text3", "text4", "seed"]
+    assert group_names(data, sources) == ["sharegpt", "text1", "text2", "text3", "text4", "seed", "seed2"]
     seed = data_sources(train_config("experiment=cpu_seed"))   # stage 0: the answers, no text caches
     assert [s.name for s in seed] == ["main", "seed"]
     assert seed[1].settings["start_from"] == "data/distill/smollm2-sharegpt_all-seed"
     assert seed[1].settings["source"] == "prompts"
+    seed2 = data_sources(train_config("experiment=cpu_seed2"))   # the second seed set's answers
+    assert [s.name for s in seed2] == ["main", "seed2"]
+    assert seed2[1].settings["start_from"] == "data/distill/smollm2-sharegpt_all-seed2"
+    assert seed2[1].settings["prompts"] == "data/prompts/seed_kinds2.jsonl"

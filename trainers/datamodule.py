@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .features import FeatureCache, FeatureCacheMismatch
-from .sharegpt import split_of
+from .sharegpt import SPLITS, heldout_mask
 
 log = logging.getLogger("trainers.datamodule")
 
@@ -49,6 +49,7 @@ class LoaderConfig:
     batch_size: int = 4        # sequences per batch (packing may put several in one row)
     pack: bool = True
     val_percent: float = 5.0   # share of cached sequences held out for validation
+    split: str = "id"          # "dedup": near-duplicate ShareGPT chats held out only together (sharegpt.dedup_split_of)
     num_workers: int = 0
     seed: int = 0
 
@@ -59,6 +60,8 @@ class LoaderConfig:
             raise ValueError(f"data.loader.batch_size must be >= 1, got {self.batch_size}")
         if not 0 < self.val_percent < 100:
             raise ValueError(f"data.loader.val_percent must be in (0, 100), got {self.val_percent}")
+        if self.split not in SPLITS:
+            raise ValueError(f"data.loader.split must be one of {', '.join(SPLITS)}, got {self.split!r}")
 
 
 def group_of(record_id: str, cache_name: str) -> str:
@@ -250,7 +253,7 @@ class DraftDataModule(L.LightningDataModule):
         if len(index) < 2:
             raise ValueError(f"feature cache {', '.join(self.folders)} holds {len(index)} sequence(s); training "
                              f"needs at least 2 (one for validation): raise data.distill.limit")
-        heldout = [split_of(i, self.cfg.val_percent) == "heldout" for i in index["id"]]
+        heldout = heldout_mask(list(index["id"]), self.cfg.val_percent, self.cfg.split)
         if not any(heldout):
             heldout[-1] = True  # a tiny cache may hash nothing into validation: hold out its last sequence
         if all(heldout):

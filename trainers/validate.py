@@ -6,7 +6,9 @@
 
 Every head is scored on the same sequences: the cache's held-out split as training draws it (a hash of each
 record's id, `data.loader.val_percent`), so heads trained on different data or machines compare
-like for like. Printed per head: validation loss, top-1 / top-3 agreement with the target's greedy token (and
+like for like. `--split dedup` holds out only the records no near-duplicate of which trains (a subset of the id
+split's: see `trainers.sharegpt.dedup_split_of`; docs/training.md compares the two). Printed per head: validation
+loss, top-1 / top-3 agreement with the target's greedy token (and
 top-1 on the "novel" answer tokens, those no 3-gram prompt lookup proposes: copying the rest is easy) and
 the estimated chain acceptance (`val/accept_len_est`, `val_depth` unrolled steps; see `objective.agreement`).
 Heads are loaded like any head (checked against the target); nothing is trained. Where the caches hold several
@@ -33,14 +35,16 @@ METRICS = ("val/top1", "val/top1_novel", "val/top3", "val/accept_len_est", "val/
 
 def validate_heads(target, heads: list[str | Path], features: list[str | Path], batch_size: int = 8,
                    val_percent: float = LoaderConfig.val_percent,
-                   val_depth: int = ObjectiveConfig.val_depth) -> list[dict]:
+                   val_depth: int = ObjectiveConfig.val_depth, split: str = LoaderConfig.split) -> list[dict]:
     """One row per head: {"head", "sequences", "tokens", METRICS, and "kinds": {kind: {"top1", "accept_len_est"}}
-    where the validation rows are of several kinds}, all on the same validation rows."""
+    where the validation rows are of several kinds}, all on the same validation rows (`split`: "id" or "dedup", as
+    `data.loader.split`)."""
     import lightning.pytorch as L
 
     from eagle_lite.formats import load_head
 
-    data = DraftDataModule([str(f) for f in features], LoaderConfig(batch_size=batch_size, val_percent=val_percent),
+    data = DraftDataModule([str(f) for f in features],
+                           LoaderConfig(batch_size=batch_size, val_percent=val_percent, split=split),
                            expect_target=target.fingerprint())
     data.setup("validate")
     split = {"sequences": len(data.val_rows), "tokens": int(sum(data.val_rows["loss_tokens"]))}
@@ -99,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the held-out share the caches were trained with (data.loader.val_percent)")
     parser.add_argument("--val-depth", type=int, default=ObjectiveConfig.val_depth,
                         help="unrolled steps for accept_len_est")
+    parser.add_argument("--split", default=LoaderConfig.split,
+                        help="id: held out by a hash of each record's id (as training draws it); dedup: near-duplicate "
+                             "ShareGPT chats held out only together, so no held-out prompt opens like a trained one")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -117,14 +124,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         for flag, value in (("--batch-size", args.batch_size), ("--val-depth", args.val_depth)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        LoaderConfig(batch_size=args.batch_size, val_percent=args.val_percent)   # its range checks, named as keys
+        LoaderConfig(batch_size=args.batch_size, val_percent=args.val_percent, split=args.split)   # its checks
     for head in args.heads:
         read_head_config(head)
     for folder in args.features:
         FeatureCache(folder)
     target = build_target(TargetConfig(spec=args.target, name=Path(args.target).stem, device=args.device,
                                        threads=args.threads))
-    return validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth)
+    return validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth,
+                          args.split)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class Pipeline:
         if options is not None and not isinstance(options, registry.METHODS[method].options):
             options = None   # options given for "auto", which resolved to another method
         options = registry.options_for(method, options)
-        if method in registry.HEAD_METHODS:   # the head this pipeline runs, with its speed-ups
+        if method in registry.HEAD_METHODS and options.head is None:   # the pipeline's head, with its speed-ups
             options = replace(options, head=self.engine.drafter.head)
         first = registry.build(method, self.target, options)
         # head drafters: siblings of one, sharing its head's output weight instead of a copy each

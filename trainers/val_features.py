@@ -1,5 +1,5 @@
 """Feature caches of the held-out records alone: what `trainers.validate` scores heads on, without caching the other
-95% of the data (on a 2-core CPU the target's forward costs ~2-2.4 ms a token, so a whole cache takes hours).
+95% of the data (on a CPU a whole cache takes hours: docs/training.md, the CPU recipe).
 
     python -m trainers.val_features data/distill/smollm2-sharegpt_all runs/val/sharegpt_all/features_eagle3
     python -m trainers.val_features data/distill/smollm2-sharegpt_all-seed runs/val/seed/features_eagle3

@@ -46,8 +46,7 @@ def supported(layer: nn.Module) -> bool:
     if hasattr(layer, "hidden_norm"):
         norms.append(layer.hidden_norm)
     return (all(isinstance(p, nn.Linear) for p in parts) and callable(getattr(mlp, "act_fn", None))
-            and all(isinstance(getattr(n, "variance_epsilon", None), float) and getattr(n, "weight", None) is not None
-                    for n in norms)
+            and all(supported_norm(n) for n in norms)
             and not any(hasattr(attn, n) for n in ("q_norm", "k_norm", "sinks"))
             and getattr(attn, "sliding_window", None) is None and getattr(attn, "head_dim", None) is not None
             and getattr(attn.config, "attn_logit_softcapping", None) is None)
@@ -155,4 +154,5 @@ class StaticStack:
 
 
 def supported_norm(norm: nn.Module) -> bool:
+    """Whether `norm` is a Llama-style RMSNorm `rms_norm` computes: a weight and a float `variance_epsilon`."""
     return isinstance(getattr(norm, "variance_epsilon", None), float) and getattr(norm, "weight", None) is not None

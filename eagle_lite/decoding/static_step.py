@@ -367,11 +367,7 @@ class StaticEngine:
         embeds = self.target.embed_tokens(tokens)
         if self._head_layer is not None:       # DraftHead.forward, its layer fused (static_stack.py)
             layer, tables = self._head_layer
-            if layer.eagle3:
-                x = feats.to(embeds.dtype)
-                x = self.head.fc(x) if x.shape[-1] != embeds.shape[-1] else x
-            else:
-                x = self.head._layer_input(feats.to(embeds.dtype), embeds)
+            x = self.head.layer_input(feats, embeds)
             return layer(x, rotary if rotary is not None else tables(x, positions), mask, self._draft_cache.kv[0],
                          slots, embeds)
         return self.head(feats[None], embeds[None], positions[None], mask, self._draft_cache.writer(slots))[0]

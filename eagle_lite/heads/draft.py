@@ -119,17 +119,23 @@ class DraftHead(nn.Module):
         Returns the predicted next hidden states [B, T, H]. `hidden` may instead be the target's tapped layers
         [B, T, len(feature_layers) * H] (EAGLE-3 heads), which `fuse` (or an EAGLE-3 head's fc) projects to H first.
         """
-        hidden = hidden.to(token_embeds.dtype)
-        if self.design == "eagle3":
-            if hidden.shape[-1] != token_embeds.shape[-1]:
-                hidden = self.fc(hidden)                      # B T 3H -> B T H; later steps read the output as is
-            cos_sin = self.rotary(hidden, position_ids=position_ids)
-            return self.layer(token_embeds, hidden, mask, cos_sin, cache)
-        x = self._layer_input(hidden, token_embeds)             # B T H
+        x = self.layer_input(hidden, token_embeds)              # B T H
         cos_sin = self.rotary(x, position_ids=position_ids)
+        if self.design == "eagle3":
+            return self.layer(token_embeds, x, mask, cos_sin, cache)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
                          position_embeddings=cos_sin, **with_cache(self.layer, cache))
         return out[0] if isinstance(out, tuple) else out
+
+    def layer_input(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input [..., H] (the residual stream) from the features `hidden`, in the embeddings'
+        dtype: an EAGLE-3 head's fc of the target's tapped layers (3H wide; at later draft steps the head's own
+        output, H wide, is read as it is, its embeddings going beside it into the layer); the other designs'
+        fc([embed(token); feature])."""
+        hidden = hidden.to(token_embeds.dtype)
+        if self.design == "eagle3":
+            return self.fc(hidden) if hidden.shape[-1] != token_embeds.shape[-1] else hidden
+        return self._layer_input(hidden, token_embeds)
 
     def _layer_input(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input [..., H] (designs other than eagle3): fc([embed(token); feature])."""
@@ -218,11 +224,8 @@ class DraftHead(nn.Module):
         positions = torch.cat([b[3] for b in blocks])
         parts = running_fused(self.layer)
         if parts is not None and embeds.dtype == torch.float32:
-            if self.design == "eagle3":    # the op reads the embeddings beside the feature (fc's where 3H wide)
-                x, beside = hidden.to(embeds.dtype), embeds.contiguous()
-                x = self.fc(x) if x.shape[-1] != embeds.shape[-1] else x.contiguous()
-            else:
-                x, beside = self._layer_input(hidden.to(embeds.dtype), embeds), None   # T H
+            x = self.layer_input(hidden, embeds).contiguous()                                 # T H
+            beside = embeds.contiguous() if self.design == "eagle3" else None   # the op reads them beside x
             cos, sin = self.rotary(x[None], positions[None])    # then the native op, as `step` runs it
             out = parts.packed(x, cos[0].contiguous(), sin[0].contiguous(), caches, rows,
                                [m.contiguous() for m in masks], beside)

@@ -37,19 +37,22 @@ def nesting(value, most: int) -> int:
     return deepest if isinstance(value, (dict, list)) else 0
 
 
+def _too_deep() -> Refused:
+    return Refused(400, f"the request body is nested more than {MAX_DEPTH} objects or lists deep", None,
+                   "invalid_json")
+
+
 def parse_json(raw: bytes) -> dict:
-    too_deep = Refused(400, f"the request body is nested more than {MAX_DEPTH} objects or lists deep", None,
-                       "invalid_json")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise Refused(400, f"the request body is not valid JSON ({err})", None, "invalid_json") from None
     except RecursionError:   # deeper than Python's stack: json gives up before MAX_DEPTH is checked
-        raise too_deep from None
+        raise _too_deep() from None
     if not isinstance(body, dict):
         raise Refused(400, "the request body must be a JSON object", None, "invalid_json")
     if nesting(body, MAX_DEPTH) > MAX_DEPTH:   # what parses may still be too deep to print in an error or to copy
-        raise too_deep
+        raise _too_deep()
     return body
 
 

@@ -5,8 +5,9 @@
 At the CPU tree (depth 1) a step's draft is one head forward over the features the last verify accepted (`--rows`,
 about the accepted length), then the head's logits of the last row. For each head, as method eagle runs it (its
 speed-ups applied): the median ms of that forward and of its pieces (fc; the q/k/v, o, gate/up and down products;
-the logits, of which the final norm and the lm_head product), and how many torch ops the forward and logits
-dispatch. `eval.profile_step` times whole decoding steps; this splits the draft's share of them.
+the logits, of which the final norm and the lm_head product), and how many device ops the forward and logits
+launch (as `eval.step_cost --count-ops` counts them: eval/op_count.py). `eval.profile_step` times whole decoding
+steps; this splits the draft's share of them.
 """
 from __future__ import annotations
 
@@ -16,24 +17,16 @@ import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.kernels import few_rows_product, running_fused
+from eagle_lite.options import quiet_libraries
 from eagle_lite.threads import check_threads, set_threads
 
+from .op_count import OpCounter
+
 PREFIX = 200   # committed pairs in the draft cache: mid-answer
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -48,7 +41,7 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def head_cost(drafter: EagleDrafter, rows: int = 3, reps: int = 200) -> dict[str, float]:
-    """ms of a `rows`-row head forward after PREFIX committed pairs and of its pieces, and the ops it dispatches."""
+    """ms of a `rows`-row head forward after PREFIX committed pairs and its pieces, and the device ops it launches."""
     head, target = drafter.head, drafter.target
     hidden = target.hidden_size
     width = len(head.feature_layers) * hidden if head.design == "eagle3" else hidden
@@ -76,7 +69,7 @@ def head_cost(drafter: EagleDrafter, rows: int = 3, reps: int = 200) -> dict[str
         fc_input = features if head.design == "eagle3" else torch.cat([embeds, features], dim=-1)
         attn_input = torch.cat([embeds, h], dim=-1) if head.design == "eagle3" else h
         inner = torch.randn(rows, mlp.down_proj.in_features, generator=g)
-        with _OpCount() as count:
+        with OpCounter() as count:
             drafter._logits(forward()[-1:])
         return {
             "forward": _median_ms(forward, reps),
@@ -89,7 +82,7 @@ def head_cost(drafter: EagleDrafter, rows: int = 3, reps: int = 200) -> dict[str
             "logits": _median_ms(lambda: drafter._logits(last), reps),
             "  final norm": _median_ms(lambda: head.logit_features(last), reps),
             "  lm_head": _median_ms(lambda: few_rows_product(last, drafter.lm_weight, drafter.lm_grid), reps),
-            "ops": count.ops,
+            "ops": count.total,
         }
 
 
@@ -109,13 +102,10 @@ def main(argv=None) -> int:
             if not 1 <= value:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         check_threads(args.threads)
-    import transformers
-
     from eagle_lite.drafters.registry import load_eagle_head
     from eagle_lite.targets.loading import load_target
 
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    quiet_libraries(False)
     set_threads(args.threads)
     target = load_target(args.target)
     costs = {}
@@ -130,7 +120,8 @@ def main(argv=None) -> int:
     print("|---|" + "---:|" * len(args.draft))
     for piece in next(iter(costs.values())):
         cells = [f"{c[piece]:.0f}" if piece == "ops" else f"{c[piece]:.3f}" for c in costs.values()]
-        print(f"| {piece if piece != 'ops' else 'ops (forward + logits)'} | " + " | ".join(cells) + " |")
+        label = "device ops (forward + logits)" if piece == "ops" else piece
+        print(f"| {label} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`eval.head_cost` splits a head's draft forward into its pieces and counts the ops it dispatches: an EAGLE-3 head
+"""`eval.head_cost` splits a head's draft forward into its pieces and counts the device ops it launches: an EAGLE-3 head
 whose layer runs as the native op dispatches fewer than the same head run through torch."""
 from __future__ import annotations
 

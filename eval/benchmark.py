@@ -17,7 +17,7 @@ from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import default_tree
-from eagle_lite.options import add_method_flags, option_values
+from eagle_lite.options import add_method_flags, option_values, quiet_libraries
 from eagle_lite.threads import check_threads
 
 from . import report
@@ -118,10 +118,7 @@ def main(argv=None) -> int:
         settings = settings_of(args)
     if args.out:
         check_out_dir(args.out)   # before the first prompt: a run's results must have somewhere to go
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    quiet_libraries(False)
     try:
         records, rows, header = evaluate(settings)
     except Stopped as stop:   # Ctrl-C: report and write the runs that finished, then stop

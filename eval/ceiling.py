@@ -199,14 +199,12 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
-    import transformers
-
+    from eagle_lite.options import quiet_libraries
     from eagle_lite.targets.loading import load_target
 
     from .sweep import load_questions
 
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    quiet_libraries(False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     task = ({"name": args.questions} if args.questions in TASKS else {"name": "file", "path": args.questions})
     questions = skip_per_category(load_questions([{**task, "limit": args.skip + args.limit}]), args.skip)

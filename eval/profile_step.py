@@ -86,10 +86,9 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags, load, profile and print the table; returns the exit status."""
-    import transformers
+    from eagle_lite.options import quiet_libraries
 
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    quiet_libraries(False)
     with arguments():
         for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit)):
             if value < 1:

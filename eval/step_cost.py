@@ -274,13 +274,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 @entry_point
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import transformers
-
     from eagle_lite.decoding.static_step import MODES
+    from eagle_lite.options import quiet_libraries
     from eagle_lite.targets.loading import check_device
 
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    quiet_libraries(False)
     check_device(args.device)
     with arguments():
         check_threads(args.threads)

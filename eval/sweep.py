@@ -26,7 +26,14 @@ from eagle_lite.decoding.static_step import MODES
 from eagle_lite.drafters import registry
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.attention import BACKENDS
-from eagle_lite.options import every_options, method_flags, option_values, options_of, unknown_keys
+from eagle_lite.options import (
+    every_options,
+    method_flags,
+    option_values,
+    options_of,
+    quiet_libraries,
+    unknown_keys,
+)
 from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -274,10 +281,7 @@ def _main() -> int:
     @hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf" / "eval"), config_name="sweep",
                 version_base=None)
     def main(cfg) -> None:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
+        quiet_libraries(False)
         settings = settings_from(cfg)
         out_dir = check_out_dir(Path(HydraConfig.get().runtime.output_dir))
         try:

@@ -43,7 +43,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
-from eagle_lite.options import add_method_flags, options_of
+from eagle_lite.options import add_method_flags, options_of, quiet_libraries
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -397,15 +397,12 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
 @entry_point
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import transformers
-
     from eagle_lite.heads.checkpoint import default_head_path
     from eagle_lite.targets.loading import load_target
 
     from .sweep import load_questions
 
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    quiet_libraries(False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     take = args.skip + args.limit
     tasks = ([{"name": "file", "path": args.questions, "limit": take}] if args.questions

@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with arguments():
         check_threads(args.threads)
-        taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
+        try:
+            taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
+        except ValueError:
+            raise ValueError(f"--taps must be decoder layer numbers separated by commas, got {args.taps!r}") from None
+        if not 0 <= args.val_percent <= 100:
+            raise ValueError(f"--val-percent must be in [0, 100], got {args.val_percent}")
         cfg = FeatureConfig(max_len=args.max_len, shard_size=64, batch_size=4, feature_layers=taps)
         for folder in args.distill:
             if not (Path(folder) / "distill.json").is_file():

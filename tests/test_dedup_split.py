@@ -138,7 +138,8 @@ def test_val_features_refuses_a_folder_without_distilled_data_in_one_line(tmp_pa
     assert err.startswith("error: ") and "no distilled data" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize(("flags", "named"), [(["--taps", "1,x"], "--taps"), (["--val-percent", "-5"], "--val-percent")])
+@pytest.mark.parametrize(("flags", "named"),
+                         [(["--taps", "1,x"], "--taps"), (["--val-percent", "-5"], "--val-percent")])
 def test_val_features_refuses_bad_flags_in_one_line_naming_them(tmp_path, capsys, flags, named):
     from trainers.val_features import main
 

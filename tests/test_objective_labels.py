@@ -1,10 +1,11 @@
-"""The token loss's labels: the target's distribution, its top-k, or its greedy token (draft.objective.labels)."""
+"""The token loss's labels (the target's distribution, its top-k, or its greedy token: draft.objective.labels) and
+its LK share (draft.objective.lk_weight)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainers.objective import ObjectiveConfig, Pairs, target_distribution
+from trainers.objective import ObjectiveConfig, Pairs, target_distribution, token_loss
 
 
 def pairs_of(target: torch.Tensor) -> Pairs:
@@ -36,3 +37,30 @@ def test_bad_label_settings_are_refused():
         ObjectiveConfig(labels="soft")
     with pytest.raises(ValueError, match="label_top_k"):
         ObjectiveConfig(label_top_k=-1)
+
+
+def test_lk_loss_is_minus_log_the_acceptance_rate_and_mixes_with_cross_entropy():
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.5, 0.0]])
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.5, 0.0]]).clamp_min(1e-9)
+    q_logp = q.log()
+    ce = -(p * q_logp).sum(-1)
+    assert torch.allclose(token_loss(q_logp, p), ce)
+    accept = torch.tensor([0.5 + 0.2 + 0.1, 1.0])       # sum of min(p, q) per row
+    assert torch.allclose(token_loss(q_logp, p, 1.0), -accept.log(), atol=1e-6)
+    assert torch.allclose(token_loss(q_logp, p, 0.25), 0.75 * ce - 0.25 * accept.log(), atol=1e-6)
+    assert float(token_loss(q_logp, p, 1.0)[1]) == pytest.approx(0.0, abs=1e-6)   # identical: always accepted
+
+
+def test_lk_loss_gradient_raises_the_acceptance_rate():
+    p = torch.tensor([[0.6, 0.3, 0.1]])
+    logits = torch.tensor([[0.0, 1.0, 0.5]], requires_grad=True)
+    before = torch.minimum(p, logits.softmax(-1)).sum()
+    token_loss(logits.log_softmax(-1), p, 1.0).sum().backward()
+    with torch.no_grad():
+        after = torch.minimum(p, (logits - 0.1 * logits.grad).softmax(-1)).sum()
+    assert after > before
+
+
+def test_lk_weight_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match="lk_weight"):
+        ObjectiveConfig(lk_weight=1.5)

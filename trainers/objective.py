@@ -7,6 +7,8 @@ distribution over x_{t+2}. The loss at t counts when x_{t+2} is a target-written
 
   loss_reg = SmoothL1(f^_{t+1}, f_{t+1}), averaged over H
   loss_cls = cross-entropy of softmax(W f^_{t+1}) against the target's softmax(W f_{t+1})
+             (lk_weight > 0: mixed with the LK loss -log sum_x min(p(x), q(x)), minus the log of the chance that
+             speculative sampling accepts the draft's token: (1 - lk_weight) * CE + lk_weight * LK)
   loss     = w_reg * loss_reg + w_cls * loss_cls
 
 W is the target's frozen lm_head, or its rows `d2t` with a reduced draft vocabulary (then the target's
@@ -40,6 +42,7 @@ class ObjectiveConfig:
     labels: str = "distribution"  # the token loss's labels: the target's distribution (KL distillation) | its
                                   # greedy "token" (hard labels)
     label_top_k: int = 0         # > 0: the target's distribution cut to its top-k tokens and renormalised (HASS)
+    lk_weight: float = 0.0       # the token loss's share of the LK loss, -log(acceptance rate) (Samarin et al. 2026)
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -55,6 +58,8 @@ class ObjectiveConfig:
             raise ValueError(f"draft.objective.label_top_k must be >= 0, got {self.label_top_k}")
         if self.copy_weight < 0:
             raise ValueError(f"draft.objective.copy_weight must be >= 0, got {self.copy_weight}")
+        if not 0.0 <= self.lk_weight <= 1.0:
+            raise ValueError(f"draft.objective.lk_weight must be within [0, 1], got {self.lk_weight}")
 
 
 class ConcatKV:
@@ -170,16 +175,28 @@ def unroll(head, pairs: Pairs, steps: int, inputs: torch.Tensor | None = None) -
     return preds
 
 
+def token_loss(q_logp: torch.Tensor, p: torch.Tensor, lk_weight: float = 0.0) -> torch.Tensor:
+    """[N] the draft's token loss per row: cross-entropy of its log-distribution q_logp against the target's p
+    ([N, V] each), mixed with lk_weight of the LK loss -log(sum_x min(p(x), q(x))): the sum is the chance that
+    speculative sampling accepts the draft's token, which that loss raises directly."""
+    ce = -(p * q_logp).sum(-1)
+    if lk_weight == 0.0:
+        return ce
+    accept = torch.minimum(p, q_logp.exp()).sum(-1)
+    return (1.0 - lk_weight) * ce - lk_weight * torch.log(accept.clamp_min(1e-6))
+
+
 def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weight: torch.Tensor,
                 p_target: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None,
-                per_rank: Callable[[torch.Tensor], torch.Tensor] | None = None
+                per_rank: Callable[[torch.Tensor], torch.Tensor] | None = None, lk_weight: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean (reg, cls, top1) over the rows `weight` marks. p_target: [N0, V_draft] target distribution on
     the rows of `pairs.weight`; rows: [N0] bool, which of those rows `weight` keeps; scale: [B, T'] per-pair
     loss weights (None: all 1), the losses then being weighted means. top1 (no gradient, unweighted):
     how often the draft's argmax is the target's, both within the draft vocabulary. per_rank: over several
     ranks, the mean over the ranks of this rank's count of weighted rows; the losses are then sums over that, so
-    that the ranks' gradients, averaged by DDP, are those of the mean over every rank's rows."""
+    that the ranks' gradients, averaged by DDP, are those of the mean over every rank's rows. lk_weight: see
+    `token_loss`."""
     count = (weight.sum() if scale is None else scale[weight].sum()).float()
     if per_rank is not None:
         count = per_rank(count.detach())   # every rank, whether or not it has rows: it is a collective
@@ -190,7 +207,7 @@ def step_losses(pred: torch.Tensor, pairs: Pairs, weight: torch.Tensor, lm_weigh
     reg = F.smooth_l1_loss(p, f, reduction="none").mean(-1)                  # N
     q_logp = torch.log_softmax((p @ lm_weight.T).float(), dim=-1)           # N V_draft
     p_rows = p_target[rows]                                                  # N V_draft
-    cls = -(p_rows * q_logp).sum(-1)                                         # N
+    cls = token_loss(q_logp, p_rows, lk_weight)                              # N
     top1 = (q_logp.detach().argmax(-1) == p_rows.argmax(-1)).float().mean()
     if per_rank is not None:
         s = 1.0 if scale is None else scale[weight].to(reg.dtype)
@@ -237,7 +254,7 @@ def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, 
     for k, pred in enumerate(preds[:cfg.ttt_steps]):
         w = step_weight(pairs, k)
         reg, cls, hits = step_losses(pred, pairs, w, lm_weight if q_weight is None else q_weight, p_target,
-                                     w[pairs.weight], scale, per_rank)
+                                     w[pairs.weight], scale, per_rank, cfg.lk_weight)
         total_reg = total_reg + cfg.ttt_decay ** k * reg
         total_cls = total_cls + cfg.ttt_decay ** k * cls
         top1 = hits if top1 is None else top1

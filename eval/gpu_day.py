@@ -18,9 +18,11 @@ The steps, in order (issue #49: is eagle_graph 2x vanilla_graph on the GPU once 
                       engine only at near-ties in bf16, makes no synchronising call; the attention backends
   2. table_bf16       `eval.benchmark --dtype bfloat16`, 2 held-out prompts of each of 12 kinds x 256 tokens:
                       vanilla_graph against eagle_graph, the shipped head at its `tree_cuda`
-  3. table_bf16_eagle3   the same with the EAGLE-3 head `../shared/heads/smollm2-eagle3-gpu` (d6 k10 n63)
-  4. table_bf16_full_vocab   the shipped head drafting over the target's whole vocabulary (`--draft-vocab full`;
-                      the EAGLE-3 head's own lm_head has rows for its 8k draft tokens alone)
+  3. table_bf16_eagle3   the same with the GPU day's EAGLE-3 head `../shared/heads/smollm2-eagle3-gpu` (d6 k10
+                      n63), which the shipped head was fine-tuned from on the CPU
+  4. table_bf16_full_vocab   the EAGLE-1 head shipped before (`data/heads/smollm2-eagle1`) drafting over the
+                      target's whole vocabulary (`--draft-vocab full`; an EAGLE-3 head's own lm_head has rows for
+                      its 8k draft tokens alone)
   5. table_fp32, table_fp32_eagle3   both heads in float32 (exact: 100% identical is the claim)
   6. step_cost_smollm2   `eval.step_cost`: verify time against tree size and the draft step, CUDA graphs
   7. hf_generate      vanilla_graph against transformers' greedy generate(), one prompt of each kind x 128 tokens
@@ -89,6 +91,7 @@ class Profile:
     dtype: str = "bfloat16"
     target: str | None = None              # None: the embedded SmolLM2-135M-Instruct
     draft: str = "eagle_lite/heads/smollm2"
+    eagle1: str = "data/heads/smollm2-eagle1"   # the EAGLE-1 head shipped before: it drafts over the whole vocabulary
     questions: str = "eval/questions/heldout12.jsonl"
     per_task: int = 2
     max_new_tokens: int = 256
@@ -115,7 +118,8 @@ class Profile:
 def dry_profile(target: str, draft: str, questions: str) -> Profile:
     """The same steps on the CPU: a tiny target folder and a head folder made for it, a few tokens each."""
     return Profile(
-        device="cpu", dtype="float32", target=target, draft=draft, questions=questions, per_task=1, max_new_tokens=8,
+        device="cpu", dtype="float32", target=target, draft=draft, eagle1=draft, questions=questions, per_task=1,
+        max_new_tokens=8,
         eagle3=draft, eagle3_tree=("--tree-depth", "2", "--tree-top-k", "2", "--tree-total-tokens", "3"),
         hf_per_task=1, hf_tokens=8,
         count_ops=("--count-ops", "--targets", target, "--count-questions", questions, "--count-prompts", "1",
@@ -147,7 +151,7 @@ STEPS = (
          True),
     Step("table_bf16_eagle3", "the same, the EAGLE-3 head (../shared/heads/smollm2-eagle3-gpu), d6 k10 n63", 70, 30,
          True),
-    Step("table_bf16_full_vocab", "the same, the shipped head over the whole vocabulary (--draft-vocab full)", 70, 30,
+    Step("table_bf16_full_vocab", "the same, the EAGLE-1 head over the whole vocabulary (--draft-vocab full)", 70, 30,
          True),
     Step("table_fp32", "the same in float32, shipped head", 75, 30, True),
     Step("table_fp32_eagle3", "the same in float32, the EAGLE-3 head", 75, 30, True),
@@ -165,7 +169,7 @@ STEPS = (
          90, 60, True),
     Step("head_fit", "trainers.train: fit until validation stops improving or time runs out, export", 200, 60, True),
     Step("head_validate", "trainers.validate: the new head against the shipped one, same held-out rows", 30, 20, True),
-    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_full_vocab, eagle_graph at the tuned tree", 40, 20,
+    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_graph at the tuned tree", 40, 20,
          True),
 )
 EAGLE3_STEPS = ("table_bf16_eagle3", "table_fp32_eagle3")
@@ -354,7 +358,7 @@ class Day:
         runs = Path(self.env["EAGLE_LITE_RUNS"])
         train = ["-m", "trainers.train", *p.train, f"name={HEAD_NAME}"]
         tables = {"table_bf16": ("bfloat16", p.draft, ()), "table_bf16_eagle3": ("bfloat16", p.eagle3, p.eagle3_tree),
-                  "table_bf16_full_vocab": ("bfloat16", p.draft, ("--draft-vocab", "full")),
+                  "table_bf16_full_vocab": ("bfloat16", p.eagle1, ("--draft-vocab", "full")),
                   "table_fp32": ("float32", p.draft, ()), "table_fp32_eagle3": ("float32", p.eagle3, p.eagle3_tree)}
         if name in tables:
             dtype, draft, extra = tables[name]
@@ -391,7 +395,7 @@ class Day:
                                  "--questions", p.questions, "--limit", str(p.tune_limit), "--max-new-tokens",
                                  str(p.tune_tokens), "--trees", *p.tune_trees, "--save-tree"), min(left, 150))]
         if name == "table_tuned":
-            methods = "vanilla_graph,eagle,eagle_full_vocab,eagle_graph"
+            methods = "vanilla_graph,eagle,eagle_graph"
             return [(self.python("eval.benchmark", *bench, "--methods", methods, "--out", str(r / "table_tuned")),
                      min(left, 120))]
         if name == "head_features":

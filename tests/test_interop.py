@@ -528,7 +528,7 @@ def test_export_cli_writes_a_folder_and_prints_its_notes(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_the_shipped_head_exports_in_its_own_layout_and_drafts_the_same(tmp_path):
+def test_the_shipped_head_exports_to_eagle3_and_drafts_the_same(tmp_path):
     from eagle_lite.export import export
     from eagle_lite.heads.checkpoint import default_head_path
     from eagle_lite.targets.loading import load_target
@@ -536,10 +536,8 @@ def test_the_shipped_head_exports_in_its_own_layout_and_drafts_the_same(tmp_path
     target = load_target("smollm2")
     shipped = default_head_path("smollm2")
     a = load_head(shipped, target)
-    if a.design == "eagle3":     # the official EAGLE-3 layout, which vLLM and SGLang load too
-        export(shipped, "eagle3", tmp_path / "out", target, torch.bfloat16)
-    else:
-        export(shipped, "eagle", tmp_path / "out", target, torch.bfloat16, engine="sglang")
+    assert a.design == "eagle3"
+    export(shipped, "eagle3", tmp_path / "out", target, torch.bfloat16)   # the official layout vLLM and SGLang load
     b = load_head(tmp_path / "out", target)
     assert_same_tensors(a, b)
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}],

@@ -44,6 +44,15 @@ def packed_mask(visible: list[torch.Tensor]) -> torch.Tensor:
     return mask
 
 
+def ancestor_mask(bits: list[int]) -> torch.Tensor:
+    """[N, N] bool from each node's ancestors as the bits of an int (bit j of bits[i]: node j is an ancestor of i,
+    or i itself): a few tensor ops for trees of up to 63 nodes (int64 rows), a row at a time past that."""
+    n = len(bits)
+    if n <= 63:
+        return ((torch.tensor(bits)[:, None] >> torch.arange(n)) & 1).bool()
+    return torch.tensor([[(b >> j) & 1 for j in range(n)] for b in bits], dtype=torch.bool)
+
+
 @dataclass
 class DraftTree:
     """probes: nodes whose target outputs the drafter reads back after the verify forward (`Drafter.observe`), e.g.
@@ -68,21 +77,21 @@ class DraftTree:
             raise ValueError(f"a tree of {n} tokens needs {n} parents with parents[0] == -1, got {self.parents}")
         depth = [0] * n
         children: list[list[int]] = [[] for _ in range(n)]
-        anc = torch.eye(n, dtype=torch.bool)
+        bits = [1] * n                                   # node i's ancestors (itself included) as bits of an int
         for i in range(1, n):
             p = self.parents[i]
             if not 0 <= p < i:
                 raise ValueError(f"node {i} has parent {p}; parents must come before their children")
             depth[i] = depth[p] + 1
             children[p].append(i)
-            anc[i] |= anc[p]
+            bits[i] = bits[p] | (1 << i)
         if any(not 0 <= i < n for i in self.probes):
             raise ValueError(f"probes {self.probes} name nodes outside the tree's {n}")
         if self.likely is not None and (self.likely[:1] != [0] or any(
                 not 0 < c < n or self.parents[c] != p for p, c in zip(self.likely, self.likely[1:]))):
             raise ValueError(f"likely {self.likely} is not a path from the root of the tree")
         self.depths = torch.tensor(depth, device=self.tokens.device)
-        self.ancestors = anc.to(self.tokens.device)
+        self.ancestors = ancestor_mask(bits).to(self.tokens.device)
         self.children = children
 
     def __len__(self) -> int:
@@ -201,6 +210,7 @@ def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[to
     scores = scores.nan_to_num(nan=-math.inf)   # a broken draft's NaN would sort anywhere (its tree stays exact)
     order = torch.sort(scores, descending=True, stable=True).indices[:budget]
     kept = torch.sort(order).values  # candidate order is topological, so sorting indices keeps it
-    slot = {int(c): j + 1 for j, c in enumerate(kept.tolist())}
-    tree_parents = [0 if int(parents[c]) < 0 else slot[int(parents[c])] for c in kept.tolist()]
+    kept_list, parent_of = kept.tolist(), parents.tolist()
+    slot = {c: j + 1 for j, c in enumerate(kept_list)}
+    tree_parents = [0 if parent_of[c] < 0 else slot[parent_of[c]] for c in kept_list]
     return kept, tree_parents

@@ -686,3 +686,51 @@ def test_cpu_head_composes_the_served_layout_on_complete_caches_only():
     assert [s.name for s in seed2] == ["main", "seed2"]
     assert seed2[1].settings["start_from"] == "data/distill/smollm2-sharegpt_all-seed2"
     assert seed2[1].settings["prompts"] == "data/prompts/seed_kinds2.jsonl"
+
+
+def test_revocab_rechooses_the_draft_vocabulary_keeping_the_rows_it_had():
+    from trainers.vocab import with_draft_vocab
+
+    target = tiny_target(TargetConfig(name="tiny4", kind="tiny", num_layers=4))
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target, torch.tensor([0, 1, 2, 3, 5, 8]), feature_layers=(0, 1, 2), design="eagle3")
+    old = dict(zip(head.d2t.tolist(), head.lm_head.weight.detach().clone()))
+    new_vocab = torch.tensor([1, 2, 4, 8, 9])
+    head, added = with_draft_vocab(head, new_vocab, target.lm_head.weight)
+    assert added == 2 and head.d2t.tolist() == [1, 2, 4, 8, 9] and head.draft_vocab_size == 5
+    assert head.lm_head.weight.shape == (5, target.config.hidden_size)
+    for row, token in zip(head.lm_head.weight, new_vocab.tolist()):
+        want = old[token] if token in old else target.lm_head.weight[token].float()
+        assert torch.equal(row.detach(), want), token
+    plain = DraftHead.for_target(target, torch.tensor([0, 1, 2]))     # scores through the target's lm_head
+    plain, added = with_draft_vocab(plain, torch.tensor([0, 2, 7, 9]), target.lm_head.weight)
+    assert added == 2 and plain.d2t.tolist() == [0, 2, 7, 9] and plain.lm_head is None
+
+
+def test_a_fine_tune_with_revocab_drafts_over_its_new_vocabulary_and_decodes_exactly(tmp_path, caplog):
+    from conftest import eagle_drafter
+
+    from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.decoding.engine import Engine
+    from trainers.train import train
+
+    deep = ["target.num_layers=4", "target.name=tiny4", "draft.objective.w_reg=0"]
+    source = train(tiny_train_config(tmp_path, "debug=fdr", "draft.design=eagle3", "draft.feature_layers=[0,1,2]",
+                                     "draft.vocab_size=32", "name=source", *deep))["export"]
+    with caplog.at_level("INFO", logger="trainers.train"):
+        result = train(tiny_train_config(tmp_path, "debug=fdr", f"draft.init_from={source}", "draft.revocab=true",
+                                         "draft.vocab_size=48", "name=revocab", *deep))
+    assert "draft.revocab:" in caplog.text and "draft tokens are new" in caplog.text
+    target = tiny_target(TargetConfig(name="tiny4", kind="tiny", num_layers=4))
+    head = load_head(result["export"], target)
+    assert head.draft_vocab_size == 48 and head.lm_head.weight.shape[0] == 48
+    prompt = [5, 17, 33, 2, 9, 71]
+    ids = torch.tensor([prompt])
+    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out = Engine(target, eagle_drafter(target, head)).generate(
+        prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=1,
+                                                                                       total_tokens=3)))
+    assert out.token_ids == ref
+    with pytest.raises(ValueError, match="draft.revocab re-chooses the draft vocabulary of the head draft.init_from"):
+        train(tiny_train_config(tmp_path, "debug=fdr", "draft.revocab=true", "name=nothing", *deep))

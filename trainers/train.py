@@ -207,8 +207,14 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
 
     init_from = cfg.draft.get("init_from")
     fc_bias, input_norm = cfg.draft.get("fc_bias"), cfg.draft.get("input_norm")   # null: as the head started from
-    if init_from:  # fine-tune an exported head: its weights and its draft vocabulary
-        head = warm_start_head(init_from, target, cfg.draft.vocab_size)
+    revocab = bool(cfg.draft.get("revocab"))
+    if revocab and not init_from:
+        raise ValueError("draft.revocab re-chooses the draft vocabulary of the head draft.init_from names: set "
+                         "draft.init_from, or drop draft.revocab (a new head chooses its vocabulary from its data)")
+    if init_from:  # fine-tune an exported head: its weights and (unless draft.revocab) its draft vocabulary
+        head = warm_start_head(init_from, target, None if revocab else cfg.draft.vocab_size)
+        if revocab:
+            head = revocabulary(head, target, data, cfg.draft.vocab_size)
         head = served_layout(head, target, data, head.fc_bias if fc_bias is None else bool(fc_bias),
                              head.input_norm if input_norm is None else bool(input_norm))
     else:
@@ -253,6 +259,27 @@ def warm_start_head(path, target, vocab_size):
         log.warning("draft.init_from=%s has a draft vocabulary of %s tokens; draft.vocab_size=%s is ignored",
                     path, kept, vocab_size)
     log.info("draft.init_from: starting from the weights of %s", path)
+    return head
+
+
+def revocabulary(head, target, data, vocab_size):
+    """`head` with its draft vocabulary re-chosen from this run's training answers (`draft.revocab`): the
+    `vocab_size` most frequent (null: as many as it has now) plus the special tokens, its rows carried over where
+    it had the token (trainers/vocab.py `with_draft_vocab`)."""
+    from .vocab import build_d2t, count_tokens, special_ids, with_draft_vocab
+
+    size = int(vocab_size) if vocab_size is not None else head.draft_vocab_size
+    if size is None or size >= target.vocab_size:
+        log.info("draft.revocab: the head scores the target's whole vocabulary; nothing to re-choose")
+        return head
+    counts = count_tokens(data.caches, data.train_rows, target.vocab_size)
+    d2t = build_d2t(counts, size, special_ids(target))
+    before = head.d2t
+    head, added = with_draft_vocab(head, d2t, target.lm_head.weight)
+    covered = lambda ids: float(counts[ids].sum()) / max(float(counts.sum()), 1.0)   # noqa: E731
+    log.info("draft.revocab: %d of %d draft tokens are new; the draft vocabulary covers %.3f of the training "
+             "answers' tokens (%.3f before)", added, size, covered(d2t),
+             covered(before) if before is not None else 1.0)
     return head
 
 

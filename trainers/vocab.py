@@ -56,3 +56,28 @@ def build_d2t(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> to
             break
         chosen.add(token)
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def with_draft_vocab(head, d2t: torch.Tensor, target_lm: torch.Tensor):
+    """`head` (modified in place and returned) drafting over the vocabulary `d2t` instead of its own. An EAGLE-3
+    head's own output rows carry over for the tokens both vocabularies hold and the new tokens' rows start as the
+    target's lm_head rows, as a new EAGLE-3 head's all do (its rows stay close to them: cosine ~0.9 after training);
+    a head that scores through the target's lm_head just reads other rows. Returns the head and how many of the
+    new vocabulary's tokens its old one lacked."""
+    old = head.d2t.tolist() if head.d2t is not None else list(range(target_lm.shape[0]))
+    where = {token: i for i, token in enumerate(old)}
+    new = d2t.tolist()
+    kept = [(j, where[token]) for j, token in enumerate(new) if token in where]
+    if head.lm_head is not None:
+        weight = head.lm_head.weight
+        with torch.no_grad():
+            rows = target_lm.detach()[d2t.to(target_lm.device)].to(device=weight.device, dtype=weight.dtype).clone()
+            if kept:
+                into, out_of = zip(*kept)
+                rows[list(into)] = weight.detach()[list(out_of)]
+        head.lm_head = torch.nn.Linear(weight.shape[1], len(new), bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(rows)
+    head.d2t = d2t.to(device=head.d2t.device if head.d2t is not None else target_lm.device, dtype=torch.long)
+    return head, len(new) - len(kept)
+

@@ -214,9 +214,11 @@ class HeadCall:
             outs = drafter.head.step_packed([(c.hidden, c.embeds, c.drafter.cache, c.positions, c.visible)
                                              for c in group])
             read = [out[c.logits_from:] for c, out in zip(group, outs)]
+            rows = read[0] if len(read) == 1 else torch.cat(read)
             # the draft vocabulary's product in pieces of rows its grid codes take, as each call's own would be
-            logits = torch.cat([drafter._logits(rows) for rows in torch.cat(read).split(MAX_GRID_ROWS)])
-            logits = logits.split([x.shape[0] for x in read])
+            logits = (drafter._logits(rows) if rows.shape[0] <= MAX_GRID_ROWS
+                      else torch.cat([drafter._logits(part) for part in rows.split(MAX_GRID_ROWS)]))
+            logits = [logits] if len(read) == 1 else logits.split([x.shape[0] for x in read])
             for i, out, lg in zip(ids, outs, logits):
                 answers[i] = (out, lg)
         return answers
@@ -289,6 +291,8 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
     children's values start from it); for the top-k tree both are the cumulative log-probability."""
     k, dev = tree.top_k, root_logits.device
     sampled = sampling is not None
+    if k == 1 and not sampled:
+        return (yield from greedy_chain_steps(root, root_logits, tree, vocab))
     dists: list[torch.Tensor] = []                           # sampled: the q of each expanded node, root first
 
     def children(logits: torch.Tensor, parent_cum: torch.Tensor):
@@ -342,6 +346,30 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
         return DraftTree(tokens, parents)
     return DraftTree(tokens, parents, sampled_rows(torch.cat(dists), vocab, size, tokens.tolist(), parents,
                                                    [-1] + torch.cat(cand_source)[kept].tolist()))
+
+
+def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig,
+                       vocab: torch.Tensor | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor,
+                                                                       DraftTree]:
+    """`grow_tree_steps` for a greedy tree of top_k 1 (the CPU's chains), in a few ops a depth: each depth's likeliest
+    token while the path's log-probability stays at or above log(min_prob), at most min(depth, total_tokens) of
+    them. The same tree as the top-k expansion and rerank keep (along a chain the path probability only falls, so
+    the rerank keeps a prefix of it), without the expansions whose nodes the budget would drop."""
+    dev = root_logits.device
+    floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
+    length = min(tree.depth, tree.total_tokens)
+    row = torch.zeros(1, dtype=torch.long, device=dev)   # the one frontier node's row in each expansion's output
+    tokens: list[int] = []
+    cum, logits = 0.0, root_logits
+    while len(tokens) < length:
+        best, top = torch.log_softmax(logits[0].detach().float(), dim=-1).max(dim=-1)
+        cum += float(best)
+        if cum < floor:
+            break
+        tokens.append(int(top) if vocab is None else int(vocab[top]))
+        if len(tokens) < length:
+            logits = yield row, torch.tensor(tokens[-1:], device=dev)
+    return DraftTree.chain(torch.tensor([root] + tokens, device=dev))
 
 
 def sampled_rows(dists: torch.Tensor, vocab: torch.Tensor | None, size: int | None, tokens: list[int],

@@ -26,7 +26,7 @@ import copy
 import torch
 from torch import nn
 
-from ..kernels import MAX_FUSED_ROWS, running_fused
+from ..kernels import MAX_FUSED_ROWS, RotaryTable, running_fused
 from ..kv_cache import PackedKVCache, with_cache
 from ..tree import attention_mask, packed_mask
 from .eagle3_layer import Eagle3Layer
@@ -75,6 +75,7 @@ class DraftHead(nn.Module):
                 self.layer.input_layernorm = nn.Identity()
             self.norm = self.lm_head = None   # logits: the target's lm_head of the predicted feature
         self.rotary = rotary_cls(config=config)
+        self.rope_table = RotaryTable(self.rotary)   # its cos/sin by position, for the fused inference path
         self.register_buffer("d2t", d2t, persistent=True)
         self.tree = None  # the TreeConfig its checkpoint recommends (formats.load_head), if any
 
@@ -209,9 +210,12 @@ class DraftHead(nn.Module):
 
     def _packed_forward(self, blocks: list[tuple]) -> list[torch.Tensor]:
         """`step_packed`'s blocks in ONE forward: the rows packed into one, each seeing its own cache and its own
-        `visible` slots only (`Target.verify`'s block-diagonal mask over per-sequence caches). One block runs
-        `step` itself."""
-        if len(blocks) == 1:
+        `visible` slots only (`Target.verify`'s block-diagonal mask over per-sequence caches). Where the layer runs
+        as the native op, one block too (cos/sin from `rope_table`: ~25 fewer torch ops than `step`'s way through
+        the modules); else one block runs `step` itself."""
+        parts = running_fused(self.layer)
+        fused = parts is not None and blocks[0][1].dtype == torch.float32
+        if len(blocks) == 1 and not fused:
             return [self.step(*blocks[0])]
         rows, caches, masks = [], [], []
         for _, _, cache, _, visible in blocks:
@@ -220,15 +224,16 @@ class DraftHead(nn.Module):
             rows.append(t)
             caches.append(cache)
             masks.append(attention_mask(kv_len - s, visible)[0, 0])     # t_i length_i+t_i
-        hidden, embeds = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
-        positions = torch.cat([b[3] for b in blocks])
-        parts = running_fused(self.layer)
-        if parts is not None and embeds.dtype == torch.float32:
+        if len(blocks) == 1:
+            hidden, embeds, _, positions, _ = blocks[0]
+        else:
+            hidden, embeds = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
+            positions = torch.cat([b[3] for b in blocks])
+        if fused:
             x = self.layer_input(hidden, embeds).contiguous()                                 # T H
             beside = embeds.contiguous() if self.design == "eagle3" else None   # the op reads them beside x
-            cos, sin = self.rotary(x[None], positions[None])    # then the native op, as `step` runs it
-            out = parts.packed(x, cos[0].contiguous(), sin[0].contiguous(), caches, rows,
-                               [m.contiguous() for m in masks], beside)
+            cos, sin = self.rope_table(x, positions)            # then the native op, as `step` runs it
+            out = parts.packed(x, cos, sin, caches, rows, [m.contiguous() for m in masks], beside)
         else:
             out = self.forward(hidden[None], embeds[None], positions[None], packed_mask(masks),
                                PackedKVCache(caches, rows))[0]

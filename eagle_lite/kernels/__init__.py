@@ -10,6 +10,7 @@ from .accelerate import (
     Accelerated,
     CertifiedArgmax,
     GridWeight,
+    RotaryTable,
     accelerate_head,
     accelerate_target,
     draft_vocab_grid,
@@ -19,4 +20,5 @@ from .accelerate import (
 )
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
-           "accelerate_head", "accelerate_target", "draft_vocab_grid", "few_rows_product", "running_fused", "stock"]
+           "RotaryTable", "accelerate_head", "accelerate_target", "draft_vocab_grid", "few_rows_product",
+           "running_fused", "stock"]

@@ -8,8 +8,8 @@ model's own forward when applied and kept only where it computes the same thing 
 no-op off CPU or for non-fp32 weights. `stock(model)` runs a block on the model exactly as transformers built it.
 
 The pieces the runtime calls between those (the few-row lm_head product and its row limits, the running fused
-layer's parts, the certified argmax) are named here too, so nothing outside this package imports its other
-modules: a kernel's module can be split or renamed behind this one.
+layer's parts, the certified argmax, the rotary table) are named here too, so nothing outside this package imports
+its other modules: a kernel's module can be split or renamed behind this one.
 
 Turning it off: `Target(..., accelerate=False)`, or EAGLE_LITE_ACCELERATE=0 for a whole process; EAGLE_LITE_NATIVE=0
 keeps the torch-level pieces and drops only the native C++ ops. docs/cpu.md says why the results stay exact.
@@ -29,10 +29,11 @@ from .fused_layer import MAX_FUSED_ROWS, FusedStack, fuse_decoder_layers, fuse_s
 from .fused_norm import fuse_rms_norms, unfused
 from .grid_linear import MAX_GRID_ROWS, Grid8, GridWeight, grid_of
 from .native import kernel_available
+from .rotary_table import RotaryTable
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
-           "accelerate_head", "accelerate_target", "draft_vocab_grid", "enabled", "few_rows_product", "running_fused",
-           "stock"]
+           "RotaryTable", "accelerate_head", "accelerate_target", "draft_vocab_grid", "enabled", "few_rows_product",
+           "running_fused", "stock"]
 
 
 def enabled() -> bool:

@@ -21,7 +21,8 @@ wide, the residual stream being h) runs as the same op, given the token embeddin
 Where every layer of a stack is fused, `fuse_stack` goes one step further for `Target.forward`: a
 `FusedStack` runs the model's few-token forward itself (embed, cos/sin, the layers' ops, final norm), the
 same ops in the same order as `LlamaModel.forward` without its Python around them (decorators, mask
-building, the layer slice and calls: a tenth or so of a one-token SmolLM2 forward). It too is taken only after
+building, the layer slice and calls: a tenth or so of a one-token SmolLM2 forward); its cos/sin are the rotary
+module's own rows, gathered from a table of positions (rotary_table.py). It too is taken only after
 it gave the model's own output on a probe; anything else goes through the model.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..tree import attention_mask
 from .grid_linear import MAX_GRID_ROWS, GridWeight
 from .instance_forward import class_forwards
 from .native import kernel_available
+from .rotary_table import RotaryTable
 
 MAX_FUSED_ROWS = MAX_GRID_ROWS   # past this many tokens (a prompt's prefill) the layer's own forward is as fast
 
@@ -255,7 +257,7 @@ class FusedStack:
     Python); `Target.forward` calls it where `takes` says so and the model otherwise."""
 
     def __init__(self, decoder: nn.Module) -> None:
-        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, RotaryTable(decoder.rotary_emb), decoder.norm
         self.parts = [layer.fused_parts for layer in decoder.layers]
 
     def takes(self, t: int, cache) -> bool:
@@ -268,8 +270,7 @@ class FusedStack:
         Returns the final hidden states [T, H]; the T keys/values are written after the committed slots.
         taps: decoder layers whose outputs are also returned, concatenated: (hidden [T, H], taps [T, len*H])."""
         x = self.embed(input_ids)                                  # T H
-        cos, sin = self.rotary(x[None], positions[None])           # 1 T D each
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self.rotary(x, positions)                       # T D each
         tapped = {}
         for i, parts in enumerate(self.parts):
             x = parts(x, cos, sin, cache, visible)
@@ -292,8 +293,7 @@ class FusedStack:
         rows = [c.pending for c in caches]
         masks = [v.contiguous() for v in visible]
         x = self.embed(input_ids)                                  # T H
-        cos, sin = self.rotary(x[None], positions[None])           # 1 T D each
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self.rotary(x, positions)                       # T D each
         tapped = {}
         for i, parts in enumerate(self.parts):
             x = parts.packed(x, cos, sin, caches, rows, masks)

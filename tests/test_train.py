@@ -734,3 +734,17 @@ def test_a_fine_tune_with_revocab_drafts_over_its_new_vocabulary_and_decodes_exa
     assert out.token_ids == ref
     with pytest.raises(ValueError, match="draft.revocab re-chooses the draft vocabulary of the head draft.init_from"):
         train(tiny_train_config(tmp_path, "debug=fdr", "draft.revocab=true", "name=nothing", *deep))
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("draft.objective.lk_weight=1.5", "lk_weight"),
+    ("draft.objective.label_top_k=-1", "label_top_k"),
+    ("draft.revocab=true", "draft.revocab re-chooses"),
+])
+def test_fitting_settings_are_refused_before_any_data_stage(tmp_path, setting, message):
+    from trainers.train import train
+
+    cfg = tiny_train_config(tmp_path, "debug=fdr", setting)
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+    assert not Path(cfg.paths.distill).exists() and not Path(cfg.paths.features).exists()   # nothing was answered

@@ -185,6 +185,10 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
     return seconds, manifest, data
 
 
+REVOCAB_NEEDS_INIT = ("draft.revocab re-chooses the draft vocabulary of the head draft.init_from names: set "
+                      "draft.init_from, or drop draft.revocab (a new head chooses its vocabulary from its data)")
+
+
 def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
     """The head (random, seeded; over a reduced vocabulary when draft.vocab_size is set; reading the decoder
     layers `taps` where given) in its module."""
@@ -209,8 +213,7 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
     fc_bias, input_norm = cfg.draft.get("fc_bias"), cfg.draft.get("input_norm")   # null: as the head started from
     revocab = bool(cfg.draft.get("revocab"))
     if revocab and not init_from:
-        raise ValueError("draft.revocab re-chooses the draft vocabulary of the head draft.init_from names: set "
-                         "draft.init_from, or drop draft.revocab (a new head chooses its vocabulary from its data)")
+        raise ValueError(REVOCAB_NEEDS_INIT)
     if init_from:  # fine-tune an exported head: its weights and (unless draft.revocab) its draft vocabulary
         head = warm_start_head(init_from, target, None if revocab else cfg.draft.vocab_size)
         if revocab:
@@ -466,7 +469,23 @@ def check_settings(cfg: DictConfig) -> str | None:
     if stop_after is None:
         _typed(LoaderConfig, cfg.data.loader)
         early_stop_of(cfg)
+        check_draft_settings(cfg)
     return stop_after
+
+
+def check_draft_settings(cfg: DictConfig) -> None:
+    """The fitting stage's objective, optimiser and draft vocabulary settings, refused before any data stage runs."""
+    from .module import OptimConfig
+
+    if cfg.draft.get("kind", "eagle") == "medusa":
+        from .medusa_module import MedusaObjectiveConfig
+        _typed(MedusaObjectiveConfig, cfg.draft.objective)
+    else:
+        from .objective import ObjectiveConfig
+        _typed(ObjectiveConfig, cfg.draft.objective)
+        if cfg.draft.get("revocab") and not cfg.draft.get("init_from"):
+            raise ValueError(REVOCAB_NEEDS_INIT)
+    _typed(OptimConfig, cfg.draft.optim)
 
 
 def train(cfg: DictConfig) -> dict:

@@ -61,9 +61,9 @@ def build_d2t(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> to
 def with_draft_vocab(head, d2t: torch.Tensor, target_lm: torch.Tensor):
     """`head` (modified in place and returned) drafting over the vocabulary `d2t` instead of its own. An EAGLE-3
     head's own output rows carry over for the tokens both vocabularies hold and the new tokens' rows start as the
-    target's lm_head rows, as a new EAGLE-3 head's all do (its rows stay close to them: cosine ~0.9 after training);
-    a head that scores through the target's lm_head just reads other rows. Returns the head and how many of the
-    new vocabulary's tokens its old one lacked."""
+    target's lm_head rows, as a new EAGLE-3 head's all do (a trained head's rows stay close to them); a head that
+    scores through the target's lm_head just reads other rows. Returns the head and how many of the new vocabulary's
+    tokens its old one lacked."""
     old = head.d2t.tolist() if head.d2t is not None else list(range(target_lm.shape[0]))
     where = {token: i for i, token in enumerate(old)}
     new = d2t.tolist()

@@ -295,6 +295,103 @@ def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly
     assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
 
 
+def test_an_eagle31_head_normalises_each_tap_as_specforge_does_and_round_trips(tmp_path):
+    """fc_norm (EAGLE-3.1): fc reads each tapped layer under its own RMSNorm, exactly as three LlamaRMSNorm modules
+    give it; the head saves and loads in its own layout and in the published one (fc_norm.{0,1,2}.weight and
+    "fc_norm": true, SpecForge's names) with the same outputs."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagle_lite.export import export
+    from eagle_lite.heads.checkpoint import save_head
+
+    target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
+    torch.manual_seed(0)
+    head = DraftHead.for_target(target, feature_layers=(1, 3, 4), design="eagle3", fc_norm=True).float()
+    with torch.no_grad():
+        for norm in head.fc_norm:
+            norm.weight.uniform_(0.5, 2.0)
+    h = target.config.hidden_size
+    taps = torch.randn(5, 3 * h) * torch.tensor([0.3, 4.0, 40.0]).repeat_interleave(h)
+    embeds = torch.randn(5, h)
+    reference = head.fc(torch.cat([norm(c) for norm, c in zip(
+        [LlamaRMSNorm(h, eps=head.fc_norm[0].variance_epsilon) for _ in range(3)], taps.chunk(3, -1))], -1)
+        * torch.cat([n.weight for n in head.fc_norm]))
+    assert torch.equal(head.normed_taps(taps), torch.cat([n(c) for n, c in zip(head.fc_norm, taps.chunk(3, -1))], -1))
+    torch.testing.assert_close(head.layer_input(taps, embeds), reference)
+    without = DraftHead.for_target(target, feature_layers=(1, 3, 4), design="eagle3").float()
+    without.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("fc_norm")})
+    assert not torch.allclose(without.layer_input(taps, embeds), head.layer_input(taps, embeds))
+
+    save_head(head, tmp_path / "own", target, dtype=torch.float32)
+    export(tmp_path / "own", "eagle3", tmp_path / "published", target, torch.float32)
+    config = json.loads((tmp_path / "published" / "config.json").read_text())
+    assert config["fc_norm"] is True
+    export(tmp_path / "own", "eagle3", tmp_path / "speculators", target, torch.float32, engine="speculators")
+    config = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert config["fc_norm"] is True and "fc_norm" not in config["transformer_layer_config"]
+    for folder in ("own", "published"):
+        back = load_head(tmp_path / folder, target).float()
+        assert back.fc_norm is not None
+        assert torch.equal(back.layer_input(taps, embeds), head.layer_input(taps, embeds)), folder
+    with pytest.raises(ValueError, match="fc_norm .* is an option of design eagle3"):
+        DraftHead.for_target(target, fc_norm=True)
+
+
+def test_fc_norm_added_to_a_trained_eagle3_head_keeps_its_function_at_the_taps_mean_rms():
+    """draft.fc_norm=true on a head trained without it (trainers/relayout.py `with_fc_norm`): each norm starts at its
+    tap's mean RMS, so a token whose taps have exactly those RMS values reaches fc as before; others move."""
+    from trainers.relayout import tap_rms, with_fc_norm
+
+    target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
+    torch.manual_seed(1)
+    head = DraftHead.for_target(target, feature_layers=(1, 3, 4), design="eagle3").float()
+    h = target.config.hidden_size
+    sample = torch.randn(64, 3 * h) * torch.tensor([0.5, 3.0, 20.0]).repeat_interleave(h)
+    rms = tap_rms(sample, 3)
+    torch.testing.assert_close(rms, sample.unflatten(-1, (3, h)).pow(2).mean(-1).sqrt().mean(0))
+    normed = with_fc_norm(head, target, rms)
+    assert normed.fc_norm is not None and torch.equal(normed.fc.weight, head.fc.weight)
+    unit = torch.randn(4, 3, h)
+    at_mean = (unit / unit.pow(2).mean(-1, keepdim=True).sqrt() * rms[None, :, None]).flatten(-2)
+    embeds = torch.randn(4, h)
+    torch.testing.assert_close(normed.layer_input(at_mean, embeds), head.layer_input(at_mean, embeds),
+                               rtol=1e-4, atol=1e-4)
+    off = at_mean * 3.0
+    assert not torch.allclose(normed.layer_input(off, embeds), head.layer_input(off, embeds), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="applies to design eagle3"):
+        with_fc_norm(DraftHead.for_target(target), target, rms)
+
+
+def test_an_eagle31_fine_tune_trains_exports_and_decodes_exactly(tmp_path):
+    """experiment=eagle3 fine-tuned with draft.fc_norm=true from a head without it: the run adds the norms, fits,
+    exports, and the head drafts for an engine whose output is the target's own greedy output; draft.fc_norm=false
+    from it then is refused in one line, and a new EAGLE-1 head is refused fc_norm before any stage runs."""
+    from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.decoding.engine import Engine
+    from eagle_lite.drafters import EagleDrafter
+    from trainers.train import check_draft_settings, train
+
+    deep = ["target.num_layers=8", "target.name=tiny8"]
+    first = train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "draft.vocab_size=48", *deep))
+    result = train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "name=eagle31", *deep,
+                                     f"draft.init_from={first['export']}", "draft.fc_norm=true"))
+    target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
+    head = load_head(result["export"], target)
+    assert head.fc_norm is not None and head.lm_head.weight.shape[0] == 48
+    assert read_head_config(result["export"])["fc_norm"] is True
+    prompt = [5, 17, 33, 2, 9, 71]
+    ids = torch.tensor([prompt])
+    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
+    assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == ref
+    with pytest.raises(ValueError, match="draft.fc_norm=false"):
+        train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "name=back", *deep,
+                                f"draft.init_from={result['export']}", "draft.fc_norm=false"))
+    with pytest.raises(ValueError, match="is an option of EAGLE-3 heads"):
+        check_draft_settings(tiny_train_config(tmp_path, "draft.fc_norm=true"))
+
+
 def test_an_eagle3_head_refuses_a_feature_regression_loss():
     from eagle_lite.heads.draft import DraftHead
     from trainers.module import DraftLightningModule

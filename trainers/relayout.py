@@ -10,6 +10,10 @@ without a bias and replaces layer 0's input norm by the identity, so such a head
   the rest, and again fine-tuning does the remainder.
 
 `python -m trainers.validate` on the folded head before any training shows what the move alone costs.
+
+`with_fc_norm` gives a trained EAGLE-3 head EAGLE-3.1's norm of each tapped layer before fc (`draft.fc_norm`): each
+norm's weight starts at its tap's mean RMS over a sample of training pairs, so that fc reads what it read before for
+a token whose tap has that RMS, as the input-norm fold does.
 """
 from __future__ import annotations
 
@@ -59,4 +63,36 @@ def relayout(head: DraftHead, target, fc_bias: bool, input_norm: bool, rms: floa
         raise ValueError(f"relayout: weights do not carry over (missing {left}, unexpected {unexpected})")
     log.info("relayout: fc bias %s -> %s, input norm %s -> %s%s", head.fc_bias, fc_bias, head.input_norm, input_norm,
              f" (folded into q/k/v at rms {rms:.3f})" if head.input_norm and not input_norm else "")
+    return new
+
+
+def tap_rms(taps: torch.Tensor, n: int) -> torch.Tensor:
+    """[n]: the mean RMS over tokens of each of the n tapped layers side by side in taps [N, n * H]."""
+    with torch.no_grad():
+        return taps.float().unflatten(-1, (n, -1)).pow(2).mean(-1).sqrt().mean(0)
+
+
+def with_fc_norm(head: DraftHead, target, rms: torch.Tensor) -> DraftHead:
+    """`head` (design eagle3, without fc_norm) rebuilt with an RMSNorm on each tapped layer before fc, its weights
+    carried over and norm i's weight set to rms[i] (`tap_rms`): module doc."""
+    if head.design != "eagle3":
+        raise ValueError("draft.fc_norm (EAGLE-3.1's norm of each tapped layer) applies to design eagle3 heads; "
+                         f"draft.init_from is a {head.design} head")
+    if head.fc_norm is not None:
+        return head
+    if rms.numel() != len(head.feature_layers) or not bool((rms > 0).all()):
+        raise ValueError(f"with_fc_norm needs the mean RMS of each of the {len(head.feature_layers)} taps, got "
+                         f"{rms.tolist()}")
+    new = DraftHead.for_target(target, d2t=head.d2t, feature_layers=head.feature_layers, design="eagle3",
+                               config=head.config, fc_norm=True).float()
+    state = dict(head.state_dict())
+    hidden = head.fc.out_features
+    for i, r in enumerate(rms.tolist()):
+        state[f"fc_norm.{i}.weight"] = torch.full((hidden,), float(r))
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"with_fc_norm: weights do not carry over (missing {list(missing)}, unexpected {unexpected})")
+    new.tree = head.tree
+    log.info("fc_norm: each tapped layer normalised before fc, the norms starting at the taps' mean RMS %s",
+             ", ".join(f"{r:.3f}" for r in rms.tolist()))
     return new

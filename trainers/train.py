@@ -187,6 +187,8 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
 
 REVOCAB_NEEDS_INIT = ("draft.revocab re-chooses the draft vocabulary of the head draft.init_from names: set "
                       "draft.init_from, or drop draft.revocab (a new head chooses its vocabulary from its data)")
+FC_NORM_NEEDS_EAGLE3 = ("draft.fc_norm (EAGLE-3.1's norm of each tapped layer before fc) is an option of EAGLE-3 "
+                        "heads: set draft.design=eagle3 (experiment=eagle3), or drop draft.fc_norm")
 
 
 def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
@@ -211,6 +213,7 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
 
     init_from = cfg.draft.get("init_from")
     fc_bias, input_norm = cfg.draft.get("fc_bias"), cfg.draft.get("input_norm")   # null: as the head started from
+    fc_norm = cfg.draft.get("fc_norm")
     revocab = bool(cfg.draft.get("revocab"))
     if revocab and not init_from:
         raise ValueError(REVOCAB_NEEDS_INIT)
@@ -220,6 +223,7 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
             head = revocabulary(head, target, data, cfg.draft.vocab_size)
         head = served_layout(head, target, data, head.fc_bias if fc_bias is None else bool(fc_bias),
                              head.input_norm if input_norm is None else bool(input_norm))
+        head = normed_taps_layout(head, target, data, fc_norm)
     else:
         d2t = None
         if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
@@ -234,7 +238,8 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
             # fp32 master weights whatever the target's dtype
             head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design,
                                         fc_bias=True if fc_bias is None else bool(fc_bias),
-                                        input_norm=True if input_norm is None else bool(input_norm)).float()
+                                        input_norm=True if input_norm is None else bool(input_norm),
+                                        fc_norm=bool(fc_norm)).float()
         if design == "eagle3":   # its own lm_head starts as the target's rows (official EAGLE-3: at random)
             with torch.no_grad():
                 rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
@@ -303,6 +308,27 @@ def served_layout(head, target, data, fc_bias: bool, input_norm: bool):
         rows = pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
         rms = fc_rms(head, pairs.hidden[rows][:4096], pairs.embeds[rows][:4096])
     return relayout(head, target, fc_bias, input_norm, rms)
+
+
+def normed_taps_layout(head, target, data, fc_norm: bool | None):
+    """`head` with EAGLE-3.1's norm of each tapped layer where draft.fc_norm asks for it (null: as the head has it),
+    each norm starting at its tap's mean RMS over the first training batch (trainers/relayout.py `with_fc_norm`)."""
+    from .objective import make_pairs
+    from .relayout import tap_rms, with_fc_norm
+
+    if fc_norm is None or bool(fc_norm) == (head.fc_norm is not None):
+        return head
+    if not fc_norm:
+        raise ValueError("draft.fc_norm=false: the head of draft.init_from normalises its taps before fc "
+                         "(EAGLE-3.1) and was trained so; leave draft.fc_norm null to keep it")
+    if head.design != "eagle3":
+        raise ValueError(FC_NORM_NEEDS_EAGLE3)
+    batch = next(iter(data.train_dataloader()))
+    if isinstance(batch, list):   # online features: the target computes them now
+        batch = data.online_features(batch, target.device)
+    pairs = make_pairs(batch, target.embed_tokens.weight.detach().float(), taps=True)
+    rows = pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
+    return with_fc_norm(head, target, tap_rms(pairs.hidden[rows][:4096], len(head.feature_layers)))
 
 
 class EarlyStop(NamedTuple):
@@ -485,6 +511,8 @@ def check_draft_settings(cfg: DictConfig) -> None:
         _typed(ObjectiveConfig, cfg.draft.objective)
         if cfg.draft.get("revocab") and not cfg.draft.get("init_from"):
             raise ValueError(REVOCAB_NEEDS_INIT)
+        if cfg.draft.get("fc_norm") and not cfg.draft.get("init_from") and cfg.draft.get("design", "eagle") != "eagle3":
+            raise ValueError(FC_NORM_NEEDS_EAGLE3)
     _typed(OptimConfig, cfg.draft.optim)
 
 

@@ -6,7 +6,8 @@ optionally eagle_config.eagle_aux_hidden_state_layer_ids) + model.safetensors or
   fc.weight [H, 3H] (no bias), midlayer.self_attn.{q,k,v}_proj.weight [*, 2H], midlayer.self_attn.o_proj,
   midlayer.mlp.*, midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight, norm.weight,
   lm_head.weight [V_draft, H], d2t [V_draft] int64 offsets (target id = draft id + d2t[draft id]), t2d [V] bool.
-No embed_tokens: every loader takes the target's when the widths agree.
+No embed_tokens: every loader takes the target's when the widths agree. EAGLE-3.1 heads (SpecForge's
+`"fc_norm": true`) add fc_norm.{0,1,2}.weight [H], an RMSNorm on each tapped layer before fc.
 
 Tapped layers. The head reads the residual stream entering the target's layers 2, L//2 and L-3 (official
 EAGLE, vLLM and SGLang defaults), which eagle_lite numbers as the outputs of layers 1, L//2-1 and L-4
@@ -95,14 +96,20 @@ def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
         raise ValueError(f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the weights hold no d2t: "
                          f"add the vocabulary mapping (SpecForge keeps it in a separate {{d2t, t2d}} file)")
     state = {k: tensors.pop(k) for k in ("fc.weight", "norm.weight", "lm_head.weight") if k in tensors}
+    # EAGLE-3.1 (SpecForge's fc_norm): an RMSNorm on each tapped layer before fc
+    norms = {k: tensors.pop(k) for k in [f"fc_norm.{i}.weight" for i in range(len(taps))] if k in tensors}
+    fc_norm = bool(config.get("fc_norm", False)) or bool(norms)
+    if fc_norm and len(norms) != len(taps):
+        raise ValueError(f"{where}: fc_norm (EAGLE-3.1) needs fc_norm.{{0..{len(taps) - 1}}}.weight, one per tapped "
+                         f"layer; found {sorted(norms)}")
+    state.update(norms)
     state.update({"layer." + k.removeprefix("midlayer."): tensors.pop(k) for k in list(tensors)
                   if k.startswith("midlayer.")})
     if tensors:
-        raise ValueError(f"{where} holds keys the EAGLE-3 layout has no place for: {sorted(tensors)[:8]} (SpecForge's "
-                         f"EAGLE-3.1 fc_norm is not supported)")
+        raise ValueError(f"{where} holds keys the EAGLE-3 layout has no place for: {sorted(tensors)[:8]}")
     if d2t is not None:
         state["d2t"] = d2t
-    head = DraftHead.for_target(target, d2t, feature_layers=taps, design="eagle3", config=cfg)
+    head = DraftHead.for_target(target, d2t, feature_layers=taps, design="eagle3", config=cfg, fc_norm=fc_norm)
     load_state(head, state, layout)
     head.tree = recommended_tree(meta, layout.folder, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()
@@ -133,7 +140,9 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
     tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
-               **{"midlayer." + k: getattr_path(head.layer, k) for k in sorted(LAYER_KEYS)}}
+               **{"midlayer." + k: getattr_path(head.layer, k) for k in sorted(LAYER_KEYS)},
+               **({f"fc_norm.{i}.weight": norm.weight for i, norm in enumerate(head.fc_norm)}
+                  if head.fc_norm is not None else {})}
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     if engine == "openvino":
         tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
@@ -145,6 +154,11 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
               "draft_vocab_size": int(ids.numel()), "eagle_lite": meta}
     notes = []
+    if head.fc_norm is not None:
+        config["fc_norm"] = True
+        notes.append("the head normalises each tapped layer before fc (EAGLE-3.1): fc_norm.{0,1,2}.weight and "
+                     "\"fc_norm\": true as SpecForge writes them and vLLM (0.32, llama_eagle3) reads them; the "
+                     "official EAGLE-3 code builds fc without them")
     if engine == "speculators":
         tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
         config = speculators_config(head, config, meta, verifier)
@@ -176,11 +190,11 @@ SPECULATORS_VERSION = "0.9.0"
 def speculators_config(head: DraftHead, config: dict, meta: dict, verifier: str | None, tokens: int = 3) -> dict:
     """The speculators package's Eagle3SpeculatorConfig of an EAGLE-3 head whose official config is `config`:
     the Llama fields as transformer_layer_config; norm_before_residual false (the official EAGLE-3 layer: the
-    residual is fc's output, not its hidden_norm); the taps as vLLM reads the ids, the input of layer i (eagle_lite's
+    residual is fc's output, not its hidden_norm); fc_norm as the head has it; the taps as vLLM reads the ids, the input of layer i (eagle_lite's
     output-of-layer ids + 1); one greedy proposal of `tokens` drafted tokens (what vLLM uses when the
     speculative_config names no num_speculative_tokens)."""
     layer = {k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size", "eagle_lite",
-                                                          "eagle_config")}
+                                                          "eagle_config", "fc_norm")}
     layer.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "tie_word_embeddings": False})
     return {
         "architectures": ["Eagle3Speculator"],
@@ -190,7 +204,7 @@ def speculators_config(head: DraftHead, config: dict, meta: dict, verifier: str 
         "draft_vocab_size": config["draft_vocab_size"],
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
+        "fc_norm": head.fc_norm is not None,   # EAGLE-3.1: an RMSNorm on each tap before fc
         "norm_output": False,
         "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in head.feature_layers],
         "speculators_config": {

@@ -15,6 +15,8 @@ Options, so that the published layouts load exactly (eagle_lite/formats/):
   [low; mid; high] (3H) to H without a bias, the layer's attention reads [input_layernorm(embed);
   hidden_norm(h)], and logits come from the head's own `norm` and `lm_head` over the draft vocabulary.
   Later draft steps read the layer's pre-norm output (H wide), skipping fc.
+- `fc_norm=True` (design eagle3): an RMSNorm on each tapped layer before fc, EAGLE-3.1's input normalisation
+  (SpecForge's `fc_norm`: `fc_norm.{0,1,2}.weight`), so that fc reads taps of one scale whatever their depth.
 
 With `feature_layers` and the default design (eagle_lite's earlier EAGLE-3 variant), the tapped layers are
 projected to H by `fuse` and then read as the last hidden state would be.
@@ -37,13 +39,15 @@ DESIGNS = ("eagle", "eagle3")
 class DraftHead(nn.Module):
     def __init__(self, target_config, layer_cls: type[nn.Module], rotary_cls: type[nn.Module],
                  d2t: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (), fc_bias: bool = True,
-                 input_norm: bool = True, design: str = "eagle") -> None:
+                 input_norm: bool = True, design: str = "eagle", fc_norm: bool = False) -> None:
         super().__init__()
         if design not in DESIGNS:
             raise ValueError(f"draft head design {design!r} is unknown: expected one of {', '.join(DESIGNS)}")
         if len(feature_layers) == 1:
             raise ValueError("feature_layers takes two or more decoder layers (EAGLE-3: low, middle, high), or none "
                              "for the target's last hidden state")
+        if fc_norm and design != "eagle3":
+            raise ValueError("fc_norm (EAGLE-3.1's norm of each tapped layer before fc) is an option of design eagle3")
         if design == "eagle3" and not feature_layers:
             raise ValueError("an EAGLE-3 head reads the target's tapped layers: give feature_layers (low, mid, high)")
         config = copy.deepcopy(target_config)
@@ -62,12 +66,15 @@ class DraftHead(nn.Module):
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
             self.fc = nn.Linear(len(feature_layers) * hidden, hidden, bias=False)
+            self.fc_norm = (nn.ModuleList(LlamaRMSNorm(hidden, eps=config.rms_norm_eps) for _ in feature_layers)
+                            if fc_norm else None)
             self.fuse = None
             self.layer = Eagle3Layer(config)
             self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(hidden, config.vocab_size if d2t is None else d2t.numel(), bias=False)
         else:
             self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+            self.fc_norm = None
             # the target's tapped layers, concatenated, down to one feature; None: the head reads the last hidden state
             self.fuse = nn.Linear(len(feature_layers) * hidden, hidden, bias=False) if feature_layers else None
             self.layer = layer_cls(config, layer_idx=0)
@@ -82,7 +89,7 @@ class DraftHead(nn.Module):
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,
                    feature_layers: tuple[int, ...] = (), fc_bias: bool = True, input_norm: bool = True,
-                   design: str = "eagle", config=None) -> DraftHead:
+                   design: str = "eagle", config=None, fc_norm: bool = False) -> DraftHead:
         """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
         decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`.
         feature_layers: the target's decoder layers it reads (EAGLE-3; `auto_feature_layers`), () for the last
@@ -97,7 +104,7 @@ class DraftHead(nn.Module):
             layer_cls, rotary_cls = LlamaDecoderLayer, LlamaRotaryEmbedding
         else:
             config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
-        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers), fc_bias, input_norm, design)
+        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers), fc_bias, input_norm, design, fc_norm)
         return head.to(device=target.device, dtype=target.dtype)
 
     @property
@@ -135,8 +142,19 @@ class DraftHead(nn.Module):
         fc([embed(token); feature])."""
         hidden = hidden.to(token_embeds.dtype)
         if self.design == "eagle3":
-            return self.fc(hidden) if hidden.shape[-1] != token_embeds.shape[-1] else hidden
+            if hidden.shape[-1] == token_embeds.shape[-1]:
+                return hidden
+            return self.fc(hidden if self.fc_norm is None else self.normed_taps(hidden))
         return self._layer_input(hidden, token_embeds)
+
+    def normed_taps(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tapped layers [..., n * H] each under its own `fc_norm` RMSNorm (EAGLE-3.1): the arithmetic of
+        transformers' LlamaRMSNorm on each, in one pass over the n taps side by side."""
+        n, width = len(self.fc_norm), hidden.shape[-1] // len(self.fc_norm)
+        x = hidden.unflatten(-1, (n, width)).float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.fc_norm[0].variance_epsilon)
+        weight = torch.stack([norm.weight for norm in self.fc_norm])                  # n H
+        return (weight * x.to(hidden.dtype)).flatten(-2)
 
     def _layer_input(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input [..., H] (designs other than eagle3): fc([embed(token); feature])."""

@@ -3,9 +3,10 @@
   python -m eval.peers.check [--prompts 4] [--max-new-tokens 64] [--k 3] [--engines vllm,openvino,hf4]
 
 1. Exports (eagle_lite.export) under build/peers/exports: the embedded target as a Hugging Face folder; the shipped
-   head for vLLM (--format eagle --engine vllm, --allow-lossy: the export prints what vLLM loses, measured); an
-   EAGLE-3 head (untrained, seed 0: no EAGLE-3 head ships) in the speculators layout for vLLM and, with its
-   embedding, for OpenVINO GenAI, which `optimum-cli export openvino` converts (fp32) with the target.
+   head (EAGLE-3) in the speculators layout for vLLM and, with its embedding, for OpenVINO GenAI, which
+   `optimum-cli export openvino` converts (fp32) with the target; the EAGLE-1 head shipped before it
+   (data/heads/smollm2-eagle1) for vLLM (--format eagle --engine vllm, --allow-lossy: the export prints what vLLM
+   loses, measured).
 2. The first turns of the first --prompts held-out questions (eval/questions/heldout12.jsonl), chat-formatted once
    here: every engine gets the same prompt ids and --max-new-tokens, greedy, batch 1.
 3. eagle_lite vanilla (the reference tokens), eagle_lite eagle with each head as a chain of --k drafted tokens
@@ -32,6 +33,7 @@ EXPORTS = ROOT / "exports"
 RUN = ROOT / "run"
 QUESTIONS = Path("eval/questions/heldout12.jsonl")
 PEERS = ("vllm", "openvino", "hf4")
+EAGLE1_HEAD = Path("data/heads/smollm2-eagle1")   # the EAGLE-1 head shipped before the EAGLE-3 one
 
 
 def sh(cmd: list[str], log: Path) -> None:
@@ -48,25 +50,17 @@ def export_all(target, fresh: bool) -> dict[str, list[str]]:
     import torch
 
     from eagle_lite.export import export, export_target
-    from eagle_lite.heads.checkpoint import default_head_path, save_head
-    from eagle_lite.heads.draft import DraftHead, published_feature_layers
+    from eagle_lite.heads.checkpoint import default_head_path
 
     notes: dict[str, list[str]] = {}
     folder = EXPORTS / "smollm2"
     if fresh or not (folder / "config.json").is_file():
         notes["target"] = export_target("smollm2", folder)
-    head = default_head_path(target.name)
-    notes["eagle-vllm"] = export(head, "eagle", EXPORTS / "eagle-vllm", target, torch.bfloat16, engine="vllm",
-                                 allow_lossy=True)
-    random3 = ROOT / "heads" / "eagle3-random"
-    if fresh or not (random3 / "config.json").is_file():
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            h3 = DraftHead.for_target(target, feature_layers=published_feature_layers(target.config.num_hidden_layers),
-                                      design="eagle3")
-        save_head(h3, random3, target, dtype=torch.float32)
+    notes["eagle1-vllm"] = export(EAGLE1_HEAD, "eagle", EXPORTS / "eagle1-vllm", target, torch.bfloat16,
+                                  engine="vllm", allow_lossy=True)
+    shipped = default_head_path(target.name)
     for engine in ("speculators", "openvino"):
-        notes[f"eagle3-{engine}"] = export(random3, "eagle3", EXPORTS / f"eagle3-{engine}", target, torch.float32,
+        notes[f"eagle3-{engine}"] = export(shipped, "eagle3", EXPORTS / f"eagle3-{engine}", target, torch.float32,
                                            engine=engine, verifier=str(folder.resolve()))
     return notes
 
@@ -86,8 +80,7 @@ def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int) -> dict[
     from eagle_lite.formats import load_head
 
     chain = TreeConfig(depth=k, top_k=1, total_tokens=k, lookup=0)
-    heads = {"eagle (shipped head)": None, "eagle3 (untrained head)": load_head(ROOT / "heads" / "eagle3-random",
-                                                                                 target)}
+    heads = {"eagle3 (shipped head)": None, "eagle (EAGLE-1 head)": load_head(EAGLE1_HEAD, target)}
     engines = {"vanilla": (Engine(target, registry.build("vanilla", target, None)), GenerationConfig(max_new))}
     for name, head in heads.items():
         options = EagleOptions(head=head, copy_mode=False) if head is not None else EagleOptions(copy_mode=False)
@@ -116,9 +109,10 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> t
     if "vllm" in engines:
         peer = [py["vllm"], "eval/peers/vllm_peer.py", "--target", target]
         jobs += [("vllm vanilla", peer),
-                 (f"vllm eagle (shipped head), k={k}", peer + ["--head", str(EXPORTS / "eagle-vllm"), "--k", str(k)]),
-                 (f"vllm eagle3 speculators (untrained head), k={k}",
-                  peer + ["--head", str(EXPORTS / "eagle3-speculators"), "--speculators", "--k", str(k)])]
+                 (f"vllm eagle3 speculators (shipped head), k={k}",
+                  peer + ["--head", str(EXPORTS / "eagle3-speculators"), "--speculators", "--k", str(k)]),
+                 (f"vllm eagle (EAGLE-1 head), k={k}",
+                  peer + ["--head", str(EXPORTS / "eagle1-vllm"), "--k", str(k)])]
     if "openvino" in engines:
         ov = ROOT / "ov"
         convert = [("smollm2", EXPORTS / "smollm2"), ("eagle3", EXPORTS / "eagle3-openvino")]
@@ -135,7 +129,7 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> t
         if failed is None or (ov / "smollm2" / "openvino_model.xml").is_file():
             jobs.append(("openvino vanilla", peer))
         if (ov / "eagle3" / "openvino_model.xml").is_file():
-            jobs.append((f"openvino eagle3 (untrained head), k={k}",
+            jobs.append((f"openvino eagle3 (shipped head), k={k}",
                          peer + ["--draft", str(ov / "eagle3"), "--k", str(k)]))
     results, notes = {}, []
     if "openvino" in engines and failed is not None:
@@ -196,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=",".join(PEERS))
     p.add_argument("--threads", type=int, default=1,
                    help="threads of eagle_lite, transformers 4.x and OpenVINO (vLLM's CPU build runs torch on one)")
-    p.add_argument("--fresh", action="store_true", help="re-export the target and re-make the EAGLE-3 head")
+    p.add_argument("--fresh", action="store_true", help="re-export the target folder too")
     args = p.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(engines) - set(PEERS))

@@ -337,6 +337,33 @@ def test_an_eagle31_head_normalises_each_tap_as_specforge_does_and_round_trips(t
         DraftHead.for_target(target, fc_norm=True)
 
 
+def test_an_eagle31_head_feeds_back_its_normalised_output_as_vllm_reads_norm_output(tmp_path):
+    """norm_output (EAGLE-3.1, vLLM's meaning): later draft steps read the head's output under its final norm; the
+    taps still go through fc. It saves and loads in eagle_lite's layout, exports to the speculators layout with
+    "norm_output": true, and the official layout, which has no field that says it, is refused."""
+    from eagle_lite.export import export
+    from eagle_lite.heads.checkpoint import save_head
+
+    target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
+    torch.manual_seed(2)
+    head = DraftHead.for_target(target, feature_layers=(1, 3, 4), design="eagle3", norm_output=True).float()
+    with torch.no_grad():
+        head.norm.weight.uniform_(0.5, 2.0)
+    h = target.config.hidden_size
+    out, taps, embeds = torch.randn(3, h) * 7.0, torch.randn(3, 3 * h), torch.randn(3, h)
+    assert torch.equal(head.layer_input(out, embeds), head.norm(out))
+    assert torch.equal(head.layer_input(taps, embeds), head.fc(taps))
+    save_head(head, tmp_path / "own", target, dtype=torch.float32)
+    back = load_head(tmp_path / "own", target).float()
+    assert back.norm_output and torch.equal(back.layer_input(out, embeds), head.layer_input(out, embeds))
+    export(tmp_path / "own", "eagle3", tmp_path / "speculators", target, torch.float32, engine="speculators")
+    config = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert config["norm_output"] is True and config["fc_norm"] is False
+    with pytest.raises(ValueError, match="speculators layout"):
+        export(tmp_path / "own", "eagle3", tmp_path / "published", target, torch.float32)
+    assert not (tmp_path / "published" / "config.json").exists()
+
+
 def test_fc_norm_added_to_a_trained_eagle3_head_keeps_its_function_at_the_taps_mean_rms():
     """draft.fc_norm=true on a head trained without it (trainers/relayout.py `with_fc_norm`): each norm starts at its
     tap's mean RMS, so a token whose taps have exactly those RMS values reaches fc as before; others move."""
@@ -363,8 +390,9 @@ def test_fc_norm_added_to_a_trained_eagle3_head_keeps_its_function_at_the_taps_m
 
 
 def test_an_eagle31_fine_tune_trains_exports_and_decodes_exactly(tmp_path):
-    """experiment=eagle3 fine-tuned with draft.fc_norm=true from a head without it: the run adds the norms, fits,
-    exports, and the head drafts for an engine whose output is the target's own greedy output; draft.fc_norm=false
+    """experiment=eagle3 fine-tuned with draft.fc_norm=true and draft.norm_output=true from a head without them: the run
+    adds the norms, fits, exports, and the head drafts for an engine whose output is the target's own greedy output
+    (its later draft steps reading the normalised output); draft.fc_norm=false
     from it then is refused in one line, and a new EAGLE-1 head is refused fc_norm before any stage runs."""
     from eagle_lite.config import GenerationConfig, TreeConfig
     from eagle_lite.decoding.engine import Engine
@@ -374,10 +402,11 @@ def test_an_eagle31_fine_tune_trains_exports_and_decodes_exactly(tmp_path):
     deep = ["target.num_layers=8", "target.name=tiny8"]
     first = train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "draft.vocab_size=48", *deep))
     result = train(tiny_train_config(tmp_path, "debug=fdr", "experiment=eagle3", "name=eagle31", *deep,
-                                     f"draft.init_from={first['export']}", "draft.fc_norm=true"))
+                                     f"draft.init_from={first['export']}", "draft.fc_norm=true",
+                                     "draft.norm_output=true"))
     target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
     head = load_head(result["export"], target)
-    assert head.fc_norm is not None and head.lm_head.weight.shape[0] == 48
+    assert head.fc_norm is not None and head.norm_output and head.lm_head.weight.shape[0] == 48
     assert read_head_config(result["export"])["fc_norm"] is True
     prompt = [5, 17, 33, 2, 9, 71]
     ids = torch.tensor([prompt])

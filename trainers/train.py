@@ -189,6 +189,8 @@ REVOCAB_NEEDS_INIT = ("draft.revocab re-chooses the draft vocabulary of the head
                       "draft.init_from, or drop draft.revocab (a new head chooses its vocabulary from its data)")
 FC_NORM_NEEDS_EAGLE3 = ("draft.fc_norm (EAGLE-3.1's norm of each tapped layer before fc) is an option of EAGLE-3 "
                         "heads: set draft.design=eagle3 (experiment=eagle3), or drop draft.fc_norm")
+NORM_OUTPUT_NEEDS_EAGLE3 = ("draft.norm_output (EAGLE-3.1's normalised output fed back) is an option of EAGLE-3 "
+                            "heads: set draft.design=eagle3 (experiment=eagle3), or drop draft.norm_output")
 
 
 def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
@@ -213,7 +215,7 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
 
     init_from = cfg.draft.get("init_from")
     fc_bias, input_norm = cfg.draft.get("fc_bias"), cfg.draft.get("input_norm")   # null: as the head started from
-    fc_norm = cfg.draft.get("fc_norm")
+    fc_norm, norm_output = cfg.draft.get("fc_norm"), cfg.draft.get("norm_output")
     revocab = bool(cfg.draft.get("revocab"))
     if revocab and not init_from:
         raise ValueError(REVOCAB_NEEDS_INIT)
@@ -224,6 +226,12 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
         head = served_layout(head, target, data, head.fc_bias if fc_bias is None else bool(fc_bias),
                              head.input_norm if input_norm is None else bool(input_norm))
         head = normed_taps_layout(head, target, data, fc_norm)
+        if norm_output is not None and bool(norm_output) != head.norm_output:
+            if head.design != "eagle3":
+                raise ValueError(NORM_OUTPUT_NEEDS_EAGLE3)
+            head.norm_output = bool(norm_output)   # what later draft steps read; no weight changes
+            log.info("draft.norm_output=%s: later draft steps read the head's output %s its final norm",
+                     head.norm_output, "after" if head.norm_output else "before")
     else:
         d2t = None
         if cfg.draft.vocab_size is not None and int(cfg.draft.vocab_size) >= target.vocab_size:
@@ -239,7 +247,7 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
             head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design,
                                         fc_bias=True if fc_bias is None else bool(fc_bias),
                                         input_norm=True if input_norm is None else bool(input_norm),
-                                        fc_norm=bool(fc_norm)).float()
+                                        fc_norm=bool(fc_norm), norm_output=bool(norm_output)).float()
         if design == "eagle3":   # its own lm_head starts as the target's rows (official EAGLE-3: at random)
             with torch.no_grad():
                 rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
@@ -511,8 +519,11 @@ def check_draft_settings(cfg: DictConfig) -> None:
         _typed(ObjectiveConfig, cfg.draft.objective)
         if cfg.draft.get("revocab") and not cfg.draft.get("init_from"):
             raise ValueError(REVOCAB_NEEDS_INIT)
-        if cfg.draft.get("fc_norm") and not cfg.draft.get("init_from") and cfg.draft.get("design", "eagle") != "eagle3":
+        new_eagle1 = not cfg.draft.get("init_from") and cfg.draft.get("design", "eagle") != "eagle3"
+        if cfg.draft.get("fc_norm") and new_eagle1:
             raise ValueError(FC_NORM_NEEDS_EAGLE3)
+        if cfg.draft.get("norm_output") and new_eagle1:
+            raise ValueError(NORM_OUTPUT_NEEDS_EAGLE3)
     _typed(OptimConfig, cfg.draft.optim)
 
 

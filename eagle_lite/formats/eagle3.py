@@ -154,6 +154,10 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
               "draft_vocab_size": int(ids.numel()), "eagle_lite": meta}
     notes = []
+    if head.norm_output and engine != "speculators":
+        raise ValueError("this head feeds its normalised output back to the next draft step (draft.norm_output, "
+                         "EAGLE-3.1): vLLM reads that from the speculators layout (--engine speculators); the "
+                         "official EAGLE-3 and SpecForge layouts have no field that says it")
     if head.fc_norm is not None:
         config["fc_norm"] = True
         notes.append("the head normalises each tapped layer before fc (EAGLE-3.1): fc_norm.{0,1,2}.weight and "
@@ -190,11 +194,11 @@ SPECULATORS_VERSION = "0.9.0"
 def speculators_config(head: DraftHead, config: dict, meta: dict, verifier: str | None, tokens: int = 3) -> dict:
     """The speculators package's Eagle3SpeculatorConfig of an EAGLE-3 head whose official config is `config`:
     the Llama fields as transformer_layer_config; norm_before_residual false (the official EAGLE-3 layer: the
-    residual is fc's output, not its hidden_norm); fc_norm as the head has it; the taps as vLLM reads the ids, the input of layer i (eagle_lite's
-    output-of-layer ids + 1); one greedy proposal of `tokens` drafted tokens (what vLLM uses when the
-    speculative_config names no num_speculative_tokens)."""
+    residual is fc's output, not its hidden_norm); fc_norm and norm_output (EAGLE-3.1) as the head has them; the
+    taps as vLLM reads the ids, the input of layer i (eagle_lite's output-of-layer ids + 1); one greedy proposal of
+    `tokens` drafted tokens (what vLLM uses when the speculative_config names no num_speculative_tokens)."""
     layer = {k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size", "eagle_lite",
-                                                          "eagle_config", "fc_norm")}
+                                                          "eagle_config", "fc_norm", "norm_output")}
     layer.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "tie_word_embeddings": False})
     return {
         "architectures": ["Eagle3Speculator"],
@@ -205,7 +209,7 @@ def speculators_config(head: DraftHead, config: dict, meta: dict, verifier: str 
         "norm_before_residual": False,
         "norm_before_fc": False,
         "fc_norm": head.fc_norm is not None,   # EAGLE-3.1: an RMSNorm on each tap before fc
-        "norm_output": False,
+        "norm_output": head.norm_output,        # vLLM: the post-norm output fed back to the next draft step
         "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in head.feature_layers],
         "speculators_config": {
             "algorithm": "eagle3",

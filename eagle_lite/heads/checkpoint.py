@@ -66,6 +66,7 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
         **({"fc_bias": False} if head.design == "eagle" and not head.fc_bias else {}),
         **({"input_norm": False} if head.design == "eagle" and not head.input_norm else {}),
         **({"fc_norm": True} if head.fc_norm is not None else {}),
+        **({"norm_output": True} if head.norm_output else {}),
         "dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }
@@ -152,7 +153,8 @@ def load_native_head(path: str | Path, target) -> DraftHead:
     head = DraftHead.for_target(target, d2t=tensors.get("d2t"), layer_class=config.get("layer_class"),
                                 feature_layers=tuple(layers), fc_bias=config.get("fc_bias", True),
                                 input_norm=config.get("input_norm", True), design=config.get("design", "eagle"),
-                                fc_norm=bool(config.get("fc_norm", False)))
+                                fc_norm=bool(config.get("fc_norm", False)),
+                                norm_output=bool(config.get("norm_output", False)))
     load_weights(head, tensors, f"draft head weights {weights}")
     head.tree = recommended_tree(config, path, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()

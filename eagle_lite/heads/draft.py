@@ -17,6 +17,8 @@ Options, so that the published layouts load exactly (eagle_lite/formats/):
   Later draft steps read the layer's pre-norm output (H wide), skipping fc.
 - `fc_norm=True` (design eagle3): an RMSNorm on each tapped layer before fc, EAGLE-3.1's input normalisation
   (SpecForge's `fc_norm`: `fc_norm.{0,1,2}.weight`), so that fc reads taps of one scale whatever their depth.
+- `norm_output=True` (design eagle3): later draft steps read the layer's output after the head's final `norm`
+  instead of before it (vLLM's `norm_output`: the post-norm hidden state fed back), EAGLE-3.1's other norm.
 
 With `feature_layers` and the default design (eagle_lite's earlier EAGLE-3 variant), the tapped layers are
 projected to H by `fuse` and then read as the last hidden state would be.
@@ -39,7 +41,8 @@ DESIGNS = ("eagle", "eagle3")
 class DraftHead(nn.Module):
     def __init__(self, target_config, layer_cls: type[nn.Module], rotary_cls: type[nn.Module],
                  d2t: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (), fc_bias: bool = True,
-                 input_norm: bool = True, design: str = "eagle", fc_norm: bool = False) -> None:
+                 input_norm: bool = True, design: str = "eagle", fc_norm: bool = False,
+                 norm_output: bool = False) -> None:
         super().__init__()
         if design not in DESIGNS:
             raise ValueError(f"draft head design {design!r} is unknown: expected one of {', '.join(DESIGNS)}")
@@ -48,6 +51,9 @@ class DraftHead(nn.Module):
                              "for the target's last hidden state")
         if fc_norm and design != "eagle3":
             raise ValueError("fc_norm (EAGLE-3.1's norm of each tapped layer before fc) is an option of design eagle3")
+        if norm_output and design != "eagle3":
+            raise ValueError("norm_output (EAGLE-3.1's normalised output fed back) is an option of design eagle3")
+        self.norm_output = bool(norm_output)
         if design == "eagle3" and not feature_layers:
             raise ValueError("an EAGLE-3 head reads the target's tapped layers: give feature_layers (low, mid, high)")
         config = copy.deepcopy(target_config)
@@ -89,7 +95,8 @@ class DraftHead(nn.Module):
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,
                    feature_layers: tuple[int, ...] = (), fc_bias: bool = True, input_norm: bool = True,
-                   design: str = "eagle", config=None, fc_norm: bool = False) -> DraftHead:
+                   design: str = "eagle", config=None, fc_norm: bool = False,
+                   norm_output: bool = False) -> DraftHead:
         """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
         decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`.
         feature_layers: the target's decoder layers it reads (EAGLE-3; `auto_feature_layers`), () for the last
@@ -104,7 +111,8 @@ class DraftHead(nn.Module):
             layer_cls, rotary_cls = LlamaDecoderLayer, LlamaRotaryEmbedding
         else:
             config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
-        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers), fc_bias, input_norm, design, fc_norm)
+        head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers), fc_bias, input_norm, design, fc_norm,
+                   norm_output)
         return head.to(device=target.device, dtype=target.dtype)
 
     @property
@@ -138,12 +146,13 @@ class DraftHead(nn.Module):
     def layer_input(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input [..., H] (the residual stream) from the features `hidden`, in the embeddings'
         dtype: an EAGLE-3 head's fc of the target's tapped layers (3H wide; at later draft steps the head's own
-        output, H wide, is read as it is, its embeddings going beside it into the layer); the other designs'
+        output, H wide, is read as it is, or under its final norm with `norm_output`, its embeddings going beside it
+        into the layer); the other designs'
         fc([embed(token); feature])."""
         hidden = hidden.to(token_embeds.dtype)
         if self.design == "eagle3":
-            if hidden.shape[-1] == token_embeds.shape[-1]:
-                return hidden
+            if hidden.shape[-1] == token_embeds.shape[-1]:    # the head's own output, fed back
+                return self.norm(hidden) if self.norm_output else hidden
             return self.fc(hidden if self.fc_norm is None else self.normed_taps(hidden))
         return self._layer_input(hidden, token_embeds)
 

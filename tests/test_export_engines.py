@@ -180,6 +180,9 @@ def test_eagle3_in_the_speculators_layout_vllm_reads(deep, tmp_path):
     assert spec["algorithm"] == "eagle3" and spec["proposal_methods"][0]["speculative_tokens"] >= 1
     assert spec["verifier"] == {"name_or_path": "/t/smol", "architectures": ["LlamaForCausalLM"]}
     assert any("vllm serve" in n for n in notes)
+    back = load_head(tmp_path / "spec", deep)              # and it reads back as the same head: taps, d2t, weights
+    assert back.feature_layers == head.feature_layers and torch.equal(back.d2t, head.d2t)
+    assert_same_tensors(head, back)
 
 
 def test_eagle3_for_openvino_carries_the_target_embedding(deep, tmp_path):

@@ -297,8 +297,8 @@ def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly
 
 def test_an_eagle31_head_normalises_each_tap_as_specforge_does_and_round_trips(tmp_path):
     """fc_norm (EAGLE-3.1): fc reads each tapped layer under its own RMSNorm, exactly as three LlamaRMSNorm modules
-    give it; the head saves and loads in its own layout and in the published one (fc_norm.{0,1,2}.weight and
-    "fc_norm": true, SpecForge's names) with the same outputs."""
+    give it; the head saves and loads in its own layout, the published one (fc_norm.{0,1,2}.weight and
+    "fc_norm": true, SpecForge's names) and the speculators one (vLLM's) with the same outputs."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from eagle_lite.export import export
@@ -329,7 +329,7 @@ def test_an_eagle31_head_normalises_each_tap_as_specforge_does_and_round_trips(t
     export(tmp_path / "own", "eagle3", tmp_path / "speculators", target, torch.float32, engine="speculators")
     config = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert config["fc_norm"] is True and "fc_norm" not in config["transformer_layer_config"]
-    for folder in ("own", "published"):
+    for folder in ("own", "published", "speculators"):
         back = load_head(tmp_path / folder, target).float()
         assert back.fc_norm is not None
         assert torch.equal(back.layer_input(taps, embeds), head.layer_input(taps, embeds)), folder
@@ -340,7 +340,8 @@ def test_an_eagle31_head_normalises_each_tap_as_specforge_does_and_round_trips(t
 def test_an_eagle31_head_feeds_back_its_normalised_output_as_vllm_reads_norm_output(tmp_path):
     """norm_output (EAGLE-3.1, vLLM's meaning): later draft steps read the head's output under its final norm; the
     taps still go through fc. It saves and loads in eagle_lite's layout, exports to the speculators layout with
-    "norm_output": true, and the official layout, which has no field that says it, is refused."""
+    "norm_output": true and reads back from it (a norm_before_residual layer is refused there), and the official
+    layout, which has no field that says it, is refused."""
     from eagle_lite.export import export
     from eagle_lite.heads.checkpoint import save_head
 
@@ -359,6 +360,13 @@ def test_an_eagle31_head_feeds_back_its_normalised_output_as_vllm_reads_norm_out
     export(tmp_path / "own", "eagle3", tmp_path / "speculators", target, torch.float32, engine="speculators")
     config = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert config["norm_output"] is True and config["fc_norm"] is False
+    back = load_head(tmp_path / "speculators", target).float()
+    assert back.norm_output and back.feature_layers == (1, 3, 4)
+    assert torch.equal(back.layer_input(out, embeds), head.layer_input(out, embeds))
+    config["norm_before_residual"] = True      # the speculators package's other layer: refused, not misread
+    (tmp_path / "speculators" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="norm_before_residual True"):
+        load_head(tmp_path / "speculators", target)
     with pytest.raises(ValueError, match="speculators layout"):
         export(tmp_path / "own", "eagle3", tmp_path / "published", target, torch.float32)
     assert not (tmp_path / "published" / "config.json").exists()

@@ -4,6 +4,7 @@
 |----------|---------------------------------------------------------|----------------------------------------|
 | eagle    | a Llama config (no draft_vocab_size, no Medusa keys)    | fc.weight [H, 2H], layers.{i}.*        |
 | eagle3   | draft_vocab_size, or an architecture naming Eagle3      | fc.weight [H, 3H], midlayer.*, lm_head |
+| eagle3   | speculators_model_type "eagle3" (speculators, vLLM)     | the same with layers.0.* for midlayer.* |
 | medusa   | medusa_num_heads (FasterDecoding) or model_type medusa  | {k}.{l}.linear.* / blocks.{k}.layers.* |
 
 eagle_lite's own folders (config.json with a "format") are read by eagle_lite/heads/checkpoint.py.
@@ -22,7 +23,7 @@ MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", *WEIGHT_FILES
 KINDS = {
     "eagle": "an EAGLE-1/2 head (config.json + fc, layers.0.*: official EAGLE, vLLM, SGLang)",
     "eagle3": "an EAGLE-3 head (config.json with draft_vocab_size + fc, midlayer.*, norm, lm_head, d2t: official "
-              "EAGLE-3 or SpecForge)",
+              "EAGLE-3 or SpecForge; or the speculators layout with layers.0.*)",
     "medusa": "Medusa heads (config.json with medusa_num_heads + medusa_lm_head.*, FasterDecoding v1 or version 2; "
               "or vLLM's model_type medusa)",
 }
@@ -85,6 +86,18 @@ def kind_from_keys(keys: set[str]) -> str | None:
     return None
 
 
+def from_speculators(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A speculators-layout EAGLE-3 folder (config `speculators_model_type: "eagle3"`, the layer's Llama fields under
+    `transformer_layer_config`, weights `layers.0.*`) as the default layout reads: the layer's fields at the top beside
+    the speculators keys, `midlayer.*`. The config keeps `speculators_model_type`, which says how its taps and
+    `norm_output` are meant (formats/eagle3.py)."""
+    flat = {**(config.get("transformer_layer_config") or {}),
+            **{k: v for k, v in config.items() if k != "transformer_layer_config"}}
+    renamed = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+               for k, v in tensors.items()}
+    return flat, renamed
+
+
 def detect(folder: str | Path) -> Layout:
     """The layout of a published head folder, its config and tensors; a ValueError naming what was found and
     what was expected when it is none of KINDS or its config and weights disagree."""
@@ -96,6 +109,11 @@ def detect(folder: str | Path) -> Layout:
         names = MEDUSA_FILES if by_config == "medusa" else WEIGHT_FILES
         raise FileNotFoundError(f"{folder} has a config.json but no weights: expected one of {', '.join(names)}")
     tensors = strip_prefix(read_weights(file))
+    if config.get("speculators_model_type") is not None:
+        if config["speculators_model_type"] != "eagle3":
+            raise ValueError(f"{folder} is a speculators {config['speculators_model_type']!r} head: eagle_lite reads "
+                             f"the speculators layout of EAGLE-3 heads only")
+        config, tensors = from_speculators(config, tensors)
     by_keys = kind_from_keys(set(tensors))
     expected = "; ".join(f"{k}: {v}" for k, v in KINDS.items())
     if by_config is None and by_keys is None:

@@ -53,9 +53,18 @@ def absolute_d2t(offsets: torch.Tensor, t2d: torch.Tensor | None, vocab: int, wh
 
 
 def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
-    """An EAGLE-3 folder (official or SpecForge) as a DraftHead of design "eagle3" for `target`. aux_ids: how an
-    explicit eagle_aux_hidden_state_layer_ids is read, "output" (of layer i: SpecForge, SGLang) or "input" (vLLM)."""
+    """An EAGLE-3 folder (official, SpecForge or speculators) as a DraftHead of design "eagle3" for `target`. aux_ids:
+    how an explicit eagle_aux_hidden_state_layer_ids is read, "output" (of layer i: SpecForge, SGLang) or "input"
+    (vLLM; always for the speculators layout)."""
     config, where, tensors = layout.config, layout.where, dict(layout.tensors)
+    speculators = config.get("speculators_model_type") == "eagle3"   # detect.from_speculators flattened it
+    if speculators:
+        aux_ids = "input"        # the speculators package numbers taps as vLLM does: the input of layer i
+        if config.get("norm_before_residual", True) or config.get("norm_before_fc"):
+            raise ValueError(f"{where} is a speculators EAGLE-3 head with norm_before_residual "
+                             f"{config.get('norm_before_residual', True)} and norm_before_fc "
+                             f"{config.get('norm_before_fc', False)}: eagle_lite runs the official EAGLE-3 layer "
+                             f"(the residual is fc's output; no norm over all taps at once), i.e. both false")
     width = config.get("target_hidden_size", config.get("hidden_size"))
     if width != config.get("hidden_size"):
         raise ValueError(f"{where} is {config.get('hidden_size')} wide over a target of width {width} "
@@ -109,7 +118,11 @@ def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
         raise ValueError(f"{where} holds keys the EAGLE-3 layout has no place for: {sorted(tensors)[:8]}")
     if d2t is not None:
         state["d2t"] = d2t
-    head = DraftHead.for_target(target, d2t, feature_layers=taps, design="eagle3", config=cfg, fc_norm=fc_norm)
+    # vLLM's norm_output (the post-norm output fed back) where the speculators layout says it; SpecForge's key of
+    # that name in the default layout means whether the logits read the norm, which they always do here
+    norm_output = speculators and bool(config.get("norm_output", False))
+    head = DraftHead.for_target(target, d2t, feature_layers=taps, design="eagle3", config=cfg, fc_norm=fc_norm,
+                                norm_output=norm_output)
     load_state(head, state, layout)
     head.tree = recommended_tree(meta, layout.folder, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()

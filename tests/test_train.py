@@ -13,7 +13,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from conftest import tiny_train_config, train_config  # noqa: E402
+from conftest import reference_greedy, tiny_train_config, train_config  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from eagle_lite.formats import load_head  # noqa: E402
@@ -254,9 +254,7 @@ def test_an_eagle3_head_trains_end_to_end_and_decodes_exactly(tmp_path):
     head = load_head(result["export"], target)
     assert head.feature_layers == (0, 1, 2)
     prompt = [5, 17, 33, 2, 9, 71]
-    ids = torch.tensor([prompt])
-    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = reference_greedy(target, prompt, 20)
     out = Engine(target, eagle_drafter(target, head)).generate(
         prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False,
                                  tree=TreeConfig(depth=3, top_k=3, total_tokens=6)))
@@ -286,9 +284,7 @@ def test_the_published_eagle3_head_trains_end_to_end_exports_and_decodes_exactly
     export(result["export"], "eagle3", tmp_path / "published", target, torch.float32)
     published = load_head(tmp_path / "published", target)
     prompt = [5, 17, 33, 2, 9, 71]
-    ids = torch.tensor([prompt])
-    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = reference_greedy(target, prompt, 20)
     cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
     runs = [Engine(target, EagleDrafter(target, h)).generate(prompt, cfg) for h in (head, published)]
     assert runs[0].token_ids == runs[1].token_ids == ref
@@ -417,9 +413,7 @@ def test_an_eagle31_fine_tune_trains_exports_and_decodes_exactly(tmp_path):
     assert head.fc_norm is not None and head.norm_output and head.lm_head.weight.shape[0] == 48
     assert read_head_config(result["export"])["fc_norm"] is True
     prompt = [5, 17, 33, 2, 9, 71]
-    ids = torch.tensor([prompt])
-    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = reference_greedy(target, prompt, 20)
     cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
     assert Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids == ref
     with pytest.raises(ValueError, match="draft.fc_norm=false"):
@@ -859,9 +853,7 @@ def test_a_fine_tune_with_revocab_drafts_over_its_new_vocabulary_and_decodes_exa
     head = load_head(result["export"], target)
     assert head.draft_vocab_size == 48 and head.lm_head.weight.shape[0] == 48
     prompt = [5, 17, 33, 2, 9, 71]
-    ids = torch.tensor([prompt])
-    ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = reference_greedy(target, prompt, 20)
     out = Engine(target, eagle_drafter(target, head)).generate(
         prompt, GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=1,
                                                                                        total_tokens=3)))

@@ -302,26 +302,33 @@ def revocabulary(head, target, data, vocab_size):
 def served_layout(head, target, data, fc_bias: bool, input_norm: bool):
     """`head` in the layout asked for (draft.fc_bias, draft.input_norm: trainers/relayout.py), the input norm folded
     at the mean RMS of its fc output over the first training batch."""
-    from .objective import make_pairs
     from .relayout import fc_rms, relayout
 
     if (fc_bias, input_norm) == (head.fc_bias, head.input_norm):
         return head
     rms = None
     if head.input_norm and not input_norm:
-        batch = next(iter(data.train_dataloader()))
-        if isinstance(batch, list):   # online features: the target computes them now
-            batch = data.online_features(batch, target.device)
-        pairs = make_pairs(batch, target.embed_tokens.weight.detach().float())
-        rows = pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
+        pairs, rows = sample_pairs(target, data)
         rms = fc_rms(head, pairs.hidden[rows][:4096], pairs.embeds[rows][:4096])
     return relayout(head, target, fc_bias, input_norm, rms)
+
+
+def sample_pairs(target, data, taps: bool = False):
+    """The first training batch's pairs (`objective.make_pairs`; taps: the tapped layers as the head's input) and
+    the rows to sample them by: the weighted ones, else every pair inside a sequence. What a layout change measures
+    the head's inputs on (`served_layout`, `normed_taps_layout`)."""
+    from .objective import make_pairs
+
+    batch = next(iter(data.train_dataloader()))
+    if isinstance(batch, list):   # online features: the target computes them now
+        batch = data.online_features(batch, target.device)
+    pairs = make_pairs(batch, target.embed_tokens.weight.detach().float(), taps=taps)
+    return pairs, pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
 
 
 def normed_taps_layout(head, target, data, fc_norm: bool | None):
     """`head` with EAGLE-3.1's norm of each tapped layer where draft.fc_norm asks for it (null: as the head has it),
     each norm starting at its tap's mean RMS over the first training batch (trainers/relayout.py `with_fc_norm`)."""
-    from .objective import make_pairs
     from .relayout import tap_rms, with_fc_norm
 
     if fc_norm is None or bool(fc_norm) == (head.fc_norm is not None):
@@ -331,11 +338,7 @@ def normed_taps_layout(head, target, data, fc_norm: bool | None):
                          "(EAGLE-3.1) and was trained so; leave draft.fc_norm null to keep it")
     if head.design != "eagle3":
         raise ValueError(FC_NORM_NEEDS_EAGLE3)
-    batch = next(iter(data.train_dataloader()))
-    if isinstance(batch, list):   # online features: the target computes them now
-        batch = data.online_features(batch, target.device)
-    pairs = make_pairs(batch, target.embed_tokens.weight.detach().float(), taps=True)
-    rows = pairs.weight if bool(pairs.weight.any()) else pairs.segment > 0
+    pairs, rows = sample_pairs(target, data, taps=True)
     return with_fc_norm(head, target, tap_rms(pairs.hidden[rows][:4096], len(head.feature_layers)))
 
 

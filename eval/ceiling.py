@@ -14,11 +14,11 @@ the same prompts (interleaved per question, each output checked against vanilla 
 The table gives tokens/s, the speedup over vanilla and over lookup, and the mean accepted length of each: the
 head's accuracy (per token, at every depth) that reaches a given speedup over lookup with these costs, and where
 the real head sits on that curve. For each oracle row it also counts how often the head's own depth-1 token, before
-the oracle replaced it, was the target's next token: at rate 0 on a tree without a lookup graft every step emits one
-token, so the head is asked at every position of the target's output, which is its top-1 along that output as
-training's validation measures it (teacher-forced), here through the decoding path. The oracle knows the answer
-from the vanilla run of the same turn, so it measures only what the step costs and returns: no head can run faster
-at a given accuracy with the same tree.
+the oracle replaced it, was the target's next token, overall and (a second table) by kind of question: at rate 0
+on a tree without a lookup graft every step emits one token, so the head is asked at every position of the
+target's output, which is its top-1 along that output as training's validation measures it (teacher-forced), here
+through the decoding path. The oracle knows the answer from the vanilla run of the same turn, so it measures only
+what the step costs and returns: no head can run faster at a given accuracy with the same tree.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from eagle_lite.threads import check_threads, set_threads
 from eagle_lite.tree import DraftTree
 
 from .methods import Method, Run, engine_method
+from .runner import Record
 from .tune import Candidate, check_counts, floats, skip_per_category, tree_label, tree_spec, tune, with_tree
 
 BASELINE = "vanilla"
@@ -111,6 +112,41 @@ class OracleDraft:
             elif int(tokens[node]) == truth:
                 tokens[node] = (truth + 1) % self.inner.target.vocab_size
         return DraftTree(tokens, drafted.parents, drafted.q_draft, drafted.probes, drafted.likely)
+
+
+class KindCounts:
+    """Each oracle's depth-1 counts (`OracleDraft.asked`, `head_right`) split by the kind of question: `record` is
+    the runner's hook, called after each turn of each method, which gives the counts added since that oracle's last
+    turn to the turn's category."""
+
+    def __init__(self, oracles: dict[str, OracleDraft]) -> None:
+        self.oracles = oracles
+        self.seen = {label: (0, 0) for label in oracles}
+        self.by_kind: dict[str, dict[str, list[int]]] = {label: {} for label in oracles}   # kind -> [asked, right]
+
+    def record(self, rec: Record) -> None:
+        oracle = self.oracles.get(rec.method)
+        if oracle is None:
+            return
+        asked, right = self.seen[rec.method]
+        counts = self.by_kind[rec.method].setdefault(rec.category, [0, 0])
+        counts[0] += oracle.asked - asked
+        counts[1] += oracle.head_right - right
+        self.seen[rec.method] = (oracle.asked, oracle.head_right)
+
+    def markdown(self) -> str:
+        """The head's own depth-1 accuracy by kind, one row per oracle that asked it anything ('' if none)."""
+        rows = {label: kinds for label, kinds in self.by_kind.items() if any(a for a, _ in kinds.values())}
+        if not rows:
+            return ""
+        kinds = sorted({kind for per in rows.values() for kind in per})
+        lines = ["| head's own depth-1 token right | " + " | ".join(kinds) + " | overall |",
+                 "|---|" + "---:|" * (len(kinds) + 1)]
+        for label, per in rows.items():
+            cells = [f"{per[k][1] / per[k][0]:.3f}" if per.get(k, [0])[0] else "—" for k in kinds]
+            oracle = self.oracles[label]
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {oracle.head_right / oracle.asked:.3f} |")
+        return "\n".join(lines)
 
 
 def eagle_drafter(target: Target, options: registry.EagleOptions, oracle: OracleDraft | None = None):
@@ -216,11 +252,16 @@ def main(argv=None) -> int:
     reference = Reference(warmups=1)   # tune's warm-up generation runs first
     baseline = reference.recording(_engine(target, registry.build(BASELINE, target)))
     runs, oracles = candidates(target, options, args.trees, args.rates, reference)
-    rows = tune(target, questions, runs, args.max_new_tokens, baseline=BASELINE, make_baseline=lambda: baseline)
+    counts = KindCounts(oracles)
+    rows = tune(target, questions, runs, args.max_new_tokens, baseline=BASELINE, make_baseline=lambda: baseline,
+                on_record=counts.record)
     print(f"target {target.name} · {args.dtype} · {args.device} · {args.questions}: {len(questions)} questions, "
           f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
           f"{torch.get_num_threads()} threads · head {args.draft}\n")
     print(markdown(rows, oracles))
+    by_kind = counts.markdown()
+    if by_kind:
+        print(f"\n{by_kind}")
     return 0 if all(r["identical"] == 1.0 for r in rows) else 1
 
 

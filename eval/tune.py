@@ -160,9 +160,11 @@ def lookahead_candidates(target: Target, windows: list[int], ngrams: list[int],
 
 def tune(target: Target, questions: list[Question], candidates: list[Candidate], max_new_tokens: int = 64,
          warmup: bool = True, baseline: str = BASELINE,
-         make_baseline: Callable[[], Method] | None = None) -> list[dict]:
+         make_baseline: Callable[[], Method] | None = None,
+         on_record: Callable[[runner.Record], None] | None = None) -> list[dict]:
     """Run the baseline (vanilla decoding, or what `make_baseline` builds, named `baseline`) and every candidate on
-    `questions`; one 'overall' summary row per method, the candidate's `setting` added (None for the baseline)."""
+    `questions`; one 'overall' summary row per method, the candidate's `setting` added (None for the baseline).
+    on_record: called with each turn's record of each method as it is made (runner.run's)."""
     if not questions:
         raise ValueError("no questions to tune on: check --task / --questions and --limit")
     labels = [c.label for c in candidates]
@@ -172,7 +174,7 @@ def tune(target: Target, questions: list[Question], candidates: list[Candidate],
                else engine_method(Engine(target, registry.build(baseline, target)))}
     methods.update({c.label: c.make() for c in candidates})
     records = runner.run(target, questions, methods, GenerationConfig(max_new_tokens=max_new_tokens),
-                         baseline=baseline, warmup=warmup)
+                         baseline=baseline, warmup=warmup, on_record=on_record)
     settings = {c.label: c.setting for c in candidates}
     rows = [row for row in report.summarize(records, baseline) if row["category"] == "overall"]
     return [{**row, "setting": settings.get(row["method"])} for row in rows]

@@ -475,18 +475,54 @@ def test_ceiling_oracle_sets_the_heads_accuracy_and_stays_exact(tiny_model_dir, 
     out_rows = {}
     assert ceiling_main(["--target", str(tiny_model_dir), "--draft", "random", "--questions", str(qfile),
                          "--limit", "1", "--max-new-tokens", "12", "--trees", "3,1,3,0", "--rates", "0,1"]) == 0
-    for line in capsys.readouterr().out.splitlines():
+    printed = capsys.readouterr().out.splitlines()
+    by_kind = {}
+    for line in printed:
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 7 and cells[0] not in ("method", "---"):
             out_rows[cells[0]] = cells
+        if len(cells) == 4 and cells[0].startswith("oracle@"):
+            by_kind[cells[0]] = cells
     assert set(out_rows) == {"vanilla", "lookup", "eagle d=3 k=1 n=3", "oracle@0 d=3 k=1 n=3",
                              "oracle@1 d=3 k=1 n=3"}
+    # the same head's depth-1 accuracy by kind: both questions' kinds, the overall column the first table's
+    assert "| head's own depth-1 token right | chat | code | overall |" in printed
+    assert set(by_kind) == {"oracle@0 d=3 k=1 n=3", "oracle@1 d=3 k=1 n=3"}
+    assert by_kind["oracle@0 d=3 k=1 n=3"][3] == out_rows["oracle@0 d=3 k=1 n=3"][6].split(" of ")[0]
     assert all(row[5] == "100%" for row in out_rows.values())
     assert float(out_rows["oracle@0 d=3 k=1 n=3"][4]) == 1.0
     assert float(out_rows["oracle@1 d=3 k=1 n=3"][4]) > 3.0    # 4 a step, less the turns' last steps
     asked = out_rows["oracle@0 d=3 k=1 n=3"][6]
     # asked at every position of every turn's answer but its first (the prefill's) and its last (past the answer)
     assert " of " in asked and int(asked.split(" of ")[1]) >= 3 * 10
+
+
+def test_ceiling_counts_the_heads_depth1_accuracy_by_kind():
+    """Each turn's new counts go to its question's kind; other methods' records are ignored; the overall column is
+    the oracle's own total."""
+    from eval.ceiling import KindCounts, OracleDraft, Reference
+    from eval.runner import Record
+
+    oracle = OracleDraft(None, Reference(), 0.0)
+    counts = KindCounts({"oracle@0 d=1": oracle, "oracle@1 d=1": OracleDraft(None, Reference(), 1.0)})
+
+    def turn(category, method="oracle@0 d=1"):
+        counts.record(Record(question_id="q", category=category, method=method, new_tokens=1, seconds=1.0,
+                             tokens_per_s=1.0, target_forwards=1, accept_length_mean=1.0, accept_lengths=[1],
+                             identical_to_baseline=True, first_mismatch=None))
+
+    oracle.asked, oracle.head_right = 10, 7
+    turn("math")
+    turn("math", method="vanilla")
+    oracle.asked, oracle.head_right = 14, 8
+    turn("rag")
+    oracle.asked, oracle.head_right = 20, 12
+    turn("math")
+    assert counts.by_kind["oracle@0 d=1"] == {"math": [16, 11], "rag": [4, 1]}
+    table = counts.markdown().splitlines()
+    assert table[0] == "| head's own depth-1 token right | math | rag | overall |"
+    assert table[2] == "| oracle@0 d=1 | 0.688 | 0.250 | 0.600 |"
+    assert len(table) == 3                   # the oracle that asked nothing has no row
 
 
 def test_ceiling_oracle_rewrites_only_what_its_rate_says(tiny_model_dir):

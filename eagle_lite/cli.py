@@ -65,6 +65,7 @@ def one_line(err: BaseException) -> str:
         hint = HINTS.get(err.errno)
         return f"{err.strerror} ({name}):{where}" + (f"; {hint}" if hint else "")
     text = " ".join(str(err).split())
+    text = text.split(" Config search path:")[0]   # Hydra's missing-config message: the options, not where it looked
     return text or type(err).__name__
 
 

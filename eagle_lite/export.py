@@ -51,19 +51,18 @@ def head_record(path: Path) -> dict:
     config = head_config(path)
     if "format" not in config:
         return dict(config.get("eagle_lite") or {})
-    keys = ("target", "training", "tree", "tree_measured", "tree_cuda", "tree_cuda_measured")
+    keys = ("target", "target_spec", "training", "tree", "tree_measured", "tree_cuda", "tree_cuda_measured")
     return {k: config[k] for k in keys if k in config}
 
 
 def target_spec(path: Path, given: str | None) -> str:
-    """--target, else the target the head records."""
-    if given:
-        return given
-    recorded = head_record(path).get("target")
-    name = recorded.get("name") if isinstance(recorded, dict) else None
-    if not name:
+    """--target, else the target the head records (`options.target_of`)."""
+    from .options import target_of
+
+    spec = target_of(given, path)
+    if not spec:
         raise ValueError(f"{path} does not say which target it was made for: pass --target SPEC")
-    return name
+    return spec
 
 
 class LossyExport(ValueError):

@@ -139,6 +139,25 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
 
 
+def target_of(target: str | None, draft=None, quiet: bool = False) -> str | None:
+    """--target as given; without it, the target the head `draft` (a folder) was trained for, where that target
+    loads here (`targets.loading.resolves`), said in one line on stderr; else None (the default target). Every tool
+    that takes --draft starts here."""
+    from pathlib import Path
+
+    from .heads.checkpoint import recorded_target
+    from .targets.loading import resolves
+
+    if target or draft is None or str(draft) in ("auto", "random") or not Path(draft).is_dir():
+        return target
+    spec = recorded_target(draft)
+    if spec is None or not resolves(spec):
+        return None
+    if not quiet:
+        print(f"target: {spec} (the one {draft} was trained for)", file=sys.stderr)
+    return spec
+
+
 def tree_flags(args: argparse.Namespace) -> dict:
     """The --tree-* flags as TreeConfig fields (None: unset, the drafter's recommendation stands)."""
     return {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens,
@@ -196,6 +215,7 @@ def load_from_flags(args: argparse.Namespace):
     from .pipeline import load
 
     set_threads(args.threads)
+    args.target = target_of(args.target, getattr(args, "draft", None) or getattr(args, "medusa", None))
     lm = load(args.target, method=args.method, options=options_of(args.method, args), dtype=args.dtype,
               device=args.device, attention=args.attention, static=args.static)
     with arguments():   # a tree flag that does not fit the head's recommended tree

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import default_tree
-from eagle_lite.options import add_method_flags, option_values, quiet_libraries
+from eagle_lite.options import add_method_flags, option_values, quiet_libraries, target_of
 from eagle_lite.threads import check_threads
 
 from . import report
@@ -95,7 +95,8 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
     tasks = [{"name": t.strip(), "limit": args.per_task} for t in args.tasks.split(",") if t.strip()]
     if args.questions:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
-    return EvalSettings(target=args.target, dtype=args.dtype, device=args.device, methods=methods,
+    target = target_of(args.target, getattr(args, "draft", None))
+    return EvalSettings(target=target, dtype=args.dtype, device=args.device, methods=methods,
                         baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
                         tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
                               "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,

@@ -235,7 +235,7 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
-    from eagle_lite.options import quiet_libraries
+    from eagle_lite.options import quiet_libraries, target_of
     from eagle_lite.targets.loading import load_target
 
     from .sweep import load_questions
@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     if not questions:
         raise ValueError(f"no questions in {args.questions} after the first {args.skip}: lower --skip")
     set_threads(args.threads)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    target = load_target(target_of(args.target, getattr(args, "draft", None)), dtype=getattr(torch, args.dtype),
+                         device=args.device)
     options = registry.EagleOptions(head=registry.eagle_head(target, registry.EagleOptions(draft=args.draft)))
     reference = Reference(warmups=1)   # tune's warm-up generation runs first
     baseline = reference.recording(_engine(target, registry.build(BASELINE, target)))

@@ -21,7 +21,7 @@ import torch
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.kernels import few_rows_product, running_fused
-from eagle_lite.options import quiet_libraries
+from eagle_lite.options import quiet_libraries, target_of
 from eagle_lite.threads import check_threads, set_threads
 
 from .op_count import OpCounter
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     quiet_libraries(False)
     set_threads(args.threads)
-    target = load_target(args.target)
+    target = load_target(target_of(args.target, getattr(args, "draft", None)))
     costs = {}
     for draft in args.draft:
         drafter = EagleDrafter(target, load_eagle_head(target, draft), round_head=not args.plain)

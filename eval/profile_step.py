@@ -86,7 +86,7 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags, load, profile and print the table; returns the exit status."""
-    from eagle_lite.options import quiet_libraries
+    from eagle_lite.options import quiet_libraries, target_of
 
     quiet_libraries(False)
     with arguments():
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.questions is not None:
         texts = [q.turns[0] for q in load_question_file(args.questions, per_category_limit=args.limit)]
     set_threads(args.threads)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    target = load_target(target_of(args.target, getattr(args, "draft", None)), dtype=getattr(torch, args.dtype),
+                         device=args.device)
     head, note = head_for(target, args.draft)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
     plain = GenerationConfig(args.max_new_tokens)

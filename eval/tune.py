@@ -43,7 +43,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
-from eagle_lite.options import add_method_flags, options_of, quiet_libraries
+from eagle_lite.options import add_method_flags, options_of, quiet_libraries, target_of
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -415,7 +415,8 @@ def main(argv=None) -> int:
     if not questions:
         raise ValueError(f"no questions to tune on in {task_label}: lower --skip or raise --limit")
     set_threads(args.threads)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    target = load_target(target_of(args.target, getattr(args, "draft", None)), dtype=getattr(torch, args.dtype),
+                         device=args.device)
     if args.save_tree and args.draft == "auto" and default_head_path(target.name) is None:
         raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "
                          f"pass --draft HEAD_FOLDER")

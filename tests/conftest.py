@@ -123,6 +123,8 @@ def train_config(*overrides: str):
     """conf/train.yaml composed with Hydra's compose API, as `python -m trainers.train` would."""
     from hydra import compose, initialize_config_dir
 
+    import trainers.train  # noqa: F401  (registers the resolvers conf/ uses)
+
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("train", overrides=list(overrides))
 

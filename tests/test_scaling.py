@@ -106,7 +106,7 @@ def test_two_ddp_processes_train_the_head_one_process_trains(runs, one_process):
     assert log["val/top1"] == pytest.approx(one_process["val/top1"], abs=0.02)
     # one writer: one Hydra config and log, one CSV log, one export, one set of checkpoints
     assert sorted(p.name for p in folder.iterdir()) == [".hydra", ".lock", "checkpoints", "epochs.json",
-                                                        "finished.json", "head", "logs", "train.log"]
+                                                        "estimate.json", "finished.json", "head", "logs", "train.log"]
     assert sorted(p.name for p in (folder / "logs").iterdir()) == ["version_0"]
     assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["last.ckpt"]
     assert not list(folder.rglob("*.tmp"))

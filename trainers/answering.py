@@ -141,6 +141,15 @@ def check_method(method: str, options: dict) -> None:
     registry.check(method, options_of(method, option_values(options)))
 
 
+def no_shipped_head(target: Target, settings) -> bool:
+    """Whether method auto, with these options, finds no head for `target` (none ships for it and none is named)."""
+    from eagle_lite.heads.checkpoint import default_head_path
+
+    draft = getattr(settings, "draft", None)
+    return (getattr(settings, "head", None) is None and draft in (None, registry.AUTO)
+            and default_head_path(target.name) is None)
+
+
 def _pipeline_for(target: Target, method: str = "auto", options: dict | None = None):
     """The pipeline that answers for `target` with `method` and its `options` (built once, and kept until another
     target answers), with the speed-ups and tree-attention backend applied to the target (the features stage and
@@ -152,7 +161,11 @@ def _pipeline_for(target: Target, method: str = "auto", options: dict | None = N
     if (method, settings) not in built:
         target.speed_up()
         try:
-            pipeline = for_target(target, method, settings)
+            if method == registry.AUTO and no_shipped_head(target, settings):
+                # what auto would do, without its advice to train a head: that is what this run is doing
+                pipeline = for_target(target, "lookup")
+            else:
+                pipeline = for_target(target, method, settings)
         except (ValueError, FileNotFoundError) as err:
             if method != registry.AUTO:
                 raise

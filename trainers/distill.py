@@ -318,13 +318,16 @@ def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str]) -
     from only theirs), and a folder made with a smaller `limit` is topped up rather than answered again. A
     committed shard taken whole is copied as it is (xz); one taken in part is written with the chosen records.
     A relative `source` is looked up from the working directory, then from the repository root; one that does
-    not exist is skipped with a warning (a target or data set nobody committed answers for).
+    not exist is skipped (a target or data set nobody committed answers for: the target answers them here).
     """
+    if not wanted:   # every item chosen is answered already: nothing to take, whatever start_from holds
+        return set()
     source = Path(source)
     if not source.is_absolute() and not source.exists():
         source = Path(__file__).resolve().parents[1] / source
     if not source.exists():
-        log.warning("distill: data.distill.start_from=%s does not exist; every prompt is answered here", source)
+        log.info("distill: no committed answers at data.distill.start_from=%s (none ship for this target and data): "
+                 "the target answers the prompts here", source)
         return set()
     if not (source / META).is_file():
         raise FileNotFoundError(f"data.distill.start_from={source}: no distilled data there (missing {META})")

@@ -6,7 +6,9 @@ weights, hence the same fingerprint, so its feature caches and checkpoints stay 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,19 @@ class TargetConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"target.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         check_threads(self.threads, "target.threads")
+
+
+def run_name(spec: str | None) -> str:
+    """The name a target's runs are filed under (`target.name`, in paths.data and paths.output): an alias as it is
+    ('smollm2'), a local folder or .gguf file by its own name ('./models/my-qwen' -> 'my-qwen'), a hub id with its
+    organisation ('Qwen/Qwen2.5-0.5B-Instruct' -> 'Qwen--Qwen2.5-0.5B-Instruct', as shipped heads are named)."""
+    spec = str(spec or "smollm2").strip()
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        spec = path.stem
+    elif path.exists() or spec.startswith(("/", "./", "../", "~")):
+        spec = path.resolve().name
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", spec).strip("-.") or "target"
 
 
 def tiny_target(cfg: TargetConfig = TargetConfig(kind="tiny", name="tiny")) -> Target:

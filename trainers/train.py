@@ -1,5 +1,7 @@
 """Train an EAGLE draft head: distill -> features -> fit -> export. Every stage resumes.
 
+  python -m trainers.train target=./my-model data=quick     # your own model (a folder, .gguf or hub id): a first
+                                                            # head in minutes, filed under the model's name
   python -m trainers.train                                  # the default recipe on SmolLM2 (CPU): distilled
                                                             # answers + ShareGPT text, an 8k draft vocabulary
   python -m trainers.train experiment=ttt                   # + training-time test (3 unrolled steps)
@@ -48,11 +50,33 @@ from eagle_lite.cli import hydra_entry
 from eagle_lite.config import check_whole
 
 from .ranks import Ranks, current, join
+from .targets import run_name
 
 log = logging.getLogger("trainers.train")
 # conf/train.yaml: ${rank_zero:value,other} is value on rank 0 of a run over several ranks, else other (default null)
 OmegaConf.register_new_resolver("rank_zero", lambda value, other=None: value if current().zero else other,
                                 replace=True)
+# conf/target/*.yaml: ${target_name:${target.spec}} files a pretrained target's runs under the model's own name
+OmegaConf.register_new_resolver("target_name", run_name, replace=True)
+# conf/data/sharegpt_mix.yaml: ${scaled:n,ratio}, a mix source's size following the main source's limit
+OmegaConf.register_new_resolver("scaled", lambda n, ratio: max(1, round(int(n) * float(ratio))), replace=True)
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def own_target(overrides: list[str]) -> list[str]:
+    """The command line's `target=MODEL` where MODEL is no config of conf/target/ (a local folder, a .gguf file or a
+    hub id), as the overrides Hydra composes: `target=pretrained target.spec=MODEL`. The run is then filed under the
+    model's own name (`targets.run_name`) unless target.name is given."""
+    known = {p.stem for p in (CONF / "target").glob("*.yaml")}
+    out = []
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        if eq and key == "target" and value not in known:
+            quote = "'" if "'" not in value else '"'
+            out += ["target=pretrained", f"target.spec={quote}{value}{quote}"]
+        else:
+            out.append(arg)
+    return out
 
 
 def _container(node) -> dict:
@@ -129,13 +153,30 @@ def feature_layers(cfg: DictConfig, target) -> tuple[int, ...]:
     if cfg.draft.get("kind", "eagle") == "medusa":
         raise ValueError("draft.feature_layers is for EAGLE heads; Medusa heads read the last hidden state")
     if not layers or layers == "auto":
-        # the published EAGLE-3 head's taps (inputs of layers 2, L//2, L-3), else eagle_lite's earlier choice
-        pick = published_feature_layers if eagle3 else auto_feature_layers
-        layers = pick(target.config.num_hidden_layers)
+        # the published EAGLE-3 head's taps (inputs of layers 2, L//2, L-3), else eagle_lite's earlier choice; a
+        # stack too short for the published three (L < 7) gets three spread over the layers it has
+        count = target.config.num_hidden_layers
+        pick = (auto_feature_layers if not eagle3 else published_feature_layers if count >= 7 else
+                short_stack_taps)
+        layers = pick(count)
+        if eagle3 and count < 7:
+            log.info("draft.feature_layers: target '%s' has %d decoder layers, too few for the published EAGLE-3 "
+                     "taps; the head reads layers %s", target.name, count, list(layers))
     else:
         layers = tuple(int(i) for i in layers)
     target.check_taps(layers, "draft.feature_layers")
     return layers
+
+
+def short_stack_taps(num_layers: int) -> tuple[int, ...]:
+    """Three EAGLE-3 taps for a stack of 4 to 6 decoder layers: the first, middle and last layer the head may read
+    (outputs 0 to L-2; the last layer's output is the final hidden state)."""
+    taps = (0, (num_layers - 2) // 2, num_layers - 2)
+    if len(set(taps)) != 3:
+        raise ValueError(f"an EAGLE-3 head reads three decoder layers' outputs from 0 to L-2, and this target has "
+                         f"L = {num_layers}: train an EAGLE-1 head instead (draft.design=eagle), which reads the last "
+                         f"hidden state")
+    return taps
 
 
 def group_names(cfg: DictConfig, sources: list[DataSource]) -> list[str]:
@@ -374,8 +415,8 @@ def fit(cfg: DictConfig, module, data):
     """Stage 3: Lightning fit, resumed from <output>/checkpoints/last.ckpt when present and cfg.resume. With
     early_stopping, the module ends up with the weights of its best validation epoch (checkpoints/best.ckpt)."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
+    from .loggers import build_logger
     from .report import History
     from .run_folder import AtomicCheckpointIO, resume_checkpoint
 
@@ -394,8 +435,9 @@ def fit(cfg: DictConfig, module, data):
         best = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=stop.monitor, mode=stop.mode, save_top_k=1,
                                auto_insert_metric_name=False, enable_version_counter=False)
         callbacks.append(best)
+    bar = {} if cfg.progress else {"enable_progress_bar": False}   # progress=false: no bar anywhere
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
-                                      logger=CSVLogger(output, name="logs"), default_root_dir=str(output))
+                                      logger=build_logger(cfg) or False, default_root_dir=str(output), **bar)
     found = resume_checkpoint(ckpt_dir) if cfg.resume else None   # a damaged one is set aside
     resume_from = str(found) if found else None
     if resume_from:
@@ -504,7 +546,10 @@ def check_settings(cfg: DictConfig) -> str | None:
             raise ValueError("data.features.mode=online trains EAGLE heads; Medusa heads read the feature cache "
                              "(data.features.mode=cached)")
     if stop_after is None:
+        from .loggers import check_logger
+
         _typed(LoaderConfig, cfg.data.loader)
+        check_logger(cfg)
         early_stop_of(cfg)
         check_draft_settings(cfg)
     return stop_after
@@ -565,6 +610,7 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
     from eagle_lite.heads.checkpoint import save_head
     from eagle_lite.heads.medusa import save_medusa
 
+    from .estimate import announce
     from .features import describe_bytes
     from .report import folder_bytes, plot_training_curve, write_train_log
     from .run_folder import mark_finished
@@ -575,9 +621,10 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
     settings = _typed(TargetConfig, cfg.target)
     target = build_target(dataclasses.replace(settings, device=ranks.device(settings.device)))
     sources = data_sources(cfg)
+    taps = feature_layers(cfg, target)
+    estimated = announce(cfg, target, sources, taps) if cfg.get("estimate", True) and ranks.zero else None
     if stop_after == "distill":
         return {**distill_only(cfg, target, sources, ranks), "seconds": round(time.perf_counter() - start, 1)}
-    taps = feature_layers(cfg, target)
     seconds, manifest, data = prepare_data(cfg, target, sources, taps, ranks)
     if stop_after == "features":
         log.info("stop_after=features: %d sequences, %d tokens ready in %s; rerun without it to fit",
@@ -605,6 +652,9 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
         "resumed_from_step": history.start_step, "epochs": trainer.current_epoch,
         "sequences": manifest["total_sequences"], "tokens": manifest["total_tokens"],
         "draft_vocab_size": getattr(module.head, "draft_vocab_size", None),  # None for Medusa heads
+        "head_kind": "medusa" if cfg.draft.get("kind", "eagle") == "medusa" else module.head.design,
+        "val_sequences": len(data.val_rows) if data.val_rows is not None else None,
+        "estimated_seconds": estimated["seconds"] if estimated else None,
         "seconds": round(time.perf_counter() - start, 1),
         **seconds, "seconds_fit": history.fit_seconds,
         "disk_distill": describe_bytes(sum(folder_bytes(s.distill) for s in sources)),
@@ -655,11 +705,11 @@ def main(cfg: DictConfig) -> None:
         print(f"{ready} ready: {result['sequences']} sequences, {result['tokens']} tokens "
               f"({result['seconds']} s{stage}){made}")
         return
-    print(f"head: {result['export']}  step {result['global_step']}  "
-          f"val/top1 {result.get('val/top1', float('nan')):.3f}  "
-          f"val/accept_len_est {result.get('val/accept_len_est', float('nan')):.2f}  "
-          f"({result['seconds']} s)")
+    from .next_steps import closing
+
+    print(closing(result, cfg.target.spec if cfg.target.kind == "pretrained" else None))
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = own_target(sys.argv[1:])
     sys.exit(hydra_entry(main, stopped="[stopped] finished work is kept: run the same command again to resume"))

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.options import quiet_libraries, target_of
 from eagle_lite.threads import check_threads
 
 from .datamodule import DraftDataModule, LoaderConfig
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("heads", nargs="+", help="exported head folders (config.json + model.safetensors)")
     parser.add_argument("--features", nargs="+", required=True,
                         help="feature cache folders of the heads' target (trainers.features), read as one")
-    parser.add_argument("--target", default="smollm2", help="the target: alias, .gguf file, folder or hub id")
+    parser.add_argument("--target", default=None,
+                        help="the target: alias, .gguf file, folder or hub id (default: the one the first head was "
+                             "trained for, where it loads here; else smollm2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="id: held out by a hash of each record's id (as training draws it); dedup: near-duplicate "
                              "ShareGPT chats held out only together, so no held-out prompt opens like a trained one")
     args = parser.parse_args(argv)
+    quiet_libraries(False)   # transformers' loading bars: what a user reads is the table, or one line
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     print(table(run(args)))
@@ -127,10 +131,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         LoaderConfig(batch_size=args.batch_size, val_percent=args.val_percent, split=args.split)   # its checks
     for head in args.heads:
         read_head_config(head)
-    for folder in args.features:
-        FeatureCache(folder)
-    target = build_target(TargetConfig(spec=args.target, name=Path(args.target).stem, device=args.device,
-                                       threads=args.threads))
+    caches = [FeatureCache(folder) for folder in args.features]
+    spec = target_of(args.target, args.heads[0]) or "smollm2"
+    target = build_target(TargetConfig(spec=spec, name=Path(spec).stem, device=args.device, threads=args.threads))
+    for folder, cache in zip(args.features, caches):
+        built = cache.manifest.get("target", {})
+        if built.get("embedding_sha") != target.fingerprint()["embedding_sha"]:
+            raise ValueError(f"feature cache {folder} holds the features of target '{built.get('name')}', not of "
+                             f"'{spec}': pass --target {built.get('name')} (the cache stays as it is)")
     return validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth,
                           args.split)
 

@@ -58,6 +58,7 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
     config = {
         "format": FORMAT, "version": VERSION,
         "target": target.fingerprint(),
+        **({"target_spec": target.spec} if getattr(target, "spec", None) else {}),
         "layer_class": type(head.layer).__name__,
         "draft_vocab_size": head.draft_vocab_size,
         **({"feature_layers": list(head.feature_layers)} if head.feature_layers else {}),
@@ -120,6 +121,21 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], wher
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=True)
 
 
+def recorded_target(path: str | Path) -> str | None:
+    """The target a head folder says it was trained for: the spec eagle_lite records (an alias, an absolute folder or
+    file, a hub id), else the name in its fingerprint; in a published layout, its eagle_lite record's. None: the folder
+    says nothing (or is no head folder)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    record = config if "format" in config else (config.get("eagle_lite") or {})
+    spec = record.get("target_spec") or (record.get("target") or {}).get("name")
+    return str(spec) if spec else None
+
+
 def check_target(config: dict, target, path: Path | str = "", what: str = "draft head") -> None:
     """Refuse a head whose recorded target differs from `target` in architecture or weights."""
     built, given = config.get("target", {}), target.fingerprint()
@@ -128,9 +144,11 @@ def check_target(config: dict, target, path: Path | str = "", what: str = "draft
         def describe(fp: dict) -> str:
             return (f"'{fp.get('name')}' ({fp.get('model_type')}, hidden {fp.get('hidden_size')}, "
                     f"vocab {fp.get('vocab_size')}, embeddings {fp.get('embedding_sha')})")
+        spec = config.get("target_spec") or built.get("name")
         raise HeadMismatchError(
             f"{what} {path} was trained for target {describe(built)}, got {describe(given)}; "
-            f"train one for this target (make train) or pass the target it was built for"
+            f"pass the target it was trained for (--target {spec}), or train a head for this one "
+            f"(python -m trainers.train target=MODEL)"
         )
 
 

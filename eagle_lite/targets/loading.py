@@ -227,4 +227,22 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         where = "folder" if isinstance(folder, Path) else "hub id (no such local folder)"
         raise RuntimeError(f"could not load target '{spec}' as a {where}: {one_line(err)}") from err
-    return Target(model.to(device), tokenizer, name=name, attention=attention, accelerate=accelerate)
+    target = Target(model.to(device), tokenizer, name=name, attention=attention, accelerate=accelerate)
+    # what a head trained on it records, to find it again from any working directory (`resolves`)
+    target.spec = spec if spec in _EMBEDDED or not isinstance(source, Path) else str(source.resolve())
+    return target
+
+
+def resolves(spec: str) -> bool:
+    """Whether target `spec` loads on this machine without a download: an embedded alias, a local folder or .gguf
+    file that is there, or a hub id already in the local Hugging Face cache."""
+    if spec in _EMBEDDED:
+        return True
+    if spec.endswith(".gguf") or spec.startswith(("/", "./", "../", "~")) or Path(spec).exists():
+        return Path(spec).expanduser().exists()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    except Exception:   # not a valid repo id
+        return False

@@ -295,8 +295,10 @@ class Target:
         layers = self.config.num_hidden_layers
         bad = [i for i in taps if not 0 <= i <= layers - 2]
         if bad or len(set(taps)) != len(taps):
+            example = sorted({0, (layers - 2) // 2, max(layers - 2, 0)})
             raise ValueError(f"{what} reads the outputs of decoder layers {list(taps)}, but target '{self.name}' has "
-                             f"{layers} layers: feature layers are distinct, from 0 to {layers - 2}")
+                             f"{layers} layers: feature layers are distinct, from 0 to {layers - 2} (e.g. "
+                             f"{example})")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits [R, V] of final hidden states [R, H] (lm_head.LmHead.logits)."""

@@ -525,6 +525,7 @@ def test_a_resumed_run_trains_on_the_batches_an_uninterrupted_run_does(runs, mon
     from trainers.train import train
 
     overrides = ("trainer.max_steps=26", "checkpoint.every_n_train_steps=2", "data.loader.batch_size=2",
+                 "estimate=false",   # its probe's training step would be recorded too
                  "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=1", "trainer.val_check_interval=1.0")
     step, check = DraftLightningModule.training_step, DraftLightningModule.validation_step
     seen: list[tuple] = []

@@ -94,8 +94,7 @@ def _fit_row(cfg, target, taps: tuple[int, ...], length: int) -> float | None:
     size = cfg.draft.get("vocab_size")
     d2t = torch.arange(int(size)) if size is not None and int(size) < target.vocab_size else None
     design = cfg.draft.get("design", "eagle")
-    with torch.random.fork_rng(devices=[]):
-        head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design).float()
+    head = DraftHead.for_target(target, d2t, feature_layers=taps, design=design).float()
     objective = ObjectiveConfig(**OmegaConf.to_container(cfg.draft.objective, resolve=True))
     module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight, objective, OptimConfig())
     module = module.to(target.device)
@@ -121,9 +120,10 @@ def probe(cfg, target, taps: tuple[int, ...]) -> Probe:
     batch = int(cfg.data.distill.batch_size)
     length = min(PROMPT_TOKENS + int(cfg.data.distill.max_new_tokens), int(cfg.data.features.max_len))
     row = int(cfg.data.loader.max_len) if cfg.data.loader.pack else length
-    return Probe(decode_step_s=_decode_step(target, batch, PROMPT_TOKENS), batch=batch,
-                 forward_token_s=_forward(target, int(cfg.data.features.batch_size), length, taps),
-                 fit_row_s=_fit_row(cfg, target, taps, row), row_tokens=row)
+    with torch.random.fork_rng(devices=[]):   # the run's seeded random state stays as the stages expect it
+        return Probe(decode_step_s=_decode_step(target, batch, PROMPT_TOKENS), batch=batch,
+                     forward_token_s=_forward(target, int(cfg.data.features.batch_size), length, taps),
+                     fit_row_s=_fit_row(cfg, target, taps, row), row_tokens=row)
 
 
 def _answered(folder: Path, start_from: str | None) -> int:

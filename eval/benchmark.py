@@ -21,7 +21,7 @@ from eagle_lite.options import add_method_flags, option_values, quiet_libraries,
 from eagle_lite.threads import check_threads
 
 from . import report
-from .sweep import EvalSettings, Stopped, check_out_dir, evaluate, write_outputs
+from .evaluation import EvalSettings, Stopped, add_static_flags, check_out_dir, evaluate, write_outputs
 
 ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 # also available: staged (eagle whose head checks the lookup chain), eagle_q and eagle_match (eagle with one sampling
@@ -76,15 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_method_flags(g)
     p.add_argument("--out", type=Path, help="also write records, summary and plots into this folder")
     return p.parse_args(argv)
-
-
-def add_static_flags(p) -> None:
-    """--static-mode and --static-max-len: how vanilla_graph / eagle_graph run (eval.benchmark and eval.tune)."""
-    p.add_argument("--static-mode", default="auto",
-                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
-                   help="vanilla_graph / eagle_graph: auto = CUDA graphs on CUDA, eager on a CPU")
-    p.add_argument("--static-max-len", type=int, default=2048,
-                   help="vanilla_graph / eagle_graph: cache slots allocated once (each step attends over all of them)")
 
 
 def settings_of(args: argparse.Namespace) -> EvalSettings:

@@ -39,7 +39,7 @@ from eagle_lite.tree import DraftTree
 
 from .methods import Method, Run, engine_method
 from .runner import Record
-from .tune import Candidate, check_counts, floats, skip_per_category, tree_label, tree_spec, tune, with_tree
+from .tuning import Candidate, check_counts, floats, skip_per_category, tree_label, tree_spec, tune, with_tree
 
 BASELINE = "vanilla"
 TASKS = ("sharegpt", "humaneval")   # built-in prompt sets --questions may name
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     from eagle_lite.options import quiet_libraries, target_of
     from eagle_lite.targets.loading import load_target
 
-    from .sweep import load_questions
+    from .evaluation import load_questions
 
     quiet_libraries(False)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -29,9 +29,9 @@ from eagle_lite.drafters import registry
 from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads, set_threads
 
-from .sweep import head_for
+from .evaluation import head_for
 from .tasks import load_question_file
-from .tune import tree_label, tree_spec
+from .tuning import tree_label, tree_spec
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 

@@ -45,7 +45,7 @@ from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
 from eagle_lite.threads import check_threads, set_threads
 
-from .tune import ints, tree_spec
+from .tuning import ints, tree_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

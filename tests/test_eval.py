@@ -355,10 +355,10 @@ def no_target_load(monkeypatch):
         raise AssertionError("the target was loaded before the inputs were checked")
 
     import eagle_lite.targets.loading
+    import eval.evaluation
     import eval.profile_step
-    import eval.sweep
 
-    for module in (eagle_lite.targets.loading, eval.sweep, eval.profile_step):
+    for module in (eagle_lite.targets.loading, eval.evaluation, eval.profile_step):
         monkeypatch.setattr(module, "load_target", refuse)
 
 

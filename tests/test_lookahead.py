@@ -282,8 +282,8 @@ def test_cli_refuses_bad_sizes_in_one_line_before_the_target_loads(flag, value, 
 
 def test_python_api_and_eval_methods_take_it(tiny_model_dir, llama):
     from eagle_lite import load
+    from eval.evaluation import EvalSettings, check_settings
     from eval.methods import build_methods
-    from eval.sweep import EvalSettings, check_settings
 
     lm = load(str(tiny_model_dir), method="lookahead", options=LookaheadOptions(window=2, ngram=3, candidates=2))
     assert lm.method == "lookahead" and isinstance(lm.engine.drafter, LookaheadDrafter)
@@ -322,13 +322,13 @@ def test_the_sweep_config_sets_its_sizes(tiny_model_dir, tmp_path):
 
 def test_benchmark_and_tune_take_its_flags(capsys, monkeypatch):
     import eagle_lite.targets.loading
-    import eval.sweep
+    import eval.evaluation
     from eval import benchmark, tune
 
     def refuse(*a, **k):
         raise AssertionError("the target was loaded before the inputs were checked")
 
-    for module in (eagle_lite.targets.loading, eval.sweep):
+    for module in (eagle_lite.targets.loading, eval.evaluation):
         monkeypatch.setattr(module, "load_target", refuse)
     args = benchmark.parse_args(["--methods", "vanilla,lookahead", "--lookahead-window", "3"])
     assert every_options(benchmark.settings_of(args).options)["lookahead"] == LookaheadOptions(window=3)

@@ -67,8 +67,9 @@ def test_eval_takes_its_flag_and_its_config_key(toy, llama):
     from hydra import compose, initialize_config_dir
 
     from eval import benchmark
+    from eval.evaluation import check_settings
     from eval.methods import build_methods
-    from eval.sweep import check_settings, settings_from
+    from eval.sweep import settings_from
 
     args = benchmark.parse_args(["--methods", "vanilla,toy", "--toy-width", "5"])
     assert args.toy_width == 5

@@ -27,13 +27,13 @@ def endless_model_dir(tmp_path_factory):
 def refuse_target_loads(monkeypatch) -> None:
     """Loading a target fails the test: what is checked here must be checked before."""
     import eagle_lite.pipeline
-    import eval.sweep
+    import eval.evaluation
 
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded before the inputs were checked")
 
     monkeypatch.setattr(eagle_lite.pipeline, "load_target", refuse)
-    monkeypatch.setattr(eval.sweep, "load_target", refuse)
+    monkeypatch.setattr(eval.evaluation, "load_target", refuse)
 
 
 # -- the boundary -----------------------------------------------------------------------------------------------
@@ -232,9 +232,9 @@ def test_benchmark_checks_its_out_path_before_the_first_prompt(tiny_model_dir, t
 
 def interrupt_after(monkeypatch, runs: int, interrupt=KeyboardInterrupt) -> None:
     """Ctrl-C (or `interrupt`) arrives during the run after `runs` finished method runs (warm-up not counted)."""
-    import eval.sweep
+    import eval.evaluation
 
-    build = eval.sweep.build_methods
+    build = eval.evaluation.build_methods
 
     def counting(*args, **kwargs):
         methods, calls = build(*args, **kwargs), [0]
@@ -249,7 +249,7 @@ def interrupt_after(monkeypatch, runs: int, interrupt=KeyboardInterrupt) -> None
             return call
         return {name: wrap(m) for name, m in methods.items()}
 
-    monkeypatch.setattr(eval.sweep, "build_methods", counting)
+    monkeypatch.setattr(eval.evaluation, "build_methods", counting)
 
 
 def test_ctrl_c_in_the_benchmark_prints_and_writes_what_finished(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -42,12 +42,12 @@ def sampling_of(config, logits_processor) -> SamplingConfig:
                           top_k=int(config.top_k or 0))
 
 
-def engine_for(model, draft):
+def model_engine(model, draft):
     """The Engine for `model` and `draft` (cached per model)."""
-    from .decoding.engine import Engine
-    from .drafters import EagleOptions, build
+    from .drafters import EagleOptions
     from .formats import load_head
     from .heads.draft import DraftHead
+    from .pipeline import engine_for
     from .targets.model import Target
 
     if ENGINES_ATTR not in model.__dict__:
@@ -58,12 +58,11 @@ def engine_for(model, draft):
     key = id(draft) if isinstance(draft, DraftHead) else str(draft)
     if key not in engines:
         if draft is None:
-            drafter = build("lookup", target)
+            engines[key] = engine_for(target, "lookup")
         else:
             head = draft if isinstance(draft, DraftHead) else load_head(Path(draft), target)
             head = head.to(device=target.device, dtype=target.dtype)
-            drafter = build("eagle", target, EagleOptions(head=head, round_head=False))
-        engines[key] = Engine(target, drafter)
+            engines[key] = engine_for(target, "eagle", EagleOptions(head=head, round_head=False))
     return engines[key]
 
 
@@ -89,7 +88,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor, stopping_crit
               if getattr(generation_config, k, False)]
     if wanted:
         raise ValueError(f"{', '.join(wanted)}: eagle_lite's speculative decoding returns the sequences only")
-    engine = engine_for(model, draft)
+    engine = model_engine(model, draft)
     head = getattr(engine.drafter, "head", None)
     tree = tree or resolve_tree(getattr(head, "tree", None), device=str(engine.target.device))
     prompt = input_ids[0].tolist()

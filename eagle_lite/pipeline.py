@@ -37,7 +37,7 @@ class Pipeline:
 
     def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None, options=None) -> None:
         self.target, self.method, self.options = target, method, options
-        self.engine = engine if engine is not None else Engine(target, drafter)
+        self.engine = engine if engine is not None else engine_for(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
         source = drafter if engine is None else engine
         self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None), device=str(target.device))
@@ -151,6 +151,14 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
         head = eagle_head(tgt, options) if method == "eagle" else None
         return Pipeline(tgt, None, f"{method}_graph", StaticEngine(tgt, head, mode=static))
     return for_target(tgt, method, options)
+
+
+def engine_for(target: Target, method: str | Drafter | None = registry.AUTO, options=None) -> Engine:
+    """The engine that decodes `target` with method `method`'s drafter (its `options`; "auto" resolved), with a drafter
+    already built, or with none (None: each request brings its own, as the server's do). The one place an `Engine` is
+    assembled: the pipeline, the server, custom_generate and eval all come here."""
+    drafter = registry.build(method, target, options) if isinstance(method, str) else method
+    return Engine(target, drafter)
 
 
 def for_target(target: Target, method: str = registry.AUTO, options=None) -> Pipeline:

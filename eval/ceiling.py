@@ -31,8 +31,8 @@ import torch
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
-from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
+from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 from eagle_lite.tree import DraftTree
@@ -178,7 +178,7 @@ def candidates(target: Target, options: registry.EagleOptions, trees: list[TreeC
 
 
 def _engine(target: Target, drafter) -> Method:
-    return engine_method(Engine(target, drafter))
+    return engine_method(engine_for(target, drafter))
 
 
 def markdown(rows: list[dict], oracles: dict[str, OracleDraft]) -> str:

@@ -26,6 +26,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.registry import eagle_head
+from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.loading import gguf_file
 from eagle_lite.targets.model import Target
 
@@ -191,4 +192,4 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
         "llama_cpp": lambda: llama_cpp(target, gguf, threads),
     }
     return {n: factories[n]() if n in factories else
-            engine_method(Engine(target, registry.build(engine[n][0], target, engine[n][1]))) for n in names}
+            engine_method(engine_for(target, engine[n][0], engine[n][1])) for n in names}

@@ -26,6 +26,7 @@ from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
+from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -104,14 +105,13 @@ def run(args: argparse.Namespace) -> int:
     head, note = head_for(target, args.draft)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
     plain = GenerationConfig(args.max_new_tokens)
-    runs = [("vanilla", Engine(target, registry.build("vanilla", target)), plain)]
+    runs = [("vanilla", engine_for(target, "vanilla"), plain)]
     if args.static:
         runs.append(("vanilla_graph", StaticEngine(target, None, mode=args.static, profile=True), plain))
-    runs.append(("lookup", Engine(target, registry.build("lookup", target)), plain))
+    runs.append(("lookup", engine_for(target, "lookup"), plain))
     for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
-        runs.append((tree_label(tree), Engine(target, registry.build(
-            "eagle", target, registry.EagleOptions(head=head))), cfg))
+        runs.append((tree_label(tree), engine_for(target, "eagle", registry.EagleOptions(head=head)), cfg))
         if args.static:
             runs.append((f"{tree_label(tree)} graph", StaticEngine(target, head, mode=args.static, profile=True), cfg))
     rows = profile(runs, prompts)

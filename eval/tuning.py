@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
+from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.model import Target
 
 from . import report, runner
@@ -52,10 +52,10 @@ def chain_candidates(method: str, target: Target, num_tokens: list[int], base=No
         return registry.build(method, target, replace(base, **kw))
 
     out = [Candidate(f"{method} K={k}", {"num_tokens": k, "adaptive": False},
-                     lambda k=k: engine_method(Engine(target, drafter(k, False)))) for k in num_tokens]
+                     lambda k=k: engine_method(engine_for(target, drafter(k, False)))) for k in num_tokens]
     default_k = drafter(None, True).length.k
     out.append(Candidate(f"{method} K={default_k} adaptive", {"num_tokens": default_k, "adaptive": True},
-                         lambda: engine_method(Engine(target, drafter(None, True)))))
+                         lambda: engine_method(engine_for(target, drafter(None, True)))))
     return out
 
 
@@ -79,7 +79,7 @@ def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int],
     if static_mode is None:
         name = "eagle"
         options = replace(options or registry.EagleOptions(), head=head)
-        make_method = lambda: engine_method(Engine(target, registry.build("eagle", target, options)))
+        make_method = lambda: engine_method(engine_for(target, "eagle", options))
     else:
         name = "eagle_graph"
         grid = list(dict.fromkeys(replace(tree, lookup=0) for tree in grid))
@@ -112,8 +112,8 @@ def medusa_candidates(target: Target, heads, sizes: list[int]) -> list[Candidate
             continue
         seen.add(len(choices))
         out.append(Candidate(f"medusa nodes={len(choices)}", {"nodes": len(choices), "choices": choices},
-                             lambda c=choices: engine_method(Engine(
-                                 target, registry.build("medusa", target, registry.MedusaOptions(heads, c))))))
+                             lambda c=choices: engine_method(
+                                 engine_for(target, "medusa", registry.MedusaOptions(heads, c)))))
     return out
 
 
@@ -125,7 +125,7 @@ def lookahead_candidates(target: Target, windows: list[int], ngrams: list[int],
         options = registry.LookaheadOptions(window, ngram, count)
         registry.check("lookahead", options)
         out.append(Candidate(f"lookahead W={window} N={ngram} G={count}", dataclasses.asdict(options),
-                             lambda o=options: engine_method(Engine(target, registry.build("lookahead", target, o)))))
+                             lambda o=options: engine_method(engine_for(target, "lookahead", o))))
     return out
 
 
@@ -142,7 +142,7 @@ def tune(target: Target, questions: list[Question], candidates: list[Candidate],
     if baseline in labels or len(set(labels)) != len(labels):
         raise ValueError(f"candidate labels must be unique and not '{baseline}', got {labels}")
     methods = {baseline: make_baseline() if make_baseline is not None
-               else engine_method(Engine(target, registry.build(baseline, target)))}
+               else engine_method(engine_for(target, baseline))}
     methods.update({c.label: c.make() for c in candidates})
     records = runner.run(target, questions, methods, GenerationConfig(max_new_tokens=max_new_tokens),
                          baseline=baseline, warmup=warmup, on_record=on_record)

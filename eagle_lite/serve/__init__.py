@@ -19,8 +19,7 @@ what FastAPI gives (with its error handlers and streaming responses) and nothing
 from __future__ import annotations
 
 from ..config import TreeConfig
-from ..decoding.engine import Engine
-from ..pipeline import Pipeline
+from ..pipeline import Pipeline, engine_for
 from .app import Service, create_app
 from .cost import CostModel, measure_verify
 from .metrics import Metrics
@@ -43,7 +42,7 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     tree_nodes = probe.max_tree_nodes(tree)
     cost = CostModel(verify_seconds or measure_verify(pipeline.target), tree_nodes)
     metrics = Metrics(pipeline.method)
-    engine = Engine(pipeline.target)
+    engine = engine_for(pipeline.target, None)   # each sequence of a batch brings its own drafter
     scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads)
     return Service(pipeline, scheduler, metrics, model_id, tree, default_max_tokens, default_temperature,
                    default_seed)

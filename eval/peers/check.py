@@ -75,16 +75,16 @@ def prompts(target, count: int) -> list[list[int]]:
 def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int) -> dict[str, dict]:
     """eagle_lite vanilla and eagle (each head as a chain of k) on the prompts: tokens, seconds, forwards."""
     from eagle_lite.config import GenerationConfig, TreeConfig
-    from eagle_lite.decoding.engine import Engine
-    from eagle_lite.drafters import EagleOptions, registry
+    from eagle_lite.drafters import EagleOptions
     from eagle_lite.formats import load_head
+    from eagle_lite.pipeline import engine_for
 
     chain = TreeConfig(depth=k, top_k=1, total_tokens=k, lookup=0)
     heads = {"eagle3 (shipped head)": None, "eagle (EAGLE-1 head)": load_head(EAGLE1_HEAD, target)}
-    engines = {"vanilla": (Engine(target, registry.build("vanilla", target, None)), GenerationConfig(max_new))}
+    engines = {"vanilla": (engine_for(target, "vanilla", None), GenerationConfig(max_new))}
     for name, head in heads.items():
         options = EagleOptions(head=head, copy_mode=False) if head is not None else EagleOptions(copy_mode=False)
-        engines[f"{name}, k={k}"] = (Engine(target, registry.build("eagle", target, options)),
+        engines[f"{name}, k={k}"] = (engine_for(target, "eagle", options),
                                      GenerationConfig(max_new, tree=chain))
     out = {}
     for name, (engine, cfg) in engines.items():

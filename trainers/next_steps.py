@@ -35,8 +35,8 @@ def commands(result: dict, spec: str | None) -> list[tuple[str, str]]:
     methods = "vanilla,lookup,medusa" if kind == "medusa" else "vanilla,lookup,eagle"
     return [
         ("chat", " ".join(["python -m eagle_lite.generate", *target, *draft])),
-        ("benchmark", " ".join(["python -m eval.benchmark", *target, *draft, "--methods", methods, "--questions",
-                                _arg(HELDOUT), "--per-task", "2", "--max-new-tokens", "256"])),
+        ("benchmark", " ".join(["python -m eval.benchmark", *target, *draft, "--methods", methods, "--tasks", "''",
+                                "--questions", _arg(HELDOUT), "--per-task", "2", "--max-new-tokens", "256"])),
         ("serve", " ".join(["python -m eagle_lite.serve", *target, *draft])),
         ("export", " ".join(["python -m eagle_lite.export", head, "--format", fmt, "--out",
                              _arg(f"{result['export']}-{fmt}")])),

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import save_tiny_llama, tiny_train_config, train_config
+from conftest import tiny_train_config, train_config
 
 import trainers.train  # noqa: F401  (registers conf/'s resolvers: target_name, scaled)
 from trainers.targets import run_name
@@ -218,10 +218,32 @@ def python(command: list[str]) -> list[str]:
     return [sys.executable, *command[1:]]
 
 
+def save_real_tokenizer_model(path: Path) -> Path:
+    """A tiny random Llama with SmolLM2's own tokenizer and chat template (read from the embedded GGUF's metadata),
+    saved as a user's model folder is."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from eagle_lite.targets.loading import embedded_gguf
+
+    gguf = embedded_gguf("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)   # sharper logits: greedy continuations are not all ties
+    model.save_pretrained(path)
+    return path
+
+
 def test_own_model_folder_to_a_served_head_with_the_readme_command(tmp_path):
     from test_serve import free_port
 
-    model = save_tiny_llama(tmp_path / "my-llama", 1024, eos_token_id=2, lm_head_scale=8.0)
+    model = save_real_tokenizer_model(tmp_path / "my-llama")
     readme = (ROOT / "README.md").read_text()
     assert "python -m trainers.train target=./my-model data=quick" in readme
     runs = tmp_path / "runs"

@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .chat_format import chat_ids, clean_text
 from .config import GenerationConfig, TreeConfig, resolve_tree
 from .decoding.drafter import Drafter, NoDrafter
 from .decoding.engine import Engine, GenerationStats
-from .detokenize import Detokenizer
 from .drafters import registry
 from .targets.loading import load_target
 from .targets.model import Target
+from .text.chat_format import chat_ids, clean_text
+from .text.detokenize import Detokenizer
 
 
 @dataclass
@@ -68,12 +68,12 @@ class Pipeline:
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Text (one user message) or chat messages -> prompt token ids, through the chat template (a base model
-        without one: its plain layout, chat_format.py); chat_template=False: the text as it is. Either way the
+        without one: its plain layout, text/chat_format.py); chat_template=False: the text as it is. Either way the
         text is made valid first (`chat_format.clean_text`: undecodable bytes -> U+FFFD, NUL dropped)."""
         tok = self.target.tokenizer
         if tok is None:
             raise ValueError(f"target '{self.target.name}' has no tokenizer; pass token ids to Engine instead")
-        if chat_template:   # the tokenizer's template, or for a base model the plain layout (chat_format.py)
+        if chat_template:   # the tokenizer's template, or for a base model the plain layout (text/chat_format.py)
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             return chat_ids(tok, messages)
         if not isinstance(prompt, str):
@@ -100,9 +100,9 @@ class Pipeline:
     def stream(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
                chat_template: bool = True, stats: GenerationStats | None = None,
                token_ids: list[int] | None = None) -> Iterator[str]:
-        """Yield text as tokens are accepted (a multi-byte character once it is whole; detokenize.py decodes a short
-        window of the latest tokens, not the whole answer, at each step); `stats` and `token_ids` (if given) are
-        filled in as it goes, so whoever stops the stream early (Ctrl-C) still holds what was generated."""
+        """Yield text as tokens are accepted (a multi-byte character once it is whole; text/detokenize.py decodes a
+        short window of the latest tokens, not the whole answer, at each step); `stats` and `token_ids` (if given)
+        are filled in as it goes, so whoever stops the stream early (Ctrl-C) still holds what was generated."""
         ids: list[int] = token_ids if token_ids is not None else []
         text = Detokenizer(self.decode)
         for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config or self.config(), stats):

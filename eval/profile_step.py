@@ -20,7 +20,6 @@ import sys
 
 import torch
 
-from eagle_lite.chat_format import chat_ids
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
@@ -28,6 +27,7 @@ from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
 from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.loading import load_target
+from eagle_lite.text.chat_format import chat_ids
 from eagle_lite.threads import check_threads, set_threads
 
 from .evaluation import head_for

@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from eagle_lite.chat_format import chat_ids
 from eagle_lite.config import GenerationConfig
 from eagle_lite.targets.model import Target
+from eagle_lite.text.chat_format import chat_ids
 
 from .methods import Method
 from .tasks import Question

@@ -217,7 +217,7 @@ def cli(*args: str | bytes) -> list:
 
 
 def test_clean_text_makes_any_input_valid_text():
-    from eagle_lite.chat_format import clean_text
+    from eagle_lite.text.chat_format import clean_text
 
     assert clean_text("plain ascii") == "plain ascii"
     assert clean_text("a\x00b") == "ab"                                     # NUL is dropped

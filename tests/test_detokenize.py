@@ -9,8 +9,8 @@ from conftest import make_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from eagle_lite.detokenize import Detokenizer
 from eagle_lite.pipeline import Pipeline, load
+from eagle_lite.text.detokenize import Detokenizer
 
 # multi-byte characters: é and ï are two bytes, € three, 😀 four
 TEXT = "café: 5 € — naïve 😀 ok\n" * 8

@@ -63,7 +63,7 @@ def base_model_dir(tiny_model_dir, tmp_path):
 
 def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_prompts(tiny_model_dir, tmp_path):
     """No chat template (GPT-2, Pythia): prompts and earlier turns in the plain layout (chat_format.py)."""
-    from eagle_lite.chat_format import chat_text
+    from eagle_lite.text.chat_format import chat_text
 
     target = load_target(str(base_model_dir(tiny_model_dir, tmp_path)))
     assert not getattr(target.tokenizer, "chat_template", None)

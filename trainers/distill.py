@@ -45,9 +45,9 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle_lite.atomic import write_atomic, write_json_atomic, write_text_atomic
-from eagle_lite.chat_format import chat_text, clean_text
 from eagle_lite.cli import entry_point
 from eagle_lite.targets.model import Target
+from eagle_lite.text.chat_format import chat_text, clean_text
 
 from .answering import BACKENDS, check_method, generate_answers, resolve_backend
 from .ranks import Ranks

@@ -70,7 +70,7 @@ def engine_view(head, engine: str, vllm_layout: bool = False) -> View:
 def reference_sequences(target, prompts=PROMPTS, new_tokens: int = 40) -> list[tuple[torch.Tensor, int]]:
     """(prompt + the target's greedy continuation, prompt length) per prompt, chat-formatted when the tokenizer
     has a template."""
-    from ..chat_format import chat_ids
+    from ..text.chat_format import chat_ids
 
     seqs = []
     for text in prompts:

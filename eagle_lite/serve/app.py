@@ -3,7 +3,7 @@
 Every answer is JSON or server-sent events in OpenAI's shapes; every failure is OpenAI's error object with a
 status (400 bad request, 404 no such route, 413 too long, 429 busy, 503 draining, 500 a failed generation),
 never a traceback; a client that disconnects before its request is whole is counted as 499 (nginx's "client
-closed request") and answered with nothing. Text is detokenized here, on the event loop (detokenize.py: a
+closed request") and answered with nothing. Text is detokenized here, on the event loop (text/detokenize.py: a
 multi-byte character held back until it is whole), and stop strings are found in that text (the text before the
 first one is returned and the sequence is cancelled).
 """
@@ -23,8 +23,8 @@ from starlette.requests import ClientDisconnect
 
 from ..config import GenerationConfig, SamplingConfig, TreeConfig
 from ..decoding.engine import GenerationStats
-from ..detokenize import Detokenizer
 from ..pipeline import Pipeline
+from ..text.detokenize import Detokenizer
 from .metrics import Metrics
 from .protocol import parse, parse_json
 from .scheduler import Job, Refused, Scheduler

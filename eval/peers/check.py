@@ -66,7 +66,7 @@ def export_all(target, fresh: bool) -> dict[str, list[str]]:
 
 
 def prompts(target, count: int) -> list[list[int]]:
-    from eagle_lite.chat_format import chat_ids
+    from eagle_lite.text.chat_format import chat_ids
 
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()][:count]
     return [chat_ids(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]

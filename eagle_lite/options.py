@@ -11,6 +11,7 @@ is the flag `--exit-layer` of every entry point and the key `exit_layer` of ever
                                     `lookahead: {window: 2}` is `lookahead_window`)
   options_of(method, values)        that method's options dataclass, the fields not given at their defaults
   add_model_flags / load_from_flags the CLI's and the server's flags -> `load()` -> the GenerationConfig
+  add_device_flags, add_sampling_flags, add_tree_flags   its parts, which the eval tools declare their flags with
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from .drafters import registry
 from .threads import check_threads, set_threads
 
 __all__ = ["Flag", "option", "method_flags", "add_method_flags", "option_values", "options_of", "every_options",
-           "add_model_flags", "tree_flags", "generation_config", "check_flags", "load_from_flags",
-           "note_default_tree", "quiet_libraries"]
+           "add_model_flags", "add_sampling_flags", "add_tree_flags", "add_device_flags", "tree_flags",
+           "generation_config", "check_flags", "load_from_flags", "note_default_tree", "quiet_libraries", "target_of"]
 
 
 class Declared(NamedTuple):
@@ -99,24 +100,38 @@ def every_options(values: Mapping | None = None) -> dict[str, Any]:
 
 
 # -- the CLI's and the server's flags ---------------------------------------------------------------------------
+TARGET_HELP = ("target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any transformers "
+               "causal LM whose cached tree forward matches its own (checked at load); with --draft HEAD, the target "
+               "the head was trained for")
+ATTENTION = ["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"]
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the model, the method (every registered method's own), the draft tree and sampling: the CLI's
     (`python -m eagle_lite.generate`) and the server's (`python -m eagle_lite.serve`) alike."""
-    tree, sampling = TreeConfig(), SamplingConfig()
-    p.add_argument("--target", default=None,
-                   help="target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any "
-                        "transformers causal LM whose cached tree forward matches its own (checked at load)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--method", default=registry.AUTO, choices=[registry.AUTO, *registry.METHODS],
                    help="; ".join(f"{name}: {m.summary}" for name, m in registry.METHODS.items())
                         + f"; {registry.AUTO}: eagle if a head exists, else lookup (training-free)")
     add_method_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
-    g = p.add_argument_group("sampling (temperature 0 = greedy)")
+    add_sampling_flags(p.add_argument_group("sampling (temperature 0 = greedy)"))
+    add_tree_flags(p)
+    add_device_flags(p)
+
+
+def add_sampling_flags(g, seed: int | None = None, seed_help: str = "seed for sampling (reproducible outputs)") -> None:
+    """--temperature, --top-p, --top-k and --seed (default `seed`): `SamplingConfig`'s fields and the draws' seed."""
+    sampling = SamplingConfig()
     g.add_argument("--temperature", type=float, default=sampling.temperature)
     g.add_argument("--top-p", type=float, default=sampling.top_p)
     g.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off")
-    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible outputs)")
-    cpu, gpu = default_tree("cpu"), default_tree("cuda")
+    g.add_argument("--seed", type=int, default=seed, help=seed_help)
+
+
+def add_tree_flags(p: argparse.ArgumentParser) -> None:
+    """The --tree-* flags, in their own group: `TreeConfig`'s fields, unset by default (`tree_flags`)."""
+    tree, cpu, gpu = TreeConfig(), default_tree("cpu"), default_tree("cuda")
     t = p.add_argument_group("draft tree (EAGLE-2 dynamic tree; unset: the tree the draft head recommends for the "
                              f"device, else depth {cpu.depth}, top_k {cpu.top_k}, total_tokens {cpu.total_tokens}, "
                              f"lookup {cpu.lookup} on a CPU and depth {gpu.depth}, top_k {gpu.top_k}, total_tokens "
@@ -130,13 +145,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tree-min-prob", type=float, default=None,
                    help="verify only drafted nodes whose path probability under the draft is at least P, and stop "
                         f"expanding below it (0: off; default {tree.min_prob})")
+
+
+def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None:
+    """--dtype, --device, --threads and (attention=True) --attention: where and how the target runs (every tool that
+    loads one)."""
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads, >= 1 (default: one per core). Use 1 when other jobs share the cores: "
                         "threads that wait for a busy core stall every step")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
-                   help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
+    if attention:
+        p.add_argument("--attention", default="auto", choices=ATTENTION,
+                       help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
 
 
 def target_of(target: str | None, draft=None, quiet: bool = False) -> str | None:

@@ -16,8 +16,16 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.config import default_tree
-from eagle_lite.options import add_method_flags, option_values, quiet_libraries, target_of
+from eagle_lite.options import (
+    TARGET_HELP,
+    add_device_flags,
+    add_method_flags,
+    add_sampling_flags,
+    add_tree_flags,
+    option_values,
+    quiet_libraries,
+    target_of,
+)
 from eagle_lite.threads import check_threads
 
 from . import report
@@ -39,10 +47,9 @@ def default_methods() -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    tree = default_tree("cpu")
     p = argparse.ArgumentParser(prog="python -m eval.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--methods", default=None,
                    help=f"comma-separated; the first is the baseline (default: {','.join(ALL_METHODS)}, "
                         f"plus llama_cpp when llama-cpp-python is installed)")
@@ -50,26 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=Path, help="an MT-bench / Spec-Bench JSONL question file (adds its categories)")
     p.add_argument("--per-task", type=int, default=3, help="questions per task (and per category of --questions)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree-depth", type=int, default=None,
-                   help=f"eagle's tree (unset: the head's recommended tree for --device, else the device's default: "
-                        f"depth {tree.depth}, top_k {tree.top_k}, total_tokens {tree.total_tokens}, lookup "
-                        f"{tree.lookup} on a CPU)")
-    p.add_argument("--tree-top-k", type=int, default=None)
-    p.add_argument("--tree-total-tokens", type=int, default=None)
-    p.add_argument("--tree-lookup", type=int, default=None, help="prompt-lookup tokens grafted onto the tree (0: off)")
-    p.add_argument("--tree-min-prob", type=float, default=None,
-                   help="verify only drafted nodes whose draft path probability is at least this (0: off)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy, every output checked against the baseline's; > 0: sampled (speed only)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling: the seed every method draws with on each prompt")
-    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ... (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"],
-                   help="the target's tree-verification backend (docs/attention.md); vanilla_graph and eagle_graph "
-                        "run an SDPA backend (gqa unless this is sdpa)")
+    add_tree_flags(p)
+    add_device_flags(p)
+    add_sampling_flags(p.add_argument_group("sampling (temperature 0: greedy, every output checked against the "
+                                            "baseline's; > 0: sampled, speed only)"),
+                       seed=0, seed_help="sampling: the seed every method draws with on each prompt")
     add_static_flags(p)
     g = p.add_argument_group("the methods' own options (eagle_q, eagle_match and eagle_full_vocab: eagle with one "
                              "draft sampling rule or the whole vocabulary; hf_assisted: --draft-model's LM)")

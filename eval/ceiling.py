@@ -32,6 +32,7 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
 from eagle_lite.drafters import registry
+from eagle_lite.options import TARGET_HELP, add_device_flags
 from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
@@ -209,15 +210,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=2, help="questions per category")
     p.add_argument("--skip", type=int, default=0, help="skip the first N questions of each category first")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--draft", default="auto", help="the head: 'auto' (shipped), 'random' or a head folder")
     p.add_argument("--trees", nargs="+", type=tree_spec, default=[TreeConfig(1, 1, 1, lookup=4)], metavar="SPEC",
                    help="chains, each depth,1,depth[,lookup] (default: 1,1,1,4)")
     p.add_argument("--rates", type=rates, default=[0.7, 0.8, 0.9, 1.0],
                    help="the oracle's accuracies per token, each in [0, 1]")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
-    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_device_flags(p, attention=False)
     return p.parse_args(argv)
 
 

@@ -25,6 +25,7 @@ from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
+from eagle_lite.options import TARGET_HELP, add_device_flags
 from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.loading import load_target
 from eagle_lite.text.chat_format import chat_ids
@@ -67,7 +68,7 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.profile_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None)
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--draft", default="auto", help="'auto', 'random' or a head folder")
     p.add_argument("--trees", nargs="*", type=tree_spec, default=[TreeConfig(3, 8, 8), TreeConfig(5, 8, 24)],
                    help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
@@ -76,9 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--questions", default=None,
                    help="an MT-bench / Spec-Bench JSONL file: profile the first turn of its questions instead")
     p.add_argument("--limit", type=int, default=1, help="--questions: questions per category")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
-    p.add_argument("--device", default="cpu", help="torch device of the target: cpu, cuda, ...")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_device_flags(p, attention=False)
     p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
                    choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
                    help="also profile the static step in this mode (auto: CUDA graphs on CUDA, eager elsewhere)")

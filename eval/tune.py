@@ -38,7 +38,7 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
-from eagle_lite.options import add_method_flags, options_of, quiet_libraries, target_of
+from eagle_lite.options import TARGET_HELP, add_device_flags, add_method_flags, options_of, quiet_libraries, target_of
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -89,12 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=0,
                    help="skip the first N questions of each task first (e.g. 3: prompts the benchmark does not use)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu",
-                   help="torch device of the target: cpu, cuda, ...; --save-tree records the tree for this kind of "
-                        "device (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
+    add_device_flags(p, attention=False)   # --save-tree records the tree for --device's kind of device
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
     add_method_flags(g, ("eagle", "draft_model", "layer_skip"))

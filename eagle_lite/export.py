@@ -57,9 +57,10 @@ def head_record(path: Path) -> dict:
 
 def target_spec(path: Path, given: str | None) -> str:
     """--target, else the target the head records (`options.target_of`)."""
+    from .heads.checkpoint import recorded_target
     from .options import target_of
 
-    spec = target_of(given, path)
+    spec = target_of(given, path) or recorded_target(path)   # one not on this machine: its load says why
     if not spec:
         raise ValueError(f"{path} does not say which target it was made for: pass --target SPEC")
     return spec

@@ -34,6 +34,7 @@ def test_target_names_a_model_folder_or_hub_id_and_the_run_is_filed_under_it(tmp
         "target=pretrained", "target.spec='./models/my-qwen'", "name=x"]
     assert own_target(["target=Qwen/Qwen2.5-0.5B-Instruct"])[1] == "target.spec='Qwen/Qwen2.5-0.5B-Instruct'"
     assert own_target(["target.spec=x", "+target=y"]) == ["target.spec=x", "+target=y"]   # other keys untouched
+    assert own_target(["-m", "target=tiny,smollm2"]) == ["-m", "target=tiny,smollm2"]    # a multirun over configs
     assert run_name("smollm2") == "smollm2"
     assert run_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen--Qwen2.5-0.5B-Instruct"
     assert run_name(str(tmp_path / "my-qwen") + "/") == "my-qwen"
@@ -140,24 +141,30 @@ def test_eagle3_taps_of_a_short_stack_are_chosen_not_refused():
 
 
 # -- the estimate ---------------------------------------------------------------------------------------------------
-def test_the_estimate_is_printed_and_written_before_the_stages_and_counts_what_is_done(tmp_path, capsys):
+def test_the_estimate_is_printed_and_written_before_the_stages_and_counts_what_is_done(tmp_path, capsys,
+                                                                                        monkeypatch):
+    import eagle_lite.kernels.native
     from trainers.train import train
 
+    monkeypatch.setattr(eagle_lite.kernels.native, "needs_build", lambda: True)   # a machine that never built them
     cfg = tiny_train_config(tmp_path, "trainer.max_epochs=1")
     result = train(cfg)
     out = capsys.readouterr().out
     assert out.index("estimate on this machine") < out.index("total")
     written = json.loads((Path(cfg.paths.output) / "estimate.json").read_text())
     stages = {s["stage"]: s for s in written["stages"]}
-    assert set(stages) == {"distill", "features", "fit"}
+    assert set(stages) == {"kernels", "distill", "features", "fit"}
+    assert stages["kernels"]["seconds"] > 0 and "once per machine" in stages["kernels"]["what"]
     assert stages["distill"]["what"] == "48 answers of up to 40 new tokens"
     assert stages["features"]["bytes"] > 0 and all(s["seconds"] > 0 for s in stages.values())
     assert written["probe"]["decode_step_s"] > 0 and written["probe"]["fit_row_s"] > 0
     assert result["estimated_seconds"] == written["seconds"]
     # a second run over the same data: the answers and features are there, only the fit is left
+    monkeypatch.setattr(eagle_lite.kernels.native, "needs_build", lambda: False)
     train(tiny_train_config(tmp_path, "trainer.max_epochs=1", "name=again"))
     again = {s["stage"]: s for s in json.loads(
         (tmp_path / "train" / "tiny" / "tiny" / "again" / "estimate.json").read_text())["stages"]}
+    assert "kernels" not in again   # nothing to answer: no engine, no kernels
     assert again["distill"]["what"] == "nothing to answer" and again["distill"]["seconds"] == 0
     assert again["features"]["what"] == "cached" and again["fit"]["seconds"] > 0
 

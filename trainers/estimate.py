@@ -30,6 +30,7 @@ log = logging.getLogger("trainers.train")
 PROMPT_TOKENS = 90             # a ShareGPT first prompt, as the distill stage keeps them (data/sharegpt.yaml)
 DISTILL_BYTES_PER_TOKEN = 12   # a JSON line's ids and text, per token (measured on SmolLM2's shards)
 FILE = "estimate.json"
+KERNEL_BUILD_S = 75.0          # eagle_lite's native CPU kernels, built on first use (measured: 73 s on 2 cores)
 
 
 @dataclass
@@ -187,7 +188,13 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
     done = (Path(cfg.paths.output) / "finished.json").is_file()
     fit_s = 0.0 if done or measured.fit_row_s is None else steps * rows_per_step * measured.fit_row_s * 1.1
     head_params = _head_params(cfg, target, taps)
-    return [
+    setup = []
+    if answers and str(target.device).startswith("cpu"):   # answering runs the engine, with the native kernels
+        from eagle_lite.kernels.native import needs_build
+
+        if needs_build():
+            setup = [Stage("kernels", KERNEL_BUILD_S, 0, "the native CPU kernels' build, once per machine")]
+    return setup + [
         Stage("distill", distill_s, new_tokens * DISTILL_BYTES_PER_TOKEN,
               f"{answers} answers of up to {new_tokens // max(answers, 1)} new tokens" if answers
               else "nothing to answer"),

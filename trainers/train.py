@@ -71,7 +71,7 @@ def own_target(overrides: list[str]) -> list[str]:
     out = []
     for arg in overrides:
         key, eq, value = arg.partition("=")
-        if eq and key == "target" and value not in known:
+        if eq and key == "target" and not set(value.split(",")) <= known:   # a multirun's target=tiny,smollm2 stays
             quote = "'" if "'" not in value else '"'
             out += ["target=pretrained", f"target.spec={quote}{value}{quote}"]
         else:

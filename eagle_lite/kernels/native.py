@@ -95,6 +95,13 @@ def _built_before(folder: Path) -> bool:
     return (folder / f"{folder.name}.so").is_file()
 
 
+def needs_build() -> bool:
+    """Whether the first use of the native kernels here would build them (about a minute) rather than load them."""
+    if os.environ.get("EAGLE_LITE_NATIVE", "1") == "0" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not _built_before(build_dir())
+
+
 def _clear_stale_lock(folder: Path | None = None) -> None:
     """torch's builder waits, silently and forever, while its lock file exists; a build that was killed (Ctrl-C
     during the first run) leaves it behind. Remove one that is old, say so for a recent one."""

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import hydra_entry
-from eagle_lite.options import option_values, quiet_libraries
+from eagle_lite.options import option_values, quiet_libraries, target_of
 
 from .evaluation import EvalSettings, Stopped, check_out_dir, evaluate, write_outputs
 
@@ -46,7 +46,7 @@ def settings_from(cfg) -> EvalSettings:
     if not all(isinstance(task, dict) for task in tasks):
         raise ValueError(f"task.tasks={tasks!r} is not a list of mappings, e.g. task.tasks=[{{name: sharegpt}}]")
     _shaped(c.get("lookahead") or {}, "lookahead", dict, "{window: 1}")
-    return EvalSettings(target=c["target"], dtype=c["dtype"], methods=methods,
+    return EvalSettings(target=target_of(c["target"], c.get("draft")), dtype=c["dtype"], methods=methods,
                         baseline=c["baseline"], max_new_tokens=_number(c, "max_new_tokens", int),
                         warmup=bool(c["warmup"]), tree=tree, tasks=tasks,
                         per_category_limit=c["task"].get("per_category_limit"),

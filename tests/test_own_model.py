@@ -143,10 +143,10 @@ def test_eagle3_taps_of_a_short_stack_are_chosen_not_refused():
 # -- the estimate ---------------------------------------------------------------------------------------------------
 def test_the_estimate_is_printed_and_written_before_the_stages_and_counts_what_is_done(tmp_path, capsys,
                                                                                         monkeypatch):
-    import eagle_lite.kernels.native
+    import eagle_lite.kernels
     from trainers.train import train
 
-    monkeypatch.setattr(eagle_lite.kernels.native, "needs_build", lambda: True)   # a machine that never built them
+    monkeypatch.setattr(eagle_lite.kernels, "needs_build", lambda: True)   # a machine that never built them
     cfg = tiny_train_config(tmp_path, "trainer.max_epochs=1")
     result = train(cfg)
     out = capsys.readouterr().out
@@ -160,7 +160,7 @@ def test_the_estimate_is_printed_and_written_before_the_stages_and_counts_what_i
     assert written["probe"]["decode_step_s"] > 0 and written["probe"]["fit_row_s"] > 0
     assert result["estimated_seconds"] == written["seconds"]
     # a second run over the same data: the answers and features are there, only the fit is left
-    monkeypatch.setattr(eagle_lite.kernels.native, "needs_build", lambda: False)
+    monkeypatch.setattr(eagle_lite.kernels, "needs_build", lambda: False)
     train(tiny_train_config(tmp_path, "trainer.max_epochs=1", "name=again"))
     again = {s["stage"]: s for s in json.loads(
         (tmp_path / "train" / "tiny" / "tiny" / "again" / "estimate.json").read_text())["stages"]}

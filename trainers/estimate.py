@@ -190,7 +190,7 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
     head_params = _head_params(cfg, target, taps)
     setup = []
     if answers and str(target.device).startswith("cpu"):   # answering runs the engine, with the native kernels
-        from eagle_lite.kernels.native import needs_build
+        from eagle_lite.kernels import needs_build
 
         if needs_build():
             setup = [Stage("kernels", KERNEL_BUILD_S, 0, "the native CPU kernels' build, once per machine")]

@@ -15,10 +15,11 @@ from .accelerate import (
     accelerate_target,
     draft_vocab_grid,
     few_rows_product,
+    needs_build,
     running_fused,
     stock,
 )
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
            "RotaryTable", "accelerate_head", "accelerate_target", "draft_vocab_grid", "few_rows_product",
-           "running_fused", "stock"]
+           "needs_build", "running_fused", "stock"]

@@ -115,6 +115,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         + f"; {registry.AUTO}: eagle if a head exists, else lookup (training-free)")
     add_method_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="record every completed answer as token ids in DIR, to train a head on this traffic "
+                        "(python -m trainers.train data=recorded data.distill.start_from=DIR); off by default")
     add_sampling_flags(p.add_argument_group("sampling (temperature 0 = greedy)"))
     add_tree_flags(p)
     add_device_flags(p)
@@ -201,6 +204,10 @@ def check_flags(args: argparse.Namespace) -> None:
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
                      sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
     check_threads(args.threads)
+    if getattr(args, "record", None):   # a folder that cannot be written to is found before the target loads
+        from .atomic import check_folder_writable
+
+        check_folder_writable(args.record)
     if args.static is not None:
         if args.temperature > 0:
             raise ValueError("--static decodes greedily: drop --temperature (or --static)")
@@ -238,7 +245,7 @@ def load_from_flags(args: argparse.Namespace):
     set_threads(args.threads)
     args.target = target_of(args.target, getattr(args, "draft", None) or getattr(args, "medusa", None))
     lm = load(args.target, method=args.method, options=options_of(args.method, args), dtype=args.dtype,
-              device=args.device, attention=args.attention, static=args.static)
+              device=args.device, attention=args.attention, static=args.static, record=args.record)
     with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
     note_default_tree(lm, args, cfg)

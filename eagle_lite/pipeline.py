@@ -37,6 +37,7 @@ class Pipeline:
 
     def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None, options=None) -> None:
         self.target, self.method, self.options = target, method, options
+        self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
         self.engine = engine if engine is not None else engine_for(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
         source = drafter if engine is None else engine
@@ -93,7 +94,10 @@ class Pipeline:
     def generate(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
                  chat_template: bool = True) -> Output:
         """config: None means `self.config()` (the head's recommended tree, greedy, 256 new tokens)."""
-        result = self.engine.generate(self.prompt_ids(prompt, chat_template), config or self.config())
+        ids = self.prompt_ids(prompt, chat_template)
+        result = self.engine.generate(ids, config or self.config())
+        if self.recorder is not None:
+            self.recorder.add(ids, result.token_ids)
         text = self.decode(result.token_ids) if self.target.tokenizer is not None else ""
         return Output(text, result.token_ids, result.stats)
 
@@ -105,18 +109,22 @@ class Pipeline:
         are filled in as it goes, so whoever stops the stream early (Ctrl-C) still holds what was generated."""
         ids: list[int] = token_ids if token_ids is not None else []
         text = Detokenizer(self.decode)
-        for step in self.engine.stream(self.prompt_ids(prompt, chat_template), config or self.config(), stats):
+        prompt_ids = self.prompt_ids(prompt, chat_template)
+        for step in self.engine.stream(prompt_ids, config or self.config(), stats):
             ids += step
             piece = text.add(step)
             if piece:
                 yield piece
+        if self.recorder is not None:   # a whole answer only: one stopped early (Ctrl-C) never gets here
+            self.recorder.add(prompt_ids, ids)
         rest = text.add([], final=True)
         if rest:
             yield rest
 
 
 def load(target: str | None = None, method: str = "auto", options=None, draft: str | None = None,
-         dtype: str = "float32", device: str = "cpu", attention: str = "auto", static: str | None = None) -> Pipeline:
+         dtype: str = "float32", device: str = "cpu", attention: str = "auto", static: str | None = None,
+         record: str | None = None) -> Pipeline:
     """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
     method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
@@ -127,6 +135,8 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     static: decode greedily through the fixed-shape step (static_step.py) in this mode ("auto": CUDA graphs on CUDA,
     eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft) and vanilla, shown as
     eagle_graph / vanilla_graph. None: the engine.
+    record: a folder where every completed answer is recorded as token ids, for training a head on them
+    (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
     """
     if draft is not None and (method == registry.AUTO or method in registry.HEAD_METHODS):
         if options is not None:
@@ -149,8 +159,14 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
 
         check_static(method, static)
         head = eagle_head(tgt, options) if method == "eagle" else None
-        return Pipeline(tgt, None, f"{method}_graph", StaticEngine(tgt, head, mode=static))
-    return for_target(tgt, method, options)
+        pipeline = Pipeline(tgt, None, f"{method}_graph", StaticEngine(tgt, head, mode=static))
+    else:
+        pipeline = for_target(tgt, method, options)
+    if record is not None:
+        from .text.record import Recorder
+
+        pipeline.recorder = Recorder(record, tgt)
+    return pipeline
 
 
 def engine_for(target: Target, method: str | Drafter | None = registry.AUTO, options=None) -> Engine:

@@ -59,13 +59,18 @@ def free_port() -> int:
 class Server:
     """A server in this process, on a thread, on a free loopback port."""
 
-    def __init__(self, target, method: str = "vanilla", limits: Limits = Limits(max_batch=4), **kwargs) -> None:
+    def __init__(self, target, method: str = "vanilla", limits: Limits = Limits(max_batch=4), record=None,
+                 **kwargs) -> None:
         torch.manual_seed(0)
         head = DraftHead.for_target(target) if method == "eagle" else None
         make = {"vanilla": NoDrafter, "lookup": PromptLookupDrafter, "slow": SlowDrafter,
                 "eagle": lambda: eagle_drafter(target, head)}[method]
         self.pipeline = Pipeline(target, make(), method if method != "slow" else "vanilla")
         self.pipeline.tree = TREE
+        if record is not None:   # --record: what load(record=...) sets
+            from eagle_lite.text.record import Recorder
+
+            self.pipeline.recorder = Recorder(record, target)
         self.service = build_service(self.pipeline, "tiny", limits, make_drafter=make, verify_seconds=COST, **kwargs)
         self.service.scheduler.start()
         self.port = free_port()
@@ -149,6 +154,26 @@ def test_concurrent_clients_get_single_request_greedy_output(serve, chat_target,
     assert f'eagle_lite_spec_decode_num_drafts_total{{method="{method}"}}' in metrics
     assert 'eagle_lite_requests_total{endpoint="/v1/completions",status="200"} 7' in metrics
     assert s.service.metrics.steps < sum(lengths)   # sequences shared target forwards
+
+
+def test_recorded_requests_are_the_answers_served(serve, chat_target, tmp_path):
+    """--record in the server: each finished request of a batch is one record, its prompt then the tokens it was
+    answered."""
+    s = serve("lookup", Limits(max_batch=4), record=tmp_path / "traffic")
+    lengths = [30, 12, 25]
+
+    def ask(i: int) -> str:
+        return s.client.completions.create(model="tiny", prompt=QUESTIONS[i], max_tokens=lengths[i],
+                                           temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(ask, range(3)))
+    records = [json.loads(line) for shard in sorted((tmp_path / "traffic").glob("shard-*.jsonl"))
+               for line in shard.read_text().splitlines()]
+    want = {tuple(s.pipeline.encode(q, chat_template=False) + alone(chat_target, s.pipeline.encode(
+        q, chat_template=False), n)) for q, n in zip(QUESTIONS, lengths)}
+    assert {tuple(r["input_ids"]) for r in records} == want
+    assert all(r["spans"][0][1] == len(r["input_ids"]) for r in records)
 
 
 def test_stop_strings_and_seeded_sampling(serve):

@@ -48,6 +48,7 @@ from eagle_lite.atomic import write_atomic, write_json_atomic, write_text_atomic
 from eagle_lite.cli import entry_point
 from eagle_lite.targets.model import Target
 from eagle_lite.text.chat_format import chat_text, clean_text
+from eagle_lite.text.record import recorded_meta
 
 from .answering import BACKENDS, check_method, generate_answers, resolve_backend
 from .ranks import Ranks
@@ -57,7 +58,7 @@ from .targets import pad_token_id
 log = logging.getLogger("trainers.distill")
 
 META = "distill.json"
-SOURCES = ("sharegpt", "sharegpt_text", "prompts", "synthetic")
+SOURCES = ("sharegpt", "sharegpt_text", "prompts", "synthetic", "recorded")
 # Settings that change what a record contains: a folder must not mix records made with different ones.
 _RECORD_KEYS = ("source", "multi_turn", "max_turns", "max_prompt_tokens", "max_new_tokens", "do_sample",
                 "temperature", "top_p", "seed", "prompt_len_min", "prompt_len_max")
@@ -111,6 +112,9 @@ class DistillConfig:
         if self.loss_from_turn and self.loss_from_turn >= (self.max_turns if self.multi_turn else 1):
             raise ValueError(f"data.distill.loss_from_turn={self.loss_from_turn} leaves no answer to learn from: it "
                              f"needs multi_turn=true and max_turns > {self.loss_from_turn}")
+        if self.source == "recorded" and not self.start_from:
+            raise ValueError("data.distill.source=recorded trains on answers recorded with --record DIR: set "
+                             "data.distill.start_from=DIR")
         if (self.source == "prompts") != bool(self.prompts):
             raise ValueError("data.distill.prompts (a question file) goes with source=prompts, and only with it")
         if not 1 <= self.prompt_len_min <= self.prompt_len_max:
@@ -368,6 +372,8 @@ def read_records(folder: str | Path) -> Iterator[dict]:
 
 def run_meta(fingerprint: dict, cfg: DistillConfig) -> dict:
     """The meta a distill folder of this target and these settings holds (distill.json)."""
+    if cfg.source == "recorded":   # the answers as they were served: no setting here made them
+        return recorded_meta(_Named(fingerprint))
     settings = {k: getattr(cfg, k) for k in _RECORD_KEYS}
     optional = {k: getattr(cfg, k) for k in _OPTIONAL_KEYS}
     if cfg.prompts:
@@ -507,6 +513,34 @@ def committed_ids(cfg: DistillConfig) -> list[str] | None:
     return train_ids()[cfg.offset:cfg.offset + cfg.limit]
 
 
+class _Named:
+    """A fingerprint where `recorded_meta` asks a target for one."""
+
+    def __init__(self, fingerprint: dict) -> None:
+        self._fingerprint = fingerprint
+
+    def fingerprint(self) -> dict:
+        return self._fingerprint
+
+
+def recorded_ids(cfg: DistillConfig) -> list[str]:
+    """The ids of the answers recorded in data.distill.start_from (`eagle_lite.text.record`), offset and limit over
+    them in the order they were recorded."""
+    source = Path(cfg.start_from)
+    if not source.is_absolute() and not source.exists():
+        source = Path(__file__).resolve().parents[1] / source
+    if not (source / META).is_file():
+        raise FileNotFoundError(f"data.distill.start_from={cfg.start_from}: no recorded answers there (missing "
+                                f"{META}); record some with --record DIR")
+    if read_meta(source)["settings"].get("source") != "recorded":
+        raise ValueError(f"data.distill.start_from={cfg.start_from} holds distilled answers, not recorded traffic: "
+                         f"drop data.distill.source=recorded (data=recorded) to take them as the data's own")
+    ids = [r["id"] for shard in _shards(source) for r in _read_shard(shard) if "skipped" not in r]
+    if not ids:
+        raise ValueError(f"data.distill.start_from={cfg.start_from} holds no recorded answer yet")
+    return ids[cfg.offset:cfg.offset + cfg.limit]
+
+
 def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bool = True,
             ranks: Ranks = Ranks()) -> DistillSummary:
     """Generate answers for the first `cfg.limit` items not yet in `folder`, a shard at a time.
@@ -518,7 +552,9 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
     folder = Path(folder)
     if ranks.spawned:   # Lightning started this rank inside the fit: rank 0 answered every prompt before
         return summarize(folder, DistillSummary(folder, generated=0))
-    if cfg.source in ("sharegpt", "sharegpt_text", "prompts"):
+    if cfg.source == "recorded":   # every answer start_from holds is taken (offset, limit), nothing answered here
+        ids, chosen, make = recorded_ids(cfg), None, None
+    elif cfg.source in ("sharegpt", "sharegpt_text", "prompts"):
         ids = committed_ids(cfg)   # None: read the conversations now; else only if some are left to answer
         chosen: list | None = choose_conversations(cfg) if ids is None else None
         ids = ids if chosen is None else [c.id for c in chosen]
@@ -587,7 +623,12 @@ def plan_shards(folder: Path, cfg: DistillConfig, meta: dict, chosen: list | Non
         done |= start_from(folder, cfg.start_from, meta, set(ids) - done)
     folder.mkdir(parents=True, exist_ok=True)
     record_shards(folder, stored)
-    if chosen is None:
+    if chosen is None and cfg.source == "recorded":
+        left = sum(key not in done for key in ids)
+        if left:
+            raise FileNotFoundError(f"distill: {left} recorded answers are gone from data.distill.start_from="
+                                    f"{cfg.start_from} since they were chosen; run the same command again")
+    elif chosen is None:
         left = sum(key not in done for key in ids)
         if left:
             raise FileNotFoundError(

@@ -157,13 +157,16 @@ def _cached(folder: Path) -> tuple[int, bool]:
 def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> list[Stage]:
     """The stages' time and disk for the run `cfg` over `sources` (`train.data_sources`), from `measured`."""
     max_len = int(cfg.data.features.max_len)
-    answers = new_tokens = tokens = tokens_left = 0
+    answers = new_tokens = tokens = tokens_left = sequences = 0
     distill_s = 0.0
     for source in sources:
         s = source.settings
         limit = int(s["limit"])
         turns = int(s.get("max_turns", 1)) if s.get("multi_turn") else 1
-        if s["source"] == "sharegpt_text":   # ShareGPT's own replies: nothing generated, up to max_prompt_tokens
+        if s["source"] == "recorded":   # answers as they were served: nothing generated, as many as were recorded
+            limit = min(limit, _answered(Path(source.distill), s.get("start_from")))
+            per_item, generated = min(PROMPT_TOKENS + int(s["max_new_tokens"]), max_len), 0
+        elif s["source"] == "sharegpt_text":   # ShareGPT's own replies: nothing generated, up to max_prompt_tokens
             per_item, generated = min(int(s["max_prompt_tokens"]), max_len), 0
         else:
             prompt = ((int(s["prompt_len_min"]) + int(s["prompt_len_max"])) // 2 if s["source"] == "synthetic"
@@ -175,11 +178,11 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s
         tokens += limit * per_item
+        sequences += limit
         cached, complete = _cached(Path(source.features))
         tokens_left += 0 if complete and not left else max(limit * per_item - cached, 0)
     loader = cfg.data.loader
     train_tokens = tokens * (1 - float(loader.val_percent) / 100)
-    sequences = sum(int(s.settings["limit"]) for s in sources)
     steps_per_epoch = max(math.ceil(sequences * (1 - float(loader.val_percent) / 100) / int(loader.batch_size)), 1)
     max_steps = int(cfg.trainer.get("max_steps", -1) or -1)
     steps = steps_per_epoch * int(cfg.trainer.get("max_epochs") or 1)

@@ -43,6 +43,7 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     cost = CostModel(verify_seconds or measure_verify(pipeline.target), tree_nodes)
     metrics = Metrics(pipeline.method)
     engine = engine_for(pipeline.target, None)   # each sequence of a batch brings its own drafter
-    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads)
+    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads,
+                          recorder=pipeline.recorder)
     return Service(pipeline, scheduler, metrics, model_id, tree, default_max_tokens, default_temperature,
                    default_seed)

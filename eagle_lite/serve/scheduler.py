@@ -136,11 +136,13 @@ def failed(err: Exception) -> tuple:
 class Scheduler:
     def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
                  cost: CostModel, on_step: Callable[[int, int, int, list[int]], None] | None = None,
-                 threads: tuple[int, int] | None = None) -> None:
+                 threads: tuple[int, int] | None = None, recorder=None) -> None:
         """make_drafter: a fresh drafter (weights shared, state its own); tree_nodes: the most nodes one tree has.
         on_step(batch, cap, rows, emitted per sequence): called after each step (metrics). threads: torch CPU
-        threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are)."""
+        threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are).
+        recorder: where each finished answer is recorded (`text.record.Recorder`; None: nowhere, the default)."""
         self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
+        self.recorder = recorder
         self.threads = threads
         self.make_drafter = make_drafter
         self.pool = [make_drafter() for _ in range(limits.max_batch)]   # more are made while kept sequences hold some
@@ -397,6 +399,9 @@ class Scheduler:
         for (job, seq), out in zip(self.running, outs):
             job.sink(("tokens", out))
             if seq.done:
+                if self.recorder is not None:   # what the target answered, as emitted (--record)
+                    start = len(job.prompt_ids)
+                    self.recorder.add(job.prompt_ids, seq.tokens[start:start + job.stats.new_tokens])
                 self._finish(job, seq.drafter, ("done", job.stats), seq)
             else:
                 kept.append((job, seq))

@@ -184,25 +184,25 @@ def markdown(rows: list[dict], baseline: str = BASELINE) -> str:
     return "\n".join(lines)
 
 
-def ints(text: str) -> list[int]:
+def whole_numbers(text: str, least: int, example: str) -> list[int]:
+    """Comma-separated integers >= `least` (a flag's value: ArgumentTypeError otherwise)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like {example}, got {text!r}") from None
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
     return values
+
+
+def ints(text: str) -> list[int]:
+    """Comma-separated integers >= 1, e.g. 2,4,8."""
+    return whole_numbers(text, 1, "2,4,8")
 
 
 def counts(text: str) -> list[int]:
     """Comma-separated integers >= 0, e.g. 0,2,4."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,2,4, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
-    return values
+    return whole_numbers(text, 0, "0,2,4")
 
 
 def tree_spec(text: str) -> TreeConfig:

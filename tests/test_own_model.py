@@ -7,7 +7,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -248,7 +247,7 @@ def save_real_tokenizer_model(path: Path) -> Path:
 
 
 def test_own_model_folder_to_a_served_head_with_the_readme_command(tmp_path):
-    from test_serve import free_port
+    from test_serve import free_port, wait_healthy
 
     model = save_real_tokenizer_model(tmp_path / "my-llama")
     readme = (ROOT / "README.md").read_text()
@@ -291,15 +290,8 @@ def test_own_model_folder_to_a_served_head_with_the_readme_command(tmp_path):
     server = subprocess.Popen(python(steps["serve"]) + ["--port", str(port), "--threads", "1"], cwd=ROOT, env=ENV,
                               stderr=subprocess.PIPE, text=True)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(server, url)
         models = httpx.get(url + "/v1/models").json()["data"]
         reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": models[0]["id"], "messages": [{"role": "user", "content": "Tell me about the sea."}],

@@ -56,6 +56,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 240) -> None:
+    """Wait until the server process `proc` answers /health at `url` (it must not exit first)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 class Server:
     """A server in this process, on a thread, on a free loopback port."""
 
@@ -350,15 +363,7 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir):
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url)
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
                           json={"model": str(tiny_model_dir), "prompt": "hi", "max_tokens": 150,
                                 "stream": True}) as response:

@@ -145,6 +145,22 @@ def _answered(folder: Path, start_from: str | None) -> int:
     return held
 
 
+def _available(settings) -> int | None:
+    """How many items a source can give at most: ShareGPT's training conversations after `offset` (its committed index
+    of ids), a question file's lines after `offset`; None where the limit alone decides (synthetic, recorded)."""
+    source, offset = settings["source"], int(settings.get("offset") or 0)
+    if source in ("sharegpt", "sharegpt_text"):
+        from .sharegpt import train_ids
+
+        return max(len(train_ids()) - offset, 0)
+    if source == "prompts":
+        from .distill import prompts_path
+
+        lines = prompts_path(settings["prompts"]).read_text().splitlines()
+        return max(sum(1 for line in lines if line.strip()) - offset, 0)
+    return None
+
+
 def _cached(folder: Path) -> tuple[int, bool]:
     """(tokens a feature cache holds, whether it is complete)."""
     try:
@@ -162,6 +178,8 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
     for source in sources:
         s = source.settings
         limit = int(s["limit"])
+        available = _available(s)
+        limit = limit if available is None else min(limit, available)
         turns = int(s.get("max_turns", 1)) if s.get("multi_turn") else 1
         if s["source"] == "recorded":   # answers as they were served: nothing generated, as many as were recorded
             limit = min(limit, _answered(Path(source.distill), s.get("start_from")))

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     quiet_libraries(False)
     set_threads(args.threads)
-    target = load_target(target_of(args.target, getattr(args, "draft", None)))
+    target = load_target(target_of(args.target, args.draft[0]))   # the first head's target
     costs = {}
     for draft in args.draft:
         drafter = EagleDrafter(target, load_eagle_head(target, draft), round_head=not args.plain)

@@ -209,6 +209,60 @@ def test_tools_default_to_the_target_a_head_was_trained_for(tmp_path, tiny_model
         check_target(other, target, head)
 
 
+class Loaded(Exception):
+    """Raised by a stand-in load_target with the spec a tool asked for."""
+
+
+@pytest.mark.parametrize("tool, args", [
+    ("eval.tune", ["--method", "eagle", "--questions", "{questions}", "--limit", "1"]),
+    ("eval.profile_step", []),
+    ("eval.ceiling", ["--questions", "{questions}", "--limit", "1"]),
+    ("eval.head_cost", []),
+])
+def test_the_eval_tools_load_the_target_a_head_was_trained_for(tool, args, tmp_path, tiny_model_dir, monkeypatch,
+                                                               capsys):
+    import importlib
+
+    import eagle_lite.targets.loading
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.targets.loading import load_target
+
+    target = load_target(str(tiny_model_dir))
+    head = save_head(DraftHead.for_target(target), tmp_path / "head", target)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Why?"]}) + "\n")
+
+    def loaded(spec, *a, **k):
+        raise Loaded(spec)
+
+    module = importlib.import_module(tool)
+    monkeypatch.setattr(eagle_lite.targets.loading, "load_target", loaded)
+    if hasattr(module, "load_target"):
+        monkeypatch.setattr(module, "load_target", loaded)
+    with pytest.raises(Loaded) as got:
+        module.main.__wrapped__([*(a.format(questions=questions) for a in args), "--draft", str(head)])
+    assert str(got.value) == target.spec
+    assert f"target: {target.spec} (the one {head} was trained for)" in capsys.readouterr().err
+
+
+def test_the_benchmark_and_the_sweep_take_the_heads_target(tmp_path, tiny_model_dir):
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.targets.loading import load_target
+    from eval.benchmark import parse_args, settings_of
+    from eval.sweep import settings_from
+
+    target = load_target(str(tiny_model_dir))
+    head = save_head(DraftHead.for_target(target), tmp_path / "head", target)
+    assert settings_of(parse_args(["--draft", str(head)])).target == target.spec
+    assert settings_of(parse_args(["--draft", str(head), "--target", "smollm2"])).target == "smollm2"
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "eval"), version_base=None):
+        assert settings_from(compose("sweep", overrides=[f"draft={head}"])).target == target.spec
+
+
 # -- the whole path, as a user walks it --------------------------------------------------------------------------------
 def next_commands(stdout: str) -> dict[str, list[str]]:
     lines = stdout[stdout.index("\nnext:\n"):].splitlines()[2:]

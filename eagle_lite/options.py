@@ -163,7 +163,7 @@ def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None
                        help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
 
 
-def target_of(target: str | None, draft=None, quiet: bool = False) -> str | None:
+def target_of(target: str | None, draft=None) -> str | None:
     """--target as given; without it, the target the head `draft` (a folder) was trained for, where that target
     loads here (`targets.loading.resolves`), said in one line on stderr; else None (the default target). Every tool
     that takes --draft starts here."""
@@ -177,8 +177,7 @@ def target_of(target: str | None, draft=None, quiet: bool = False) -> str | None
     spec = recorded_target(draft)
     if spec is None or not resolves(spec):
         return None
-    if not quiet:
-        print(f"target: {spec} (the one {draft} was trained for)", file=sys.stderr)
+    print(f"target: {spec} (the one {draft} was trained for)", file=sys.stderr)
     return spec
 
 

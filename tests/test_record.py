@@ -105,10 +105,15 @@ def test_recorded_chat_trains_a_head_with_the_normal_recipe(tiny_model_dir, tmp_
 
 
 def test_recorded_data_needs_its_folder_and_refuses_distilled_answers(tmp_path):
+    from conftest import train_config
+
     from trainers.distill import DistillConfig, recorded_ids
+    from trainers.train import check_settings
 
     with pytest.raises(ValueError, match="data.distill.source=recorded trains on answers recorded with --record"):
         DistillConfig(source="recorded")
+    with pytest.raises(ValueError, match="set data.distill.start_from=DIR"):   # data=recorded alone: before the load
+        check_settings(train_config("data=recorded"))
     with pytest.raises(FileNotFoundError, match="no recorded answers there"):
         recorded_ids(DistillConfig(source="recorded", start_from=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="holds distilled answers, not recorded traffic"):

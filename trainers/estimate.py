@@ -129,19 +129,15 @@ def probe(cfg, target, taps: tuple[int, ...]) -> Probe:
 
 def _answered(folder: Path, start_from: str | None) -> int:
     """The answers a source's distill folder holds, or would take from its committed start_from."""
-    from .distill import DistillSummary, summarize
+    from .distill import DistillSummary, start_from_folder, summarize
 
     def done(where: Path) -> int:   # answered, or skipped (a prompt too long): either way not to answer again
         summary = summarize(where, DistillSummary(where))
         return summary.records + summary.skipped
 
     held = done(folder) if folder.is_dir() else 0
-    if start_from:
-        source = Path(start_from)
-        if not source.is_absolute() and not source.exists():
-            source = Path(__file__).resolve().parents[1] / source
-        if source.is_dir():
-            held = max(held, done(source))
+    if start_from and start_from_folder(start_from).is_dir():
+        held = max(held, done(start_from_folder(start_from)))
     return held
 
 
@@ -181,8 +177,9 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
         available = _available(s)
         limit = limit if available is None else min(limit, available)
         turns = int(s.get("max_turns", 1)) if s.get("multi_turn") else 1
+        answered = _answered(Path(source.distill), s.get("start_from"))
         if s["source"] == "recorded":   # answers as they were served: nothing generated, as many as were recorded
-            limit = min(limit, _answered(Path(source.distill), s.get("start_from")))
+            limit = min(limit, answered)
             per_item, generated = min(PROMPT_TOKENS + int(s["max_new_tokens"]), max_len), 0
         elif s["source"] == "sharegpt_text":   # ShareGPT's own replies: nothing generated, up to max_prompt_tokens
             per_item, generated = min(int(s["max_prompt_tokens"]), max_len), 0
@@ -191,7 +188,7 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
                       else min(PROMPT_TOKENS, int(s["max_prompt_tokens"])))
             generated = turns * int(s["max_new_tokens"])
             per_item = min(prompt * turns + generated, max_len)
-        left = max(limit - _answered(Path(source.distill), s.get("start_from")), 0)
+        left = max(limit - answered, 0)
         answers += left if generated else 0
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s

@@ -27,7 +27,7 @@ from eagle_lite.options import quiet_libraries, target_of
 from eagle_lite.threads import check_threads
 
 from .datamodule import DraftDataModule, LoaderConfig
-from .features import FeatureCache
+from .features import FeatureCache, FeatureCacheMismatch, check_fingerprint
 from .module import DraftLightningModule
 from .objective import ObjectiveConfig
 
@@ -134,11 +134,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     caches = [FeatureCache(folder) for folder in args.features]
     spec = target_of(args.target, args.heads[0]) or "smollm2"
     target = build_target(TargetConfig(spec=spec, name=Path(spec).stem, device=args.device, threads=args.threads))
-    for folder, cache in zip(args.features, caches):
-        built = cache.manifest.get("target", {})
-        if built.get("embedding_sha") != target.fingerprint()["embedding_sha"]:
+    for folder, cache in zip(args.features, caches):   # training's own check, with validate's fix
+        built = cache.manifest["target"]
+        try:
+            check_fingerprint(built, target.fingerprint(), folder)
+        except FeatureCacheMismatch:
             raise ValueError(f"feature cache {folder} holds the features of target '{built.get('name')}', not of "
-                             f"'{spec}': pass --target {built.get('name')} (the cache stays as it is)")
+                             f"'{spec}': pass --target {built.get('name')} (the cache stays as it is)") from None
     return validate_heads(target, args.heads, args.features, args.batch_size, args.val_percent, args.val_depth,
                           args.split)
 

@@ -25,11 +25,10 @@ SHARD_SIZE = 64
 SOURCE = "recorded"
 
 
-def recorded_meta(target) -> dict:
-    """The distill meta of a folder of `target`'s recorded answers (what trainers.distill's `run_meta` writes for
-    source "recorded")."""
-    return {"format": "eagle_lite.distill", "version": 1, "target": target.fingerprint(),
-            "settings": {"source": SOURCE}}
+def recorded_meta(fingerprint: dict) -> dict:
+    """The distill meta of a folder of recorded answers of the target with this fingerprint (what trainers.distill's
+    `run_meta` writes for source "recorded")."""
+    return {"format": "eagle_lite.distill", "version": 1, "target": fingerprint, "settings": {"source": SOURCE}}
 
 
 class Recorder:
@@ -38,9 +37,8 @@ class Recorder:
 
     def __init__(self, folder: str | Path, target) -> None:
         self.folder = Path(folder)
-        meta = recorded_meta(target)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        check_folder_writable(self.folder)
+        meta = recorded_meta(target.fingerprint())
+        check_folder_writable(self.folder)   # made where missing
         path = self.folder / META
         if path.is_file():
             try:

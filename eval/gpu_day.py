@@ -34,8 +34,9 @@ The steps, in order (issue #49: is eagle_graph 2x vanilla_graph on the GPU once 
 
 The plan leaves out the steps an earlier GPU day measured (`MEASURED`; `--all` keeps them, past the lease), so the
 lease goes to what is still missing, and refuses a bundle packed before the working tree grew past what a call can
-carry beside it. The EAGLE-3 head is not in the repository: copy its folder to .carry/eagle3 and the plan's first
-call carries it to /tmp/eagle3 (`run --eagle3`); where it is missing its steps are skipped and recorded so.
+carry beside it. The EAGLE-3 head is not in the repository: copy its folder to .carry/eagle3 and a call of the
+plan's own, before the last, carries it to /tmp/eagle3 (`run --eagle3`); where it is missing its steps are skipped
+and recorded so.
 `run --dry-run` runs the same steps on the CPU with a tiny target and tiny sizes (the test suite does), so the
 script cannot rot while no GPU is lent.
 """
@@ -231,17 +232,18 @@ def plan_lines(folders: int, skip: tuple[str, ...] = (), budget_s: int = LEASE_S
 
 
 def device_commands(folders: int, skip: tuple[str, ...] = (), eagle3: bool = False) -> list[str]:
-    """The device tool's calls, to make back to back (a machine left idle ~30 s is given back). eagle3: the first
-    call also carries the EAGLE-3 head from .carry/eagle3 to /tmp/eagle3 (it stays there while the machine is warm)."""
+    """The device tool's calls, to make back to back (a machine left idle ~30 s is given back). eagle3: a call of
+    its own before the last carries the EAGLE-3 head from .carry/eagle3 to /tmp/eagle3 (every bundle folder fills
+    its call beside the working tree; the head stays there while the machine is warm)."""
     left_out = f" --skip {','.join(skip)}" if skip else ""
     head = " --eagle3 /tmp/eagle3" if eagle3 else ""
     calls = []
     for call in range(1, folders + 1):
         budget = call_budget(call, folders)
-        extra = ', ".carry/eagle3"' if eagle3 and call == 1 else ""
-        copy = " && cp -r .carry/eagle3 /tmp/eagle3" if eagle3 and call == 1 else ""
-        calls.append(f'run(carry=[".carry/{call}"{extra}], timeout_s={min(600, budget + 30)}, command="mkdir -p '
-                     f'/tmp/carry && cp .carry/{call}/* /tmp/carry/{copy} && PYTHONUNBUFFERED=1 python3 -m '
+        if eagle3 and call == folders:
+            calls.append('run(carry=[".carry/eagle3"], timeout_s=60, command="cp -r .carry/eagle3 /tmp/eagle3")')
+        calls.append(f'run(carry=[".carry/{call}"], timeout_s={min(600, budget + 30)}, command="mkdir -p '
+                     f'/tmp/carry && cp .carry/{call}/* /tmp/carry/ && PYTHONUNBUFFERED=1 python3 -m '
                      f'eval.gpu_day run --carry /tmp/carry --out $OUT --budget-s {budget}{left_out}{head}")')
     # the bundle stays in /tmp/carry while the machine is warm: a last call carries nothing
     calls.append(f'then, if the lease has a minute or more left and a step is not run yet (steps.json): run(carry=[], '
@@ -639,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     eagle3 = (carry / "eagle3" / "config.json").is_file()
     if not eagle3:
         print(f"\n(no .carry/eagle3: the EAGLE-3 head's steps run only where {EAGLE3_HEAD} exists on the device; "
-              f"copy the head folder to .carry/eagle3 to carry it with the first call)")
+              f"copy the head folder to .carry/eagle3 to carry it in a call of its own)")
     print("\nThe device calls, back to back:")
     print("\n".join("  " + c for c in device_commands(folders, skip, eagle3)))
     return 0

@@ -120,15 +120,16 @@ def test_the_plan_leaves_out_what_an_earlier_day_measured(tmp_path, capsys):
     assert "--skip: unknown step(s) ['tables']" in capsys.readouterr().err
 
 
-def test_the_first_call_carries_the_eagle3_head_where_it_is_packed(tmp_path, capsys):
+def test_a_call_of_its_own_carries_the_eagle3_head_before_the_last(tmp_path, capsys):
     for folder in ("1", "2", "eagle3"):
         (tmp_path / folder).mkdir()
     (tmp_path / "eagle3" / "config.json").write_text("{}")
     assert gpu_day.main(["plan", "--carry", str(tmp_path)]) == 0
     calls = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  run(")]
-    assert 'carry=[".carry/1", ".carry/eagle3"]' in calls[0] and "cp -r .carry/eagle3 /tmp/eagle3" in calls[0]
-    assert all(c.rstrip('")').endswith("--eagle3 /tmp/eagle3") for c in calls)
-    assert len(calls) == 2                                               # the head's folder is not a bundle part
+    assert 'carry=[".carry/1"]' in calls[0] and 'carry=[".carry/2"]' in calls[2]
+    assert calls[1] == '  run(carry=[".carry/eagle3"], timeout_s=60, command="cp -r .carry/eagle3 /tmp/eagle3")'
+    assert all(c.rstrip('")').endswith("--eagle3 /tmp/eagle3") for c in calls if "eval.gpu_day run" in c)
+    assert len(calls) == 3                                               # the head's folder is not a bundle part
 
 
 def test_a_missing_eagle3_head_skips_its_steps_and_says_so(tmp_path):

@@ -8,6 +8,12 @@ speed-ups applied): the median ms of that forward and of its pieces (fc; the q/k
 the logits, of which the final norm and the lm_head product), and how many device ops the forward and logits
 launch (as `eval.step_cost --count-ops` counts them: eval/op_count.py). `eval.profile_step` times whole decoding
 steps; this splits the draft's share of them.
+
+    python -m eval.head_cost --threads 2 --draft auto PARALLEL_HEAD --chain 1,2,3,4,5
+
+`--chain`: also the whole draft of a K-token greedy chain, through the drafter's own `propose` (its catch-up over
+`--rows` accepted features, then its tree): a sequential head runs K forwards, a parallel head (draft.parallel) one
+forward with K-1 mask rows. Median ms and device ops per draft, for each K.
 """
 from __future__ import annotations
 
@@ -86,6 +92,32 @@ def head_cost(drafter: EagleDrafter, rows: int = 3, reps: int = 200) -> dict[str
         }
 
 
+def chain_cost(drafter: EagleDrafter, k: int, rows: int = 3, reps: int = 100) -> tuple[float, int]:
+    """(median ms, device ops) of the drafter's whole `propose` of a K-token greedy chain after PREFIX committed
+    pairs, reading `rows` new features: the catch-up and the tree, as the engine asks for them."""
+    from eagle_lite.config import SamplingConfig, TreeConfig
+    from eagle_lite.decoding.drafter import DraftInput
+
+    target, head = drafter.target, drafter.head
+    width = len(head.feature_layers) * target.hidden_size if head.feature_layers else target.hidden_size
+    g = torch.Generator().manual_seed(0)
+    tokens = ((torch.arange(PREFIX + rows + 1) * 7919 + 100) % target.vocab_size).tolist()
+    features = torch.randn(PREFIX + rows, width, generator=g).to(target.dtype)
+    tree = TreeConfig(depth=k, top_k=1, total_tokens=k, lookup=0, min_prob=0.0)
+    greedy = SamplingConfig()
+    with torch.inference_mode():
+        drafter.reset(PREFIX + rows + 8)
+        drafter.propose(DraftInput(tokens[:PREFIX + 1], features[:PREFIX], greedy, None), tree)   # the prefix
+
+        def draft():
+            drafter.propose(DraftInput(tokens, features[PREFIX:], greedy, None), tree)
+            drafter.cache.truncate(PREFIX)
+
+        with OpCounter() as count:
+            draft()
+        return _median_ms(draft, reps), count.total
+
+
 @entry_point
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.head_cost", description=__doc__,
@@ -96,22 +128,28 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
     p.add_argument("--plain", action="store_true", help="the heads' fp32 weights instead of rounded codes")
+    p.add_argument("--chain", default=None,
+                   help="comma-separated chain lengths K: also time each head's whole draft of K tokens")
     args = p.parse_args(argv)
     with arguments():
         for flag, value in (("--rows", args.rows), ("--reps", args.reps)):
             if not 1 <= value:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         check_threads(args.threads)
+        chains = [int(k) for k in args.chain.split(",")] if args.chain else []
+        if any(k < 1 for k in chains):
+            raise ValueError(f"--chain takes chain lengths >= 1, got {args.chain}")
     from eagle_lite.drafters.registry import load_eagle_head
     from eagle_lite.targets.loading import load_target
 
     quiet_libraries(False)
     set_threads(args.threads)
     target = load_target(target_of(args.target, args.draft[0]))   # the first head's target
-    costs = {}
+    costs, chain_costs = {}, {}
     for draft in args.draft:
         drafter = EagleDrafter(target, load_eagle_head(target, draft), round_head=not args.plain)
         costs[draft] = head_cost(drafter, args.rows, args.reps)
+        chain_costs[draft] = {k: chain_cost(drafter, k, args.rows, max(10, args.reps // 3)) for k in chains}
         fused = "layer as one op" if running_fused(drafter.head.layer) is not None else "layer in torch"
         print(f"{draft}: {drafter.head.design} head, {fused}, lm_head "
               f"{'from grid codes' if drafter.lm_grid is not None else 'fp32'}", file=sys.stderr)
@@ -122,6 +160,14 @@ def main(argv=None) -> int:
         cells = [f"{c[piece]:.0f}" if piece == "ops" else f"{c[piece]:.3f}" for c in costs.values()]
         label = "device ops (forward + logits)" if piece == "ops" else piece
         print(f"| {label} | " + " | ".join(cells) + " |")
+    if chains:
+        print(f"\nThe whole draft of a K-token chain (`propose`: catch-up over {args.rows} rows, then the tree; "
+              f"median ms / device ops):\n")
+        print("| K | " + " | ".join(f"{d} ms | ops" for d in args.draft) + " |")
+        print("|---:|" + "---:|---:|" * len(args.draft))
+        for k in chains:
+            print(f"| {k} | " + " | ".join(f"{chain_costs[d][k][0]:.3f} | {chain_costs[d][k][1]}" for d in args.draft)
+                  + " |")
     return 0
 
 

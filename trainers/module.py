@@ -32,6 +32,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50        # linear warm-up, capped at 10% of the run
     min_lr_ratio: float = 0.1     # cosine decay to lr * min_lr_ratio at the last step
+    mask_lr: float | None = None  # a parallel head's mask vectors (new in a fine-tune: they move far); None: lr
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -192,8 +193,12 @@ class DraftLightningModule(L.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.optim_cfg
-        optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                      weight_decay=cfg.weight_decay)
+        masks = [p for p in (getattr(self.head, "mask_hidden", None), getattr(self.head, "mask_embed", None))
+                 if p is not None]
+        rest = [p for p in self.head.parameters() if all(p is not m for m in masks)]
+        groups = [{"params": rest}] + ([{"params": masks, "lr": cfg.mask_lr}] if masks and cfg.mask_lr else
+                                       [{"params": masks}] if masks else [])
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, cfg))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -163,15 +163,24 @@ def add_noise(hidden: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
 
 
 def unroll(head, pairs: Pairs, steps: int, inputs: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Run `steps` draft steps; returns each step's predicted features [B, T', H] (see module doc)."""
+    """Run `steps` draft steps; returns each step's predicted features [B, T', H] (see module doc).
+
+    A parallel head (`DraftHead.parallel`): step k >= 1 reads the mask rows' learned inputs instead of a prediction
+    and a token, so that step k at t is the k-th mask row of the one forward drafted from the root t - k: it sees
+    the real pairs up to t - k and the mask rows t-k+1..t, as at inference."""
     cache = ConcatKV()
     hidden = pairs.hidden if inputs is None else inputs
+    embeds = pairs.embeds
     preds: list[torch.Tensor] = []
     for k in range(steps):
-        if k > 0:
+        if k > 0 and getattr(head, "parallel", 0):
+            b, n = pairs.segment.shape
+            masks = head.mask_rows(b * n, pairs.embeds.dtype)
+            hidden, embeds = (m.reshape(b, n, -1) for m in masks)
+        elif k > 0:
             # step k at t reads step k-1's prediction made at t-1; t = 0 has none (its weight is 0)
             hidden = F.pad(preds[-1][:, :-1], (0, 0, 1, 0))  # B T' H
-        preds.append(head(hidden, pairs.embeds, pairs.positions, chain_mask(pairs.segment, k), cache=cache))
+        preds.append(head(hidden, embeds, pairs.positions, chain_mask(pairs.segment, k), cache=cache))
     return preds
 
 

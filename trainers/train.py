@@ -293,6 +293,13 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
             with torch.no_grad():
                 rows = target.lm_head.weight if d2t is None else target.lm_head.weight[d2t]
                 head.lm_head.weight.copy_(rows.float())
+    parallel = cfg.draft.get("parallel")
+    if parallel is not None and int(parallel) != head.parallel:
+        head.make_parallel(int(parallel))         # its mask rows' two vectors, learned with the rest
+    if head.parallel and int(cfg.draft.objective.ttt_steps) != head.parallel:
+        raise ValueError(f"a head drafting {head.parallel} tokens a forward (draft.parallel) trains each of its rows: "
+                         f"set draft.objective.ttt_steps={head.parallel} (it is "
+                         f"{cfg.draft.objective.ttt_steps})")
     groups = getattr(data, "groups", ())
     module = DraftLightningModule(head, target.lm_head.weight, target.embed_tokens.weight,
                                   _typed(ObjectiveConfig, cfg.draft.objective), _typed(OptimConfig, cfg.draft.optim),

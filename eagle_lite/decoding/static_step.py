@@ -186,6 +186,9 @@ class StaticEngine:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
             mode = "cuda-graph" if target.device.type == "cuda" else "eager"
+        if getattr(head, "parallel", 0):
+            raise ValueError("the static step drafts sequentially; a parallel-drafting head (draft.parallel) drafts "
+                             "on the engine: drop --static")
         if mode == "reduce-overhead" and head is not None:
             # torch.compile's CUDA graphs replayed the draft step wrongly on an H100 (tests/test_static_step.py)
             raise ValueError("static step mode 'reduce-overhead' does not draft exactly with a head; use "

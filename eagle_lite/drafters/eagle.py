@@ -2,6 +2,10 @@
 (optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`). A prompt-lookup path is
 grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle.
 
+A parallel head (`DraftHead.parallel` = K) drafts in its catch-up forward alone: K-1 mask rows follow the root's
+row, and the tree grows from their K distributions (depth d's children from row d's, whatever their parent), to
+at most K deep. The rules below hold as they are: a node's distribution is the row it was drawn from.
+
 Sampling (temperature > 0) has two rules, `draft_sampling`:
 - "match": the tree is the head's top-k, as in greedy decoding, and acceptance draws the target's token and
   follows the child that carries it (sample-and-match, accept.py). Exact; it accepts with the target's mass on
@@ -63,6 +67,7 @@ class EagleDrafter:
         self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight, round_to_grid=own)
         self.keep_features = False                 # keep the target's features by position (for `probe`)
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
+        self.parallel = getattr(head, "parallel", 0)   # K > 1: the whole draft in one forward (module docstring)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -146,15 +151,24 @@ class EagleDrafter:
         if self.keep_features:
             self._keep(n, inp.hidden)
         features, next_tokens = inp.hidden, inp.tokens[-m:]
-        start, chain = probe if probe is not None and self.keep_features else (0, [])
+        start, chain = probe if probe is not None and self.keep_features and not self.parallel else (0, [])
         if chain:    # pair (f_{start-1+j}, chain[j]) at the root's position + j
             features = torch.cat([features, self._features[start - 1:start - 1 + len(chain)]])
             next_tokens = next_tokens + chain
-        t = m + len(chain)
-        h, logits = yield HeadCall(self, features, embed(torch.tensor(next_tokens, device=dev)),
-                                   torch.arange(n, n + t, device=dev),
+        embeds = embed(torch.tensor(next_tokens, device=dev))
+        masks = min(tree.depth, self.parallel) - 1 if self.parallel else 0
+        if masks > 0:    # the parallel head's mask rows after the root's: the whole draft in this forward
+            mask_hidden, mask_embeds = self.head.mask_rows(masks, embeds.dtype)
+            features, embeds = torch.cat([features, mask_hidden.to(features.dtype)]), torch.cat([embeds, mask_embeds])
+        t = m + len(chain) + max(masks, 0)
+        h, logits = yield HeadCall(self, features, embeds, torch.arange(n, n + t, device=dev),
                                    torch.ones(t, t, dtype=torch.bool, device=dev).tril_(), m - 1)
         cache.commit(m)                                      # the chain's slots are overwritten by the tree's
+        if self.parallel:
+            try:
+                return self._parallel_tree(inp, tree, logits)
+            finally:
+                cache.truncate(n + m)
         # logits: the root's, then (probe) each chain token's
         self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
         h, root_logits = h[:m], logits[:1]
@@ -184,6 +198,22 @@ class EagleDrafter:
             return grown.value
         finally:
             cache.truncate(n)                                # drop the tree nodes; the real pairs stay
+
+
+    def _parallel_tree(self, inp: DraftInput, tree: TreeConfig, logits: torch.Tensor) -> DraftTree:
+        """The tree from a parallel forward's logits [D, V_draft] (the root's row, then the mask rows'): depth d's
+        children drawn or ranked from row d, whatever their parent."""
+        depth = logits.shape[0]
+        grown = TreeConfig(min(tree.depth, depth), tree.top_k, tree.total_tokens, tree.lookup, tree.min_prob)
+        sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
+        return grow_tree(inp.root, logits[:1], _rows_by_depth(logits), grown, sampling, inp.generator,
+                         self.head.d2t, self.target.vocab_size)
+
+
+def _rows_by_depth(logits: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`grow_tree`'s expand over per-depth logits [D, V]: the n-th expansion answers row n for every parent."""
+    depth = iter(range(1, logits.shape[0]))
+    return lambda parent_row, tokens: logits[next(depth)].expand(parent_row.numel(), -1)
 
 
 @dataclass

@@ -55,7 +55,7 @@ class LookupGraft:
         self.copy_steps = 0                              # proposals that were the lookup chain alone
         # staged: the inner drafter (an EagleDrafter) reads each lookup chain in its catch-up forward and the chain
         # grafted is the part it agrees with plus its own next token (module docstring)
-        self.staged = staged and hasattr(inner, "keep_features")
+        self.staged = staged and hasattr(inner, "keep_features") and not getattr(inner, "parallel", 0)
         if self.staged:
             inner.keep_features = True
         self.probes = 0                                  # staged proposals whose lookup chain the head read

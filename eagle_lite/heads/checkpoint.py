@@ -68,6 +68,7 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
         **({"input_norm": False} if head.design == "eagle" and not head.input_norm else {}),
         **({"fc_norm": True} if head.fc_norm is not None else {}),
         **({"norm_output": True} if head.norm_output else {}),
+        **({"parallel": head.parallel} if getattr(head, "parallel", 0) else {}),
         "dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }
@@ -172,7 +173,8 @@ def load_native_head(path: str | Path, target) -> DraftHead:
                                 feature_layers=tuple(layers), fc_bias=config.get("fc_bias", True),
                                 input_norm=config.get("input_norm", True), design=config.get("design", "eagle"),
                                 fc_norm=bool(config.get("fc_norm", False)),
-                                norm_output=bool(config.get("norm_output", False)))
+                                norm_output=bool(config.get("norm_output", False)),
+                                parallel=int(config.get("parallel", 0) or 0))
     load_weights(head, tensors, f"draft head weights {weights}")
     head.tree = recommended_tree(config, path, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()

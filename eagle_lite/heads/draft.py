@@ -22,6 +22,12 @@ Options, so that the published layouts load exactly (eagle_lite/formats/):
 
 With `feature_layers` and the default design (eagle_lite's earlier EAGLE-3 variant), the tapped layers are
 projected to H by `fuse` and then read as the last hidden state would be.
+
+Parallel drafting (`parallel=K`, P-EAGLE, arXiv 2602.01469): the head drafts K tokens in one forward. After the
+root's row (f_t, x_{t+1}) come K-1 mask rows at the next positions, each reading two learned vectors instead of a
+feature and a token embedding (`mask_hidden`, as wide as the head's feature input, and `mask_embed`); row j
+predicts the token j places further on, seeing the real pairs and the mask rows before it. Trained with the same
+losses at each row (trainers/objective.py `unroll`); drafted by `drafters.eagle` from the K distributions.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ class DraftHead(nn.Module):
     def __init__(self, target_config, layer_cls: type[nn.Module], rotary_cls: type[nn.Module],
                  d2t: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (), fc_bias: bool = True,
                  input_norm: bool = True, design: str = "eagle", fc_norm: bool = False,
-                 norm_output: bool = False) -> None:
+                 norm_output: bool = False, parallel: int = 0) -> None:
         super().__init__()
         if design not in DESIGNS:
             raise ValueError(f"draft head design {design!r} is unknown: expected one of {', '.join(DESIGNS)}")
@@ -91,12 +97,39 @@ class DraftHead(nn.Module):
         self.rope_table = RotaryTable(self.rotary)   # its cos/sin by position, for the fused inference path
         self.register_buffer("d2t", d2t, persistent=True)
         self.tree = None  # the TreeConfig its checkpoint recommends (formats.load_head), if any
+        self.parallel = 0                     # K > 1: drafts K tokens in one forward (module docstring)
+        self.mask_hidden = self.mask_embed = None
+        if parallel:
+            self.make_parallel(parallel)
+
+    @property
+    def input_width(self) -> int:
+        """How wide the feature input of a real pair is: the tapped layers side by side (EAGLE-3 designs), else H."""
+        return self.config.hidden_size * max(1, len(self.feature_layers))
+
+    def make_parallel(self, k: int) -> DraftHead:
+        """Give the head K-token parallel drafting: the mask rows' two learned vectors, small and random (a
+        fine-tune from a sequential head learns them with the rest). Returns the head."""
+        if int(k) < 2:
+            raise ValueError(f"parallel drafting takes K >= 2 tokens a forward, got {k}")
+        self.parallel = int(k)
+        if self.mask_hidden is None:
+            ref = self.fc.weight
+            gen = torch.Generator().manual_seed(0)
+            width, hidden = self.input_width, self.config.hidden_size
+            self.mask_hidden = nn.Parameter((torch.randn(width, generator=gen) * 0.02).to(ref))
+            self.mask_embed = nn.Parameter((torch.randn(hidden, generator=gen) * 0.02).to(ref))
+        return self
+
+    def mask_rows(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [n, input_width], embeds [n, H]): n mask rows' inputs, in `dtype`."""
+        return (self.mask_hidden.to(dtype).expand(n, -1), self.mask_embed.to(dtype).expand(n, -1))
 
     @classmethod
     def for_target(cls, target, d2t: torch.Tensor | None = None, layer_class: str | None = None,
                    feature_layers: tuple[int, ...] = (), fc_bias: bool = True, input_norm: bool = True,
                    design: str = "eagle", config=None, fc_norm: bool = False,
-                   norm_output: bool = False) -> DraftHead:
+                   norm_output: bool = False, parallel: int = 0) -> DraftHead:
         """A fresh (randomly initialised) head shaped for `target`, in its dtype and device. layer_class: the
         decoder layer a saved head was built with (its config.json's "layer_class"); None: `head_layer_classes`.
         feature_layers: the target's decoder layers it reads (EAGLE-3; `auto_feature_layers`), () for the last
@@ -112,7 +145,7 @@ class DraftHead(nn.Module):
         else:
             config, layer_cls, rotary_cls = head_layer_classes(target, layer_class)
         head = cls(config, layer_cls, rotary_cls, d2t, tuple(feature_layers), fc_bias, input_norm, design, fc_norm,
-                   norm_output)
+                   norm_output, parallel)
         return head.to(device=target.device, dtype=target.dtype)
 
     @property

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import eagle_drafter, exact_continuations, make_target, reference_greedy
-from test_eagle_sampling import Q, SHAPES, TEMPERATURE, assert_exact, decode_pairs, exact_pairs, tv
+from test_eagle_sampling import SHAPES, TEMPERATURE, Q, assert_exact, decode_pairs, exact_pairs, tv
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine

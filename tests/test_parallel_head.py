@@ -146,3 +146,44 @@ def test_the_static_step_refuses_a_parallel_head_in_one_line(llama):
 
     with pytest.raises(ValueError, match="parallel-drafting head.*drop --static"):
         StaticEngine(llama, parallel_head(llama, 3))
+
+
+def test_export_writes_vllms_p_eagle_layout_and_loads_back(llama, tmp_path):
+    """--format eagle3: mask_hidden, pard_token and the head's own embed_tokens (the target's, with the mask
+    embedding at pard_token's row), as vLLM's parallel drafting reads them; loaded back, the same drafts."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagle_lite.formats import load_head as load_any
+    from eagle_lite.formats.eagle3 import pard_token, write_eagle3
+
+    target = target_for("eagle3", llama)
+    head = parallel_head(target, 4, "eagle3")
+    notes = write_eagle3(head, target, tmp_path / "out", {"target": target.fingerprint()}, torch.float32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    pard = config["pard_token"]
+    assert pard == pard_token(target) and "parallel_drafting" in notes[0]
+    torch.testing.assert_close(tensors["mask_hidden"], head.mask_hidden.detach())
+    torch.testing.assert_close(tensors["embed_tokens.weight"][pard], head.mask_embed.detach())
+    others = torch.arange(target.vocab_size) != pard
+    torch.testing.assert_close(tensors["embed_tokens.weight"][others], target.embed_tokens.weight[others])
+    loaded = load_any(tmp_path / "out", target)
+    assert loaded.parallel == 4
+    cfg = GenerationConfig(max_new_tokens=24, tree=TreeConfig(depth=4, top_k=2, total_tokens=6, lookup=0),
+                           stop_at_eos=False)
+    runs = [Engine(target, eagle_drafter(target, h)).generate(list(range(30, 50)), cfg) for h in (head, loaded)]
+    assert runs[0].token_ids == runs[1].token_ids == reference_greedy(target, list(range(30, 50)), 24)
+    assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
+
+
+def test_the_eagle1_layout_and_other_engines_refuse_a_parallel_head(llama, tmp_path):
+    from eagle_lite.formats.eagle import write_eagle
+    from eagle_lite.formats.eagle3 import write_eagle3
+
+    with pytest.raises(ValueError, match="P-EAGLE.*EAGLE-3"):
+        write_eagle(parallel_head(llama, 4), llama, tmp_path / "a", {})
+    target = target_for("eagle3", llama)
+    with pytest.raises(ValueError, match="--engine speculators has no place"):
+        write_eagle3(parallel_head(target, 4, "eagle3"), target, tmp_path / "b", {}, engine="speculators")

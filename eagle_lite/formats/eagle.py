@@ -162,6 +162,9 @@ def write_eagle(head: DraftHead, target, out: str | Path, meta: dict, dtype: tor
     if head.design == "eagle3":
         raise ValueError("this is an EAGLE-3 head (fc over the target's tapped layers, its own norm and lm_head): "
                          "export it with --format eagle3")
+    if head.parallel:
+        raise ValueError(f"this head drafts {head.parallel} tokens in one forward (P-EAGLE): the layout vLLM reads "
+                         f"for parallel drafting is EAGLE-3's (train it with experiment=cpu_parallel)")
     if head.fuse is not None:
         raise ValueError("this head reads the target's tapped layers through `fuse` (eagle_lite's earlier EAGLE-3 "
                          "variant): no EAGLE-1 loader feeds a head anything but the last hidden state, and no EAGLE-3 "

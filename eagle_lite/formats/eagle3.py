@@ -79,7 +79,10 @@ def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
     cfg = head_config(config, where)
     hidden, vocab = cfg.hidden_size, target.vocab_size
     draft_vocab = config.get("draft_vocab_size", vocab)
-    tensors.pop("embed_tokens.weight", None)   # the target's embedding is used, as vLLM and SGLang do
+    embedding = tensors.pop("embed_tokens.weight", None)   # the target's embedding is used, as vLLM and SGLang do
+    # P-EAGLE (vLLM's parallel drafting): the mask rows' hidden input, and their token as a row of the draft's own
+    # embedding (`pard_token`)
+    mask_hidden, pard = tensors.pop("mask_hidden", None), config.get("pard_token", config.get("ptd_token_id"))
     fc = tensors.get("fc.weight")
     if fc is None or fc.shape[0] != hidden or fc.shape[1] % hidden or fc.shape[1] // hidden < 2:
         found = None if fc is None else list(fc.shape)
@@ -121,8 +124,16 @@ def read_eagle3(layout: Layout, target, aux_ids: str = "output") -> DraftHead:
     # vLLM's norm_output (the post-norm output fed back) where the speculators layout says it; SpecForge's key of
     # that name in the default layout means whether the logits read the norm, which they always do here
     norm_output = speculators and bool(config.get("norm_output", False))
+    parallel = 0
+    if mask_hidden is not None:
+        if pard is None or embedding is None or not 0 <= int(pard) < embedding.shape[0]:
+            raise ValueError(f"{where} holds mask_hidden (P-EAGLE) but no pard_token row of its own embed_tokens: "
+                             f"the mask rows' token is that row")
+        parallel = int(meta.get("parallel") or config.get("num_speculative_tokens") or PARALLEL_TOKENS)
+        state["mask_hidden"] = mask_hidden.flatten()
+        state["mask_embed"] = embedding[int(pard)]
     head = DraftHead.for_target(target, d2t, feature_layers=taps, design="eagle3", config=cfg, fc_norm=fc_norm,
-                                norm_output=norm_output)
+                                norm_output=norm_output, parallel=parallel)
     load_state(head, state, layout)
     head.tree = recommended_tree(meta, layout.folder, torch.device(target.device).type)
     return head.to(device=target.device, dtype=target.dtype).eval()
@@ -159,14 +170,31 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     if engine == "openvino":
         tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
+    notes = []
+    if head.parallel:
+        if engine != "all":
+            raise ValueError(f"this head drafts {head.parallel} tokens in one forward (P-EAGLE): the layout vLLM "
+                             f"reads for parallel drafting is the default one; --engine {engine} has no place for "
+                             f"its mask rows")
+        pard = pard_token(target)
+        embedding = target.embed_tokens.weight.detach().to("cpu", dtype).clone()
+        embedding[pard] = head.mask_embed.detach().to("cpu", dtype)
+        tensors["embed_tokens.weight"] = embedding.contiguous()
+        tensors["mask_hidden"] = head.mask_hidden.detach().to("cpu", dtype).contiguous()
+        meta = {**meta, "parallel": head.parallel}
+        notes.append(f"a parallel-drafting head (P-EAGLE, {head.parallel} tokens a forward): mask_hidden and "
+                     f"\"pard_token\": {pard}, whose row of the head's own embed_tokens is its mask embedding "
+                     f"(the target's elsewhere), as vLLM reads them; serve it with --speculative-config "
+                     f"'{{\"method\": \"eagle3\", \"model\": \"{out}\", \"num_speculative_tokens\": "
+                     f"{head.parallel}, \"parallel_drafting\": true}}'")
     if head.d2t is not None:
         # a full-vocabulary head has no map: vLLM builds draft_id_to_target_id only for a smaller draft vocabulary
         # and refuses a d2t it has no place for; official EAGLE-3 drops it; OpenVINO's zeros mean the identity
         tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()     # offsets, int64
         tensors["t2d"] = t2d
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
-              "draft_vocab_size": int(ids.numel()), "eagle_lite": meta}
-    notes = []
+              "draft_vocab_size": int(ids.numel()), "eagle_lite": meta,
+              **({"pard_token": pard_token(target)} if head.parallel else {})}
     if head.norm_output and engine != "speculators":
         raise ValueError("this head feeds its normalised output back to the next draft step (draft.norm_output, "
                          "EAGLE-3.1): vLLM reads that from the speculators layout (--engine speculators); the "
@@ -202,6 +230,14 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
 
 
 SPECULATORS_VERSION = "0.9.0"
+PARALLEL_TOKENS = 4      # a P-EAGLE folder that does not say how many tokens it drafts a forward
+
+
+def pard_token(target) -> int:
+    """The token id whose row of a parallel head's own embedding is its mask embedding: the target's padding token
+    where it has one, else its last id (the draft only; a real token of that id is embedded as a mask there)."""
+    pad = getattr(target.config, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) and 0 <= pad < target.vocab_size else target.vocab_size - 1
 
 
 def speculators_config(head: DraftHead, config: dict, meta: dict, verifier: str | None, tokens: int = 3) -> dict:

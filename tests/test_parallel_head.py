@@ -141,11 +141,48 @@ def test_parallel_takes_two_or_more_tokens(llama):
         DraftHead.for_target(llama, parallel=1)
 
 
-def test_the_static_step_refuses_a_parallel_head_in_one_line(llama):
+@pytest.mark.parametrize("tree", [TreeConfig(depth=4, top_k=1, total_tokens=4), TreeConfig(depth=3, top_k=3,
+                                  total_tokens=8), TreeConfig(depth=6, top_k=2, total_tokens=7, min_prob=0.01)],
+                         ids=["chain", "tree", "deeper than K, min_prob"])
+@pytest.mark.parametrize("design", ["eagle", "eagle3"])
+def test_the_static_step_drafts_with_a_parallel_head_and_stays_exact(llama, tree, design):
     from eagle_lite.decoding.static_step import StaticEngine
 
-    with pytest.raises(ValueError, match="parallel-drafting head.*drop --static"):
-        StaticEngine(llama, parallel_head(llama, 3))
+    target = target_for(design, llama)
+    static = StaticEngine(target, parallel_head(target, 4, design))
+    cfg = GenerationConfig(max_new_tokens=30, tree=tree, stop_at_eos=False)
+    for prompt in ([5, 6, 5, 6, 5, 6, 5], list(range(20, 60))):
+        result = static.generate(prompt, cfg)
+        assert result.token_ids == reference_greedy(target, prompt, 30)
+        assert result.stats.target_forwards == 1 + len(result.stats.accept_lengths)
+
+
+def test_the_static_steps_parallel_tree_is_the_drafters(llama):
+    """The static step's mask rows and per-level children propose the tree drafters/eagle.py grows from the same
+    head's K distributions."""
+    from eagle_lite.decoding.static_step import StaticEngine
+    from eagle_lite.drafters import DraftInput
+    from eagle_lite.drafters.eagle import EagleDrafter
+
+    head = parallel_head(llama, 4)
+    tree_cfg = TreeConfig(depth=4, top_k=3, total_tokens=10)
+    prompt = [4, 8, 15, 16, 23, 42, 7]
+    engine = StaticEngine(llama, head)
+    with torch.inference_mode(), engine._running():
+        engine._tree_cfg = tree_cfg
+        engine._prepare(64, tree_cfg)
+        first = engine._prefill(prompt)
+        engine.draft_step()
+        static = engine._state.tree
+        drafter = EagleDrafter(llama, head, round_head=False)
+        drafter.reset(64)
+        _, hidden = llama.forward(torch.tensor(prompt), llama.new_cache(64))
+        want = drafter.propose(DraftInput(prompt + [first], hidden), tree_cfg)
+    n = len(want)
+    assert n == 11
+    assert static.tokens[:n].tolist() == want.tokens.tolist()
+    assert static.parents[1:n].tolist() == want.parents[1:]
+    assert torch.equal(static.depths[:n], want.depths)
 
 
 def test_export_writes_vllms_p_eagle_layout_and_loads_back(llama, tmp_path):

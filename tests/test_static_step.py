@@ -317,9 +317,10 @@ def test_steps_compile_with_inductor_on_cpu():
 # sync check uses eval/op_count.py's guard instead of CUDA's sync debug mode. docs/gpu.md.
 DRY_RUN = os.environ.get("EAGLE_LITE_GPU_DRY_RUN") == "1"
 CUDA_MODES = ("cuda-graph", "reduce-overhead")
-# every mode with plain decoding; with a head, every mode but reduce-overhead (refused: see the test below)
-GPU_CASES = [(m, d) for d in ("vanilla", "eagle") for m in ("eager", "cuda-graph", "reduce-overhead")
-             if (m, d) != ("reduce-overhead", "eagle")]
+# every mode with plain decoding; with a head (sequential, or parallel: DraftHead.parallel), every mode but
+# reduce-overhead (refused: see the test below)
+GPU_CASES = [(m, d) for d in ("vanilla", "eagle", "parallel") for m in ("eager", "cuda-graph", "reduce-overhead")
+             if m != "reduce-overhead" or d == "vanilla"]
 LOGIT_TIE = 0.02           # bf16: a token may differ only where its logit is within this share of the best's magnitude
 
 
@@ -344,6 +345,19 @@ def cuda_target(family: str = "llama", dtype: torch.dtype = torch.bfloat16):
     # accelerate=False: the model as transformers runs it on any device
     return Target(model, name=f"tiny-{family}-{device}-{dtype}".replace("torch.", ""), attention="gqa",
                   accelerate=False)
+
+
+def gpu_head(target, method: str):
+    """None (vanilla), a random sequential head (eagle), or a random 4-token parallel head whose mask rows draft
+    something (parallel)."""
+    if method == "vanilla":
+        return None
+    head = DraftHead.for_target(target, parallel=4 if method == "parallel" else 0)
+    if method == "parallel":
+        with torch.no_grad():
+            head.mask_hidden.normal_()
+            head.mask_embed.normal_()
+    return head
 
 
 def device_greedy(target, prompt: list[int], n: int) -> list[int]:
@@ -374,7 +388,7 @@ def test_static_step_on_the_gpu_in_fp32_equals_transformers(mode, method):
     """fp32: every mode, captured or compiled, emits transformers' greedy tokens, and replays them."""
     target = cuda_target(dtype=torch.float32)
     torch.manual_seed(0)
-    head = DraftHead.for_target(target) if method == "eagle" else None
+    head = gpu_head(target, method)
     cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=15))
     static = StaticEngine(target, head, mode=gpu_mode(mode))
     for prompt in ([3, 4, 5], list(range(10, 90))):
@@ -392,7 +406,7 @@ def test_static_step_on_the_gpu_in_bf16_differs_from_the_engine_only_at_near_tie
 
     target = cuda_target()
     torch.manual_seed(0)
-    head = DraftHead.for_target(target) if method == "eagle" else None
+    head = gpu_head(target, method)
     cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=4, top_k=4, total_tokens=15))
     engine = Engine(target, eagle_drafter(target, head) if head is not None else None)
     static = StaticEngine(target, head, mode=gpu_mode(mode))

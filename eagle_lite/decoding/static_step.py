@@ -78,6 +78,7 @@ class DraftConstants:
     own: torch.Tensor             # [depth - 1, k, W] bool: expansion d's frontier node i at its slot
     expansion_slots: torch.Tensor    # [depth - 1, k] the draft cache slots expansion d writes
     no_ancestors: torch.Tensor    # [k, W] bool, all False
+    chain_vis: torch.Tensor       # [depth - 1, W] bool: a parallel head's mask row d and those before it (slot d, 0)
     zero1: torch.Tensor           # [1] long 0
     true1: torch.Tensor           # [1] bool True
     first_front: torch.Tensor     # [k] candidates 1..k: the root's children
@@ -116,6 +117,7 @@ def draft_constants(tree: TreeConfig, bucket: int, slots: int, device) -> DraftC
         expansion_levels=torch.arange(max(levels, 1), device=device), own=own.to(device),
         expansion_slots=(main + torch.arange(max(levels, 1))[:, None] * k + kk).to(device),
         no_ancestors=torch.zeros(k, width, dtype=torch.bool, device=device),
+        chain_vis=(own[:, 0].long().cumsum(0) > 0).to(device),
         zero1=torch.zeros(1, **long), true1=torch.ones(1, dtype=torch.bool, device=device),
         first_front=torch.arange(1, k + 1, device=device), bases=[1 + k + (d - 1) * k * k for d in range(depth)],
         parent_of=torch.tensor(parent_of, **long), no_slot=torch.zeros(cands + 1, **long),
@@ -186,9 +188,6 @@ class StaticEngine:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
             mode = "cuda-graph" if target.device.type == "cuda" else "eager"
-        if getattr(head, "parallel", 0):
-            raise ValueError("the static step drafts sequentially; a parallel-drafting head (draft.parallel) drafts "
-                             "on the engine: drop --static")
         if mode == "reduce-overhead" and head is not None:
             # torch.compile's CUDA graphs replayed the draft step wrongly on an H100 (tests/test_static_step.py)
             raise ValueError("static step mode 'reduce-overhead' does not draft exactly with a head; use "
@@ -367,11 +366,13 @@ class StaticEngine:
         finish = self.target.lm.finish
         return (logits if finish is None else finish(logits)).argmax(dim=-1)
 
-    def _head(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-              slots: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _head(self, feats: torch.Tensor, tokens: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor,
+              slots: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+              embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The draft head over T pairs (feature, next token) at `positions`, written at `slots`: [T, H].
-        rotary: the fused layer's tables at `positions`, where the caller has them already."""
-        embeds = self.target.embed_tokens(tokens)
+        rotary: the fused layer's tables at `positions`, where the caller has them already. embeds: the rows'
+        token embeddings in place of `tokens`' (a parallel head's mask rows)."""
+        embeds = self.target.embed_tokens(tokens) if embeds is None else embeds
         if self._head_layer is not None:       # DraftHead.forward, its layer fused (static_stack.py)
             layer, tables = self._head_layer
             x = self.head.layer_input(feats, embeds)
@@ -396,9 +397,14 @@ class StaticEngine:
 
         Everything that depends only on the tree's shape is built once in `_prepare` (`DraftConstants`): the
         expansions write the draft cache at fixed slots past the main region, so their mask is the prefix (one
-        comparison a step) beside their block; the rotary tables of all expansions come from one call."""
+        comparison a step) beside their block; the rotary tables of all expansions come from one call.
+
+        A parallel head (`DraftHead.parallel`) runs its depth - 1 mask rows in one more forward instead of the
+        expansions, at the first slot of each expansion level; each level's children are then that row's top-k,
+        whatever their parent (drafters/eagle.py `_parallel_tree`)."""
         s, c, tree_cfg = self._state, self._draft_consts, self._tree_cfg
         k, depth = tree_cfg.top_k, tree_cfg.depth
+        parallel = bool(getattr(self.head, "parallel", 0))
         # 1. the pairs (f_t, x_{t+1}) of the tokens the last step emitted, at positions length - n ... length - 1
         start = s.length - s.n
         at = start + c.read_rows
@@ -411,15 +417,24 @@ class StaticEngine:
         front_h = h_root.expand(k, -1)
         front_anc = c.no_ancestors                                         # k W: ancestors among expansion slots
         if depth > 1:
-            prefix = (c.main_cols < s.length).expand(k, -1)                # k main: the committed slots
             positions = s.length + c.expansion_levels                      # depth - 1
-            rotary = self._head_rotary(s.feats, positions)
+            if parallel:    # the mask rows at the next positions, each seeing the committed slots and those before
+                mask = torch.cat([(c.main_cols < s.length).expand(depth - 1, -1), c.chain_vis], dim=1)[None, None]
+                mask_hidden, mask_embeds = self.head.mask_rows(depth - 1, s.feats.dtype)
+                h = self._head(mask_hidden, None, positions, mask, c.expansion_slots[:, 0], embeds=mask_embeds)
+                level_scores, level_tokens = self._head_top_k(h, k)        # depth-1 k
+            else:
+                prefix = (c.main_cols < s.length).expand(k, -1)            # k main: the committed slots
+                rotary = self._head_rotary(s.feats, positions)
         for d in range(1, depth):
-            vis = front_anc | c.own[d - 1]                                 # k W: each frontier node and its path
-            mask = torch.cat([prefix, vis], dim=1)[None, None]
-            h = self._head(front_h, front_tokens, positions[d - 1].expand(k), mask, c.expansion_slots[d - 1],
-                           None if rotary is None else tuple(r[d - 1].expand(k, -1, -1) for r in rotary))   # k H
-            scores, tokens = self._head_top_k(h, k)                        # k k
+            if parallel:
+                scores, tokens = level_scores[d - 1].expand(k, -1), level_tokens[d - 1].expand(k, -1)   # k k
+            else:
+                vis = front_anc | c.own[d - 1]                             # k W: each frontier node and its path
+                mask = torch.cat([prefix, vis], dim=1)[None, None]
+                h = self._head(front_h, front_tokens, positions[d - 1].expand(k), mask, c.expansion_slots[d - 1],
+                               None if rotary is None else tuple(r[d - 1].expand(k, -1, -1) for r in rotary))   # k H
+                scores, tokens = self._head_top_k(h, k)                    # k k
             cum = (front_scores[:, None] + scores).flatten()               # k*k
             cand_scores.append(cum)
             cand_tokens.append(tokens.flatten())
@@ -428,8 +443,9 @@ class StaticEngine:
                 fronts.append(best + c.bases[d])
                 parent_row = best // k
                 front_tokens = tokens.flatten()[best]
-                front_h = h[parent_row]
-                front_anc = vis[parent_row]
+                if not parallel:
+                    front_h = h[parent_row]
+                    front_anc = vis[parent_row]
         # 3. rerank: the total_tokens best candidates by cumulative log-probability (tree.rerank, in tensors).
         #    Candidates count from 1 (0: the root), so a parent index needs no special case.
         scores = torch.cat(cand_scores).nan_to_num(nan=-math.inf)
@@ -610,6 +626,8 @@ class StaticEngine:
                             tree.lookup)
                 self._warned_lookup = True
             tree = TreeConfig(tree.depth, tree.top_k, tree.total_tokens, 0, tree.min_prob)
+        if self.head is not None and self.head.parallel and tree.depth > self.head.parallel:
+            tree = TreeConfig(self.head.parallel, tree.top_k, tree.total_tokens, tree.lookup, tree.min_prob)
         return tree
 
     @torch.inference_mode()

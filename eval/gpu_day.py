@@ -13,24 +13,21 @@ received so far complete, then runs every step not yet run whose needs are met, 
 left (`--budget-s`), and leaves its log, a JSON of the steps and its outputs in `--out`. A step that fails or
 runs out of time is recorded and the next one runs; a rerun on the same warm machine skips the steps done.
 
-The steps, in order (issue #49: is eagle_graph 2x vanilla_graph on the GPU once the step launches fewer ops?):
+The steps, in order (issue #62: eagle_graph at 2x vanilla_graph once the draft is one forward):
   1. gpu_tests        `pytest -m gpu`: every static step mode equals transformers in fp32, differs from the
-                      engine only at near-ties in bf16, makes no synchronising call; the attention backends
-  2. table_bf16       `eval.benchmark --dtype bfloat16`, 2 held-out prompts of each of 12 kinds x 256 tokens:
-                      vanilla_graph against eagle_graph, the shipped head at its `tree_cuda`
-  3. table_bf16_eagle3   the same with the GPU day's EAGLE-3 head `../shared/heads/smollm2-eagle3-gpu` (d6 k10
-                      n63), which the shipped head was fine-tuned from on the CPU
-  4. table_bf16_full_vocab   the EAGLE-1 head shipped before (`data/heads/smollm2-eagle1`) drafting over the
-                      target's whole vocabulary (`--draft-vocab full`; an EAGLE-3 head's own lm_head has rows for
-                      its 8k draft tokens alone)
-  5. table_fp32, table_fp32_eagle3   both heads in float32 (exact: 100% identical is the claim)
-  6. step_cost_smollm2   `eval.step_cost`: verify time against tree size and the draft step, CUDA graphs
-  7. hf_generate      vanilla_graph against transformers' greedy generate(), one prompt of each kind x 128 tokens
-  8. op_counts        `eval.step_cost --count-ops` on the device's CPU, both heads (the counts docs/benchmarks.md
-                      has, checked where the tables ran)
-  then, left out by default (an earlier day measured or made them; `--all` keeps them): step_cost_llama1b,
-  table_shipped (7 methods), tune, the EAGLE-3 head's training (head_features, head_fit, head_validate),
-  table_tuned.
+                      engine only at near-ties in bf16, makes no synchronising call (plain, sequential and parallel
+                      heads); the attention backends
+  2. parallel_fit     `trainers.train experiment=gpu_parallel`: the shipped head fine-tuned to draft 4 tokens in one
+                      forward (P-EAGLE), the target's features computed in the fit, for what the last call leaves
+                      after the two tables; exported, and returned as parallel.tar (resumable: the next loan goes on)
+  3. table_bf16_parallel, table_fp32_parallel   `eval.benchmark`, 2 held-out prompts of each of 12 kinds x 256
+                      tokens: vanilla_graph against eagle_graph with that head (d4 k10 n60), bf16 and fp32
+  then, left out by default (an earlier day measured or made them, docs/benchmarks.md; `--all` keeps them):
+  table_bf16 (the shipped head at its `tree_cuda`), table_bf16_eagle3 (`../shared/heads/smollm2-eagle3-gpu`,
+  d6 k10 n63), table_bf16_full_vocab (`data/heads/smollm2-eagle1`, `--draft-vocab full`), table_fp32,
+  table_fp32_eagle3, step_cost_smollm2, hf_generate (transformers' generate()), op_counts (`--count-ops`),
+  step_cost_llama1b, table_shipped (7 methods), tune, the EAGLE-3 head's training (head_features, head_fit,
+  head_validate), table_tuned.
 
 The plan leaves out the steps an earlier GPU day measured (`MEASURED`; `--all` keeps them, past the lease), so the
 lease goes to what is still missing, and refuses a bundle packed before the working tree grew past what a call can
@@ -57,6 +54,7 @@ from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
 from trainers import device_bundle
+from trainers.targets import run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_LIMIT = 64 * 2**20           # what one device call carries, the working tree included
@@ -79,7 +77,10 @@ LAST_CALL_S = 570                 # the last call's --budget-s: a command runs a
 HEAD_NAME = "gpu_day_eagle3"
 # Steps an earlier GPU day measured, their tables in docs/benchmarks.md ("On a GPU"): the plan leaves them out, so
 # the lease goes to what is still missing (`--all` keeps them).
-MEASURED = ("step_cost_llama1b", "table_shipped", "tune", "head_features", "head_fit", "head_validate", "table_tuned")
+MEASURED = ("table_bf16", "table_bf16_eagle3", "table_bf16_full_vocab", "table_fp32", "table_fp32_eagle3",
+            "step_cost_smollm2", "hf_generate", "op_counts", "step_cost_llama1b", "table_shipped", "tune",
+            "head_features", "head_fit", "head_validate", "table_tuned")
+PARALLEL_NAME = "gpu_day_parallel"
 EAGLE3_HEAD = "../shared/heads/smollm2-eagle3-gpu"     # the EAGLE-3 head the 2026-11-26 H100 day trained
 # for the static step (no lookup graft): each tree fills its verify bucket (static_tree.BUCKETS, the root included)
 TUNE_TREES = ("4,8,31", "6,10,63", "8,12,95", "10,16,127")
@@ -114,6 +115,9 @@ class Profile:
     features: str = "data/smollm2/sharegpt_all/features_eagle3"   # under EAGLE_LITE_RUNS
     export: str = f"train/smollm2/sharegpt_all/{HEAD_NAME}/head"  # under EAGLE_LITE_RUNS
     validate: bool = True
+    parallel_train: tuple[str, ...] = ("experiment=gpu_parallel", "estimate=false", "progress=false")
+    parallel_export: str = f"train/smollm2/sharegpt_all/{PARALLEL_NAME}/head"   # under EAGLE_LITE_RUNS
+    parallel_tree: tuple[str, ...] = ("--tree-depth", "4", "--tree-top-k", "10", "--tree-total-tokens", "60")
 
 
 def dry_profile(target: str, draft: str, questions: str) -> Profile:
@@ -133,7 +137,12 @@ def dry_profile(target: str, draft: str, questions: str) -> Profile:
                "draft.objective.w_reg=0", "draft.objective.w_cls=1", "draft.objective.ttt_steps=3",
                "trainer.max_epochs=2", "early_stopping={monitor: val/accept_len_est, mode: max, patience: 3, "
                "min_delta: 0.002}", "progress=false"),
-        features="data/tiny/tiny/features", export=f"train/tiny/tiny/{HEAD_NAME}/head", validate=False)
+        features="data/tiny/tiny/features", export=f"train/tiny/tiny/{HEAD_NAME}/head", validate=False,
+        # the tables' own target (a folder), so that they can load the head; synthetic answers
+        parallel_train=(f"target={target}", "data=tiny", "draft.parallel=3", "draft.objective.ttt_steps=3",
+                        "data.features.mode=online", "trainer.max_epochs=1", "estimate=false", "progress=false"),
+        parallel_export=f"train/{run_name(target)}/tiny/{PARALLEL_NAME}/head",
+        parallel_tree=("--tree-depth", "3", "--tree-top-k", "2", "--tree-total-tokens", "4"))
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,11 @@ class Step:
 STEPS = (
     Step("gpu_tests", "pytest -m gpu: fp32 every mode == transformers, bf16 only near-ties differ, no syncs",
          120, 30, False),
+    Step("parallel_fit", "trainers.train experiment=gpu_parallel: the parallel head (4 tokens a forward), online "
+         "features, fit for what the tables leave, export", 240, 60, True),
+    Step("table_bf16_parallel", "eval.benchmark bf16: vanilla_graph vs eagle_graph, the parallel head, d4 k10 n60",
+         70, 30, True),
+    Step("table_fp32_parallel", "the same in float32, the parallel head", 75, 30, True),
     Step("table_bf16", "eval.benchmark bf16: vanilla_graph vs eagle_graph, shipped head, 24 prompts x 256", 70, 30,
          True),
     Step("table_bf16_eagle3", "the same, the EAGLE-3 head (../shared/heads/smollm2-eagle3-gpu), d6 k10 n63", 70, 30,
@@ -174,6 +188,8 @@ STEPS = (
          True),
 )
 EAGLE3_STEPS = ("table_bf16_eagle3", "table_fp32_eagle3")
+PARALLEL_TABLES = ("table_bf16_parallel", "table_fp32_parallel")
+PARALLEL_TABLES_S = 170    # what parallel_fit leaves the two tables after it
 
 
 # -- here: the plan and the bundle ---------------------------------------------------------------------------------
@@ -362,6 +378,8 @@ class Day:
         tables = {"table_bf16": ("bfloat16", p.draft, ()), "table_bf16_eagle3": ("bfloat16", p.eagle3, p.eagle3_tree),
                   "table_bf16_full_vocab": ("bfloat16", p.eagle1, ("--draft-vocab", "full")),
                   "table_fp32": ("float32", p.draft, ()), "table_fp32_eagle3": ("float32", p.eagle3, p.eagle3_tree)}
+        tables.update({"table_bf16_parallel": ("bfloat16", str(runs / p.parallel_export), p.parallel_tree),
+                       "table_fp32_parallel": ("float32", str(runs / p.parallel_export), p.parallel_tree)})
         if name in tables:
             dtype, draft, extra = tables[name]
             dtype = dtype if p.device != "cpu" else p.dtype
@@ -403,6 +421,11 @@ class Day:
         if name == "head_features":
             # leave the fit at least its minimum and the validation its time
             return [([sys.executable, *train, "stop_after=features"], max(30.0, min(left - 120, 300)))]
+        if name == "parallel_fit":
+            fit_s = int(max(30, left - PARALLEL_TABLES_S - 60))   # then its export, and the two tables
+            clock = time.strftime("%H:%M:%S", time.gmtime(fit_s))
+            return [([sys.executable, "-m", "trainers.train", *p.parallel_train, f"name={PARALLEL_NAME}",
+                      f"++trainer.max_time=00:{clock}"], fit_s + 60)]
         if name == "head_fit":
             fit_s = int(max(30, left - 75))   # export and validation after the fit
             clock = time.strftime("%H:%M:%S", time.gmtime(fit_s))
@@ -429,6 +452,11 @@ class Day:
                 continue
             if step.name in EAGLE3_STEPS and not (ROOT / self.profile.eagle3).is_dir():
                 record.status = f"skipped (no EAGLE-3 head at {self.profile.eagle3}: carry it there)"
+                self.log(f"== {step.name}: {record.status}")
+                continue
+            parallel = Path(self.env["EAGLE_LITE_RUNS"]) / self.profile.parallel_export / "config.json"
+            if step.name in PARALLEL_TABLES and not parallel.is_file():
+                record.status = "skipped (no parallel head: parallel_fit exported none)"
                 self.log(f"== {step.name}: {record.status}")
                 continue
             if step.name == "head_validate" and self.done.get("head_fit", {}).get("status") != "ok":
@@ -467,12 +495,13 @@ class Day:
             shutil.copyfile(config, self.results / "head_config.json")
         with tarfile.open(self.out / "results.tar.gz", "w:gz") as tar:
             tar.add(self.results, arcname="results")
-        head = Path(self.env["EAGLE_LITE_RUNS"]) / p.export
-        if (head / "config.json").is_file():
-            tar_path = self.out / "head.tar"
-            with tarfile.open(tar_path, "w") as tar:
-                tar.add(head, arcname="head")
-            cut(tar_path, FILE_BACK_BYTES)
+        for export, name in ((p.export, "head"), (p.parallel_export, "parallel")):
+            head = Path(self.env["EAGLE_LITE_RUNS"]) / export
+            if (head / "config.json").is_file():
+                tar_path = self.out / f"{name}.tar"
+                with tarfile.open(tar_path, "w") as tar:
+                    tar.add(head, arcname=name)
+                cut(tar_path, FILE_BACK_BYTES)
         self.log_file.close()
         files = sorted(p for p in self.out.iterdir() if p.is_file())
         if len(files) > FILES_BACK:
@@ -564,11 +593,13 @@ def report(folder: Path) -> int:
                 tar.extractall(f / "unpacked", filter="data")
             for md in sorted((f / "unpacked").rglob("*.md")):
                 print(f"### {md.relative_to(f / 'unpacked')}\n\n{md.read_text()}")
-        head = uncut(f, "head.tar")
-        if head is not None:
-            with tarfile.open(head) as tar:
-                tar.extractall(f / "unpacked", filter="data")
-            print(f"the new head: {f / 'unpacked' / 'head'} (benchmark it like any head: docs/training.md)\n")
+        for name in ("head", "parallel"):
+            head = uncut(f, f"{name}.tar")
+            if head is not None:
+                with tarfile.open(head) as tar:
+                    tar.extractall(f / "unpacked", filter="data")
+                print(f"the new {'parallel ' if name == 'parallel' else ''}head: {f / 'unpacked' / name} "
+                      f"(benchmark it like any head: docs/training.md)\n")
     return 0
 
 
@@ -638,8 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(stale[0])
     folders = len([d for d in carry.iterdir() if d.is_dir() and d.name != "eagle3"]) if carry.is_dir() else 2
     print("\n".join(plan_lines(folders, skip)))
-    eagle3 = (carry / "eagle3" / "config.json").is_file()
-    if not eagle3:
+    eagle3 = (carry / "eagle3" / "config.json").is_file() and any(s not in skip for s in EAGLE3_STEPS)
+    if not eagle3 and any(s not in skip for s in EAGLE3_STEPS):
         print(f"\n(no .carry/eagle3: the EAGLE-3 head's steps run only where {EAGLE3_HEAD} exists on the device; "
               f"copy the head folder to .carry/eagle3 to carry it in a call of its own)")
     print("\nThe device calls, back to back:")

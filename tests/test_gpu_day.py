@@ -40,7 +40,7 @@ def test_the_dry_run_runs_every_step_and_returns_the_files_a_call_may(tiny_model
     assert status.pop("head_validate").startswith("skipped")    # validation needs the real target's cache
     assert set(status.values()) == {"ok"}, status
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["head.tar", "log.txt", "results.tar.gz", "steps.json"]
+    assert files == ["head.tar", "log.txt", "parallel.tar", "results.tar.gz", "steps.json"]
     assert len(files) <= gpu_day.FILES_BACK
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
@@ -48,7 +48,8 @@ def test_the_dry_run_runs_every_step_and_returns_the_files_a_call_may(tiny_model
                  "results/table_shipped/summary.md", "results/table_tuned/summary.md", "results/table_bf16/summary.md",
                  "results/table_bf16_eagle3/summary.md", "results/table_bf16_full_vocab/summary.md",
                  "results/table_fp32/summary.md", "results/table_fp32_eagle3/summary.md",
-                 "results/hf_generate/summary.md", "results/op_counts_shipped.json", "results/op_counts_eagle3.json"):
+                 "results/hf_generate/summary.md", "results/op_counts_shipped.json", "results/op_counts_eagle3.json",
+                 "results/table_bf16_parallel/summary.md", "results/table_fp32_parallel/summary.md"):
         assert want in names, names
     tuned = json.loads((tiny_head / "config.json").read_text())
     assert "tree" in tuned      # tune --save-tree recorded the tree for the device it ran on (here the CPU)
@@ -64,7 +65,9 @@ def test_the_dry_run_runs_every_step_and_returns_the_files_a_call_may(tiny_model
     assert gpu_day.main(["report", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| table_shipped | ok |" in text and "summary.md" in text and "the new head:" in text
+    assert "the new parallel head:" in text
     assert (out / "unpacked" / "head" / "config.json").is_file()
+    assert json.loads((out / "unpacked" / "parallel" / "config.json").read_text())["parallel"] == 3
 
 
 def test_steps_without_time_left_are_skipped_and_recorded(tiny_model_dir, tiny_head, questions, tmp_path):
@@ -109,11 +112,9 @@ def test_the_plan_leaves_out_what_an_earlier_day_measured(tmp_path, capsys):
     assert len(calls) == 2 and all(f"--skip {','.join(gpu_day.MEASURED)}\"" in c for c in calls), calls
     steps = [line.split()[0] for line in text.splitlines() if line.startswith("    ")]
     assert steps == [s.name for s in gpu_day.STEPS if s.name not in gpu_day.MEASURED]
-    # issue #49's next loan: the tests, both heads in bf16 and fp32, the whole vocabulary, generate(), the counts
-    for name in ("gpu_tests", "table_bf16", "table_bf16_eagle3", "table_bf16_full_vocab", "table_fp32",
-                 "table_fp32_eagle3", "hf_generate", "op_counts"):
-        assert name in steps
-    assert "copy the head folder to .carry/eagle3" in text and "--eagle3" not in text
+    # issue #62's next loan: the tests, the parallel head's fit and its tables in bf16 and fp32
+    assert steps == ["gpu_tests", "parallel_fit", "table_bf16_parallel", "table_fp32_parallel"]
+    assert ".carry/eagle3" not in text and "--eagle3" not in text     # no EAGLE-3 step planned: no head carried
     assert gpu_day.main(["plan", "--skip", "tune", "--carry", str(tmp_path / "none")]) == 0
     assert "--skip tune\"" in capsys.readouterr().out
     assert gpu_day.main(["plan", "--skip", "tables", "--carry", str(tmp_path / "none")]) == 2
@@ -125,10 +126,13 @@ def test_a_call_of_its_own_carries_the_eagle3_head_before_the_last(tmp_path, cap
         (tmp_path / folder).mkdir()
     (tmp_path / "eagle3" / "config.json").write_text("{}")
     assert gpu_day.main(["plan", "--carry", str(tmp_path)]) == 0
+    assert ".carry/eagle3" not in capsys.readouterr().out           # the default plan has no EAGLE-3 step
+    assert gpu_day.main(["plan", "--all", "--carry", str(tmp_path)]) == 0
     calls = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  run(")]
     assert 'carry=[".carry/1"]' in calls[0] and 'carry=[".carry/2"]' in calls[2]
     assert calls[1] == '  run(carry=[".carry/eagle3"], timeout_s=60, command="cp -r .carry/eagle3 /tmp/eagle3")'
     assert all(c.rstrip('")').endswith("--eagle3 /tmp/eagle3") for c in calls if "eval.gpu_day run" in c)
+    assert all("--skip" not in c for c in calls)
     assert len(calls) == 3                                               # the head's folder is not a bundle part
 
 

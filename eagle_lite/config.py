@@ -93,12 +93,22 @@ class TreeConfig:
             raise ValueError(f"tree min_prob must be in [0, 1) (0 = off), got {self.min_prob}")
         if self.total_tokens < 1:
             raise ValueError(f"tree total_tokens must be >= 1, got {self.total_tokens}")
-        most = self.top_k + (self.depth - 1) * self.top_k * self.top_k
+        most = self.nodes_at(self.depth)
         if self.total_tokens > most:
             raise ValueError(
                 f"tree total_tokens={self.total_tokens} exceeds the {most} nodes that depth={self.depth}, "
                 f"top_k={self.top_k} can draft; lower total_tokens or raise depth/top_k"
             )
+
+    def nodes_at(self, depth: int) -> int:
+        """The most nodes a tree of this top_k drafts `depth` deep."""
+        return self.top_k + (depth - 1) * self.top_k * self.top_k
+
+    def capped(self, depth: int) -> TreeConfig:
+        """This tree at most `depth` deep, its node budget cut to what that depth drafts (a parallel head's K)."""
+        if self.depth <= depth:
+            return self
+        return TreeConfig(depth, self.top_k, min(self.total_tokens, self.nodes_at(depth)), self.lookup, self.min_prob)
 
     @classmethod
     def check_overrides(cls, overrides: dict) -> None:

@@ -86,8 +86,9 @@ def test_the_draft_is_one_head_forward(llama):
 @pytest.mark.parametrize("tree", [TreeConfig(depth=4, top_k=1, total_tokens=4, lookup=0),
                                   TreeConfig(depth=3, top_k=3, total_tokens=8, lookup=0),
                                   TreeConfig(depth=6, top_k=2, total_tokens=10, lookup=3),
+                                  TreeConfig(depth=6, top_k=1, total_tokens=6, lookup=0),
                                   TreeConfig(depth=2, top_k=4, total_tokens=6, lookup=4, min_prob=0.05)],
-                         ids=["chain", "tree", "deeper than K, graft", "min_prob, graft"])
+                         ids=["chain", "tree", "deeper than K, graft", "a chain longer than K", "min_prob, graft"])
 @pytest.mark.parametrize("design", ["eagle", "eagle3"])
 def test_greedy_output_is_the_targets(llama, tree, design):
     llama = target_for(design, llama)
@@ -142,8 +143,9 @@ def test_parallel_takes_two_or_more_tokens(llama):
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(depth=4, top_k=1, total_tokens=4), TreeConfig(depth=3, top_k=3,
-                                  total_tokens=8), TreeConfig(depth=6, top_k=2, total_tokens=7, min_prob=0.01)],
-                         ids=["chain", "tree", "deeper than K, min_prob"])
+                                  total_tokens=8), TreeConfig(depth=6, top_k=2, total_tokens=7, min_prob=0.01),
+                                  TreeConfig(depth=6, top_k=1, total_tokens=6)],
+                         ids=["chain", "tree", "deeper than K, min_prob", "a chain longer than K"])
 @pytest.mark.parametrize("design", ["eagle", "eagle3"])
 def test_the_static_step_drafts_with_a_parallel_head_and_stays_exact(llama, tree, design):
     from eagle_lite.decoding.static_step import StaticEngine

@@ -626,8 +626,8 @@ class StaticEngine:
                             tree.lookup)
                 self._warned_lookup = True
             tree = TreeConfig(tree.depth, tree.top_k, tree.total_tokens, 0, tree.min_prob)
-        if self.head is not None and self.head.parallel and tree.depth > self.head.parallel:
-            tree = TreeConfig(self.head.parallel, tree.top_k, tree.total_tokens, tree.lookup, tree.min_prob)
+        if self.head is not None and self.head.parallel:
+            tree = tree.capped(self.head.parallel)
         return tree
 
     @torch.inference_mode()

@@ -203,8 +203,7 @@ class EagleDrafter:
     def _parallel_tree(self, inp: DraftInput, tree: TreeConfig, logits: torch.Tensor) -> DraftTree:
         """The tree from a parallel forward's logits [D, V_draft] (the root's row, then the mask rows'): depth d's
         children drawn or ranked from row d, whatever their parent."""
-        depth = logits.shape[0]
-        grown = TreeConfig(min(tree.depth, depth), tree.top_k, tree.total_tokens, tree.lookup, tree.min_prob)
+        grown = tree.capped(logits.shape[0])
         sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
         return grow_tree(inp.root, logits[:1], _rows_by_depth(logits), grown, sampling, inp.generator,
                          self.head.d2t, self.target.vocab_size)

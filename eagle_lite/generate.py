@@ -20,7 +20,7 @@ import sys
 
 from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_line
 from .config import GenerationConfig
-from .options import add_model_flags, check_flags, load_from_flags, quiet_libraries
+from .options import add_model_flags, add_static_flag, check_flags, load_from_flags, quiet_libraries
 
 CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
 
@@ -36,11 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "model's plain layout, unless --raw); bytes that are not UTF-8 become U+FFFD "
                                     "and NUL characters are dropped, here and in a chat")
     add_model_flags(p)
-    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
-                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
-                   help="greedy decoding through the fixed-shape step (methods eagle, without the lookup graft, and "
-                        "vanilla): MODE auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, "
-                        "reduce-overhead, cuda-graph (docs/gpu.md)")
+    add_static_flag(p)
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
@@ -69,7 +65,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
         status = TERMINATED if isinstance(err, Terminated) else STOPPED
     if args.json:
         print(json.dumps({"text": lm.decode(ids), "token_ids": ids, "method": lm.method,
-                          "target": lm.target.name, **stats.as_dict()}))
+                          "static": getattr(lm, "static", None), "target": lm.target.name, **stats.as_dict()}))
     else:
         print()
     if stats.stop_reason == "interrupted":
@@ -94,7 +90,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
     from .decoding.engine import GenerationStats
     from .kv_cache import ContextOverflowError
 
-    print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}\n{CHAT_HELP}", file=sys.stderr)
+    static = f" (static step, mode {lm.static})" if getattr(lm, "static", None) else ""
+    print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}{static}\n{CHAT_HELP}", file=sys.stderr)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()
         sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []

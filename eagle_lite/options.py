@@ -163,6 +163,19 @@ def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None
                        help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
 
 
+STATIC_MODES = ("auto", "eager", "compile", "reduce-overhead", "cuda-graph")   # decoding/static_step.py MODES
+
+
+def add_static_flag(p, what: str = "greedy decoding through") -> None:
+    """--static [MODE]: methods eagle (without the lookup graft) and vanilla through the fixed-shape step
+    (decoding/static_step.py), a mode of theirs rather than other methods (the CLI, eval.benchmark, eval.tune,
+    eval.profile_step)."""
+    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE", choices=STATIC_MODES,
+                   help=f"{what} the fixed-shape step (methods eagle, without the lookup graft, and vanilla): MODE "
+                        f"auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, reduce-overhead, cuda-graph "
+                        f"(docs/gpu.md)")
+
+
 def target_of(target: str | None, draft=None) -> str | None:
     """--target as given; without it, the target the head `draft` (a folder) was trained for, where that target
     loads here (`targets.loading.resolves`), said in one line on stderr; else None (the default target). Every tool

@@ -37,6 +37,7 @@ class Pipeline:
 
     def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None, options=None) -> None:
         self.target, self.method, self.options = target, method, options
+        self.static: str | None = None   # the static step's mode where `engine` is one (`load(static=...)`)
         self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
         self.engine = engine if engine is not None else engine_for(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
@@ -133,8 +134,8 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
     static: decode greedily through the fixed-shape step (static_step.py) in this mode ("auto": CUDA graphs on CUDA,
-    eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft) and vanilla, shown as
-    eagle_graph / vanilla_graph. None: the engine.
+    eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft) and vanilla, a mode of
+    theirs (`Pipeline.static`). None: the engine.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
     """
@@ -159,7 +160,8 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
 
         check_static(method, static)
         head = eagle_head(tgt, options) if method == "eagle" else None
-        pipeline = Pipeline(tgt, None, f"{method}_graph", StaticEngine(tgt, head, mode=static))
+        pipeline = Pipeline(tgt, None, method, StaticEngine(tgt, head, mode=static))
+        pipeline.static = static
     else:
         pipeline = for_target(tgt, method, options)
     if record is not None:

@@ -4,7 +4,7 @@ decoding and EAGLE, measured in one run on the same prompts (interleaved), print
     python -m eval.benchmark                                # 3 held-out ShareGPT + 3 HumanEval prompts
     python -m eval.benchmark --per-task 10 --max-new-tokens 256 --out runs/bench
     python -m eval.benchmark --questions mt_bench.jsonl     # any MT-bench / Spec-Bench question file
-    python -m eval.benchmark --device cuda --dtype bfloat16 --methods vanilla,vanilla_graph,eagle,eagle_graph
+    python -m eval.benchmark --device cuda --dtype bfloat16 --methods vanilla,eagle --static   # the fixed-shape step
 
 The same runner as `python -m eval.sweep` (Hydra, for sweeps), with plain flags for a quick check.
 """
@@ -36,8 +36,8 @@ ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 # rule each, to compare both in one run), lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates),
 # layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC),
 # medusa (--medusa PATH|random), llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added
-# by default when importable), vanilla_graph and eagle_graph (the fixed-shape step, static_step.py: CUDA graphs on
-# CUDA; greedy only)
+# by default when importable). --static runs vanilla and eagle through the fixed-shape step (static_step.py: CUDA
+# graphs on CUDA; greedy only)
 
 
 def default_methods() -> list[str]:
@@ -86,7 +86,7 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
                               "min_prob": args.tree_min_prob},
                         threads=args.threads, options=option_values(args), temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, attention=args.attention,
-                        static_mode=args.static_mode, static_max_len=args.static_max_len)
+                        static=args.static, static_max_len=args.static_max_len)
 
 
 @entry_point

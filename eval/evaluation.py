@@ -22,6 +22,7 @@ from eagle_lite.drafters import registry
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.attention import BACKENDS
 from eagle_lite.options import (
+    add_static_flag,
     every_options,
     method_flags,
     options_of,
@@ -31,7 +32,7 @@ from eagle_lite.targets.loading import load_target
 from eagle_lite.threads import check_threads, set_threads
 
 from . import plots, report, runner
-from .methods import STATIC_METHODS, build_methods, gguf_of, method_names, registry_method
+from .methods import STATIC_METHODS, build_methods, check_static, gguf_of, method_names, registry_method
 from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
 
 log = logging.getLogger("eagle_lite")
@@ -60,7 +61,8 @@ class EvalSettings:
     top_k: int = 0
     seed: int = 0                   # sampling: each method draws with this seed on every prompt
     attention: str = "auto"         # the target's tree-verification backend (kernels/attention.py)
-    static_mode: str = "auto"       # vanilla_graph / eagle_graph: how their steps run (static_step.MODES)
+    static: str | None = None       # a static step mode (static_step.MODES): vanilla and eagle through the
+                                    # fixed-shape step; None: the engine
     static_max_len: int | None = 2048   # their cache slots, allocated once (more if a call needs them)
 
     @property
@@ -113,11 +115,12 @@ def check_settings(s: EvalSettings) -> None:
     check_threads(s.threads, "threads")
     if s.attention not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {s.attention!r}; choose one of: auto, {', '.join(BACKENDS)}")
-    static = [m for m in s.methods if m in STATIC_METHODS]
-    if static and s.static_mode not in MODES:
-        raise ValueError(f"unknown static step mode {s.static_mode!r}: choose one of {', '.join(MODES)}")
-    if static and s.temperature > 0:
-        raise ValueError(f"method(s) {static} decode greedily: drop them or set temperature 0")
+    if s.static is not None:
+        if s.static not in MODES:
+            raise ValueError(f"unknown static step mode {s.static!r}: choose one of {', '.join(MODES)}")
+        check_static(s.methods, s.static)
+        if s.temperature > 0:
+            raise ValueError(f"--static {s.static} decodes greedily: drop it or set temperature 0")
     TreeConfig.check_overrides(s.tree)
     GenerationConfig(max_new_tokens=s.max_new_tokens, seed=s.seed,
                      sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
@@ -131,8 +134,6 @@ def check_settings(s: EvalSettings) -> None:
         method = registry_method(name, options)
         if method is not None:
             registry.check(*method)
-    if "eagle_graph" in s.methods:       # the eagle method's head, through the static step
-        registry.check("eagle", options["eagle"])
     if "llama_cpp" in s.methods:
         gguf_of(s.target)
 
@@ -146,15 +147,14 @@ def evaluate(s: EvalSettings, progress: bool = True):
     if s.threads is not None:
         set_threads(s.threads, "threads")
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device, attention=s.attention)
-    uses_head = "eagle_graph" in s.methods or any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS
-                                                  for m in s.methods)
+    uses_head = any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS for m in s.methods)
     head, note = head_for(target, s.eagle.draft) if uses_head else (None, "")
     options = every_options(s.options)
     if head is not None:   # loaded once, for every head method
         options.update({name: replace(o, head=head) for name, o in options.items()
                         if isinstance(o, registry.EagleOptions)})
     gguf = gguf_of(s.target) if "llama_cpp" in s.methods else None
-    methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads, static_mode=s.static_mode,
+    methods = build_methods(target, s.methods, options, gguf=gguf, threads=s.threads, static=s.static,
                             static_max_len=s.static_max_len)
     tree = tree_for(head, s.tree, str(target.device))
     sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
@@ -190,16 +190,16 @@ class Stopped(KeyboardInterrupt):
 
 def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfig, note: str) -> str:
     """The report's first line: what ran, where, with which tree and sampling."""
-    static = [m for m in s.methods if m in STATIC_METHODS]
+    static = [m for m in s.methods if m in STATIC_METHODS] if s.static is not None else []
     return (f"target {target.name} · {s.dtype} · {target.device} · attention "
             f"{target.config._attn_implementation} · {torch.get_num_threads()} threads · max_new_tokens "
             f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
-            f"{tree.total_tokens}, lookup {tree.lookup}"
+            f"{tree.total_tokens}, lookup {tree.lookup}" + (f", min_prob {tree.min_prob:g}" if tree.min_prob else "")
             + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
                f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
                f"{s.eagle.draft_sampling} (outputs differ by draw: no identity "
                f"check)")
-            + (f" · {', '.join(static)}: static step, mode {s.static_mode}, no lookup graft" if static else "")
+            + (f" · {', '.join(static)}: static step, mode {s.static}, no lookup graft" if static else "")
             + (f" · {note}" if note else ""))
 
 
@@ -227,10 +227,9 @@ def write_outputs(out_dir: Path, records, rows, baseline: str, header: str) -> s
     return text
 
 
-def add_static_flags(p) -> None:
-    """--static-mode and --static-max-len: how vanilla_graph / eagle_graph run (eval.benchmark and eval.tune)."""
-    p.add_argument("--static-mode", default="auto",
-                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
-                   help="vanilla_graph / eagle_graph: auto = CUDA graphs on CUDA, eager on a CPU")
+def add_static_flags(p, what: str = "greedy decoding through") -> None:
+    """--static [MODE] (eagle_lite/options.py, the CLI's own) and --static-max-len: vanilla and eagle through the
+    fixed-shape step (eval.benchmark and eval.tune)."""
+    add_static_flag(p, what)
     p.add_argument("--static-max-len", type=int, default=2048,
-                   help="vanilla_graph / eagle_graph: cache slots allocated once (each step attends over all of them)")
+                   help="--static: cache slots allocated once (each step attends over all of them)")

@@ -13,7 +13,7 @@ received so far complete, then runs every step not yet run whose needs are met, 
 left (`--budget-s`), and leaves its log, a JSON of the steps and its outputs in `--out`. A step that fails or
 runs out of time is recorded and the next one runs; a rerun on the same warm machine skips the steps done.
 
-The steps, in order (issue #62: eagle_graph at 2x vanilla_graph once the draft is one forward):
+The steps, in order (issue #62: eagle at 2x vanilla through the static step once the draft is one forward):
   1. gpu_tests        `pytest -m gpu`: every static step mode equals transformers in fp32, differs from the
                       engine only at near-ties in bf16, makes no synchronising call (plain, sequential and parallel
                       heads); the attention backends
@@ -21,7 +21,7 @@ The steps, in order (issue #62: eagle_graph at 2x vanilla_graph once the draft i
                       forward (P-EAGLE), the target's features computed in the fit, for what the last call leaves
                       after the two tables; exported, and returned as parallel.tar (resumable: the next loan goes on)
   3. table_bf16_parallel, table_fp32_parallel   `eval.benchmark`, 2 held-out prompts of each of 12 kinds x 256
-                      tokens: vanilla_graph against eagle_graph with that head (d4 k10 n60), bf16 and fp32
+                      tokens: vanilla against eagle with that head (d4 k10 n60), both `--static`, bf16 and fp32
   then, left out by default (an earlier day measured or made them, docs/benchmarks.md; `--all` keeps them):
   table_bf16 (the shipped head at its `tree_cuda`), table_bf16_eagle3 (`../shared/heads/smollm2-eagle3-gpu`,
   d6 k10 n63), table_bf16_full_vocab (`data/heads/smollm2-eagle1`, `--draft-vocab full`), table_fp32,
@@ -159,10 +159,10 @@ STEPS = (
          120, 30, False),
     Step("parallel_fit", "trainers.train experiment=gpu_parallel: the parallel head (4 tokens a forward), online "
          "features, fit for what the tables leave, export", 240, 60, True),
-    Step("table_bf16_parallel", "eval.benchmark bf16: vanilla_graph vs eagle_graph, the parallel head, d4 k10 n60",
+    Step("table_bf16_parallel", "eval.benchmark bf16 --static: vanilla vs eagle, the parallel head, d4 k10 n60",
          70, 30, True),
     Step("table_fp32_parallel", "the same in float32, the parallel head", 75, 30, True),
-    Step("table_bf16", "eval.benchmark bf16: vanilla_graph vs eagle_graph, shipped head, 24 prompts x 256", 70, 30,
+    Step("table_bf16", "eval.benchmark bf16 --static: vanilla vs eagle, shipped head, 24 prompts x 256", 70, 30,
          True),
     Step("table_bf16_eagle3", "the same, the EAGLE-3 head (../shared/heads/smollm2-eagle3-gpu), d6 k10 n63", 70, 30,
          True),
@@ -172,19 +172,19 @@ STEPS = (
     Step("table_fp32_eagle3", "the same in float32, the EAGLE-3 head", 75, 30, True),
     Step("step_cost_smollm2", "eval.step_cost: SmolLM2 and its head, verify 1..128 nodes and the draft step",
          50, 20, True),
-    Step("hf_generate", "eval.benchmark: vanilla_graph vs transformers generate(), 12 prompts x 128", 70, 30, True),
+    Step("hf_generate", "eval.benchmark --static: vanilla vs transformers generate(), 12 prompts x 128", 70, 30, True),
     Step("op_counts", "eval.step_cost --count-ops (the device's CPU): launches per step and per token, both heads",
          60, 20, True),
     # left out by default (MEASURED): measured or made on an earlier GPU day
     Step("step_cost_llama1b", "eval.step_cost: a random ~1B Llama, verify 1..128 nodes, eager and CUDA graphs",
          40, 20, False),
     Step("table_shipped", "eval.benchmark: 7 methods x 12 held-out prompts at the shipped tree_cuda", 150, 40, True),
-    Step("tune", "eval.tune --method eagle_graph --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
+    Step("tune", "eval.tune --method eagle --static --save-tree: the head's tree_cuda tuned on the GPU", 90, 30, True),
     Step("head_features", "trainers.train stop_after=features: EAGLE-3 features of the committed answers",
          90, 60, True),
     Step("head_fit", "trainers.train: fit until validation stops improving or time runs out, export", 200, 60, True),
     Step("head_validate", "trainers.validate: the new head against the shipped one, same held-out rows", 30, 20, True),
-    Step("table_tuned", "eval.benchmark: vanilla_graph, eagle, eagle_graph at the tuned tree", 40, 20,
+    Step("table_tuned", "eval.benchmark --static: vanilla, eagle at the tuned tree", 40, 20,
          True),
 )
 EAGLE3_STEPS = ("table_bf16_eagle3", "table_fp32_eagle3")
@@ -386,12 +386,12 @@ class Day:
             return [(self.python("eval.benchmark", *(["--target", p.target] if p.target else []), "--device",
                                  p.device, "--dtype", dtype, "--draft", draft, "--questions", p.questions, "--tasks",
                                  "", "--per-task", str(p.per_task), "--max-new-tokens", str(p.max_new_tokens),
-                                 *extra, "--methods", "vanilla_graph,eagle_graph", "--out", str(r / name)),
+                                 *extra, "--methods", "vanilla,eagle", "--static", "auto", "--out", str(r / name)),
                      min(left, 150))]
         if name == "hf_generate":
             return [(self.python("eval.benchmark", *self.common(), "--draft", p.draft, "--questions", p.questions,
                                  "--tasks", "", "--per-task", str(p.hf_per_task), "--max-new-tokens",
-                                 str(p.hf_tokens), "--methods", "vanilla_graph,hf_generate", "--out",
+                                 str(p.hf_tokens), "--methods", "vanilla,hf_generate", "--static", "auto", "--out",
                                  str(r / name)), min(left, 150))]
         if name == "op_counts":
             return [(self.python("eval.step_cost", *p.count_ops, "--draft", draft, "--out",
@@ -407,16 +407,16 @@ class Day:
             return [(self.python("eval.step_cost", "--device", p.device, "--dtype", p.dtype, *p.step_cost_target,
                                  "--out", str(r / "step_cost_smollm2.json")), min(left, 90))]
         if name == "table_shipped":
-            methods = "vanilla_graph,vanilla,hf_generate,hf_prompt_lookup,lookup,eagle,eagle_graph"
+            methods = "vanilla,hf_generate,hf_prompt_lookup,lookup,eagle"
             return [(self.python("eval.benchmark", *bench, "--methods", methods, "--out",
                                  str(r / "table_shipped")), min(left, 240))]
         if name == "tune":
-            return [(self.python("eval.tune", "--method", "eagle_graph", *self.common(), "--draft", p.draft,
-                                 "--questions", p.questions, "--limit", str(p.tune_limit), "--max-new-tokens",
+            return [(self.python("eval.tune", "--method", "eagle", "--static", "auto", *self.common(), "--draft",
+                                 p.draft, "--questions", p.questions, "--limit", str(p.tune_limit), "--max-new-tokens",
                                  str(p.tune_tokens), "--trees", *p.tune_trees, "--save-tree"), min(left, 150))]
         if name == "table_tuned":
-            methods = "vanilla_graph,eagle,eagle_graph"
-            return [(self.python("eval.benchmark", *bench, "--methods", methods, "--out", str(r / "table_tuned")),
+            return [(self.python("eval.benchmark", *bench, "--methods", "vanilla,eagle", "--static", "auto", "--out",
+                                 str(r / "table_tuned")),
                      min(left, 120))]
         if name == "head_features":
             # leave the fit at least its minimum and the validation its time

@@ -5,8 +5,9 @@ transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
 (staged, lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `eagle_q`
 and `eagle_match` are eagle with one sampling rule each (EagleOptions.draft_sampling), so that one run compares them.
-`vanilla_graph` and `eagle_graph` are the same two decodings through the fixed-shape step (static_step.py): captured
-in CUDA graphs on CUDA, eager on a CPU (greedy only; eagle_graph drafts without the prompt-lookup graft). `llama_cpp` is
+With a static step mode (`--static MODE`), `vanilla` and `eagle` run through the fixed-shape step instead
+(static_step.py): captured in CUDA graphs on CUDA, eager on a CPU (greedy only; eagle without the prompt-lookup
+graft); the other engine methods have no such mode. `llama_cpp` is
 llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
 `llama-cpp-python`; it runs the file's quantized weights, so its tokens may differ from the fp32 target's).
 """
@@ -134,7 +135,7 @@ def static_method(target: Target, head=None, mode: str = "auto", max_len: int | 
 
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
-STATIC_METHODS = ("vanilla_graph", "eagle_graph")   # greedy only
+STATIC_METHODS = ("vanilla", "eagle")   # the methods a static step mode runs through the fixed-shape step
 # eval's names for a registry method with some options set: (method, EagleOptions fields)
 VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"}),
             "eagle_full_vocab": ("eagle", {"draft_vocab": "full"})}
@@ -142,7 +143,18 @@ VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagl
 
 def method_names() -> tuple[str, ...]:
     """Every method eval can run: the registry's as it is now (a method registered later included), and eval's own."""
-    return (*HF_METHODS[:3], *registry.METHODS, *VARIANTS, *STATIC_METHODS, "llama_cpp")
+    return (*HF_METHODS[:3], *registry.METHODS, *VARIANTS, "llama_cpp")
+
+
+def check_static(names: list[str], static: str | None) -> None:
+    """A static step mode runs vanilla and eagle alone among the engine's methods (transformers' and llama.cpp's run
+    as they are beside them): ValueError naming the others."""
+    if static is None:
+        return
+    engine = [n for n in names if n not in HF_METHODS and n not in STATIC_METHODS]
+    if engine:
+        raise ValueError(f"--static {static} runs methods vanilla and eagle through the fixed-shape step; {engine} "
+                         f"run on the engine only: drop them, or --static")
 
 
 def registry_method(name: str, options: dict[str, Any]) -> tuple[str, Any] | None:
@@ -155,18 +167,19 @@ def registry_method(name: str, options: dict[str, Any]) -> tuple[str, Any] | Non
 
 
 def build_methods(target: Target, names: list[str], options: dict[str, Any] | None = None,
-                  gguf: Path | None = None, threads: int | None = None, static_mode: str = "auto",
+                  gguf: Path | None = None, threads: int | None = None, static: str | None = None,
                   static_max_len: int | None = None) -> dict[str, Method]:
     """Method name -> callable. The engine's methods are the drafter registry's (`eagle_lite.drafters.NAMES`), each
     built with `options[name]` (its options dataclass; None: defaults), and their VARIANTS. Besides them: hf_generate,
-    hf_prompt_lookup and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM),
-    llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads), and vanilla_graph
-    and eagle_graph (the fixed-shape step in `static_mode`, its caches `static_max_len` slots; eagle_graph takes the
-    head of `options["eagle"]`)."""
+    hf_prompt_lookup and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM) and
+    llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads). static: a static
+    step mode, in which vanilla and eagle run through the fixed-shape step (its caches `static_max_len` slots; eagle
+    with the head of `options["eagle"]`)."""
     options = dict(options or {})
     unknown = [n for n in names if n not in method_names()]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: choose from {sorted(method_names())}")
+    check_static(names, static)
     if "hf_assisted" in names or "draft_model" in names:
         # both run the same smaller LM: load it once
         o = options.get("draft_model") or registry.DraftModelOptions()
@@ -176,20 +189,21 @@ def build_methods(target: Target, names: list[str], options: dict[str, Any] | No
 
             o = replace(o, draft_target=load_target(o.model, dtype=target.dtype, device=str(target.device)))
         options["draft_model"] = o
-    engine = {n: registry_method(n, options) for n in names}
+    engine = {n: None if static and n in STATIC_METHODS else registry_method(n, options) for n in names}
     for method in engine.values():
         if method is not None:
             registry.check(*method)
     if "llama_cpp" in names and gguf is None:
         raise ValueError("method 'llama_cpp' needs the target's GGUF file (gguf=...)")
     factories = {
-        "vanilla_graph": lambda: static_method(target, None, static_mode, static_max_len),
-        "eagle_graph": lambda: static_method(target, eagle_head(target, options.get("eagle")), static_mode,
-                                             static_max_len),
         "hf_generate": lambda: hf_generate(target),
         "hf_prompt_lookup": lambda: hf_generate(target, prompt_lookup_num_tokens=10),
         "hf_assisted": lambda: hf_generate(target, assistant=options["draft_model"].draft_target),
         "llama_cpp": lambda: llama_cpp(target, gguf, threads),
     }
+    if static:
+        factories.update({
+            "vanilla": lambda: static_method(target, None, static, static_max_len),
+            "eagle": lambda: static_method(target, eagle_head(target, options.get("eagle")), static, static_max_len)})
     return {n: factories[n]() if n in factories else
             engine_method(engine_for(target, engine[n][0], engine[n][1])) for n in names}

@@ -25,7 +25,7 @@ from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
-from eagle_lite.options import TARGET_HELP, add_device_flags
+from eagle_lite.options import TARGET_HELP, add_device_flags, add_static_flag
 from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.loading import load_target
 from eagle_lite.text.chat_format import chat_ids
@@ -78,9 +78,7 @@ def main(argv=None) -> int:
                    help="an MT-bench / Spec-Bench JSONL file: profile the first turn of its questions instead")
     p.add_argument("--limit", type=int, default=1, help="--questions: questions per category")
     add_device_flags(p, attention=False)
-    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
-                   choices=["auto", "eager", "compile", "reduce-overhead", "cuda-graph"],
-                   help="also profile the static step in this mode (auto: CUDA graphs on CUDA, eager elsewhere)")
+    add_static_flag(p, "also profile, beside the engine's rows,")
     return run(p.parse_args(argv))
 
 
@@ -106,13 +104,14 @@ def run(args: argparse.Namespace) -> int:
     plain = GenerationConfig(args.max_new_tokens)
     runs = [("vanilla", engine_for(target, "vanilla"), plain)]
     if args.static:
-        runs.append(("vanilla_graph", StaticEngine(target, None, mode=args.static, profile=True), plain))
+        runs.append(("vanilla (static)", StaticEngine(target, None, mode=args.static, profile=True), plain))
     runs.append(("lookup", engine_for(target, "lookup"), plain))
     for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree)
         runs.append((tree_label(tree), engine_for(target, "eagle", registry.EagleOptions(head=head)), cfg))
         if args.static:
-            runs.append((f"{tree_label(tree)} graph", StaticEngine(target, head, mode=args.static, profile=True), cfg))
+            runs.append((f"{tree_label(tree)} (static)", StaticEngine(target, head, mode=args.static, profile=True),
+                         cfg))
     rows = profile(runs, prompts)
     where = f"{args.questions}: {len(prompts)} prompts" if args.questions else "one prompt"
     print(f"target {target.name} · {torch.get_num_threads()} threads · {note} · {where}\n")

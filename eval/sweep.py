@@ -55,7 +55,7 @@ def settings_from(cfg) -> EvalSettings:
                         device=c.get("device", "cpu"), temperature=_number(c, "temperature", float, 0.0),
                         top_p=_number(c, "top_p", float, 1.0), top_k=_number(c, "top_k", int, 0),
                         seed=_number(c, "seed", int, 0), attention=c.get("attention", "auto"),
-                        static_mode=c.get("static_mode", "auto"), static_max_len=c.get("static_max_len", 2048))
+                        static=c.get("static"), static_max_len=c.get("static_max_len", 2048))
 
 
 def _main() -> int:

@@ -1,7 +1,7 @@
 """`python -m eval.tune`: find the fastest settings of one drafting method on a few prompts of a task.
 
     python -m eval.tune --method eagle --task humaneval            # tree depth x top_k x total_tokens
-    python -m eval.tune --method eagle_graph --device cuda --dtype bfloat16 --trees 4,8,31 6,10,63 --save-tree
+    python -m eval.tune --method eagle --static --device cuda --dtype bfloat16 --trees 4,8,31 6,10,63 --save-tree
     python -m eval.tune --method lookup --task sharegpt            # chain length K (num_tokens)
     python -m eval.tune --method lookahead --task sharegpt         # window W x n-gram N x candidates G
     python -m eval.tune --method layer_skip --exit-layer 12        # K of the early-exit draft
@@ -16,9 +16,9 @@ vanilla decoding). The table gives tokens/s, the speedup over vanilla and the me
 the best setting whose output is identical to vanilla's is printed last, with how to select it;
 `--save-tree` records eagle's best tree in the head folder's config.json, where the CLI, the Python API
 and the benchmark take it as their default tree.
-`eagle_graph` sweeps the same tree grid through the fixed-shape static step (`static_step.StaticEngine`, CUDA graphs
-on CUDA: the default path there, whose costs differ from the engine's), against `vanilla_graph` (plain decoding
-through the same step) as the baseline; that step has no prompt-lookup graft, so lookup lengths are ignored.
+`--static [MODE]` sweeps eagle's tree grid through the fixed-shape static step (`static_step.StaticEngine`, CUDA
+graphs on CUDA: the default path there, whose costs differ from the engine's), against plain decoding through the
+same step as the baseline; that step has no prompt-lookup graft, so lookup lengths are ignored.
 Chain drafters sweep a fixed K (adaptive off) plus their default adaptive K; eagle sweeps the tree
 grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`); lookahead sweeps
 its window x n-gram x candidates grid.
@@ -46,7 +46,6 @@ from .evaluation import add_static_flags, head_for, load_questions
 from .methods import static_method
 from .tuning import (
     BASELINE,
-    BASELINES,
     METHODS,
     TREE_METHODS,
     Candidate,
@@ -95,31 +94,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("drafts")
     add_method_flags(g, ("eagle", "draft_model", "layer_skip"))
     g.add_argument("--save-tree", action="store_true",
-                   help="eagle, eagle_graph: write the best tree into the head folder's config.json as its "
+                   help="eagle: write the best tree into the head folder's config.json as its "
                         "recommended tree for --device's kind (\"tree\" on a CPU, \"tree_cuda\" on CUDA); "
-                        "eagle_graph keeps the lookup length of the tree the head recommends there now (0 if none), "
-                        "which the engine's eagle grafts and the static step ignores")
+                        "with --static it keeps the lookup length of the tree the head recommends there now (0 if "
+                        "none), which the engine's eagle grafts and the static step ignores")
     g.add_argument("--medusa", default=None, help="medusa: a heads folder (save_medusa) or 'random'")
     g = p.add_argument_group("grids")
     g.add_argument("--num-tokens", type=ints, default=[1, 2, 3, 4, 6, 8], help="chain drafters: K values")
-    g.add_argument("--depths", type=ints, default=[3, 5], help="eagle, eagle_graph: tree depths")
-    g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle, eagle_graph: tree top_k values")
-    g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle, eagle_graph: tree total_tokens values")
+    g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
+    g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle: tree top_k values")
+    g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
     g.add_argument("--lookups", type=ints, default=[],
                    help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off); "
-                        "eagle_graph ignores them (no graft in the static step)")
+                        "--static ignores them (no graft in the static step)")
     g.add_argument("--min-probs", type=floats, default=[],
-                   help="eagle, eagle_graph: TreeConfig.min_prob values (verify only nodes this likely under the "
+                   help="eagle: TreeConfig.min_prob values (verify only nodes this likely under the "
                         "draft), each tried beside 0 (off)")
     g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
-                   help="eagle, eagle_graph: these trees instead of the grid, each "
+                   help="eagle: these trees instead of the grid, each "
                         "depth,top_k,total_tokens[,lookup[,min_prob]]")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     g.add_argument("--lookahead-windows", type=counts, default=[1, 2, 4], help="lookahead: window widths W")
     g.add_argument("--lookahead-ngrams", type=ints, default=[2, 3], help="lookahead: n-gram lengths N (>= 2)")
     g.add_argument("--lookahead-candidates", type=counts, default=[2], help="lookahead: pool n-grams verified G")
-    g = p.add_argument_group("eagle_graph (the static step; baseline vanilla_graph)")
-    add_static_flags(g)
+    g = p.add_argument_group("eagle through the fixed-shape step (baseline: plain decoding through it)")
+    add_static_flags(g, "eagle: tune its tree for")
     return p.parse_args(argv)
 
 
@@ -131,16 +130,19 @@ def check_args(args: argparse.Namespace) -> None:
         check_counts(args)
         check_threads(args.threads)
         if args.save_tree and (args.method not in TREE_METHODS or args.draft == "random"):
-            raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle or eagle_graph "
+            raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle "
                              "with --draft auto or a head folder")
+        if args.static is not None and args.method not in TREE_METHODS:
+            raise ValueError(f"--static tunes eagle's tree through the fixed-shape step: use --method eagle (not "
+                             f"{args.method})")
         trees = args.trees or (tree_grid(args.depths, args.top_ks, args.totals)
                                if args.method in TREE_METHODS else [])
-        if args.method == "eagle_graph":
+        if args.static is not None:
             for tree in trees:
                 bucket_for(1 + tree.total_tokens)   # the static step's largest verify bucket bounds the tree
-            if args.static_mode in ("cuda-graph", "reduce-overhead") and not args.device.startswith("cuda"):
-                raise ValueError(f"--static-mode {args.static_mode} captures CUDA graphs: use --device cuda, or "
-                                 f"--static-mode eager / compile")
+            if args.static in ("cuda-graph", "reduce-overhead") and not args.device.startswith("cuda"):
+                raise ValueError(f"--static {args.static} captures CUDA graphs: use --device cuda, or "
+                                 f"--static eager / compile")
             if args.static_max_len < 1:
                 raise ValueError(f"--static-max-len must be >= 1, got {args.static_max_len}")
     if args.method == "lookahead":   # its grid flags are lists of sizes
@@ -148,8 +150,7 @@ def check_args(args: argparse.Namespace) -> None:
                                                       args.lookahead_candidates):
             registry.check("lookahead", registry.LookaheadOptions(window, ngram, count))
         return
-    method = "eagle" if args.method == "eagle_graph" else args.method   # the static step runs eagle's head
-    registry.check(method, options_of(method, args))
+    registry.check(args.method, options_of(args.method, args))
 
 
 def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
@@ -160,14 +161,14 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
 
     if args.method in TREE_METHODS:
         head, _ = head_for(target, args.draft)
-        static = args.method == "eagle_graph"
+        static = args.static is not None
         if static and (args.lookups or any(tree.lookup for tree in args.trees or ())):
-            log.warning("eagle_graph: the static step drafts without the prompt-lookup graft: lookup lengths "
+            log.warning("--static: the static step drafts without the prompt-lookup graft: lookup lengths "
                         "(--lookups, --trees) are ignored")
         return eagle_candidates(target, head, args.depths, args.top_ks, args.totals,
                                 (0,) if static else tuple(dict.fromkeys([0, *args.lookups])),
                                 tuple(dict.fromkeys([0.0, *args.min_probs])), args.trees,
-                                static_mode=args.static_mode if static else None,
+                                static=args.static,
                                 static_max_len=args.static_max_len, options=options_of("eagle", args))
     if args.method == "medusa":
         if args.medusa is None:
@@ -214,12 +215,13 @@ def main(argv=None) -> int:
         raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "
                          f"pass --draft HEAD_FOLDER")
     candidates = build_candidates(args, target)
-    baseline = BASELINES.get(args.method, BASELINE)
-    make_baseline = (lambda: static_method(target, None, args.static_mode, args.static_max_len)) \
-        if baseline == "vanilla_graph" else None
+    baseline = BASELINE
+    make_baseline = (lambda: static_method(target, None, args.static, args.static_max_len)) \
+        if args.static is not None else None
     rows = tune(target, questions, candidates, args.max_new_tokens, warmup=not args.no_warmup, baseline=baseline,
                 make_baseline=make_baseline)
-    print(f"target {target.name} · {args.method} · {task_label}: {len(questions)} questions, "
+    static = f" (static step, mode {args.static}: vanilla too)" if args.static is not None else ""
+    print(f"target {target.name} · {args.method}{static} · {task_label}: {len(questions)} questions, "
           f"{sum(len(q.turns) for q in questions)} turns · max_new_tokens {args.max_new_tokens} · "
           f"{torch.get_num_threads()} threads\n")
     print(markdown(rows, baseline))
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
         print(f"\nno setting beats {baseline} decoding on these prompts (an untrained draft, or drafting costs "
               f"too much)")
     print(f"\nbest: {top['method']} at {top['tokens_per_s']:.1f} tokens/s{speedup}; "
-          f"select it with {how_to_select(args.method, top['setting'])}")
+          f"select it with {how_to_select(args.method, top['setting'], args.static)}")
     if args.save_tree:
         from eagle_lite.heads.checkpoint import read_head_config, recommend_tree, recommended_tree
 
@@ -241,7 +243,7 @@ def main(argv=None) -> int:
         device = target.device.type
         tree = TreeConfig(**top["setting"])
         kept = ""
-        if args.method == "eagle_graph":   # not measured here: the lookup the engine's eagle grafts stays as it was
+        if args.static is not None:   # not measured here: the lookup the engine's eagle grafts stays as it was
             now = recommended_tree(read_head_config(folder), folder, device)
             tree = replace(tree, lookup=now.lookup if now is not None else 0)
             kept = (f" (lookup {tree.lookup} kept from its previous tree" if now is not None else " (lookup 0") \

@@ -23,10 +23,9 @@ from . import report, runner
 from .methods import Method, engine_method, static_method
 from .tasks import Question
 
-METHODS = ("eagle", "eagle_graph", "lookup", "lookahead", "draft_model", "layer_skip", "medusa")
+METHODS = ("eagle", "lookup", "lookahead", "draft_model", "layer_skip", "medusa")
 BASELINE = "vanilla"
-BASELINES = {"eagle_graph": "vanilla_graph"}    # a method's baseline where it is not vanilla
-TREE_METHODS = ("eagle", "eagle_graph")          # the methods that sweep a draft tree (and --save-tree it)
+TREE_METHODS = ("eagle",)          # the methods that sweep a draft tree (and --save-tree it)
 log = logging.getLogger("eagle_lite")
 
 
@@ -68,23 +67,21 @@ def tree_label(tree: TreeConfig, method: str = "eagle") -> str:
 
 def eagle_candidates(target: Target, head, depths: list[int], top_ks: list[int], totals: list[int],
                      lookups: tuple[int, ...] = (0,), min_probs: tuple[float, ...] = (0.0,),
-                     trees: list[TreeConfig] | None = None, static_mode: str | None = None,
+                     trees: list[TreeConfig] | None = None, static: str | None = None,
                      static_max_len: int | None = None, options=None) -> list[Candidate]:
     """Every valid (depth, top_k, total_tokens) of the grid x each lookup length x each min_prob, or the
     given `trees` instead of the grid; each with its own EagleDrafter (of `head` and the rest of `options`, eagle's:
-    its draft sampling and vocabulary), or, with `static_mode` set (eagle_graph),
+    its draft sampling and vocabulary), or, with a static step mode `static`,
     its own static step (`static_method`: that mode, `static_max_len` cache slots; no lookup graft, so the trees'
     lookup lengths are dropped and the trees they then repeat run once)."""
     grid = trees or tree_grid(depths, top_ks, totals, lookups, min_probs)
-    if static_mode is None:
-        name = "eagle"
+    if static is None:
         options = replace(options or registry.EagleOptions(), head=head)
         make_method = lambda: engine_method(engine_for(target, "eagle", options))
     else:
-        name = "eagle_graph"
         grid = list(dict.fromkeys(replace(tree, lookup=0) for tree in grid))
-        make_method = lambda: static_method(target, head, static_mode, static_max_len)
-    return [Candidate(tree_label(tree, name), dataclasses.asdict(tree),
+        make_method = lambda: static_method(target, head, static, static_max_len)
+    return [Candidate(tree_label(tree), dataclasses.asdict(tree),
                       lambda tree=tree: with_tree(make_method(), tree)) for tree in grid]
 
 
@@ -157,13 +154,13 @@ def best(rows: list[dict], baseline: str = BASELINE) -> dict | None:
     return max(exact, key=lambda r: r["tokens_per_s"]) if exact else None
 
 
-def how_to_select(method: str, setting: dict) -> str:
-    """The flags (or constructor arguments) that pick `setting`."""
+def how_to_select(method: str, setting: dict, static: str | None = None) -> str:
+    """The flags (or constructor arguments) that pick `setting` (static: with that static step mode)."""
     if method in TREE_METHODS:
-        lookup = "" if method == "eagle_graph" else f" --tree-lookup {setting.get('lookup', 0)}"
+        lookup = f" --static {static}" if static else f" --tree-lookup {setting.get('lookup', 0)}"
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
-                f"--tree-total-tokens {setting['total_tokens']}{lookup}"
-                f" --tree-min-prob {setting.get('min_prob', 0.0):g}")
+                f"--tree-total-tokens {setting['total_tokens']}"
+                f" --tree-min-prob {setting.get('min_prob', 0.0):g}{lookup}")
     if method == "lookahead":
         return (f"--lookahead-window {setting['window']} --lookahead-ngram {setting['ngram']} "
                 f"--lookahead-candidates {setting['candidates']}")

@@ -44,7 +44,8 @@ def test_static_step_answers_as_the_engine_does(tiny_model_dir, capsys):
     vanilla = run_json(capsys, *common, "--method", "vanilla")
     for method in ("vanilla", "eagle"):
         out = run_json(capsys, *common, "--method", method, "--draft", "random", "--static")
-        assert out["token_ids"] == vanilla["token_ids"] and out["method"] == f"{method}_graph"
+        assert out["token_ids"] == vanilla["token_ids"] and (out["method"], out["static"]) == (method, "auto")
+    assert vanilla["static"] is None
     assert main([*common, "--static", "--temperature", "0.5"]) == 2
     assert "--static decodes greedily" in capsys.readouterr().err
     assert main([*common, "--static", "--method", "lookup"]) == 2

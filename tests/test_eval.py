@@ -106,19 +106,23 @@ def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_ident
     assert len(rows) == 3 and all(line.rstrip().endswith("| — |") for line in rows)   # identity not claimed
 
 
-def test_a_benchmark_compares_the_static_step_with_the_engine(tiny_model_dir, tmp_path, capsys):
-    """vanilla_graph and eagle_graph (the fixed-shape step; eager on a CPU) beside the engine's methods, one run."""
+def test_a_benchmark_runs_vanilla_and_eagle_through_the_static_step(tiny_model_dir, tmp_path, capsys):
+    """--static: vanilla and eagle through the fixed-shape step (eager on a CPU), transformers' generate() beside
+    them as it is; the engine's other methods are refused in one line."""
     from eval import benchmark
 
-    args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,vanilla_graph,eagle,eagle_graph",
+    args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,eagle",
             "--draft", "random", "--tasks", "", "--questions", str(two_question_file(tmp_path)), "--per-task", "1",
             "--max-new-tokens", "12", "--tree-depth", "3", "--tree-top-k", "3", "--tree-total-tokens", "6",
             "--attention", "sdpa", "--static-max-len", "300"]
-    assert benchmark.main(args) == 0
+    assert benchmark.main([*args, "--static"]) == 0
     out = capsys.readouterr().out
-    assert "vanilla_graph, eagle_graph: static step, mode auto" in out and "attention sdpa" in out
+    assert "vanilla, eagle: static step, mode auto" in out and "attention sdpa" in out
     rows = [line for line in out.splitlines() if line.startswith("| overall |")]
-    assert len(rows) == 5 and all("| 100% |" in line for line in rows), rows
+    assert len(rows) == 3 and all("| 100% |" in line for line in rows), rows
+    assert benchmark.main([*args[:2], "--methods", "vanilla,lookup", *args[4:], "--static", "eager"]) == 1
+    err = capsys.readouterr().err
+    assert "--static eager runs methods vanilla and eagle" in err and "['lookup']" in err
 
 
 def test_benchmark_runs_staged_and_each_sampling_rule(tiny_model_dir, tmp_path, capsys):
@@ -275,7 +279,7 @@ def test_profile_step_prints_where_the_time_goes(tiny_model_dir, capsys):
     assert profile_main(["--target", str(tiny_model_dir), "--draft", "random", "--trees", "2,2,3",
                          "--max-new-tokens", "6", "--prompt", "hi", "--static"]) == 0
     out = capsys.readouterr().out
-    assert "| vanilla_graph | — |" in out and "| eagle d=2 k=2 n=3 graph |" in out
+    assert "| vanilla (static) | — |" in out and "| eagle d=2 k=2 n=3 (static) |" in out
 
 
 def test_profile_step_sums_the_steps_of_a_question_files_prompts(tiny_model_dir, tmp_path, capsys):
@@ -370,16 +374,19 @@ def no_target_load(monkeypatch):
     ("benchmark", ["--methods", "vanilla,draft_model"], "needs --draft-model SPEC", 1),
     ("benchmark", ["--threads", "0"], "--threads must be a whole number >= 1", 2),
     ("benchmark", ["--tree-depth", "0"], "tree depth must be >= 1", 1),
-    ("benchmark", ["--methods", "vanilla,eagle_graph", "--temperature", "0.7"], "decode greedily", 1),
-    ("benchmark", ["--methods", "vanilla,eagle_graph", "--draft", "{nowhere}"], "no draft head at", 1),
+    ("benchmark", ["--methods", "vanilla,eagle", "--static", "--temperature", "0.7"], "decodes greedily", 1),
+    ("benchmark", ["--methods", "vanilla,eagle", "--static", "--draft", "{nowhere}"], "no draft head at", 1),
+    ("benchmark", ["--methods", "vanilla,lookup", "--static"], "run on the engine only", 1),
     ("tune", ["--method", "lookup", "--questions", "{empty}"], "holds no questions", 1),
     ("tune", ["--method", "eagle", "--draft", "{nowhere}"], "no draft head at", 1),
     ("tune", ["--method", "eagle", "--depths", "1", "--top-ks", "1", "--totals", "4"], "no valid tree", 2),
     ("tune", ["--method", "draft_model", "--draft-model", "{nowhere}"], "draft model '", 1),
     ("tune", ["--method", "lookup", "--threads", "0"], "--threads must be a whole number >= 1", 2),
-    ("tune", ["--method", "eagle_graph", "--draft", "{nowhere}"], "no draft head at", 1),
-    ("tune", ["--method", "eagle_graph", "--static-mode", "cuda-graph"], "captures CUDA graphs", 2),
-    ("tune", ["--method", "eagle_graph", "--trees", "10,16,128"], "larger than the static step's largest bucket", 2),
+    ("tune", ["--method", "eagle", "--static", "--draft", "{nowhere}"], "no draft head at", 1),
+    ("tune", ["--method", "eagle", "--static", "cuda-graph"], "captures CUDA graphs", 2),
+    ("tune", ["--method", "eagle", "--static", "--trees", "10,16,128"], "larger than the static step's largest bucket",
+     2),
+    ("tune", ["--method", "lookup", "--static"], "--static tunes eagle's tree", 2),
     ("profile_step", ["--draft", "{nowhere}"], "no draft head at", 1),
     ("profile_step", ["--threads", "0"], "--threads must be a whole number >= 1", 2),
     ("profile_step", ["--limit", "0"], "--limit must be >= 1", 2),
@@ -398,8 +405,8 @@ def test_eval_inputs_are_checked_before_the_target_loads(tool, args, message, st
     assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
 
-def test_tune_eagle_graph_runs_the_static_step_against_vanilla_graph_and_saves_its_tree(tiny_model_dir, tmp_path,
-                                                                                       capsys, caplog):
+def test_tune_static_runs_the_static_step_against_its_own_vanilla_and_saves_its_tree(tiny_model_dir, tmp_path, capsys,
+                                                                                       caplog):
     from eagle_lite.heads.checkpoint import read_head_config, recommend_tree, save_head
     from eval.tune import eagle_candidates, main
 
@@ -409,32 +416,32 @@ def test_tune_eagle_graph_runs_the_static_step_against_vanilla_graph_and_saves_i
     recommend_tree(head_dir, TreeConfig(2, 2, 2, lookup=3), device="cpu")   # the engine's eagle grafts lookup 3
     qfile = tmp_path / "questions.jsonl"
     qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["hi"]}) + "\n")
-    rc = main(["--method", "eagle_graph", "--target", str(tiny_model_dir), "--questions", str(qfile), "--draft",
+    rc = main(["--method", "eagle", "--static", "--target", str(tiny_model_dir), "--questions", str(qfile), "--draft",
                str(head_dir), "--max-new-tokens", "8", "--no-warmup", "--trees", "2,2,3", "1,1,1", "--save-tree"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "speedup vs vanilla_graph" in out
+    assert "eagle (static step, mode auto: vanilla too)" in out and "speedup vs vanilla" in out
     table = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert sorted(table[1:]) == ["eagle_graph d=1 k=1 n=1", "eagle_graph d=2 k=2 n=3", "vanilla_graph"]
-    assert out.count("| 100% |") == 3                                    # every output equals vanilla_graph's
+    assert sorted(table[1:]) == ["eagle d=1 k=1 n=1", "eagle d=2 k=2 n=3", "vanilla"]
+    assert out.count("| 100% |") == 3                                    # every output equals vanilla's
     best = next(line for line in out.splitlines() if line.startswith("best: "))
-    assert "--tree-lookup" not in best and "x vanilla_graph" in best
+    assert "--tree-lookup" not in best and best.endswith("--static auto") and "x vanilla" in best
     saved = read_head_config(head_dir)
-    winner = {"eagle_graph d=2 k=2 n=3": (2, 2, 3), "eagle_graph d=1 k=1 n=1": (1, 1, 1)}[best.split(" at ")[0][6:]]
+    winner = {"eagle d=2 k=2 n=3": (2, 2, 3), "eagle d=1 k=1 n=1": (1, 1, 1)}[best.split(" at ")[0][6:]]
     assert saved["tree"] == {"depth": winner[0], "top_k": winner[1], "total_tokens": winner[2], "lookup": 3,
                              "min_prob": 0.0}                               # the lookup the head recommended kept
-    assert saved["tree_command"].startswith("python -m eval.tune --method eagle_graph")
+    assert saved["tree_command"].startswith("python -m eval.tune --method eagle --static")
     assert "lookup 3 kept" in out
 
     # the static step has no lookup graft: trees differing only in lookup run once, with one warning line
     candidates = eagle_candidates(target, head, [], [], [], trees=[TreeConfig(2, 2, 3), TreeConfig(2, 2, 3, 4)],
-                                  static_mode="eager")
-    assert [c.label for c in candidates] == ["eagle_graph d=2 k=2 n=3"]
+                                  static="eager")
+    assert [c.label for c in candidates] == ["eagle d=2 k=2 n=3"]
     with caplog.at_level("WARNING", logger="eagle_lite"):
-        assert main(["--method", "eagle_graph", "--target", str(tiny_model_dir), "--questions", str(qfile),
+        assert main(["--method", "eagle", "--static", "--target", str(tiny_model_dir), "--questions", str(qfile),
                      "--draft", "random", "--max-new-tokens", "2", "--no-warmup", "--trees", "1,1,1,2"]) == 0
     assert [r.getMessage() for r in caplog.records if "prompt-lookup graft" in r.getMessage()] == [
-        "eagle_graph: the static step drafts without the prompt-lookup graft: lookup lengths (--lookups, --trees) "
+        "--static: the static step drafts without the prompt-lookup graft: lookup lengths (--lookups, --trees) "
         "are ignored"]
 
 

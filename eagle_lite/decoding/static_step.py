@@ -637,7 +637,7 @@ class StaticEngine:
         target = self.target
         if not cfg.sampling.greedy:
             raise ValueError("the static step decodes greedily (temperature 0); sampling runs on the engine "
-                             "(drop static / use the method without _graph)")
+                             "(drop --static)")
         n_prompt = len(prompt_ids)
         budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
         tree = self._tree(cfg)

@@ -22,7 +22,17 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from .cli import arguments
-from .config import OPTION, Flag, GenerationConfig, SamplingConfig, TreeConfig, default_tree, option, resolve_tree
+from .config import (
+    OPTION,
+    STATIC_MODES,
+    Flag,
+    GenerationConfig,
+    SamplingConfig,
+    TreeConfig,
+    default_tree,
+    option,
+    resolve_tree,
+)
 from .drafters import registry
 from .threads import check_threads, set_threads
 
@@ -161,9 +171,6 @@ def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None
     if attention:
         p.add_argument("--attention", default="auto", choices=ATTENTION,
                        help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
-
-
-STATIC_MODES = ("auto", "eager", "compile", "reduce-overhead", "cuda-graph")   # decoding/static_step.py MODES
 
 
 def add_static_flag(p, what: str = "greedy decoding through") -> None:

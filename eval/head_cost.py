@@ -99,7 +99,7 @@ def chain_cost(drafter: EagleDrafter, k: int, rows: int = 3, reps: int = 100) ->
     from eagle_lite.decoding.drafter import DraftInput
 
     target, head = drafter.target, drafter.head
-    width = len(head.feature_layers) * target.hidden_size if head.feature_layers else target.hidden_size
+    width = head.input_width
     g = torch.Generator().manual_seed(0)
     tokens = ((torch.arange(PREFIX + rows + 1) * 7919 + 100) % target.vocab_size).tolist()
     features = torch.randn(PREFIX + rows, width, generator=g).to(target.dtype)

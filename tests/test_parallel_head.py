@@ -162,24 +162,10 @@ def test_the_static_step_drafts_with_a_parallel_head_and_stays_exact(llama, tree
 def test_the_static_steps_parallel_tree_is_the_drafters(llama):
     """The static step's mask rows and per-level children propose the tree drafters/eagle.py grows from the same
     head's K distributions."""
-    from eagle_lite.decoding.static_step import StaticEngine
-    from eagle_lite.drafters import DraftInput
-    from eagle_lite.drafters.eagle import EagleDrafter
+    from test_static_step import first_trees
 
     head = parallel_head(llama, 4)
-    tree_cfg = TreeConfig(depth=4, top_k=3, total_tokens=10)
-    prompt = [4, 8, 15, 16, 23, 42, 7]
-    engine = StaticEngine(llama, head)
-    with torch.inference_mode(), engine._running():
-        engine._tree_cfg = tree_cfg
-        engine._prepare(64, tree_cfg)
-        first = engine._prefill(prompt)
-        engine.draft_step()
-        static = engine._state.tree
-        drafter = EagleDrafter(llama, head, round_head=False)
-        drafter.reset(64)
-        _, hidden = llama.forward(torch.tensor(prompt), llama.new_cache(64))
-        want = drafter.propose(DraftInput(prompt + [first], hidden), tree_cfg)
+    static, want = first_trees(llama, head, TreeConfig(depth=4, top_k=3, total_tokens=10), [4, 8, 15, 16, 23, 42, 7])
     n = len(want)
     assert n == 11
     assert static.tokens[:n].tolist() == want.tokens.tolist()

@@ -116,23 +116,25 @@ def test_static_eagle_equals_transformers_generate(target, tree, prompt_len):
     assert result.stats.target_forwards == 1 + len(result.stats.accept_lengths)
 
 
-def test_static_draft_tree_is_the_eagle_drafters_tree(llama):
-    """The tensor drafting (expansion, rerank, parents, ancestors) proposes the tree drafters/eagle.py does."""
-    torch.manual_seed(3)
-    head = DraftHead.for_target(llama)
-    tree_cfg = TreeConfig(depth=4, top_k=3, total_tokens=10)
-    prompt = [4, 8, 15, 16, 23, 42, 7]
-    engine = StaticEngine(llama, head)
+def first_trees(target, head, tree_cfg: TreeConfig, prompt: list[int]) -> tuple[StaticTree, DraftTree]:
+    """The tree the static step drafts after prefilling `prompt`, and the one drafters/eagle.py drafts there."""
+    engine = StaticEngine(target, head)
     with torch.inference_mode(), engine._running():
         engine._tree_cfg = tree_cfg
         engine._prepare(64, tree_cfg)
         first = engine._prefill(prompt)
         engine.draft_step()
-        static = engine._state.tree
-        drafter = EagleDrafter(llama, head, round_head=False)
+        drafter = EagleDrafter(target, head, round_head=False)
         drafter.reset(64)
-        _, hidden = llama.forward(torch.tensor(prompt), llama.new_cache(64))
-        want = drafter.propose(DraftInput(prompt + [first], hidden), tree_cfg)
+        _, hidden = target.forward(torch.tensor(prompt), target.new_cache(64))
+        return engine._state.tree, drafter.propose(DraftInput(prompt + [first], hidden), tree_cfg)
+
+
+def test_static_draft_tree_is_the_eagle_drafters_tree(llama):
+    """The tensor drafting (expansion, rerank, parents, ancestors) proposes the tree drafters/eagle.py does."""
+    torch.manual_seed(3)
+    head = DraftHead.for_target(llama)
+    static, want = first_trees(llama, head, TreeConfig(depth=4, top_k=3, total_tokens=10), [4, 8, 15, 16, 23, 42, 7])
     n = len(want)
     assert static.tokens[:n].tolist() == want.tokens.tolist()
     assert static.parents[1:n].tolist() == want.parents[1:]

@@ -193,11 +193,9 @@ class DraftLightningModule(L.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.optim_cfg
-        masks = [p for p in (getattr(self.head, "mask_hidden", None), getattr(self.head, "mask_embed", None))
-                 if p is not None]
+        masks = [self.head.mask_hidden, self.head.mask_embed] if self.head.parallel else []
         rest = [p for p in self.head.parameters() if all(p is not m for m in masks)]
-        groups = [{"params": rest}] + ([{"params": masks, "lr": cfg.mask_lr}] if masks and cfg.mask_lr else
-                                       [{"params": masks}] if masks else [])
+        groups = [{"params": rest}] + ([{"params": masks, "lr": cfg.mask_lr or cfg.lr}] if masks else [])
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, cfg))

@@ -44,7 +44,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import GenerationConfig, TreeConfig
+from ..config import STATIC_MODES, GenerationConfig, TreeConfig
 from ..kernels.accelerate import stock
 from ..kernels.attention import KEYS, resolve_backend, select_attention
 from ..kv_cache import cache_keyword
@@ -56,7 +56,7 @@ from .static_tree import StaticTree, accept_greedy, bucket_for
 log = logging.getLogger("eagle_lite")
 
 SLOT_BLOCK = 256   # cache sizes are rounded up to this many slots, so most prompts reuse the same graphs
-MODES = ("auto", "eager", "compile", "reduce-overhead", "cuda-graph")
+MODES = STATIC_MODES
 # attention backends the static step runs: SDPA kernels over a dense mask of the whole buffer. The split backends
 # (lse_merge, flash) need the prefix as the first keys, and flex builds its BlockMask per forward on the host.
 STATIC_BACKENDS = ("sdpa", "gqa")
@@ -404,7 +404,7 @@ class StaticEngine:
         whatever their parent (drafters/eagle.py `_parallel_tree`)."""
         s, c, tree_cfg = self._state, self._draft_consts, self._tree_cfg
         k, depth = tree_cfg.top_k, tree_cfg.depth
-        parallel = bool(getattr(self.head, "parallel", 0))
+        parallel = bool(self.head.parallel)
         # 1. the pairs (f_t, x_{t+1}) of the tokens the last step emitted, at positions length - n ... length - 1
         start = s.length - s.n
         at = start + c.read_rows

@@ -67,7 +67,7 @@ class EagleDrafter:
         self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight, round_to_grid=own)
         self.keep_features = False                 # keep the target's features by position (for `probe`)
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
-        self.parallel = getattr(head, "parallel", 0)   # K > 1: the whole draft in one forward (module docstring)
+        self.parallel = head.parallel              # K > 1: the whole draft in one forward (module docstring)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -160,7 +160,7 @@ class EagleDrafter:
         if masks > 0:    # the parallel head's mask rows after the root's: the whole draft in this forward
             mask_hidden, mask_embeds = self.head.mask_rows(masks, embeds.dtype)
             features, embeds = torch.cat([features, mask_hidden.to(features.dtype)]), torch.cat([embeds, mask_embeds])
-        t = m + len(chain) + max(masks, 0)
+        t = m + len(chain) + masks
         h, logits = yield HeadCall(self, features, embeds, torch.arange(n, n + t, device=dev),
                                    torch.ones(t, t, dtype=torch.bool, device=dev).tril_(), m - 1)
         cache.commit(m)                                      # the chain's slots are overwritten by the tree's

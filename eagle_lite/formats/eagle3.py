@@ -171,12 +171,12 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
     if engine == "openvino":
         tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
     notes = []
+    pard = pard_token(target) if head.parallel else None
     if head.parallel:
         if engine != "all":
             raise ValueError(f"this head drafts {head.parallel} tokens in one forward (P-EAGLE): the layout vLLM "
                              f"reads for parallel drafting is the default one; --engine {engine} has no place for "
                              f"its mask rows")
-        pard = pard_token(target)
         embedding = target.embed_tokens.weight.detach().to("cpu", dtype).clone()
         embedding[pard] = head.mask_embed.detach().to("cpu", dtype)
         tensors["embed_tokens.weight"] = embedding.contiguous()
@@ -194,7 +194,7 @@ def write_eagle3(head: DraftHead, target, out: str | Path, meta: dict, dtype: to
         tensors["t2d"] = t2d
     config = {"architectures": ARCHITECTURES, **config_fields(head.config, vocab, dtype), "num_hidden_layers": 1,
               "draft_vocab_size": int(ids.numel()), "eagle_lite": meta,
-              **({"pard_token": pard_token(target)} if head.parallel else {})}
+              **({"pard_token": pard} if head.parallel else {})}
     if head.norm_output and engine != "speculators":
         raise ValueError("this head feeds its normalised output back to the next draft step (draft.norm_output, "
                          "EAGLE-3.1): vLLM reads that from the speculators layout (--engine speculators); the "

@@ -68,7 +68,7 @@ def save_head(head: DraftHead, path: str | Path, target, extra: dict | None = No
         **({"input_norm": False} if head.design == "eagle" and not head.input_norm else {}),
         **({"fc_norm": True} if head.fc_norm is not None else {}),
         **({"norm_output": True} if head.norm_output else {}),
-        **({"parallel": head.parallel} if getattr(head, "parallel", 0) else {}),
+        **({"parallel": head.parallel} if head.parallel else {}),
         "dtype": str(dtype).removeprefix("torch."),
         **(extra or {}),
     }

@@ -193,7 +193,8 @@ class DraftLightningModule(L.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.optim_cfg
-        masks = [self.head.mask_hidden, self.head.mask_embed] if self.head.parallel else []
+        # a parallel head's mask vectors (MedusaLightningModule's heads, which share this method, have none)
+        masks = [self.head.mask_hidden, self.head.mask_embed] if getattr(self.head, "parallel", 0) else []
         rest = [p for p in self.head.parameters() if all(p is not m for m in masks)]
         groups = [{"params": rest}] + ([{"params": masks, "lr": cfg.mask_lr or cfg.lr}] if masks else [])
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)

@@ -48,8 +48,8 @@ class Declared(NamedTuple):
 
 
 def options_class(method: str) -> type:
-    """The options dataclass of `method` ("auto" takes EagleOptions: it runs eagle where a head exists)."""
-    return registry.EagleOptions if method == registry.AUTO else type(registry.options_for(method))
+    """The options dataclass of `method`."""
+    return type(registry.options_for(method))
 
 
 def method_flags(methods=None) -> dict[str, Declared]:
@@ -120,9 +120,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the model, the method (every registered method's own), the draft tree and sampling: the CLI's
     (`python -m eagle_lite.generate`) and the server's (`python -m eagle_lite.serve`) alike."""
     p.add_argument("--target", default=None, help=TARGET_HELP)
-    p.add_argument("--method", default=registry.AUTO, choices=[registry.AUTO, *registry.METHODS],
+    p.add_argument("--method", default=registry.AUTO, choices=list(registry.METHODS),
                    help="; ".join(f"{name}: {m.summary}" for name, m in registry.METHODS.items())
-                        + f"; {registry.AUTO}: eagle if a head exists, else lookup (training-free)")
+                        + "; auto with a --tree-* flag runs eagle on that tree")
     add_method_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     p.add_argument("--record", default=None, metavar="DIR",
@@ -265,6 +265,9 @@ def load_from_flags(args: argparse.Namespace):
     args.target = target_of(args.target, getattr(args, "draft", None) or getattr(args, "medusa", None))
     lm = load(args.target, method=args.method, options=options_of(args.method, args), dtype=args.dtype,
               device=args.device, attention=args.attention, static=args.static, record=args.record)
+    if lm.method == registry.AUTO and lm.engine.drafter.head is not None and \
+            any(v is not None for v in tree_flags(args).values()):   # a tree given is pinned: eagle runs it
+        lm = lm.pinned(options_of("eagle", args))
     with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
     note_default_tree(lm, args, cfg)

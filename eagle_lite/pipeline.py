@@ -63,6 +63,14 @@ class Pipeline:
         # head drafters: siblings of one, sharing its head's output weight instead of a copy each
         return getattr(first, "sibling", None) or (lambda: registry.build(method, self.target, options))
 
+    def pinned(self, options=None) -> Pipeline:
+        """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree
+        the caller pins: the controller chooses none."""
+        options = replace(options or registry.EagleOptions(), head=self.engine.drafter.head)
+        pipeline = for_target(self.target, "eagle", options)
+        pipeline.recorder = self.recorder
+        return pipeline
+
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
         return GenerationConfig(**{"tree": self.tree, **overrides})
@@ -128,14 +136,14 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
          record: str | None = None) -> Pipeline:
     """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
-    method: one of `drafters.NAMES`, or "auto": eagle where a head ships for the target (or `draft` names one),
-    else prompt lookup (training-free, as exact). options: that method's options dataclass
-    (`drafters.EagleOptions` for eagle and staged, `LookupOptions`, `LookaheadOptions`, `DraftModelOptions`,
-    `LayerSkipOptions`, `MedusaOptions`).
+    method: one of `drafters.NAMES`; "auto" (the default) chooses each step between a plain step, prompt lookup and
+    the draft head shipped for the target (or the one `draft` names) from this machine's costs (drafters/auto.py).
+    options: that method's options dataclass (`drafters.EagleOptions` for auto, eagle and staged, `LookupOptions`,
+    `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
     static: decode greedily through the fixed-shape step (static_step.py) in this mode ("auto": CUDA graphs on CUDA,
-    eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft) and vanilla, a mode of
-    theirs (`Pipeline.static`). None: the engine.
+    eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft; auto runs it there)
+    and vanilla, a mode of theirs (`Pipeline.static`). None: the engine.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
     """
@@ -143,12 +151,13 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
         if options is not None:
             raise ValueError("pass the head either as draft=... or inside options, not both")
         options = registry.EagleOptions(draft=draft)
-        method = "eagle" if draft != registry.AUTO and method == registry.AUTO else method
     elif draft not in (None, registry.AUTO):
         raise ValueError(f"draft={draft!r} names an EAGLE head, but method is '{method}'")
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
+    if static is not None and method == registry.AUTO:
+        method = "eagle"   # the fixed-shape step runs one tree: eagle's
     registry.check(method, options)              # before the (slow) target load
     if static is not None:
         check_static(method, static)
@@ -187,8 +196,8 @@ def for_target(target: Target, method: str = registry.AUTO, options=None) -> Pip
 
 
 def check_static(method: str, mode: str) -> None:
-    """Refuse what the static step cannot run: a method other than eagle and vanilla ("auto" resolves to one of
-    them, or to lookup, which is refused once resolved), an unknown mode."""
+    """Refuse what the static step cannot run: a method other than eagle and vanilla (`load` runs auto as eagle
+    there), an unknown mode."""
     from .decoding.static_step import MODES
 
     if mode not in MODES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,7 +60,10 @@ class DraftTree:
     lookahead's Jacobi window. They are verified and may be accepted like any other node: a node's context is its
     ancestors, so every node the target agrees with is a token it would have chosen.
     likely: the path (root first) acceptance will probably walk, where that is not the root then each first child
-    (`likely_path`); lookahead names its latest candidate, never its window."""
+    (`likely_path`); lookahead names its latest candidate, never its window.
+    scores: each node's path log-probability under the draft (root 0.0) where the drafter knows it (EAGLE heads):
+    what the controller calibrates against what the target accepts (decoding/controller.py).
+    plan: the controller's plan that chose this tree (`controller.Plan`), told what the step took (`Engine.step`)."""
 
     tokens: torch.Tensor                 # [N] token ids, node 0 = root
     parents: list[int]                   # parents[0] = -1
@@ -67,6 +71,8 @@ class DraftTree:
     #                                                       None: every node chosen deterministically
     probes: list[int] = field(default_factory=list)
     likely: list[int] | None = None
+    scores: list[float] | None = None
+    plan: Any = None
     depths: torch.Tensor = field(init=False)     # [N]
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool, self included
     children: list[list[int]] = field(init=False)
@@ -87,6 +93,8 @@ class DraftTree:
             bits[i] = bits[p] | (1 << i)
         if any(not 0 <= i < n for i in self.probes):
             raise ValueError(f"probes {self.probes} name nodes outside the tree's {n}")
+        if self.scores is not None and len(self.scores) != n:
+            raise ValueError(f"a tree of {n} tokens needs {n} scores, got {len(self.scores)}")
         if self.likely is not None and (self.likely[:1] != [0] or any(
                 not 0 < c < n or self.parents[c] != p for p, c in zip(self.likely, self.likely[1:]))):
             raise ValueError(f"likely {self.likely} is not a path from the root of the tree")

@@ -121,7 +121,12 @@ def llama_cpp(target: Target, gguf: Path, threads: int | None = None) -> Method:
 
 
 def engine_method(engine: Engine) -> Method:
+    """The engine as a method; a drafter with `tree_for` (auto) runs the tree it makes of the configured one."""
+    tree_for = getattr(getattr(engine, "drafter", None), "tree_for", None)
+
     def run(prompt: list[int], cfg: GenerationConfig) -> Run:
+        if tree_for is not None:
+            cfg = replace(cfg, tree=tree_for(cfg.tree))
         result = engine.generate(prompt, cfg)
         s = result.stats
         return Run(result.token_ids, s.seconds, s.target_forwards, s.accept_lengths)

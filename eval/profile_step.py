@@ -7,11 +7,13 @@
 
 Per step: draft, verify (the target's forward over the tree), accept + cache commit, and their sum; plus tokens per
 step and tokens/s, for vanilla decoding, prompt lookup (its default adaptive chain: the drafter a head has to beat)
-and EAGLE at each tree (depth,top_k,total_tokens[,lookup[,min_prob]]). One prompt (`--prompt`), or the first turn
-of the first `--limit` questions of each category of a question file (`--questions`), every method run on each
-prompt in turn and the steps of all prompts summed. With --static, the same through the fixed-shape step
-(static_step.py), synchronised between draft and verify to time them (its accept+commit runs inside the verify
-step's time).
+and EAGLE at each tree (depth,top_k,total_tokens[,lookup[,min_prob]]), then method auto (the controller choosing
+each step: decoding/controller.py), with a second table of its choices: the share of steps of each, their tokens,
+and the step time (draft + verify + accept) the controller predicted against the time measured. One prompt
+(`--prompt`), or the first turn of the first `--limit` questions of each category of a question file
+(`--questions`), every method run on each prompt in turn and the steps of all prompts summed. With --static, the
+same through the fixed-shape step (static_step.py), synchronised between draft and verify to time them (its
+accept+commit runs inside the verify step's time).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import sys
 import torch
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
@@ -41,9 +43,11 @@ PROMPT = "Explain how a hash map works, with an example in Python."
 def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list[int]]) -> dict[str, dict]:
     """runs: (name, engine, config); every one warms up, then each prompt is decoded by every run in turn (machine
     drift hits them alike). Per run: ms a step of draft, verify and accept + commit (all prompts' steps together),
-    tokens a step, tokens/s and prefill ms a prompt."""
+    tokens a step, tokens/s and prefill ms a prompt; for method auto, "choices": per choice of its controller,
+    [steps, tokens, predicted seconds, measured seconds] summed."""
     sums = {name: dict.fromkeys(("draft", "verify", "accept", "prefill", "seconds", "tokens", "steps"), 0.0)
             for name, _, _ in runs}
+    choices: dict[str, dict[str, list[float]]] = {name: {} for name, _, _ in runs}
     for _, engine, cfg in runs:
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
     for ids in prompts:
@@ -54,13 +58,16 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
                                ("prefill", s.prefill_seconds), ("seconds", s.seconds), ("tokens", s.new_tokens),
                                ("steps", len(s.accept_lengths))):
                 total[key] += value
+            for kind, row in s.choices.items():
+                kept = choices[name].setdefault(kind, [0.0] * len(row))
+                kept[:] = [a + b for a, b in zip(kept, row)]
     rows = {}
     for name, t in sums.items():
         steps = max(t["steps"], 1)
         rows[name] = {"draft": 1000 * t["draft"] / steps, "verify": 1000 * t["verify"] / steps,
                       "accept": 1000 * t["accept"] / steps, "tokens_per_step": (t["tokens"] - len(prompts)) / steps,
                       "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
-                      "prefill": 1000 * t["prefill"] / len(prompts)}
+                      "prefill": 1000 * t["prefill"] / len(prompts), "choices": choices[name]}
     return rows
 
 
@@ -77,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--questions", default=None,
                    help="an MT-bench / Spec-Bench JSONL file: profile the first turn of its questions instead")
     p.add_argument("--limit", type=int, default=1, help="--questions: questions per category")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (seed 0); 0: greedy")
     add_device_flags(p, attention=False)
     add_static_flag(p, "also profile, beside the engine's rows,")
     return run(p.parse_args(argv))
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        SamplingConfig(temperature=args.temperature)   # a negative or non-finite temperature: one line
         check_threads(args.threads)
     registry.check("eagle", registry.EagleOptions(draft=args.draft))
     texts = [args.prompt]
@@ -101,20 +110,25 @@ def run(args: argparse.Namespace) -> int:
                          device=args.device)
     head, note = head_for(target, args.draft)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
-    plain = GenerationConfig(args.max_new_tokens)
+    sampling = SamplingConfig(temperature=args.temperature)
+    plain = GenerationConfig(args.max_new_tokens, sampling=sampling, seed=0)
     runs = [("vanilla", engine_for(target, "vanilla"), plain)]
     if args.static:
         runs.append(("vanilla (static)", StaticEngine(target, None, mode=args.static, profile=True), plain))
     runs.append(("lookup", engine_for(target, "lookup"), plain))
     for tree in args.trees:
-        cfg = GenerationConfig(args.max_new_tokens, tree=tree)
+        cfg = GenerationConfig(args.max_new_tokens, tree=tree, sampling=sampling, seed=0)
         runs.append((tree_label(tree), engine_for(target, "eagle", registry.EagleOptions(head=head)), cfg))
         if args.static:
             runs.append((f"{tree_label(tree)} (static)", StaticEngine(target, head, mode=args.static, profile=True),
                          cfg))
+    auto = engine_for(target, "auto", registry.EagleOptions(head=head))
+    runs.append(("auto", auto, GenerationConfig(args.max_new_tokens, tree=auto.drafter.recommended_tree,
+                                                sampling=sampling, seed=0)))
     rows = profile(runs, prompts)
     where = f"{args.questions}: {len(prompts)} prompts" if args.questions else "one prompt"
-    print(f"target {target.name} · {torch.get_num_threads()} threads · {note} · {where}\n")
+    sampled = f" · temperature {args.temperature:g}" if args.temperature else ""
+    print(f"target {target.name} · {torch.get_num_threads()} threads · {note} · {where}{sampled}\n")
     print("| method | draft ms/step | verify ms/step | accept+commit ms/step | step ms | tokens/step | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
@@ -122,7 +136,22 @@ def run(args: argparse.Namespace) -> int:
         step = r["draft"] + r["verify"] + r["accept"]
         print(f"| {name} | {draft} | {r['verify']:.1f} | {r['accept']:.2f} | {step:.1f} | {r['tokens_per_step']:.2f} | "
               f"{r['tokens_per_s']:.1f} |")
+    print_choices(rows["auto"]["choices"])
     return 0
+
+
+def print_choices(choices: dict[str, list[float]]) -> None:
+    """Method auto's steps by the controller's choice: share, tokens a step and step ms (draft + verify + accept: the
+    stats' step, without the loop's own time) as the controller predicted them and as measured, and the tokens/s
+    of each."""
+    steps = sum(row[0] for row in choices.values()) or 1
+    print("\n| auto's choice | steps | tokens/step predicted | measured | ms/step predicted | measured | "
+          "tok/s predicted | measured |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, (n, tokens, expected, predicted, measured) in sorted(choices.items()):
+        print(f"| {kind} | {100 * n / steps:.0f}% | {expected / n:.2f} | {tokens / n:.2f} | "
+              f"{1e3 * predicted / n:.2f} | {1e3 * measured / n:.2f} | {expected / predicted:.1f} | "
+              f"{tokens / measured:.1f} |")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,12 @@ def prompts(path: Path) -> list[str]:
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     """The flags, before anything loads: (methods, concurrency levels); a ValueError names the flag."""
     from eagle_lite.config import check_finite
-    from eagle_lite.drafters.registry import AUTO, NAMES
+    from eagle_lite.drafters.registry import NAMES
     from eagle_lite.threads import check_threads
 
     methods = [m for m in args.methods.split(",") if m]
-    if not methods or any(m not in (AUTO, *NAMES) for m in methods):
-        raise ValueError(f"--methods takes comma-separated methods of {', '.join((AUTO, *NAMES))}, "
+    if not methods or any(m not in NAMES for m in methods):
+        raise ValueError(f"--methods takes comma-separated methods of {', '.join(NAMES)}, "
                          f"got {args.methods!r}")
     try:
         levels = [int(c) for c in args.clients.split(",")]

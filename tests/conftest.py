@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["EAGLE_LITE_CACHE"] = tempfile.mkdtemp(prefix="eagle-lite-cache-")   # measured step costs (cost.py)
 torch.set_num_threads(1)  # tiny models: one thread is faster and immune to a busy machine
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402

@@ -202,7 +202,7 @@ def test_a_target_without_a_head_drafts_by_prompt_lookup_by_default(tiny_model_d
     from eagle_lite import load
 
     lm = load(str(tiny_model_dir))                      # no head ships for it
-    assert lm.method == "lookup" and "prompt lookup" in caplog.text
+    assert lm.method == "auto" and lm.engine.drafter.head is None and "prompt lookup" in caplog.text
     prompt = "abcabcabcabc"                             # repeats: lookup drafts from the prompt
     vanilla = load(str(tiny_model_dir), method="vanilla")
     cfg = vanilla.config(max_new_tokens=24, stop_at_eos=False)

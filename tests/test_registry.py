@@ -26,12 +26,13 @@ def test_every_registered_method_builds_a_drafter_with_its_default_options(monke
     assert {type(d).__name__ for d in built.values()} >= {"PromptLookupDrafter", "NoDrafter", "MedusaDrafter"}
 
 
-def test_auto_is_eagle_with_a_head_and_lookup_without(monkeypatch):
+def test_auto_loads_the_head_given_or_shipped_and_runs_without_one(monkeypatch):
     target = make_target("llama")
     monkeypatch.setattr("eagle_lite.heads.checkpoint.default_head_path", lambda name: None)
-    assert registry.resolve("auto", target)[0] == "lookup"
+    name, options = registry.resolve("auto", target)
+    assert name == "auto" and options.head is None       # no head ships: lookup and plain steps
     name, options = registry.resolve("auto", target, registry.EagleOptions(draft="random"))
-    assert name == "eagle" and options.head is not None
+    assert name == "auto" and options.head is not None
 
 
 def test_options_are_checked_before_a_model_loads():

@@ -42,6 +42,9 @@ class GenerationStats:
     accept_seconds: float = 0.0        # lm_head rows the acceptance walk reads, acceptance, cache commit
     seconds: float = 0.0               # wall time, prefill included
     stop_reason: str = ""              # "eos" | "length" | "context"; "interrupted" where a caller stopped it
+    # method auto: per choice of the controller (controller.KINDS), [steps, tokens, predicted tokens, predicted s,
+    # measured s] summed
+    choices: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,7 +62,23 @@ class GenerationStats:
             "prefill_seconds": round(self.prefill_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4), "accept_seconds": round(self.accept_seconds, 4),
             "stop_reason": self.stop_reason,
+            **({"choices": self.choices_dict()} if self.choices else {}),
         }
+
+    def choose(self, kind: str, tokens: int, predicted_tokens: float, predicted: float, measured: float) -> None:
+        """Count a step of the controller's choice `kind` (method auto): the tokens it emitted and the seconds it
+        took (draft, verify, acceptance), against the controller's prediction of both."""
+        row = self.choices.setdefault(kind, [0, 0, 0.0, 0.0, 0.0])
+        for i, value in enumerate((1, tokens, predicted_tokens, predicted, measured)):
+            row[i] += value
+
+    def choices_dict(self) -> dict:
+        """Per choice: steps, and tokens per step and step time (ms) as predicted and as measured."""
+        return {kind: {"steps": int(steps), "tokens_per_step": round(tokens / steps, 3),
+                       "predicted_tokens_per_step": round(expected / steps, 3),
+                       "predicted_ms": round(1e3 * predicted / steps, 3),
+                       "measured_ms": round(1e3 * measured / steps, 3)}
+                for kind, (steps, tokens, expected, predicted, measured) in sorted(self.choices.items())}
 
 
 @dataclass
@@ -302,6 +321,7 @@ class Engine:
         if any(_taps(seq.drafter) != taps for seq in seqs):
             raise ValueError("sequences verified together must read the same feature layers")
         # 2. draft a tree rooted at each sequence's last chosen token (EAGLE heads: their forwards batched)
+        drafted_before = [seq.stats.draft_seconds for seq in seqs]
         drafted = draft_all(seqs, caps)
         # 3. verify every node of every tree in one forward
         t1 = time.perf_counter()
@@ -316,7 +336,8 @@ class Engine:
         projected = NodeLogits.together(target.lm, [(hidden, likely) for (hidden, _), likely in zip(outs, paths)])
         shared = (time.perf_counter() - t3) / len(seqs)
         emitted = []
-        for seq, tree, (_, features), likely, nodes in zip(seqs, drafted, outs, paths, projected):
+        for seq, tree, (_, features), likely, nodes, before in zip(seqs, drafted, outs, paths, projected,
+                                                                   drafted_before):
             t3 = time.perf_counter() - shared
             if tree.probes:
                 nodes.prefetch(tree.probes + likely)   # with the rows the drafter reads back: one product
@@ -335,6 +356,11 @@ class Engine:
             out = seq.emit(new)
             stats.accept_lengths.append(len(out))
             emitted.append(out)
+            if tree.plan is not None:   # method auto: the controller's plan learns what the step took
+                draft = stats.draft_seconds - before
+                step = (t2 - t1) / len(seqs) + time.perf_counter() - t3
+                tree.plan.done(draft, step, len(tree), len(new))
+                stats.choose(tree.plan.kind, len(out), tree.plan.tokens, tree.plan.seconds, draft + step)
         return emitted
 
 

@@ -134,9 +134,11 @@ class EagleDrafter:
         to propose."""
         return propose_together([self.proposal(inp, tree, probe)])[0]
 
-    def proposal(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None) -> Proposal:
+    def proposal(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None,
+                 first_min_prob: float | None = None) -> Proposal:
         """`propose` step by step (decoding.drafter.Proposal): it yields each head forward it needs as a `HeadCall`,
-        so that drafters of several sequences sharing a head run each forward once for all of them."""
+        so that drafters of several sequences sharing a head run each forward once for all of them.
+        first_min_prob: a top-1 chain's floor for its first token (its forward is run anyway), below tree.min_prob."""
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
             self._queued = []
@@ -177,7 +179,7 @@ class EagleDrafter:
         # at the next position, each node seeing its own ancestors among the tree nodes written so far.
         sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
         grow = grow_tree_steps(inp.root, root_logits, tree, sampling, inp.generator, self.head.d2t,
-                               self.target.vocab_size)
+                               self.target.vocab_size, first_min_prob)
         h, written, last, depth = h[-1:], torch.zeros(0, 0, dtype=torch.bool, device=dev), 0, 0
         try:
             request = next(grow)
@@ -305,7 +307,8 @@ def grow_tree(root: int, root_logits: torch.Tensor, expand: Callable[[torch.Tens
 
 def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig | None = None,
                     generator: torch.Generator | None = None, vocab: torch.Tensor | None = None,
-                    size: int | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
+                    size: int | None = None, first_min_prob: float | None = None
+                    ) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
     """EAGLE-2's dynamic tree from a draft's logits: the root's children, then `depth - 1` expansions of the best
     frontier, then the rerank to `total_tokens` (and `min_prob`).
 
@@ -313,7 +316,7 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
     and is sent [r, V_draft]: the draft's logits after each frontier node, given its parent's row in the previous
     expansion's output (the root's: 0) and its own token (`grow_tree`: an `expand` function answers). vocab:
     [V_draft] the target id of each draft token (None: the same ids); size: the target's vocabulary size (sampled
-    trees).
+    trees); first_min_prob: a greedy top-1 chain's floor for its first token (`greedy_chain_steps`).
     sampling None: each node's k likeliest children, ranked by path log-probability. Else children are drawn from
     q = target_probs(logits, sampling) and ranked by value (`sampled_values`); the tree carries `SampledRows`.
     Each candidate has a value (what the frontier and the rerank rank by) and a path log-probability `cum` (its
@@ -321,7 +324,7 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
     k, dev = tree.top_k, root_logits.device
     sampled = sampling is not None
     if k == 1 and not sampled:
-        return (yield from greedy_chain_steps(root, root_logits, tree, vocab))
+        return (yield from greedy_chain_steps(root, root_logits, tree, vocab, first_min_prob))
     dists: list[torch.Tensor] = []                           # sampled: the q of each expanded node, root first
 
     def children(logits: torch.Tensor, parent_cum: torch.Tensor):
@@ -336,7 +339,7 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
 
     values, cum, tokens = children(root_logits, torch.zeros(1, device=dev))   # 1 k
     valid = int((values[0] > -math.inf).sum()) if sampled else values.shape[1]
-    cand_values, cand_tokens = [values[0]], [tokens[0]]
+    cand_values, cand_tokens, cand_cum = [values[0]], [tokens[0]], [cum[0]]
     cand_parents = [torch.full((values.shape[1],), -1, device=dev)]
     cand_source = [torch.zeros(values.shape[1], dtype=torch.long, device=dev)]  # sampled: the row in `dists`
     front = torch.arange(valid, device=dev)                  # candidate index of each frontier node
@@ -354,6 +357,7 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
         base = sum(v.numel() for v in cand_values)
         cand_values.append(values)
         cand_tokens.append(tokens)
+        cand_cum.append(cum)
         cand_parents.append(front.repeat_interleave(per))
         cand_source.append((first_row + torch.arange(r, device=dev)).repeat_interleave(per))
         if sampled:    # the frontier in candidate order; equal values rank the earlier candidate first
@@ -371,34 +375,41 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
     kept, parents = rerank(values, torch.cat(cand_parents), budget)
     tokens = torch.cat([torch.tensor([root], device=dev), torch.cat(cand_tokens)[kept]])
     parents = [-1] + parents
+    scores = [0.0] + torch.cat(cand_cum)[kept].tolist()   # each kept node's path log-probability
     if not sampled:
-        return DraftTree(tokens, parents)
+        return DraftTree(tokens, parents, scores=scores)
     return DraftTree(tokens, parents, sampled_rows(torch.cat(dists), vocab, size, tokens.tolist(), parents,
-                                                   [-1] + torch.cat(cand_source)[kept].tolist()))
+                                                   [-1] + torch.cat(cand_source)[kept].tolist()), scores=scores)
 
 
-def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig,
-                       vocab: torch.Tensor | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor,
-                                                                       DraftTree]:
+def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, vocab: torch.Tensor | None = None,
+                       first_min_prob: float | None = None
+                       ) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
     """`grow_tree_steps` for a greedy tree of top_k 1 (the CPU's chains), in a few ops a depth: each depth's likeliest
     token while the path's log-probability stays at or above log(min_prob), at most min(depth, total_tokens) of
     them. The same tree as the top-k expansion and rerank keep (along a chain the path probability only falls, so
-    the rerank keeps a prefix of it), without the expansions whose nodes the budget would drop."""
+    the rerank keeps a prefix of it), without the expansions whose nodes the budget would drop. first_min_prob (None:
+    min_prob): the first token's floor instead."""
     dev = root_logits.device
     floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
+    first = floor if first_min_prob is None else math.log(first_min_prob) if first_min_prob > 0 else -math.inf
     length = min(tree.depth, tree.total_tokens)
     row = torch.zeros(1, dtype=torch.long, device=dev)   # the one frontier node's row in each expansion's output
     tokens: list[int] = []
+    scores = [0.0]
     cum, logits = 0.0, root_logits
     while len(tokens) < length:
         best, top = torch.log_softmax(logits[0].detach().float(), dim=-1).max(dim=-1)
         cum += float(best)
-        if cum < floor:
+        if cum < (floor if tokens else first):
             break
         tokens.append(int(top) if vocab is None else int(vocab[top]))
+        scores.append(cum)
         if len(tokens) < length:
             logits = yield row, torch.tensor(tokens[-1:], device=dev)
-    return DraftTree.chain(torch.tensor([root] + tokens, device=dev))
+    chain = DraftTree.chain(torch.tensor([root] + tokens, device=dev))
+    chain.scores = scores
+    return chain
 
 
 def sampled_rows(dists: torch.Tensor, vocab: torch.Tensor | None, size: int | None, tokens: list[int],

@@ -84,13 +84,17 @@ class PromptLookupDrafter:
     def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(where the continuation starts in `tokens`, the continuation): `lookup` with the place it copies from
         (tokens[start - 1] is the earlier occurrence of the last token). (0, []) where nothing matches."""
+        return self.match_length(tokens, k)[1:]
+
+    def match_length(self, tokens: list[int], k: int) -> tuple[int, int, list[int]]:
+        """`match` with the length of the n-gram matched first: (n, start, continuation); (0, 0, []) for none."""
         self.index.update(tokens)
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             start = self.index.latest(tuple(tokens[n_tok - n:]))
             if start is not None:
-                return start + n, tokens[start + n:start + n + k]
-        return 0, []
+                return n, start + n, tokens[start + n:start + n + k]
+        return 0, 0, []
 
     def sit_out(self, inp: DraftInput) -> None:
         """A step without a lookup chain (a batch's plain step): nothing to learn; the index catches up later."""

@@ -118,6 +118,17 @@ def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     return LookupGraft(drafter, copy_mode=o.copy_mode, staged=staged)
 
 
+def _auto(target, o: EagleOptions) -> Drafter:
+    from .auto import AutoDrafter
+    from .eagle import EagleDrafter
+
+    head = o.head if o.head is not None else load_eagle_head(target, o.draft)
+    if head is not None:
+        head = head.over_full_vocabulary() if o.draft_vocab == "full" else head
+        head = EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling)
+    return AutoDrafter(target, head)
+
+
 def _staged(target, o: EagleOptions) -> Drafter:
     return _eagle(target, o, staged=True)
 
@@ -220,6 +231,9 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
+    "auto": Method(EagleOptions, _auto, "each step the fastest proposal by this machine's costs and the request's "
+                   "acceptance so far: a plain step, prompt lookup, or the draft head's tree with lookup grafted on "
+                   "(decoding/controller.py); lookup and plain steps where no head ships", _check_eagle),
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
                     _check_eagle),
     "staged": Method(EagleOptions, _staged, "eagle whose head reads the prompt-lookup chain in its own forward and "
@@ -235,10 +249,10 @@ METHODS: dict[str, Method] = {
     "vanilla": Method(VanillaOptions, lambda target, o: NoDrafter(), "one target forward per token"),
 }
 NAMES = tuple(METHODS)
-AUTO = "auto"   # eagle where a head is given or ships for the target, else lookup
+AUTO = "auto"   # the controller's choice each step (drafters/auto.py): the default method
 
 
-HEAD_METHODS = ("eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
+HEAD_METHODS = ("auto", "eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
 
 
 def options_for(name: str, options: Any = None) -> Any:
@@ -255,25 +269,21 @@ def check(name: str, options: Any = None) -> None:
     """Refuse a method or options that cannot work, before any model is loaded: an unknown method, one without
     what it needs, a head or Medusa folder that is missing or of another kind, a draft model spec naming nothing,
     lookahead sizes out of range."""
-    if name == AUTO:
-        if isinstance(options, EagleOptions):
-            _check_eagle(options)
-        return
     method = _method(name)
     method.check(options_for(name, options))
 
 
 def resolve(name: str, target, options: Any = None) -> tuple[str, Any]:
-    """(method, options) with "auto" made concrete: eagle with the head given or shipped for `target`, else lookup."""
+    """(method, options) with the head "auto" runs loaded into its options (None where no head ships for `target`:
+    auto then chooses between prompt lookup and plain steps)."""
     if name != AUTO:
         return name, options_for(name, options)
     eagle = options if isinstance(options, EagleOptions) else EagleOptions()
     head = eagle.head if eagle.head is not None else load_eagle_head(target, eagle.draft)
-    if head is not None:
-        return "eagle", replace(eagle, head=head)
-    log.warning("no draft head ships for target '%s': drafting by prompt lookup (training-free); train a head "
-                "with `python -m trainers.train` and pass it with --draft for EAGLE", target.name)
-    return "lookup", LookupOptions()
+    if head is None:
+        log.warning("no draft head ships for target '%s': method auto drafts by prompt lookup (training-free); "
+                    "train a head with `python -m trainers.train` and pass it with --draft", target.name)
+    return AUTO, replace(eagle, head=head)
 
 
 def build(name: str, target, options: Any = None) -> Drafter:
@@ -315,5 +325,5 @@ def load_eagle_head(target, draft: str | Path | None):
 
 def _method(name: str) -> Method:
     if name not in METHODS:
-        raise ValueError(f"unknown method '{name}': choose one of {', '.join((AUTO, *NAMES))}")
+        raise ValueError(f"unknown method '{name}': choose one of {', '.join(NAMES)}")
     return METHODS[name]

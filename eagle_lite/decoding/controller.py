@@ -1,0 +1,255 @@
+"""The controller: each step, the proposal with the most expected tokens per second.
+
+A step that verifies n tree nodes after a draft of f head forwards costs `cost.step(n) + cost.draft(f)` (cost.py:
+this machine's figures) and returns 1 token (the target's own) plus each drafted node it accepts. The controller
+weighs three proposals:
+
+  plain    the root alone: one token, the cheapest step;
+  lookup   prompt lookup's chain of its first L tokens: no draft cost;
+  head     the draft head's tree (a chain on a CPU) with lookup's L tokens grafted on.
+
+Expected tokens come from an acceptance model of this request, learnt from what the target accepted:
+- lookup (`ChainRate`): by the length m of the n-gram matched, the chance its first token is accepted and each next
+  one after the one before. Every step's lookup chain is scored against the tokens that followed, proposed or not:
+  a chain's token is accepted exactly when it is the target's (greedy, or the target's sample: acceptance is
+  lossless, so what follows has the target's distribution whatever was proposed).
+- head (`Calibration`): the chance a drafted node is accepted given the head's path probability of it, per bin,
+  starting from the identity; plus the running number of head tokens a head step gained.
+A drafted node is worth verifying where its chance p of being accepted beats what its cost c buys elsewhere,
+p > c x rate (rate: this request's tokens per second): the lookup chain is cut where p falls below it, and the
+head's tree stops growing where its calibrated path probability does (`TreeConfig.min_prob`, set each step).
+Then the proposal of the highest expected tokens / expected seconds is run. The head drafts at least every EXPLORE
+steps, so its calibration follows the text.
+
+The controller changes what is proposed, never what is accepted: every tree is verified exactly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .cost import StepCost
+
+KINDS = ("plain", "lookup", "head")
+EXPLORE = 8          # steps the head sits out before it drafts again (more where it is further behind)
+RATE_EMA = 0.1       # weight of a step in the running tokens and seconds
+HEAD_EMA = 0.2       # weight of a head step in the head's running tokens, nodes and forwards
+HEAD_PRIOR_TOKENS = 2.0   # tokens a head step is expected to return before any is seen
+SHRINK = 3.0         # head steps of all buckets a bucket's own few count against (its estimate leans on theirs)
+NODE_SPAN = 3        # tree sizes a node's cost is averaged over
+
+
+class Calibration:
+    """P(a drafted node is accepted | the head's path probability p of it), in BINS bins over [0, 1]; each starts
+    at PRIOR observations accepting at its centre (the head taken at its word) and counts what the target accepted.
+    Read monotone: a likelier path is never less likely to be accepted."""
+
+    BINS = 10
+    PRIOR = 3.0
+
+    def __init__(self) -> None:
+        self.seen = [self.PRIOR] * self.BINS
+        self.hits = [self.PRIOR * (b + 0.5) / self.BINS for b in range(self.BINS)]
+        self._table: list[float] | None = None
+
+    def _bin(self, p: float) -> int:
+        return min(max(int(p * self.BINS), 0), self.BINS - 1)
+
+    def add(self, p: float, accepted: bool) -> None:
+        b = self._bin(p)
+        self.seen[b] += 1
+        self.hits[b] += float(accepted)
+        self._table = None
+
+    def table(self) -> list[float]:
+        if self._table is None:
+            out, best = [], 0.0
+            for hits, seen in zip(self.hits, self.seen):
+                best = max(best, hits / seen)
+                out.append(best)
+            self._table = out
+        return self._table
+
+    def __call__(self, p: float) -> float:
+        return self.table()[self._bin(p)]
+
+    def floor(self, wanted: float) -> float:
+        """The least path probability whose node is accepted with at least `wanted` (a min_prob; 0.999 where no
+        bin reaches it)."""
+        for b, p in enumerate(self.table()):
+            if p >= wanted:
+                return b / self.BINS
+        return 0.999
+
+
+class ChainRate:
+    """Prompt lookup's acceptance by the n-gram length m matched (1..MAX_M), or COPY where the chain before was
+    accepted whole (the answer is copying its context): the chance its first token is accepted, and each next one
+    given the one before; priors of PRIOR observations."""
+
+    MAX_M = 5
+    COPY = MAX_M + 1
+    PRIOR = 2.0
+
+    def __init__(self) -> None:
+        first = {m: 0.2 + 0.1 * m for m in range(1, self.MAX_M + 1)} | {self.COPY: 0.8}
+        self.first = {m: [self.PRIOR * p, self.PRIOR] for m, p in first.items()}
+        self.next = {m: [self.PRIOR * (0.85 if m == self.COPY else 0.6), self.PRIOR] for m in first}
+
+    @classmethod
+    def key(cls, m: int, copying: bool) -> int:
+        """The bucket of a chain matched by an m-gram (0: no match), `copying` the last chain accepted whole."""
+        return 0 if m <= 0 else cls.COPY if copying else min(m, cls.MAX_M)
+
+    def expect(self, m: int, length: int) -> list[float]:
+        """The chance each of the chain's first `length` tokens is accepted (each with all before it); m: its
+        bucket (`key`)."""
+        if m <= 0 or length <= 0:
+            return []
+        first, nxt = self.first[m][0] / self.first[m][1], self.next[m][0] / self.next[m][1]
+        out = [first]
+        while len(out) < length:
+            out.append(out[-1] * nxt)
+        return out
+
+    def add(self, m: int, length: int, matched: int) -> None:
+        """A chain of `length` tokens of bucket m (`key`) had its first `matched` accepted."""
+        if m <= 0 or length <= 0:
+            return
+        self.first[m][1] += 1
+        if matched == 0:
+            return
+        self.first[m][0] += 1
+        trials = min(matched, length - 1)      # each accepted token but the last one proposed had a next one
+        self.next[m][0] += matched - 1
+        self.next[m][1] += trials
+
+
+@dataclass
+class Plan:
+    """One step's choice: its kind (KINDS), the lookup tokens it proposes (alone or grafted), the head's min_prob
+    (a head plan; `Controller.first_min_prob` for its first token), and the tokens and seconds it was expected to
+    take (draft, verify and acceptance)."""
+
+    kind: str
+    lookup: int
+    min_prob: float
+    tokens: float
+    seconds: float
+    controller: Controller = field(repr=False)
+    bucket: int = 0            # lookup's bucket this step (ChainRate.key)
+    head_forwards: int = 0     # the head forwards a head plan ran
+
+    def done(self, draft_seconds: float, step_seconds: float, nodes: int, tokens: int) -> None:
+        """What the step took (its draft, then its verify and acceptance) and returned: the controller's running
+        figures and this machine's costs follow it."""
+        self.controller.measured(self, draft_seconds, step_seconds, nodes, tokens)
+
+
+class Controller:
+    """The per-request controller (module docstring). head: whether a draft head can propose."""
+
+    def __init__(self, cost: StepCost, head: bool) -> None:
+        self.cost, self.has_head = cost, head
+        self.calibration = Calibration()
+        self.lookup = ChainRate()
+        self.tokens, self.seconds = 1.0, cost.step(1)   # running tokens and seconds per step
+        self.overhead = 0.0            # running seconds a step's wall time has beyond its draft, verify, acceptance
+        self._last: float | None = None    # perf_counter when the last step was measured
+        # head steps by lookup's bucket (ChainRate.key, 0: no match), and of all buckets together (key -1):
+        # [tokens, nodes verified, steps] running
+        self.head = {m: [HEAD_PRIOR_TOKENS, 2.0, 0] for m in range(-1, ChainRate.COPY + 1)}
+        self.head_forwards = 2.0       # head forwards per head step (running)
+        self.since_head = 0
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second of this request's steps so far (running), wall time."""
+        return self.tokens / (self.seconds + self.overhead)
+
+    def node_cost(self, nodes: int) -> float:
+        """Seconds one more verified node adds to a step of `nodes` (the mean over the next NODE_SPAN: timing noise
+        makes single steps of the measured curve uneven)."""
+        return max(self.cost.step(nodes + NODE_SPAN) - self.cost.step(nodes), 0.0) / NODE_SPAN
+
+    def chain_length(self, probs: list[float], nodes: int = 1) -> int:
+        """How many of a chain's tokens (each accepted with `probs`, falling along it) are worth verifying after a
+        tree of `nodes`."""
+        rate, length = self.rate, 0
+        for p in probs:
+            if p < self.node_cost(nodes + length) * rate:
+                break
+            length += 1
+        return length
+
+    def graft_length(self, match: int, chain: int, head_first: float | None, nodes: int) -> int:
+        """The lookup tokens worth grafting onto a head tree of `nodes` whose first token is not the chain's and is
+        accepted with `head_first` (None: the tree holds the chain's first token): the chain's first token can only
+        be accepted where the head's is not."""
+        probs = self.lookup.expect(match, chain)
+        if head_first is not None and probs:
+            scale = min(1.0, (1.0 - head_first) / probs[0])
+            probs = [p * scale for p in probs]
+        return self.chain_length(probs, nodes)
+
+    def choose(self, match: int, chain: int, max_lookup: int) -> Plan:
+        """The plan of this step: `match` lookup's bucket (`ChainRate.key`; 0: no match) and `chain` its tokens."""
+        probs = self.lookup.expect(match, min(chain, max_lookup))
+        length = self.chain_length(probs)
+        plans = [Plan("plain", 0, 0.0, 1.0, self.cost.step(1), self, match)]
+        if length:
+            plans.append(Plan("lookup", length, 0.0, 1.0 + sum(probs[:length]), self.cost.step(1 + length), self,
+                              match))
+        best = max(plans, key=self.speed)
+        if not self.has_head:
+            return best
+        tokens, nodes = self.head_estimate(match)
+        head = Plan("head", length, self.min_prob(1 + round(nodes)), tokens,
+                    self.cost.draft(max(1, round(self.head_forwards))) + self.cost.step(1 + round(nodes)), self, match)
+        gap = max(0.0, 1.0 - self.speed(head) / self.speed(best))
+        # the head drafts where it is the fastest, and now and then where it is not (the less often, the further
+        # behind it is), so that its estimates follow the text
+        if self.speed(head) >= self.speed(best) or self.since_head >= EXPLORE * (1.0 + 10.0 * gap):
+            return head
+        return best
+
+    def speed(self, plan: Plan) -> float:
+        """The plan's expected tokens per second, with the step's untimed overhead."""
+        return plan.tokens / (plan.seconds + self.overhead)
+
+    def head_estimate(self, match: int) -> tuple[float, float]:
+        """(tokens, nodes verified besides the root) of a head step in lookup's bucket `match`: the bucket's running
+        figures, leaning on those of all head steps while the bucket has few (SHRINK)."""
+        tokens, nodes, steps = self.head[match]
+        every_tokens, every_nodes, _ = self.head[-1]
+        w = steps / (steps + SHRINK)
+        return w * tokens + (1 - w) * every_tokens, w * nodes + (1 - w) * every_nodes
+
+    def min_prob(self, nodes: int) -> float:
+        """The head's floor: a node whose calibrated chance of acceptance is below what its verify and one more
+        head forward would buy at this request's rate is not drafted."""
+        return self.calibration.floor((self.node_cost(nodes) + self.cost.head) * self.rate)
+
+    def first_min_prob(self, nodes: int) -> float:
+        """The floor of the head's first token, whose forward a head step runs anyway: its verify alone."""
+        return self.calibration.floor(self.node_cost(nodes) * self.rate)
+
+    def measured(self, plan: Plan, draft_seconds: float, step_seconds: float, nodes: int, tokens: int) -> None:
+        seconds = draft_seconds + step_seconds
+        now = time.perf_counter()
+        if self._last is not None:   # the wall time since the last step's end: this step and what it did not time
+            extra = min(max(now - self._last - seconds, 0.0), seconds)
+            self.overhead += RATE_EMA * (extra - self.overhead)
+        self._last = now
+        self.tokens += RATE_EMA * (tokens - self.tokens)
+        self.seconds += RATE_EMA * (seconds - self.seconds)
+        self.cost.observe(nodes, step_seconds)
+        self.since_head = 0 if plan.kind == "head" else self.since_head + 1
+        if plan.kind == "head":
+            for row in (self.head[plan.bucket], self.head[-1]):
+                weight = max(HEAD_EMA, 1.0 / (row[2] + 2))   # the prior counts as one step
+                row[0] += weight * (tokens - row[0])
+                row[1] += weight * (nodes - 1 - row[1])
+                row[2] += 1
+            self.head_forwards += HEAD_EMA * (plan.head_forwards - self.head_forwards)
+            self.cost.observe_draft(plan.head_forwards, draft_seconds)

@@ -1,0 +1,209 @@
+"""What a step costs on this machine: the target's forward over a tree of n nodes (with the lm_head row acceptance
+reads), and one forward of a draft head, measured once per host, device, target and head and cached, then followed
+as steps run.
+
+    cost = step_cost(target, head_drafter)      # measured on first use here, then read from the cache
+    cost.step(6)                                # seconds of a step that verifies 6 nodes (root included)
+    cost.draft(3)                               # seconds of 3 head forwards
+
+The cache is a small JSON file under $EAGLE_LITE_CACHE (default ~/.cache/eagle_lite)/costs, named by a hash of what
+the figures depend on (the CPU model or GPU name, the torch threads, the target, its dtype and device, the head's
+shape); `step_cost(..., refresh=True)` (or EAGLE_LITE_REFRESH_COSTS=1) measures again. The controller
+(controller.py) and the server's batch cost (serve/cost.py) read the same figures.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..atomic import write_json_atomic
+
+log = logging.getLogger("eagle_lite")
+
+ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes measured (nodes, root included)
+EMA = 0.05              # weight of a new step's time in the running figure of its tree size
+PREFIX = 128            # context before the measured forwards
+VERSION = 1             # of the cache file's layout and what it measures
+
+
+@dataclass
+class StepCost:
+    """verify: {nodes: seconds} of a step that verifies a tree of that many nodes (the forward and the lm_head row
+    of the root), measured; head: seconds of one draft-head forward over one row (0.0: no head); catch_up: of the
+    head's first forward of a step, which also reads the target's features of the tokens accepted (0.0: no head)."""
+
+    verify: dict[int, float]
+    head: float = 0.0
+    catch_up: float = 0.0
+    source: str = "measured"
+    _points: list[tuple[int, float]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.verify:
+            raise ValueError("a step cost needs at least one measured tree size")
+        self.verify = {int(n): float(s) for n, s in sorted(self.verify.items())}
+        self._monotone()
+
+    def _monotone(self) -> None:
+        """The points `step` reads: a larger tree never costs less than a smaller one (timing noise aside)."""
+        points, most = [], 0.0
+        for n, s in self.verify.items():
+            most = max(most, s)
+            points.append((n, most))
+        self._points = points
+
+    def step(self, nodes: int) -> float:
+        """Seconds of a step verifying `nodes` tree nodes: linear between measured sizes, and beyond the largest."""
+        points = self._points
+        if len(points) == 1:
+            return points[0][1] * max(nodes, 1) / points[0][0]
+        for (n0, s0), (n1, s1) in zip(points, points[1:]):
+            if nodes <= n1:
+                return s0 + (s1 - s0) * (max(nodes, n0) - n0) / (n1 - n0)
+        (n0, s0), (n1, s1) = points[-2], points[-1]
+        return s1 + (s1 - s0) * (nodes - n1) / (n1 - n0)
+
+    def draft(self, forwards: int) -> float:
+        """Seconds of a head's draft of `forwards` forwards (the first one its catch-up); 0 for none."""
+        return 0.0 if forwards <= 0 else self.catch_up + (forwards - 1) * self.head
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        """A step that verified `nodes` nodes took `seconds` (draft excluded): the measured size nearest below it
+        follows it, scaled to that size."""
+        n0 = max((n for n in self.verify if n <= nodes), default=None)
+        if n0 is None or not math.isfinite(seconds) or seconds <= 0:
+            return
+        seen = seconds * self.step(n0) / self.step(nodes)
+        self.verify[n0] += EMA * (seen - self.verify[n0])
+        self._monotone()
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        """A head draft of `forwards` forwards took `seconds`."""
+        if forwards <= 0 or not math.isfinite(seconds) or seconds <= 0 or self.catch_up <= 0:
+            return
+        scale = seconds / self.draft(forwards)
+        self.catch_up += EMA * (self.catch_up * scale - self.catch_up)
+        self.head += EMA * (self.head * scale - self.head)
+
+    def as_dict(self) -> dict:
+        return {"version": VERSION, "verify": {str(n): s for n, s in self.verify.items()}, "head": self.head,
+                "catch_up": self.catch_up}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE_LITE_CACHE") or Path.home() / ".cache" / "eagle_lite") / "costs"
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(target, head=None) -> str:
+    """What the figures depend on, hashed: the machine, the threads, torch, the target and the head's shape."""
+    parts = [_machine(target.device), str(torch.get_num_threads()), torch.__version__, target.name,
+             str(target.dtype), str(target.device), str(target.vocab_size), str(target.max_context)]
+    if head is not None:
+        cfg = head.config
+        parts += [type(head.layer).__name__, str(cfg.hidden_size), str(getattr(head, "draft_vocab_size", "")),
+                  str(tuple(head.feature_layers))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
+    """This machine's StepCost for `target` (and the EAGLE drafter `drafter`, whose head forwards it times; None:
+    no head): read from the cache, else measured (about a second for a small target on a CPU) and cached."""
+    head = getattr(drafter, "head", None)
+    path = cache_dir() / f"{cache_key(target, head)}.json"
+    refresh = refresh or os.environ.get("EAGLE_LITE_REFRESH_COSTS", "0") == "1"
+    if not refresh and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == VERSION:
+                return StepCost(data["verify"], data["head"], data["catch_up"], source=f"cached {path}")
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("the step cost cache %s is unreadable: measuring again", path)
+    cost = measure(target, drafter)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, cost.as_dict())
+    except OSError as err:   # a read-only home: the figures still serve this process
+        log.warning("could not cache the step cost in %s (%s)", path, err)
+    return cost
+
+
+@torch.inference_mode()
+def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 3) -> StepCost:
+    """Time the target's forward over chains of `rows` nodes after a PREFIX-token context, each with the lm_head row
+    of its root, and the drafter's head forwards; the best of `repeats` each."""
+    rows = tuple(n for n in rows if n + PREFIX < target.max_context) or (1,)
+    prefix = min(PREFIX, target.max_context - max(rows) - 1)
+    vocab, dev = target.vocab_size, target.device
+    cache = target.new_cache(prefix + max(rows))
+    target.forward((torch.arange(prefix, device=dev) * 7919 + 11) % vocab, cache)
+    cache.commit(prefix)
+    verify = {}
+    for n in rows:
+        tokens = (torch.arange(n, device=dev) * 31 + 5) % vocab
+        best = math.inf
+        for _ in range(repeats):
+            _sync(dev)
+            start = time.perf_counter()
+            ((hidden, _),) = target.verify([(tokens, cache, None, None)])
+            target.top_token(hidden[0])
+            _sync(dev)
+            best = min(best, time.perf_counter() - start)
+            cache.truncate(prefix)
+        verify[n] = best
+    head = catch_up = 0.0
+    if getattr(drafter, "head", None) is not None:
+        catch_up, head = _time_head(target, drafter, repeats)
+    return StepCost(verify, head, catch_up)
+
+
+def _time_head(target, drafter, repeats: int) -> tuple[float, float]:
+    """(seconds of a catch-up forward over two accepted tokens' features, of one more forward) of an EAGLE
+    drafter's head: a depth-1 and a depth-3 greedy chain drafted by a sibling with its own cache."""
+    from ..config import TreeConfig
+    from .drafter import DraftInput
+
+    twin = drafter.sibling()
+    width = sum(1 for _ in drafter.feature_layers) or 1
+    hidden = torch.zeros(3, width * target.hidden_size, dtype=target.dtype, device=target.device)
+    times = {}
+    for depth in (1, 3):
+        best = math.inf
+        for _ in range(repeats):
+            twin.reset(64, 0)
+            tokens = [5] * (PREFIX // 4) + [7, 9, 11]
+            twin.propose(DraftInput(tokens, hidden.new_zeros(len(tokens) - 1, hidden.shape[1])),
+                         TreeConfig(1, 1, 1))   # its context, read once
+            inp = DraftInput(tokens + [13, 17], hidden[:2])
+            _sync(target.device)
+            start = time.perf_counter()
+            twin.propose(inp, TreeConfig(depth, 1, depth))
+            _sync(target.device)
+            best = min(best, time.perf_counter() - start)
+        times[depth] = best
+    return times[1], max((times[3] - times[1]) / 2, 0.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

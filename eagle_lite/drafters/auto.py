@@ -1,0 +1,143 @@
+"""Method auto: each step, the controller (decoding/controller.py) chooses between a plain step, prompt lookup's
+chain and the draft head's tree with lookup's chain grafted on, from this machine's measured costs and this
+request's acceptance so far.
+
+The tree given (`TreeConfig`) is the largest the head may draft (depth, top_k, total_tokens) and the most lookup
+tokens grafted onto it (`lookup`); its min_prob is the controller's, set each step. Lookup alone proposes up to
+COPY_MAX tokens. Without a head (no head ships for the target) the choice is between plain steps and lookup.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..config import TreeConfig, default_tree
+from ..decoding.controller import ChainRate, Controller
+from ..decoding.cost import StepCost, step_cost
+from ..decoding.drafter import DraftInput, Proposal, propose_together
+from ..decoding.engine import shared_start
+from ..tree import DraftTree, graft_chain
+from .lookup_graft import COPY_MAX
+from .prompt_lookup import PromptLookupDrafter
+
+AUTO_DEPTH = 4      # the deepest chain auto lets a top-1 head (a CPU's tree) draft when it is sure
+AUTO_LOOKUP = 8     # the most lookup tokens grafted onto a head's tree
+
+
+def auto_tree(tree: TreeConfig) -> TreeConfig:
+    """The tree auto runs where a head recommends `tree`: as deep as AUTO_DEPTH at least (the controller stops
+    where the head is unsure), at least AUTO_LOOKUP lookup tokens, and no fixed min_prob."""
+    depth = max(tree.depth, AUTO_DEPTH)
+    total = max(tree.total_tokens, depth) if tree.top_k == 1 else tree.total_tokens
+    return TreeConfig(depth, tree.top_k, total, max(tree.lookup, AUTO_LOOKUP), 0.0)
+
+
+class AutoDrafter:
+    """inner: an EagleDrafter (None: lookup and plain steps only); cost: this machine's step costs (None: measured
+    or read from the cache, `cost.step_cost`). Per-sequence state: the controller and what it waits to learn."""
+
+    name = "auto"
+
+    def __init__(self, target, inner=None, cost: StepCost | None = None) -> None:
+        self.target, self.inner = target, inner
+        self.head = getattr(inner, "head", None)     # the DraftHead (None: no head)
+        self.feature_layers = getattr(inner, "feature_layers", ())
+        # the head's tree for this device (the device's default where it recommends none), made auto's
+        self.recommended_tree = auto_tree(getattr(inner, "recommended_tree", None)
+                                          or default_tree(str(target.device))) if inner is not None else \
+            TreeConfig(1, 1, 1, AUTO_LOOKUP)
+        self.cost = cost if cost is not None else step_cost(target, inner)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.lookup = PromptLookupDrafter(max_ngram=5, min_ngram=1, adaptive=False)
+        self.controller = Controller(self.cost, self.inner is not None)
+        self._lookups: list[tuple[int, list[int], int]] = []   # (position, chain, m) not yet scored
+        self._drafted: tuple[int, DraftTree] | None = None     # the last head tree (its root's position)
+        self._copying = False                                   # the last chain scored was accepted whole
+
+    def tree_for(self, tree: TreeConfig) -> TreeConfig:
+        """The tree auto runs where the head's recommended tree is `tree` (`auto_tree`; without a head, as given)."""
+        return auto_tree(tree) if self.inner is not None else tree
+
+    def sibling(self) -> AutoDrafter:
+        """A drafter of the same head and costs with a controller of its own (one per sequence of a batch)."""
+        return AutoDrafter(self.target, self.inner.sibling() if self.inner is not None else None, self.cost)
+
+    def reset(self, max_len: int, keep: int = 0) -> int:
+        self._fresh()
+        return self.inner.reset(max_len, keep) if self.inner is not None else keep
+
+    def max_tree_nodes(self, tree: TreeConfig) -> int:
+        head = self.inner.max_tree_nodes(tree) + tree.lookup if self.inner is not None else 1
+        return max(head, 1 + COPY_MAX, 1 + tree.lookup)
+
+    def sit_out(self, inp: DraftInput) -> None:
+        """A plain step the caller chose (a server's full batch): the head keeps the features it missed."""
+        self._learn(inp.tokens)
+        if self.inner is not None:
+            self.inner.sit_out(inp)
+
+    def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
+        return propose_together([self.proposal(inp, tree)])[0]
+
+    def proposal(self, inp: DraftInput, tree: TreeConfig) -> Proposal:
+        """`propose` step by step (decoding.drafter.Proposal): the head's forwards, where the plan drafts with it."""
+        self._learn(inp.tokens)
+        most = max(COPY_MAX, tree.lookup)   # a cap (a server's batch) cuts the chain (`engine._cut`)
+        m, _, chain = self.lookup.match_length(inp.tokens, most)
+        match = ChainRate.key(m, self._copying)
+        if chain:
+            self._lookups.append((len(inp.tokens), chain, match))
+        plan = self.controller.choose(match, len(chain), most)
+        if plan.kind != "head":
+            if self.inner is not None:
+                self.inner.sit_out(inp)
+            drafted = DraftTree.chain(torch.tensor([inp.root] + chain[:plan.lookup], device=inp.hidden.device))
+        else:
+            head_tree = dataclasses.replace(tree, min_prob=plan.min_prob, lookup=0)
+            first = self.controller.first_min_prob(len(chain[:plan.lookup]) + 1)
+            grown = yield from self.inner.proposal(inp, head_tree, first_min_prob=min(first, plan.min_prob))
+            self._drafted = (len(inp.tokens), grown)
+            plan.head_forwards = max(1, int(grown.depths.max()))
+            head_first = None   # the chance the head's first token is accepted, where it is not the chain's
+            if chain and len(grown) > 1 and int(grown.tokens[1]) != chain[0]:
+                head_first = self.controller.calibration(_prob(grown.scores[1])) if grown.scores else 0.0
+            plan.lookup = self.controller.graft_length(plan.bucket, min(len(chain), tree.lookup), head_first,
+                                                       len(grown))
+            drafted = graft_chain(grown, chain[:plan.lookup])
+        drafted.plan = plan
+        return drafted
+
+    def _learn(self, tokens: list[int]) -> None:
+        """Score the lookup chains and the last head tree against the tokens that followed them."""
+        waiting = []
+        for pos, chain, match in self._lookups:
+            after = tokens[pos:pos + len(chain)]
+            matched = shared_start(chain, after)
+            if matched < len(after) or len(after) == len(chain):
+                self.controller.lookup.add(match, len(chain), matched)
+                self._copying = matched == len(chain) >= 2
+            else:
+                waiting.append((pos, chain, match))
+        self._lookups = waiting
+        if self._drafted is not None:
+            pos, grown = self._drafted
+            self._drafted = None
+            self._score_head(grown, tokens[pos:])
+
+    def _score_head(self, grown: DraftTree, after: list[int]) -> None:
+        """Each head node is accepted exactly when its path is what followed (module docstring of controller.py)."""
+        if grown.scores is None or len(grown) == 1:
+            return
+        tokens, accepted = grown.tokens.tolist(), [True] + [False] * (len(grown) - 1)
+        for i in range(1, len(grown)):
+            d = int(grown.depths[i])
+            accepted[i] = accepted[grown.parents[i]] and d <= len(after) and after[d - 1] == tokens[i]
+            self.controller.calibration.add(_prob(grown.scores[i]), accepted[i])
+
+
+def _prob(log_p: float) -> float:
+    return math.exp(min(log_p, 0.0))

@@ -1,0 +1,211 @@
+"""Method auto: the controller chooses each step's proposal (decoding/controller.py, drafters/auto.py) from the step
+costs measured here (decoding/cost.py). It changes what is proposed, never what is accepted."""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from conftest import exact_continuations, reference_greedy
+
+from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
+from eagle_lite.decoding import cost as cost_module
+from eagle_lite.decoding.controller import EXPLORE, Calibration, ChainRate, Controller, Plan
+from eagle_lite.decoding.cost import StepCost, step_cost
+from eagle_lite.decoding.engine import Engine
+from eagle_lite.drafters import EagleOptions, build
+from eagle_lite.drafters.auto import AutoDrafter, auto_tree
+from eagle_lite.drafters.eagle import EagleDrafter
+from eagle_lite.heads.draft import DraftHead
+
+# a CPU-like machine: a plain step 8 ms, each more node 1 ms, a head forward 1 ms (its catch-up 1.5)
+COST = {1: 0.008, 2: 0.009, 4: 0.011, 8: 0.015, 16: 0.023, 32: 0.039}
+TREE = TreeConfig(depth=3, top_k=1, total_tokens=3, lookup=4)
+
+
+def fixed_cost() -> StepCost:
+    return StepCost(dict(COST), head=0.001, catch_up=0.0015)
+
+
+def auto(target, head=None, cost=None) -> AutoDrafter:
+    inner = EagleDrafter(target, head) if head is not None else None
+    return AutoDrafter(target, inner, cost or fixed_cost())
+
+
+def every_choice(monkeypatch, seed: int = 0) -> Counter:
+    """Make every controller pick its plan at random each step (any plan must be exact, with the controller's own
+    floors); returns the count of each kind run, filled in as it runs."""
+    rng, seen = random.Random(seed), Counter()
+    choose = Controller.choose
+
+    def pick(self, match, chain, most):
+        best = choose(self, match, chain, most)
+        kind = rng.choice(["plain"] + (["lookup"] if chain else []) + (["head"] if self.has_head else []))
+        seen[kind] += 1
+        lookup = 0 if kind == "plain" else rng.randint(1, min(chain, most)) if chain else 0
+        return Plan(kind, lookup, best.min_prob, 1.0, 0.01, self, match)
+
+    monkeypatch.setattr(Controller, "choose", pick)
+    return seen
+
+
+PROMPTS = ([5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 50)), [9, 3, 9, 3, 9, 3, 9, 3, 9, 11, 12])
+
+
+@pytest.mark.parametrize("with_head", [True, False])
+def test_auto_greedy_output_is_the_targets(llama, with_head):
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama) if with_head else None
+    cfg = GenerationConfig(max_new_tokens=40, tree=auto_tree(TREE) if with_head else TREE, stop_at_eos=False)
+    drafter = auto(llama, head)
+    engine = Engine(llama, drafter)
+    for prompt in PROMPTS:
+        out = engine.generate(prompt, cfg)
+        assert out.token_ids == reference_greedy(llama, prompt, 40), prompt
+        assert sum(row[0] for row in out.stats.choices.values()) == len(out.stats.accept_lengths)
+
+
+@pytest.mark.parametrize("with_head", [True, False])
+def test_auto_greedy_is_exact_whatever_the_controller_chooses(llama, with_head, monkeypatch):
+    torch.manual_seed(1)
+    seen = every_choice(monkeypatch)
+    drafter = auto(llama, DraftHead.for_target(llama) if with_head else None)
+    engine = Engine(llama, drafter)
+    cfg = GenerationConfig(max_new_tokens=48, tree=auto_tree(TREE), stop_at_eos=False)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, cfg).token_ids == reference_greedy(llama, prompt, 48), prompt
+    assert seen["plain"] and seen["lookup"] and (seen["head"] or not with_head)
+
+
+def tv(counts: Counter, probs: dict, total: int) -> float:
+    keys = set(counts) | set(probs)
+    return 0.5 * sum(abs(counts.get(k, 0) / total - probs.get(k, 0.0)) for k in keys)
+
+
+@pytest.mark.parametrize("rule", ["q", "match"])
+def test_auto_sampling_matches_the_target_distribution(llama, rule, monkeypatch):
+    """Sampled, with the controller made to pick plans at random: the 3-token continuations' law is the target's."""
+    sampling = SamplingConfig(temperature=0.8, top_k=4)
+    prompt = [5, 6, 5, 6, 5, 6, 5]              # lookup matches: all three kinds are possible
+    torch.manual_seed(0)
+    drafter = AutoDrafter(llama, EagleDrafter(llama, DraftHead.for_target(llama), draft_sampling=rule), fixed_cost())
+    seen = every_choice(monkeypatch, seed=3)
+    engine = Engine(llama, drafter)
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    draws, counts = 1000, Counter()
+    for seed in range(draws):
+        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, tree=tree, seed=seed, stop_at_eos=False)
+        counts[tuple(engine.generate(prompt, cfg).token_ids)] += 1
+    assert min(seen.values()) > 50 and len(seen) == 3
+    assert tv(counts, exact_continuations(llama, prompt, sampling), draws) < 0.12
+
+
+def test_each_request_has_its_own_controller(llama):
+    torch.manual_seed(0)
+    first = auto(llama, DraftHead.for_target(llama))
+    second = first.sibling()
+    assert second.controller is not first.controller and second.cost is first.cost
+    assert second.inner is not first.inner and second.inner.head is first.inner.head
+    engine = Engine(llama, first)
+    engine.generate([5, 6, 7, 5, 6, 7, 5, 6], GenerationConfig(max_new_tokens=30, tree=auto_tree(TREE)))
+    learnt = first.controller
+    assert learnt.lookup.first != ChainRate().first          # it learnt from the request's tokens
+    assert second.controller.lookup.first == ChainRate().first   # the sibling (another user) did not
+    first.reset(64)
+    assert first.controller is not learnt and first.controller.lookup.first == ChainRate().first
+
+
+def test_calibration_is_monotone_and_learns():
+    cal = Calibration()
+    assert cal(0.95) == pytest.approx(0.95) and cal(0.05) == pytest.approx(0.05)   # the head at its word
+    for _ in range(50):
+        cal.add(0.95, False)          # a confident head that is always wrong
+        cal.add(0.45, True)
+    assert cal(0.95) == cal(0.45) > 0.8    # never below a less likely bin
+    assert cal.floor(0.5) == pytest.approx(0.4)
+    assert cal.floor(1.5) == 0.999
+
+
+def test_chain_rate_learns_by_match_length():
+    rate = ChainRate()
+    for _ in range(40):
+        rate.add(2, 4, 0)               # 2-gram matches never right
+        rate.add(ChainRate.COPY, 8, 8)  # copying: whole chains accepted
+    assert rate.expect(2, 3)[0] < 0.1
+    copy = rate.expect(ChainRate.COPY, 8)
+    assert copy[0] > 0.95 and copy[-1] > 0.8 and copy == sorted(copy, reverse=True)
+    assert ChainRate.key(0, True) == 0 and ChainRate.key(3, False) == 3 and ChainRate.key(9, False) == 5
+
+
+def test_controller_chooses_what_pays():
+    control = Controller(fixed_cost(), head=True)
+    for m in control.head:
+        control.head[m] = [1.05, 1.0, 10]   # a head step returns 1.05 tokens: not worth its cost
+    for _ in range(40):
+        control.lookup.add(ChainRate.COPY, 8, 8)
+        control.lookup.add(2, 4, 0)
+    assert control.choose(ChainRate.COPY, 8, 16).kind == "lookup"
+    assert control.choose(ChainRate.COPY, 8, 16).lookup >= 6
+    assert control.choose(2, 4, 16).kind == "plain"       # a lookup that is never right, a head that does not pay
+    control.head[0] = [3.0, 2.0, 10]
+    assert control.choose(0, 0, 16).kind == "head"
+    control.head[0] = [1.05, 1.0, 10]
+    control.since_head = EXPLORE
+    assert control.choose(0, 0, 16).kind == "plain"       # far behind: it explores less often than every EXPLORE
+    control.since_head = 20 * EXPLORE
+    assert control.choose(0, 0, 16).kind == "head"        # but it does draft again, to follow the text
+
+
+def test_step_cost_interpolates_monotone_and_follows_steps():
+    cost = StepCost({1: 0.008, 4: 0.011, 8: 0.010, 16: 0.023})   # a noisy 8
+    assert cost.step(1) == pytest.approx(0.008)
+    assert cost.step(2) == pytest.approx(0.009)
+    assert cost.step(8) >= cost.step(4)                            # a larger tree never costs less
+    assert cost.step(32) > cost.step(16)
+    before = cost.verify[4]
+    for _ in range(200):
+        cost.observe(4, 0.02)
+    assert cost.verify[4] > before and cost.step(4) == pytest.approx(0.02, rel=0.05)
+    assert StepCost({1: 0.01}, 0.001, 0.002).draft(3) == pytest.approx(0.004)
+
+
+def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_LITE_CACHE", str(tmp_path))
+    calls = []
+    measure = cost_module.measure
+    monkeypatch.setattr(cost_module, "measure", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    torch.manual_seed(0)
+    drafter = EagleDrafter(llama, DraftHead.for_target(llama))
+    first = step_cost(llama, drafter)
+    assert first.head > 0 and first.catch_up > 0 and all(s > 0 for s in first.verify.values())
+    again = step_cost(llama, drafter)
+    assert len(calls) == 1 and again.verify == first.verify and "cached" in again.source
+    (file,) = (tmp_path / "costs").iterdir()
+    file.write_text("{not json")
+    step_cost(llama, drafter)                       # an unreadable cache is measured again, with a warning
+    assert len(calls) == 2 and json.loads(file.read_text())["version"] == cost_module.VERSION
+    step_cost(llama, drafter, refresh=True)
+    assert len(calls) == 3
+    assert step_cost(llama).head == 0.0             # no head: another key, no head figures
+
+
+def test_auto_is_the_default_method_and_runs_lookup_without_a_head(llama, caplog):
+    torch.manual_seed(0)
+    drafter = build("auto", llama, EagleOptions(head=DraftHead.for_target(llama)))
+    assert isinstance(drafter, AutoDrafter) and drafter.inner is not None
+    assert drafter.recommended_tree.depth >= 4 and drafter.recommended_tree.min_prob == 0.0
+    bare = build("auto", llama)                     # no head ships for a tiny random target
+    assert isinstance(bare, AutoDrafter) and bare.inner is None
+    assert "prompt lookup" in caplog.text
+
+
+def test_stats_show_the_split_by_choice(llama):
+    torch.manual_seed(0)
+    engine = Engine(llama, auto(llama, DraftHead.for_target(llama)))
+    out = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=30, tree=auto_tree(TREE), stop_at_eos=False))
+    choices = out.stats.as_dict()["choices"]
+    assert set(choices) <= {"plain", "lookup", "head"}
+    assert sum(c["steps"] for c in choices.values()) == len(out.stats.accept_lengths)
+    assert all(c["predicted_ms"] > 0 and c["measured_ms"] > 0 for c in choices.values())

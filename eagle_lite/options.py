@@ -63,9 +63,12 @@ def method_flags(methods=None) -> dict[str, Declared]:
     return flags
 
 
-def add_method_flags(parser, methods=None) -> None:
-    """`--name` for every option of `methods` (None: every registered method), its default the field's."""
+def add_method_flags(parser, methods=None, skip=()) -> None:
+    """`--name` for every option of `methods` (None: every registered method) but the keys in `skip`, its default the
+    field's."""
     for key, (flag, names, default) in method_flags(methods).items():
+        if key in skip:
+            continue
         shown = "" if default is None else " (default: %(default)s)"
         parser.add_argument(f"--{flag.name}", dest=key, default=default, type=flag.type, choices=flag.choices,
                             metavar=flag.metavar, help=f"--method {'/'.join(names)}: {flag.help}{shown}")

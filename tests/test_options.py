@@ -78,13 +78,13 @@ def test_the_server_takes_its_flag_and_its_drafters_get_the_value(toy, llama):
     assert drafters().length.k == 4 and set(toy) == {4}
 
 
-def test_eval_takes_its_flag_and_its_config_key(toy, llama):
+def test_eval_takes_its_flag_and_its_config_key(toy, llama, monkeypatch):
     from hydra import compose, initialize_config_dir
 
     from eval import benchmark
     from eval.evaluation import check_settings
     from eval.methods import build_methods
-    from eval.sweep import settings_from
+    from eval.sweep import settings_from, store_method_options
 
     args = benchmark.parse_args(["--methods", "vanilla,toy", "--toy-width", "5"])
     assert args.toy_width == 5
@@ -94,11 +94,36 @@ def test_eval_takes_its_flag_and_its_config_key(toy, llama):
     assert toy == [5]
     prompt = [5, 6, 7, 5, 6, 7, 5]
     assert methods["toy"](prompt, GenerationConfig(max_new_tokens=10)).token_ids == reference_greedy(llama, prompt, 10)
-    conf = str(Path(__file__).parents[1] / "conf" / "eval")
-    with initialize_config_dir(config_dir=conf, version_base=None):
-        nested = settings_from(compose("sweep", overrides=["+toy.width=6"]))   # a config key, nested or flat
+    conf = Path(__file__).parents[1] / "conf" / "eval"
+    store_method_options()   # what eval.sweep does on import, now with toy's keys
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        nested = settings_from(compose("sweep", overrides=["toy.width=6"]))   # a config key, nested or flat
         flat = settings_from(compose("sweep", overrides=["+toy_width=7"]))
+        assert compose("sweep").toy.width is None                          # unset: the method's default
     assert every_options(nested.options)["toy"] == ToyOptions(6) and every_options(flat.options)["toy"] == ToyOptions(7)
+    assert "toy" not in conf.joinpath("sweep.yaml").read_text()          # no yaml edit
+    monkeypatch.delitem(registry.METHODS, "toy")
+    store_method_options()
+
+
+def test_the_sweep_config_holds_every_methods_options_and_writes_none():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eagle_lite.options import _flat, method_flags
+    from eval.sweep import settings_from
+
+    conf = Path(__file__).parents[1] / "conf" / "eval"
+    assert not set(_flat(OmegaConf.to_container(OmegaConf.load(conf / "sweep.yaml")))) & set(method_flags())
+    overrides = ["exit_layer=1", "medusa=random", "medusa_choices=[[0],[1]]", "draft_model=m", "lookahead.window=2",
+                 "+lookahead.ngram=4", "draft=random", "draft_sampling=match", "draft_vocab=full"]
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        options = every_options(settings_from(compose("sweep", overrides=overrides)).options)
+    assert options["layer_skip"] == registry.LayerSkipOptions(exit_layer=1)
+    assert options["medusa"] == registry.MedusaOptions("random", [[0], [1]])
+    assert options["draft_model"] == registry.DraftModelOptions("m")
+    assert options["lookahead"] == registry.LookaheadOptions(window=2, ngram=4)
+    assert options["eagle"] == registry.EagleOptions("random", draft_sampling="match", draft_vocab="full")
 
 
 def test_tune_takes_the_registrys_methods_and_a_chain_drafters_flag(monkeypatch, tiny_model_dir, tmp_path, capsys):

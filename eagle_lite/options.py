@@ -10,6 +10,7 @@ is the flag `--exit-layer` of every entry point and the key `exit_layer` of ever
   option_values(args or config)     the values given for them (a config's nested keys joined by `_`:
                                     `lookahead: {window: 2}` is `lookahead_window`)
   options_of(method, values)        that method's options dataclass, the fields not given at their defaults
+  config_keys()                     them all as config keys, null (eval.sweep's config takes them from here)
   add_model_flags / load_from_flags the CLI's and the server's flags -> `load()` -> the GenerationConfig
   add_device_flags, add_sampling_flags, add_tree_flags   its parts, which the eval tools declare their flags with
 """
@@ -37,7 +38,7 @@ from .drafters import registry
 from .threads import check_threads, set_threads
 
 __all__ = ["Flag", "option", "method_flags", "add_method_flags", "option_values", "options_of", "every_options",
-           "add_model_flags", "add_sampling_flags", "add_tree_flags", "add_device_flags", "tree_flags",
+           "config_keys", "add_model_flags", "add_sampling_flags", "add_tree_flags", "add_device_flags", "tree_flags",
            "generation_config", "check_flags", "load_from_flags", "note_default_tree", "quiet_libraries", "target_of"]
 
 
@@ -63,9 +64,12 @@ def method_flags(methods=None) -> dict[str, Declared]:
     return flags
 
 
-def add_method_flags(parser, methods=None) -> None:
-    """`--name` for every option of `methods` (None: every registered method), its default the field's."""
+def add_method_flags(parser, methods=None, skip=()) -> None:
+    """`--name` for every option of `methods` (None: every registered method) but the keys in `skip`, its default the
+    field's."""
     for key, (flag, names, default) in method_flags(methods).items():
+        if key in skip:
+            continue
         shown = "" if default is None else " (default: %(default)s)"
         parser.add_argument(f"--{flag.name}", dest=key, default=default, type=flag.type, choices=flag.choices,
                             metavar=flag.metavar, help=f"--method {'/'.join(names)}: {flag.help}{shown}")
@@ -87,6 +91,21 @@ def _flat(config: Mapping, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def config_keys() -> dict[str, Any]:
+    """Every registered method's options as config keys, each null (unset: the method's default): `{method}_{name}`
+    nested under its method where that name is no key itself (`lookahead: {window: null}`, set as
+    lookahead.window=2), the rest flat (`exit_layer`, `medusa`, `medusa_choices`). `_flat` reads them back."""
+    keys = method_flags()
+    config: dict[str, Any] = {}
+    for key in keys:
+        method, _, name = key.partition("_")
+        if name and method in registry.METHODS and method not in keys:
+            config.setdefault(method, {})[name] = None
+        else:
+            config[key] = None
+    return config
 
 
 def unknown_keys(values: Mapping) -> list[str]:

@@ -3,6 +3,12 @@
     python -m eval.sweep                                           # conf/eval/sweep.yaml defaults
     python -m eval.sweep task=file task.tasks.0.path=mt_bench.jsonl
     python -m eval.sweep -m tree.total_tokens=12,24,48 task=sharegpt,humaneval
+    python -m eval.sweep methods=[vanilla,lookahead] baseline=vanilla lookahead.window=2
+
+Every registered method's options are keys of the config (`options.config_keys`, stored here as `method_options`,
+which conf/eval/sweep.yaml's defaults list names): `--exit-layer N` is exit_layer=N, `--medusa DIR` medusa=DIR,
+`--lookahead-window W` lookahead.window=W, each null by default (the method's own default); a method added to the
+registry has its keys with no yaml edit.
 
 Each run writes records.jsonl (one row per question turn and method), summary.md / summary.json
 (per category and overall: tokens/s, speedup vs the baseline, mean accepted length, identical-output
@@ -13,10 +19,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
+
 from eagle_lite.cli import hydra_entry
-from eagle_lite.options import option_values, quiet_libraries, target_of
+from eagle_lite.options import config_keys, option_values, quiet_libraries, target_of
 
 from .evaluation import EvalSettings, Stopped, check_out_dir, evaluate, write_outputs
+
+
+def store_method_options() -> None:
+    """Store every registered method's options as the config `method_options` (`options.config_keys`) that
+    conf/eval/sweep.yaml takes: done on import, and again by whoever registers a method later."""
+    ConfigStore.instance().store(name="method_options", node=config_keys())
+
+
+store_method_options()
 
 
 def _number(c: dict, key: str, kind: type, default=None):
@@ -45,7 +62,9 @@ def settings_from(cfg) -> EvalSettings:
     tasks = _shaped(c["task"]["tasks"], "task.tasks", list, "[{name: sharegpt}]")
     if not all(isinstance(task, dict) for task in tasks):
         raise ValueError(f"task.tasks={tasks!r} is not a list of mappings, e.g. task.tasks=[{{name: sharegpt}}]")
-    _shaped(c.get("lookahead") or {}, "lookahead", dict, "{window: 1}")
+    for group, keys in config_keys().items():   # a method's nested keys, e.g. lookahead.window
+        if isinstance(keys, dict):
+            _shaped(c.get(group) or {}, group, dict, f"{{{next(iter(keys))}: ...}}")
     return EvalSettings(target=target_of(c["target"], c.get("draft")), dtype=c["dtype"], methods=methods,
                         baseline=c["baseline"], max_new_tokens=_number(c, "max_new_tokens", int),
                         warmup=bool(c["warmup"]), tree=tree, tasks=tasks,

@@ -19,13 +19,17 @@ and the benchmark take it as their default tree.
 `--static [MODE]` sweeps eagle's tree grid through the fixed-shape static step (`static_step.StaticEngine`, CUDA
 graphs on CUDA: the default path there, whose costs differ from the engine's), against plain decoding through the
 same step as the baseline; that step has no prompt-lookup graft, so lookup lengths are ignored.
-Chain drafters sweep a fixed K (adaptive off) plus their default adaptive K; eagle sweeps the tree
-grid (combinations TreeConfig rejects are skipped); medusa sweeps tree sizes (`sized_choices`); lookahead sweeps
-its window x n-gram x candidates grid.
+--method takes every registered method (drafters/registry.py) this has a grid for (its help names those it does not
+tune, and why); the method flags are those the methods' options declare (--draft, --exit-layer, --draft-model,
+--medusa, ...), but the ones a grid sets instead (--medusa-choices: --nodes; lookahead's: its grid flags).
+Chain drafters (options with `num_tokens`: lookup, draft_model, layer_skip, ...) sweep a fixed K (adaptive off)
+plus their default adaptive K; eagle sweeps the tree grid (combinations TreeConfig rejects are skipped); medusa
+sweeps tree sizes (`sized_choices`); lookahead sweeps its window x n-gram x candidates grid.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import shlex
@@ -46,8 +50,6 @@ from .evaluation import add_static_flags, head_for, load_questions
 from .methods import static_method
 from .tuning import (
     BASELINE,
-    METHODS,
-    TREE_METHODS,
     Candidate,
     best,
     chain_candidates,
@@ -67,6 +69,18 @@ from .tuning import (
 )
 
 log = logging.getLogger("eagle_lite")
+# the registered methods eval.tune does not tune, and why
+UNTUNED = {"vanilla": "the baseline every candidate is timed against",
+           "staged": "it drafts eagle's tree with the same head: tune that with --method eagle"}
+GRIDS = ("eagle", "medusa", "lookahead")   # the methods with a grid of their own; the rest sweep K (`num_tokens`)
+SWEPT = ("medusa_choices", "lookahead_window", "lookahead_ngram", "lookahead_candidates")   # set by the grid flags
+
+
+def tunable() -> list[str]:
+    """The registered methods eval.tune sweeps: those with a grid here, and the chain drafters (options with
+    `num_tokens`), but `UNTUNED`."""
+    return [name for name, m in registry.METHODS.items() if name not in UNTUNED
+            and (name in GRIDS or "num_tokens" in {f.name for f in dataclasses.fields(m.options)})]
 
 
 def task_names(text: str) -> list[str]:
@@ -80,7 +94,8 @@ def task_names(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--method", required=True, choices=tunable(),
+                   help="the method to tune; not tuned: " + "; ".join(f"{m}: {why}" for m, why in UNTUNED.items()))
     p.add_argument("--task", default="humaneval", type=task_names,
                    help="built-in prompt sets, comma-separated: humaneval, sharegpt")
     p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
@@ -92,13 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_device_flags(p, attention=False)   # --save-tree records the tree for --device's kind of device
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
-    add_method_flags(g, ("eagle", "draft_model", "layer_skip"))
+    add_method_flags(g, tunable(), skip=SWEPT)
     g.add_argument("--save-tree", action="store_true",
                    help="eagle: write the best tree into the head folder's config.json as its "
                         "recommended tree for --device's kind (\"tree\" on a CPU, \"tree_cuda\" on CUDA); "
                         "with --static it keeps the lookup length of the tree the head recommends there now (0 if "
                         "none), which the engine's eagle grafts and the static step ignores")
-    g.add_argument("--medusa", default=None, help="medusa: a heads folder (save_medusa) or 'random'")
     g = p.add_argument_group("grids")
     g.add_argument("--num-tokens", type=ints, default=[1, 2, 3, 4, 6, 8], help="chain drafters: K values")
     g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
@@ -129,14 +143,13 @@ def check_args(args: argparse.Namespace) -> None:
     with arguments():   # the flags alone: a bad one is exit status 2
         check_counts(args)
         check_threads(args.threads)
-        if args.save_tree and (args.method not in TREE_METHODS or args.draft == "random"):
+        if args.save_tree and (args.method != "eagle" or args.draft == "random"):
             raise ValueError("--save-tree records an eagle tree in a head folder: use --method eagle "
                              "with --draft auto or a head folder")
-        if args.static is not None and args.method not in TREE_METHODS:
+        if args.static is not None and args.method != "eagle":
             raise ValueError(f"--static tunes eagle's tree through the fixed-shape step: use --method eagle (not "
                              f"{args.method})")
-        trees = args.trees or (tree_grid(args.depths, args.top_ks, args.totals)
-                               if args.method in TREE_METHODS else [])
+        trees = args.trees or (tree_grid(args.depths, args.top_ks, args.totals) if args.method == "eagle" else [])
         if args.static is not None:
             for tree in trees:
                 bucket_for(1 + tree.total_tokens)   # the static step's largest verify bucket bounds the tree
@@ -158,8 +171,8 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
     from eagle_lite.heads.medusa import MedusaHeads
     from eagle_lite.targets.loading import load_target
 
-
-    if args.method in TREE_METHODS:
+    options = options_of(args.method, args)   # checked by check_args: medusa has its heads, draft_model its model
+    if args.method == "eagle":
         head, _ = head_for(target, args.draft)
         static = args.static is not None
         if static and (args.lookups or any(tree.lookup for tree in args.trees or ())):
@@ -169,23 +182,17 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
                                 (0,) if static else tuple(dict.fromkeys([0, *args.lookups])),
                                 tuple(dict.fromkeys([0.0, *args.min_probs])), args.trees,
                                 static=args.static,
-                                static_max_len=args.static_max_len, options=options_of("eagle", args))
+                                static_max_len=args.static_max_len, options=options)
     if args.method == "medusa":
-        if args.medusa is None:
-            raise ValueError("--method medusa needs --medusa PATH (heads from `python -m trainers.train "
-                             "experiment=medusa`) or --medusa random")
-        if args.medusa == "random":
+        if options.heads == "random":
             torch.manual_seed(0)
             heads = MedusaHeads.for_target(target)
         else:
-            heads = load_medusa(args.medusa, target)
+            heads = load_medusa(options.heads, target)
         return medusa_candidates(target, heads, args.nodes)
     if args.method == "lookahead":
         return lookahead_candidates(target, args.lookahead_windows, args.lookahead_ngrams, args.lookahead_candidates)
-    options = options_of(args.method, args)
-    if args.method == "draft_model":
-        if options.model is None:
-            raise ValueError("--method draft_model needs --draft-model SPEC: a smaller LM with the target's tokenizer")
+    if args.method == "draft_model":   # loaded once, for every candidate
         options = replace(options, draft_target=load_target(options.model, dtype=getattr(torch, args.dtype),
                                                             device=args.device))
     return chain_candidates(args.method, target, args.num_tokens, options)
@@ -209,7 +216,7 @@ def main(argv=None) -> int:
     if not questions:
         raise ValueError(f"no questions to tune on in {task_label}: lower --skip or raise --limit")
     set_threads(args.threads)
-    target = load_target(target_of(args.target, getattr(args, "draft", None)), dtype=getattr(torch, args.dtype),
+    target = load_target(target_of(args.target, args.draft), dtype=getattr(torch, args.dtype),
                          device=args.device)
     if args.save_tree and args.draft == "auto" and default_head_path(target.name) is None:
         raise ValueError(f"--save-tree: no head ships for target '{target.name}' to record the tree in; "

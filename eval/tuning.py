@@ -10,10 +10,11 @@ import dataclasses
 import itertools
 import json
 import logging
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from eagle_lite.config import GenerationConfig, TreeConfig
+from eagle_lite.config import OPTION, GenerationConfig, TreeConfig
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.medusa import sized_choices
 from eagle_lite.pipeline import engine_for
@@ -23,9 +24,7 @@ from . import report, runner
 from .methods import Method, engine_method, static_method
 from .tasks import Question
 
-METHODS = ("eagle", "lookup", "lookahead", "draft_model", "layer_skip", "medusa")
 BASELINE = "vanilla"
-TREE_METHODS = ("eagle",)          # the methods that sweep a draft tree (and --save-tree it)
 log = logging.getLogger("eagle_lite")
 
 
@@ -155,20 +154,20 @@ def best(rows: list[dict], baseline: str = BASELINE) -> dict | None:
 
 
 def how_to_select(method: str, setting: dict, static: str | None = None) -> str:
-    """The flags (or constructor arguments) that pick `setting` (static: with that static step mode)."""
-    if method in TREE_METHODS:
+    """The flags that pick `setting` (eagle's tree flags, with static: that static step mode; else the flags its
+    options declare), or, where no flag sets it (a chain's K), the options the Python API takes."""
+    if method == "eagle":
         lookup = f" --static {static}" if static else f" --tree-lookup {setting.get('lookup', 0)}"
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
                 f"--tree-total-tokens {setting['total_tokens']}"
                 f" --tree-min-prob {setting.get('min_prob', 0.0):g}{lookup}")
-    if method == "lookahead":
-        return (f"--lookahead-window {setting['window']} --lookahead-ngram {setting['ngram']} "
-                f"--lookahead-candidates {setting['candidates']}")
-    if method == "medusa":
-        return f"--medusa-choices '{json.dumps(setting['choices'], separators=(',', ':'))}'"
-    cls = {"lookup": "PromptLookupDrafter", "draft_model": "DraftModelDrafter",
-           "layer_skip": "LayerSkipDrafter"}[method]
-    return f"{cls}(..., num_tokens={setting['num_tokens']}, adaptive={setting['adaptive']})"
+    options = registry.METHODS[method].options
+    flags = {f.name: f.metadata[OPTION].name for f in dataclasses.fields(options) if OPTION in f.metadata}
+    if flags.keys() & setting.keys():
+        return " ".join(f"--{flags[k]} {shlex.quote(json.dumps(v, separators=(',', ':')))}"
+                        for k, v in setting.items() if k in flags)
+    fields = ", ".join(f"{k}={v}" for k, v in setting.items())
+    return f"load(..., method={method!r}, options={options.__name__}({fields}))"
 
 
 def markdown(rows: list[dict], baseline: str = BASELINE) -> str:

@@ -243,6 +243,8 @@ def test_sweep_runs_every_drafter(tiny_model_dir, tmp_path):
 def test_every_eval_task_config_composes():
     from hydra import compose, initialize_config_dir
 
+    import eval.sweep  # noqa: F401  stores the methods' options, which the config's defaults list names
+
     conf = Path(__file__).parents[1] / "conf" / "eval"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         for task in sorted(p.stem for p in (conf / "task").glob("*.yaml")):

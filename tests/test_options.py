@@ -1,6 +1,7 @@
 """A drafter with a flag is one module plus one registry line: the flag its options dataclass declares is a flag of
 the CLI, the server and the eval tools, and a key of eval's and training's configs, and its value reaches the
-drafter's options through each of them (eagle_lite/options.py)."""
+drafter's options through each of them (eagle_lite/options.py); a chain drafter (options with num_tokens) is a method
+eval.tune tunes."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,20 @@ def build_toy(target, options: ToyOptions) -> PromptLookupDrafter:
 
 
 BUILT: list[int] = []   # the width of every toy drafter built
+
+
+@dataclass(frozen=True)
+class ChainOptions:
+    """A chain drafter's options: eval.tune sweeps its num_tokens."""
+
+    width: int = option(2, "toy-width", "tokens the toy drafts a step", type=int, metavar="K")
+    num_tokens: int = 4
+    adaptive: bool = True
+
+
+def build_chain(target, options: ChainOptions) -> PromptLookupDrafter:
+    BUILT.append((options.width, options.num_tokens))
+    return PromptLookupDrafter(3, 1, options.num_tokens, options.adaptive)
 
 
 @pytest.fixture
@@ -63,13 +78,13 @@ def test_the_server_takes_its_flag_and_its_drafters_get_the_value(toy, llama):
     assert drafters().length.k == 4 and set(toy) == {4}
 
 
-def test_eval_takes_its_flag_and_its_config_key(toy, llama):
+def test_eval_takes_its_flag_and_its_config_key(toy, llama, monkeypatch):
     from hydra import compose, initialize_config_dir
 
     from eval import benchmark
     from eval.evaluation import check_settings
     from eval.methods import build_methods
-    from eval.sweep import settings_from
+    from eval.sweep import settings_from, store_method_options
 
     args = benchmark.parse_args(["--methods", "vanilla,toy", "--toy-width", "5"])
     assert args.toy_width == 5
@@ -79,11 +94,66 @@ def test_eval_takes_its_flag_and_its_config_key(toy, llama):
     assert toy == [5]
     prompt = [5, 6, 7, 5, 6, 7, 5]
     assert methods["toy"](prompt, GenerationConfig(max_new_tokens=10)).token_ids == reference_greedy(llama, prompt, 10)
-    conf = str(Path(__file__).parents[1] / "conf" / "eval")
-    with initialize_config_dir(config_dir=conf, version_base=None):
-        nested = settings_from(compose("sweep", overrides=["+toy.width=6"]))   # a config key, nested or flat
+    conf = Path(__file__).parents[1] / "conf" / "eval"
+    store_method_options()   # what eval.sweep does on import, now with toy's keys
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        nested = settings_from(compose("sweep", overrides=["toy.width=6"]))   # a config key, nested or flat
         flat = settings_from(compose("sweep", overrides=["+toy_width=7"]))
+        assert compose("sweep").toy.width is None                          # unset: the method's default
     assert every_options(nested.options)["toy"] == ToyOptions(6) and every_options(flat.options)["toy"] == ToyOptions(7)
+    assert "toy" not in conf.joinpath("sweep.yaml").read_text()          # no yaml edit
+    monkeypatch.delitem(registry.METHODS, "toy")
+    store_method_options()
+
+
+def test_the_sweep_config_holds_every_methods_options_and_writes_none():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eagle_lite.options import _flat, method_flags
+    from eval.sweep import settings_from
+
+    conf = Path(__file__).parents[1] / "conf" / "eval"
+    assert not set(_flat(OmegaConf.to_container(OmegaConf.load(conf / "sweep.yaml")))) & set(method_flags())
+    overrides = ["exit_layer=1", "medusa=random", "medusa_choices=[[0],[1]]", "draft_model=m", "lookahead.window=2",
+                 "+lookahead.ngram=4", "draft=random", "draft_sampling=match", "draft_vocab=full"]
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        options = every_options(settings_from(compose("sweep", overrides=overrides)).options)
+    assert options["layer_skip"] == registry.LayerSkipOptions(exit_layer=1)
+    assert options["medusa"] == registry.MedusaOptions("random", [[0], [1]])
+    assert options["draft_model"] == registry.DraftModelOptions("m")
+    assert options["lookahead"] == registry.LookaheadOptions(window=2, ngram=4)
+    assert options["eagle"] == registry.EagleOptions("random", draft_sampling="match", draft_vocab="full")
+
+
+def test_tune_takes_the_registrys_methods_and_a_chain_drafters_flag(monkeypatch, tiny_model_dir, tmp_path, capsys):
+    from eval import tune
+
+    assert tune.tunable() == ["eagle", "lookup", "lookahead", "draft_model", "layer_skip", "medusa"]
+    for untuned in tune.UNTUNED:        # in the registry, refused, with the reason in --method's help
+        assert untuned in registry.METHODS
+        with pytest.raises(SystemExit):
+            tune.parse_args(["--method", untuned])
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{name}: {why}" in help_text for name, why in tune.UNTUNED.items())
+    assert "--medusa PATH --method medusa: heads saved by" in help_text     # the flag MedusaOptions declares
+    assert "--medusa-choices JSON" not in help_text and "--lookahead-window W" not in help_text   # grids set them
+    monkeypatch.setitem(registry.METHODS, "toy", registry.Method(ToyOptions, build_toy, "no num_tokens: no grid"))
+    assert "toy" not in tune.tunable()
+    monkeypatch.setitem(registry.METHODS, "chain", registry.Method(ChainOptions, build_chain, "a toy chain"))
+    assert tune.tunable()[-1] == "chain"
+    BUILT.clear()
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["abcabcabc"]}) + "\n")
+    assert tune.main(["--method", "chain", "--toy-width", "5", "--num-tokens", "2", "--target", str(tiny_model_dir),
+                      "--questions", str(qfile), "--max-new-tokens", "6", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    assert {"chain K=2", "chain K=4 adaptive"} <= {line.split("|")[1].strip() for line in out.splitlines()
+                                                   if line.startswith("| ")}
+    assert set(BUILT) == {(5, 2), (5, 4)}                                # the flag reached every candidate
+    assert "options=ChainOptions(num_tokens=" in out
 
 
 def test_training_takes_it_as_the_distill_method(toy, tmp_path):

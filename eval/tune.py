@@ -71,7 +71,9 @@ from .tuning import (
 log = logging.getLogger("eagle_lite")
 # the registered methods eval.tune does not tune, and why
 UNTUNED = {"vanilla": "the baseline every candidate is timed against",
-           "staged": "it drafts eagle's tree with the same head: tune that with --method eagle"}
+           "staged": "it drafts eagle's tree with the same head: tune that with --method eagle",
+           "auto": "its controller chooses each step's proposal (eval.profile_step shows its choices); tune the "
+                   "head's tree it grows from with --method eagle"}
 GRIDS = ("eagle", "medusa", "lookahead")   # the methods with a grid of their own; the rest sweep K (`num_tokens`)
 SWEPT = ("medusa_choices", "lookahead_window", "lookahead_ngram", "lookahead_candidates")   # set by the grid flags
 

@@ -22,7 +22,8 @@ from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_li
 from .config import GenerationConfig
 from .options import add_model_flags, add_static_flag, check_flags, load_from_flags, quiet_libraries
 
-CHAT_HELP = "commands: /reset (new conversation)  /stats (totals so far)  /quit (or Ctrl-D); Ctrl-C stops an answer"
+CHAT_HELP = ("commands: /reset (new conversation)  /stats (totals so far; with method auto, its choices)  /quit (or "
+             "Ctrl-D); Ctrl-C stops an answer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
 def stats_line(stats) -> str:
     return (f"[{stats.new_tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
             f"mean accepted length {stats.accept_length_mean:.2f}, {stats.target_forwards} target forwards]")
+
+
+def choices_line(choices: dict[str, list[float]]) -> str:
+    """Method auto's steps by its controller's choice (`GenerationStats.choices`): share, tokens a step, and the
+    step time predicted against measured."""
+    steps = sum(row[0] for row in choices.values()) or 1
+    return "[auto's choices: " + ", ".join(
+        f"{kind} {100 * n / steps:.0f}% ({tokens / n:.2f} tokens, {1e3 * predicted / n:.1f} ms predicted, "
+        f"{1e3 * measured / n:.1f} measured)" for kind, (n, tokens, _, predicted, measured) in sorted(choices.items())
+    ) + "]"
 
 
 def one_shot(lm, args, cfg: GenerationConfig) -> int:
@@ -96,6 +107,7 @@ def chat(lm, cfg: GenerationConfig) -> None:
         sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []
     totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "forwards": 0}
+    choices: dict[str, list[float]] = {}   # method auto: its controller's choices over the session
     while True:
         try:
             line = read_turn().strip()
@@ -119,6 +131,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
             rate = totals["tokens"] / totals["seconds"] if totals["seconds"] else 0.0
             print(f"[{totals['answers']} answers, {totals['tokens']} tokens, {rate:.1f} tokens/s, "
                   f"{totals['forwards']} target forwards]", file=sys.stderr)
+            if choices:
+                print(choices_line(choices), file=sys.stderr)
             continue
         if line.startswith("/"):
             print(f"unknown command {line}; {CHAT_HELP}", file=sys.stderr)
@@ -151,6 +165,9 @@ def chat(lm, cfg: GenerationConfig) -> None:
         totals["tokens"] += stats.new_tokens
         totals["seconds"] += stats.seconds
         totals["forwards"] += stats.target_forwards
+        for kind, row in stats.choices.items():
+            kept = choices.setdefault(kind, [0.0] * len(row))
+            kept[:] = [a + b for a, b in zip(kept, row)]
         print(stats_line(stats), file=sys.stderr)
 
 

@@ -35,6 +35,11 @@ def test_one_shot_json_eagle_equals_vanilla(tiny_model_dir, capsys):
     assert eagle["token_ids"] == vanilla["token_ids"] and eagle["text"] == vanilla["text"]
     assert vanilla["target_forwards"] == vanilla["new_tokens"] and vanilla["accept_length_mean"] == 1.0
     assert 1 <= eagle["new_tokens"] <= 24 and eagle["method"] == "eagle"
+    auto = run_json(capsys, *common, "--draft", "random")        # the default method
+    assert auto["method"] == "auto" and auto["token_ids"] == vanilla["token_ids"]
+    assert sum(c["steps"] for c in auto["choices"].values()) == auto["target_forwards"] - 1
+    pinned = run_json(capsys, *common, "--draft", "random", "--tree-depth", "2")   # a tree given: eagle runs it
+    assert pinned["method"] == "eagle" and pinned["token_ids"] == vanilla["token_ids"] and "choices" not in pinned
 
 
 def test_static_step_answers_as_the_engine_does(tiny_model_dir, capsys):
@@ -118,10 +123,11 @@ def test_asking_for_a_gpu_that_is_not_there_says_so_before_loading(tiny_model_di
         assert "sees no CUDA GPU" in capsys.readouterr().err
 
 
-def test_scripted_chat_session(tiny_model_dir):
+@pytest.mark.parametrize("method", ["eagle", "auto"])
+def test_scripted_chat_session(tiny_model_dir, method):
     script = "hello\nhow are you\n/stats\n/reset\nagain\n/quit\n"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle_lite.generate", "--target", str(tiny_model_dir), "--method", "eagle",
+        [sys.executable, "-m", "eagle_lite.generate", "--target", str(tiny_model_dir), "--method", method,
          "--draft", "random", "--max-new-tokens", "12"],
         input=script, capture_output=True, text=True, timeout=300,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -130,6 +136,7 @@ def test_scripted_chat_session(tiny_model_dir):
     assert proc.stdout.count("bot> ") == 3
     assert proc.stderr.count("mean accepted length") == 3     # one stats line per answer
     assert "[2 answers," in proc.stderr                          # /stats after two answers
+    assert ("[auto's choices: " in proc.stderr) == (method == "auto")   # and the controller's split
     assert "(new conversation)" in proc.stderr
 
 

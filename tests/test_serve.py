@@ -23,7 +23,7 @@ from conftest import eagle_drafter, make_target, tiny_tokenizer
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
-from eagle_lite.drafters import NoDrafter
+from eagle_lite.drafters import EagleOptions, NoDrafter, build
 from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.pipeline import Pipeline
@@ -75,9 +75,10 @@ class Server:
     def __init__(self, target, method: str = "vanilla", limits: Limits = Limits(max_batch=4), record=None,
                  **kwargs) -> None:
         torch.manual_seed(0)
-        head = DraftHead.for_target(target) if method == "eagle" else None
+        head = DraftHead.for_target(target) if method in ("eagle", "auto") else None
         make = {"vanilla": NoDrafter, "lookup": PromptLookupDrafter, "slow": SlowDrafter,
-                "eagle": lambda: eagle_drafter(target, head)}[method]
+                "eagle": lambda: eagle_drafter(target, head),
+                "auto": lambda: build("auto", target, EagleOptions(head=head))}[method]
         self.pipeline = Pipeline(target, make(), method if method != "slow" else "vanilla")
         self.pipeline.tree = TREE
         if record is not None:   # --record: what load(record=...) sets
@@ -148,7 +149,7 @@ def test_openai_client_chat_and_completions_streaming_and_not(serve, chat_target
     assert "".join(p.choices[0].text for p in parts) == raw
 
 
-@pytest.mark.parametrize("method", ["vanilla", "lookup", "eagle"])
+@pytest.mark.parametrize("method", ["vanilla", "lookup", "eagle", "auto"])
 def test_concurrent_clients_get_single_request_greedy_output(serve, chat_target, method):
     s = serve(method, Limits(max_batch=4))
     lengths = [30, 12, 25, 40, 7, 33, 18]
@@ -167,6 +168,7 @@ def test_concurrent_clients_get_single_request_greedy_output(serve, chat_target,
     assert f'eagle_lite_spec_decode_num_drafts_total{{method="{method}"}}' in metrics
     assert 'eagle_lite_requests_total{endpoint="/v1/completions",status="200"} 7' in metrics
     assert s.service.metrics.steps < sum(lengths)   # sequences shared target forwards
+    assert ('eagle_lite_auto_steps_total{method="auto",choice=' in metrics) == (method == "auto")
 
 
 def test_recorded_requests_are_the_answers_served(serve, chat_target, tmp_path):

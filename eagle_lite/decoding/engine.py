@@ -182,6 +182,8 @@ class Engine:
         self._cache: StaticKVCache | None = None
         self._cached_tokens: list[int] = []   # what the committed cache slots hold
         self.last_verify: tuple[int, float] = (0, 0.0)   # (tree nodes, seconds) of the last step's target forward
+        # method auto: (choice, tokens, predicted s, measured s) of each sequence of the last step that had a plan
+        self.last_plans: list[tuple[str, int, float, float]] = []
 
     def _cache_for(self, prompt_ids: list[int], max_len: int) -> tuple[StaticKVCache, int]:
         """A cache for this call and how many leading prompt tokens it already holds."""
@@ -335,7 +337,7 @@ class Engine:
         paths = [tree.likely_path() for tree in drafted]
         projected = NodeLogits.together(target.lm, [(hidden, likely) for (hidden, _), likely in zip(outs, paths)])
         shared = (time.perf_counter() - t3) / len(seqs)
-        emitted = []
+        emitted, self.last_plans = [], []
         for seq, tree, (_, features), likely, nodes, before in zip(seqs, drafted, outs, paths, projected,
                                                                    drafted_before):
             t3 = time.perf_counter() - shared
@@ -361,6 +363,7 @@ class Engine:
                 step = (t2 - t1) / len(seqs) + time.perf_counter() - t3
                 tree.plan.done(draft, step, len(tree), len(new))
                 stats.choose(tree.plan.kind, len(out), tree.plan.tokens, tree.plan.seconds, draft + step)
+                self.last_plans.append((tree.plan.kind, len(out), tree.plan.seconds, draft + step))
         return emitted
 
 

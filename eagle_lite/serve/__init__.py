@@ -19,9 +19,10 @@ what FastAPI gives (with its error handlers and streaming responses) and nothing
 from __future__ import annotations
 
 from ..config import TreeConfig
+from ..decoding.cost import step_cost
 from ..pipeline import Pipeline, engine_for
 from .app import Service, create_app
-from .cost import CostModel, measure_verify
+from .cost import CostModel
 from .metrics import Metrics
 from .scheduler import Limits, Refused, Scheduler
 
@@ -33,14 +34,15 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
                   default_seed: int | None = None, verify_seconds: dict | None = None,
                   threads: tuple[int, int] | None = None, tree: TreeConfig | None = None) -> Service:
     """The server's state around a loaded pipeline; `start()` its scheduler before serving.
-    verify_seconds: the forward cost table of cost.py (None: measured now, about a second). threads: torch
+    verify_seconds: the forward cost table of cost.py (None: this machine's, decoding/cost.py: cached, else measured
+    now, about a second). threads: torch
     threads for small and for large batches (scheduler.BUSY_BATCH; None: as they are). tree: every request's draft
     tree (None: the pipeline's)."""
     make_drafter = make_drafter or pipeline.drafter_factory(options)
     tree = tree or pipeline.tree
     probe = make_drafter()
     tree_nodes = probe.max_tree_nodes(tree)
-    cost = CostModel(verify_seconds or measure_verify(pipeline.target), tree_nodes)
+    cost = CostModel(verify_seconds or step_cost(pipeline.target, getattr(probe, "inner", None)).verify, tree_nodes)
     metrics = Metrics(pipeline.method)
     engine = engine_for(pipeline.target, None)   # each sequence of a batch brings its own drafter
     scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads,

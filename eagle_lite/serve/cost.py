@@ -7,9 +7,10 @@ E(n) the tokens a sequence gets from a tree capped at n nodes (1 for a plain ste
 
     rate(n) = B E(n) / (B draft(n) + verify(B n'(n)))
 
-verify(T) is measured when the server starts (`measure_verify`: the target's forward over T tree nodes after a
-128-token prefix, the best of a few runs, for T in VERIFY_ROWS) and then follows what the steps take (a running
-average per T, linear between measured points). E(n), n'(n) and draft(n) are running averages of what the
+verify(T) starts from this machine's measured step costs (decoding/cost.py: the target's forward over T tree
+nodes after a 128-token prefix, the best of a few runs, measured once per host and cached; the same figures method
+auto's controller reads) and then follows what the steps take (a running average per T, linear between measured
+points). E(n), n'(n) and draft(n) are running averages of what the
 sequences got at each cap, starting from a prior (`prior_tokens`). On a CPU the forward's cost grows with its
 rows (and jumps past the 32 rows the native layer op takes), so as B grows the chosen trees shrink, down to plain
 decoding (n = 1), the way vLLM turns speculation off above a batch size, but found from measurements.
@@ -18,12 +19,8 @@ Batch 1 always runs the configured tree: what the CLI runs.
 from __future__ import annotations
 
 import math
-import time
-
-import torch
 
 CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-VERIFY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PRIOR_WEIGHT = 4.0   # observations a prior counts as
 EMA = 0.1            # weight of a new measurement in a running average
 
@@ -32,28 +29,6 @@ def prior_tokens(n: int) -> float:
     """Tokens a sequence is expected to get from a tree of n nodes before any is seen: 1 for a plain step, a
     log-like growth above (acceptance grows with the tree, ever more slowly)."""
     return min(float(n), 1.0 + 0.6 * math.log2(n)) if n > 1 else 1.0
-
-
-@torch.inference_mode()
-def measure_verify(target, rows: tuple[int, ...] = VERIFY_ROWS, prefix: int = 128, repeats: int = 3) -> dict:
-    """{T: seconds} of the target's forward over a T-node tree (a chain) after a `prefix`-token prompt."""
-    vocab = target.vocab_size
-    prefix = min(prefix, target.max_context - max(rows) - 1)
-    cache = target.new_cache(prefix + max(rows))
-    ids = (torch.arange(prefix, device=target.device) * 7919 + 11) % vocab
-    target.forward(ids, cache)
-    cache.commit(prefix)
-    out = {}
-    for t in rows:
-        tokens = (torch.arange(t, device=target.device) * 31 + 5) % vocab
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            target.verify([(tokens, cache, None, None)])
-            best = min(best, time.perf_counter() - start)
-            cache.truncate(prefix)
-        out[t] = best
-    return out
 
 
 class CostModel:

@@ -135,11 +135,11 @@ def failed(err: Exception) -> tuple:
 
 class Scheduler:
     def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
-                 cost: CostModel, on_step: Callable[[int, int, int, list[int]], None] | None = None,
+                 cost: CostModel, on_step: Callable[[int, int, int, list[int], list], None] | None = None,
                  threads: tuple[int, int] | None = None, recorder=None) -> None:
         """make_drafter: a fresh drafter (weights shared, state its own); tree_nodes: the most nodes one tree has.
-        on_step(batch, cap, rows, emitted per sequence): called after each step (metrics). threads: torch CPU
-        threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are).
+        on_step(batch, cap, rows, emitted per sequence, auto's plans): called after each step (metrics). threads:
+        torch CPU threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are).
         recorder: where each finished answer is recorded (`text.record.Recorder`; None: nowhere, the default)."""
         self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
         self.recorder = recorder
@@ -394,7 +394,7 @@ class Scheduler:
         self.cost.observe(cap, rows, seconds, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
                                                for out, seq, before in zip(outs, seqs, drafting)])
         if self.on_step is not None:
-            self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs])
+            self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs], self.engine.last_plans)
         kept = []
         for (job, seq), out in zip(self.running, outs):
             job.sink(("tokens", out))

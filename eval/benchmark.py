@@ -31,7 +31,7 @@ from eagle_lite.threads import check_threads
 from . import report
 from .evaluation import EvalSettings, Stopped, add_static_flags, check_out_dir, evaluate, write_outputs
 
-ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
+ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle", "auto"]
 # also available: staged (eagle whose head checks the lookup chain), eagle_q and eagle_match (eagle with one sampling
 # rule each, to compare both in one run), lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates),
 # layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC),

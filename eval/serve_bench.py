@@ -2,13 +2,16 @@
 concurrent streaming clients over held-out prompts, aggregate tokens/s and per-request latency (time to first
 token and total, p50/p95), beside the same requests one at a time and the CLI's engine on the same prompts.
 
-    python -m eval.serve_bench                                   # SmolLM2; vanilla, lookup, eagle; 8 requests a level
+    python -m eval.serve_bench                        # SmolLM2; vanilla, lookup, eagle, auto; 8 requests a level
+    python -m eval.serve_bench --temperature 1.0      # every request sampled (OpenAI clients' default)
     python -m eval.serve_bench --methods eagle --clients 1,8 --requests 16 --max-tokens 64
 
 Each method's server runs as its own process (`python -m eagle_lite.serve` on 127.0.0.1, a free port), the clients
 are threads of this one; a level sends `--requests` requests (at least one per client), each client one at a time,
-and stops starting new ones after `--seconds`. Every request is greedy with `max_tokens` = --max-tokens; its
-answer is checked against the CLI engine's answer to the same prompt (the `identical` column). The CLI row is the
+and stops starting new ones after `--seconds`. Every request has `max_tokens` = --max-tokens and is greedy, its
+answer checked against the CLI engine's answer to the same prompt (the `identical` column), or with --temperature
+sampled (seed: the prompt's index; no identity check: a batch-mate's draws never move a request's, but the server's
+and the CLI's trees differ, and so do their draws). The CLI row is the
 engine alone in this process (`eagle_lite.load(...).generate`, what `python -m eagle_lite.generate` runs), before
 the server starts, so the two never share the CPU. The "at once, no HTTP" row is the server's own batch loop in this
 process (`batch_run`), given the largest level's number of prompts together: what that level would reach without
@@ -39,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=None, help="as the CLI's --target (default: the embedded SmolLM2)")
-    p.add_argument("--methods", default="vanilla,lookup,eagle")
+    p.add_argument("--methods", default="vanilla,lookup,eagle,auto")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample every request at this temperature; 0: greedy")
     p.add_argument("--clients", default="1,2,4,8", help="concurrency levels")
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least one per client)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -84,7 +88,14 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ValueError(f"--seconds must be > 0, got {args.seconds}")
     check_threads(args.threads)
     check_threads(args.batch_threads, "--batch-threads")
+    if check_finite("--temperature", args.temperature) < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     return methods, levels
+
+
+def share(value: float | None) -> str:
+    """A share of identical answers as a table cell; "—" where sampling leaves nothing to compare."""
+    return "—" if value is None else f"{value:.0%}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,11 +111,10 @@ def cli_run(args, method: str, questions: list[str]) -> tuple[float, list[str]]:
 
     set_threads(args.threads)
     lm = load(args.target, method=method)
-    cfg = lm.config(max_new_tokens=args.max_tokens)
     lm.generate(questions[0], lm.config(max_new_tokens=8))   # warm-up: kernels, caches
     tokens, seconds, answers = 0, 0.0, []
-    for q in questions:
-        out = lm.generate(q, cfg)
+    for i, q in enumerate(questions):
+        out = lm.generate(q, sampled(lm, args, i))
         tokens, seconds = tokens + out.stats.new_tokens, seconds + out.stats.seconds
         answers.append(out.text)
     del lm
@@ -155,7 +165,7 @@ def batch_run(args, method: str, questions: list[str]) -> tuple[float, list[str]
     lm = load(args.target, method=method)
     service = build_service(lm, "bench", Limits(max_batch=args.max_batch),
                             threads=(args.threads, args.batch_threads or args.threads))
-    scheduler, cfg = service.scheduler, lm.config(max_new_tokens=args.max_tokens)
+    scheduler = service.scheduler
     answers: list[list[int]] = [[] for _ in questions]
     left = [len(questions)]
 
@@ -171,17 +181,25 @@ def batch_run(args, method: str, questions: list[str]) -> tuple[float, list[str]
 
     start = time.perf_counter()
     for i, q in enumerate(questions):
-        scheduler.submit(Job(lm.encode([{"role": "user", "content": q}]), cfg, sink(i)))
+        scheduler.submit(Job(lm.encode([{"role": "user", "content": q}]), sampled(lm, args, i), sink(i)))
     scheduler.run()
     seconds = time.perf_counter() - start
     return sum(map(len, answers)) / seconds, [lm.decode(a) for a in answers]
 
 
-def one_request(http, url: str, model: str, question: str, max_tokens: int) -> dict:
+def sampled(lm, args, i: int):
+    """The GenerationConfig of question i: --max-tokens, greedy or at --temperature with seed i."""
+    from eagle_lite.config import SamplingConfig
+
+    return lm.config(max_new_tokens=args.max_tokens, sampling=SamplingConfig(temperature=args.temperature), seed=i)
+
+
+def one_request(http, url: str, model: str, question: str, max_tokens: int, temperature: float = 0.0,
+                seed: int = 0) -> dict:
     """A streaming chat request on the client `http` (an httpx.Client: its connection kept between requests, as
     the openai client keeps it): its time to first token, total time, tokens and text."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, text, tokens = None, [], 0
     with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -217,7 +235,8 @@ def level(url: str, model: str, questions: list[str], clients: int, args) -> tup
                     if not todo or time.perf_counter() - start > args.seconds:
                         return
                     i = todo.pop(0)
-                r = one_request(http, url, model, questions[i % len(questions)], args.max_tokens)
+                q = i % len(questions)
+                r = one_request(http, url, model, questions[q], args.max_tokens, args.temperature, q)
                 with lock:
                     results.append({**r, "question": i % len(questions)})
 
@@ -253,7 +272,8 @@ def main(argv=None) -> int:
         print(f"{method}: CLI engine {cli_rate:.1f} tokens/s", file=sys.stderr, flush=True)
         together = questions[:max(levels)]
         batch_rate, batch_answers = batch_run(args, method, together)
-        batch_same = sum(a == b for a, b in zip(batch_answers, cli_answers)) / len(together)
+        batch_same = None if args.temperature else \
+            sum(a == b for a, b in zip(batch_answers, cli_answers)) / len(together)
         print(f"{method}: batch loop, {len(together)} at once, no HTTP {batch_rate:.1f} tokens/s", file=sys.stderr,
               flush=True)
         proc, url = start_server(args, method)
@@ -263,8 +283,9 @@ def main(argv=None) -> int:
                 one_request(http, url, model, questions[0], 8)   # warm-up
             for clients in levels:
                 row, results = level(url, model, questions, clients, args)
-                row["identical"] = sum(r["text"] == cli_answers[r["question"]] for r in results
-                                       if r["question"] < len(cli_answers)) / max(1, len(results))
+                row["identical"] = None if args.temperature else sum(
+                    r["text"] == cli_answers[r["question"]] for r in results
+                    if r["question"] < len(cli_answers)) / max(1, len(results))
                 rows.append(row)
                 print(f"{method}: {clients} clients {row['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
         finally:
@@ -273,12 +294,12 @@ def main(argv=None) -> int:
         base = rows[0]["tokens_per_s"] if rows else 1.0
         lines.append(f"| {method} | CLI engine | {max(args.requests, max(levels))} | {cli_rate:.1f} | | 1.00 | | | |")
         lines.append(f"| {method} | {len(together)} at once, no HTTP | {len(together)} | {batch_rate:.1f} | "
-                     f"{batch_rate / base:.2f} | {batch_rate / cli_rate:.2f} | | | {batch_same:.0%} |")
+                     f"{batch_rate / base:.2f} | {batch_rate / cli_rate:.2f} | | | {share(batch_same)} |")
         for row in rows:
             lines.append(f"| {method} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.1f} | "
                          f"{row['tokens_per_s'] / base:.2f} | {row['tokens_per_s'] / cli_rate:.2f} | "
                          f"{row['ttft_p50']:.2f} / {row['ttft_p95']:.2f} | {row['total_p50']:.2f} / "
-                         f"{row['total_p95']:.2f} | {row['identical']:.0%} |")
+                         f"{row['total_p95']:.2f} | {share(row['identical'])} |")
         report["methods"][method] = {"cli_tokens_per_s": cli_rate, "batch_tokens_per_s": batch_rate,
                                      "batch_identical": batch_same, "levels": rows}
     print("\n".join(lines))

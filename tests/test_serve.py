@@ -482,12 +482,25 @@ def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp
         assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 for row in got["levels"])
 
 
+def test_serve_bench_samples_with_auto(tiny_model_dir, tmp_path):
+    """--temperature: every request sampled (method auto: its controllers in the server's batch), no identity check."""
+    from eval.serve_bench import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--target", str(tiny_model_dir), "--methods", "auto", "--clients", "2", "--requests", "2",
+                 "--max-tokens", "10", "--threads", "1", "--temperature", "1.0", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["methods"]["auto"]
+    assert got["batch_identical"] is None and got["batch_tokens_per_s"] > 0
+    assert [(row["identical"], row["requests"]) for row in got["levels"]] == [(None, 2)]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--clients", "1,x"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '1,x'"),
     (["--clients", "0"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '0'"),
     (["--methods", "nosuch"], "error: --methods takes comma-separated methods of auto, eagle, "),
     (["--requests", "0"], "error: --requests must be >= 1, got 0"),
     (["--seconds", "nan"], "error: --seconds must be a finite number, got nan"),
+    (["--temperature", "-1"], "error: --temperature must be >= 0 (0: greedy), got -1.0"),
     (["--threads", "0"], "error: --threads must be a whole number >= 1"),
     (["--json", "{tmp}"], "error: --json {tmp} is a folder: give a file name"),
     (["--questions", "{tmp}/none.jsonl"], "error: question file {tmp}/none.jsonl not found"),

@@ -169,6 +169,8 @@ def test_step_cost_interpolates_monotone_and_follows_steps():
         cost.observe(4, 0.02)
     assert cost.verify[4] > before and cost.step(4) == pytest.approx(0.02, rel=0.05)
     assert StepCost({1: 0.01}, 0.001, 0.002).draft(3) == pytest.approx(0.004)
+    owed = StepCost({1: 0.01}, 0.001, 0.002, catch_up_row=0.0001)   # the features of steps the head sat out
+    assert owed.draft(1, rows=12) == pytest.approx(0.002 + 10 * 0.0001)
 
 
 def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
@@ -179,7 +181,8 @@ def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     torch.manual_seed(0)
     drafter = EagleDrafter(llama, DraftHead.for_target(llama))
     first = step_cost(llama, drafter)
-    assert first.head > 0 and first.catch_up > 0 and all(s > 0 for s in first.verify.values())
+    assert first.head > 0 and first.catch_up > 0 and first.catch_up_row >= 0
+    assert all(s > 0 for s in first.verify.values())
     again = step_cost(llama, drafter)
     assert len(calls) == 1 and again.verify == first.verify and "cached" in again.source
     (file,) = (tmp_path / "costs").iterdir()

@@ -34,7 +34,9 @@ KINDS = ("plain", "lookup", "head")
 EXPLORE = 8          # steps the head sits out before it drafts again (more where it is further behind)
 RATE_EMA = 0.1       # weight of a step in the running tokens and seconds
 HEAD_EMA = 0.2       # weight of a head step in the head's running tokens, nodes and forwards
-HEAD_PRIOR_TOKENS = 2.0   # tokens a head step is expected to return before any is seen
+HEAD_PRIOR_TOKENS = 1.5   # tokens a head step is expected to return before any is seen
+HEAD_FIRST = 3       # head steps every request tries (every EXPLORE steps) before its figures decide alone
+BEHIND = 30.0        # how much less often the head drafts again, the further its plan is behind the best
 SHRINK = 3.0         # head steps of all buckets a bucket's own few count against (its estimate leans on theirs)
 NODE_SPAN = 3        # tree sizes a node's cost is averaged over
 
@@ -92,9 +94,9 @@ class ChainRate:
     PRIOR = 2.0
 
     def __init__(self) -> None:
-        first = {m: 0.2 + 0.1 * m for m in range(1, self.MAX_M + 1)} | {self.COPY: 0.8}
+        first = {m: 0.1 * m for m in range(1, self.MAX_M + 1)} | {self.COPY: 0.7}
         self.first = {m: [self.PRIOR * p, self.PRIOR] for m, p in first.items()}
-        self.next = {m: [self.PRIOR * (0.85 if m == self.COPY else 0.6), self.PRIOR] for m in first}
+        self.next = {m: [self.PRIOR * (0.8 if m == self.COPY else 0.5), self.PRIOR] for m in first}
 
     @classmethod
     def key(cls, m: int, copying: bool) -> int:
@@ -139,6 +141,7 @@ class Plan:
     controller: Controller = field(repr=False)
     bucket: int = 0            # lookup's bucket this step (ChainRate.key)
     head_forwards: int = 0     # the head forwards a head plan ran
+    catch_up_rows: int = 0     # the features its catch-up read, those of steps the head sat out included
 
     def done(self, draft_seconds: float, step_seconds: float, nodes: int, tokens: int) -> None:
         """What the step took (its draft, then its verify and acceptance) and returned: the controller's running
@@ -207,9 +210,10 @@ class Controller:
         head = Plan("head", length, self.min_prob(1 + round(nodes)), tokens,
                     self.cost.draft(max(1, round(self.head_forwards))) + self.cost.step(1 + round(nodes)), self, match)
         gap = max(0.0, 1.0 - self.speed(head) / self.speed(best))
-        # the head drafts where it is the fastest, and now and then where it is not (the less often, the further
-        # behind it is), so that its estimates follow the text
-        if self.speed(head) >= self.speed(best) or self.since_head >= EXPLORE * (1.0 + 10.0 * gap):
+        # the head drafts where it is the fastest, and now and then where it is not (its first HEAD_FIRST steps
+        # every EXPLORE steps, then the less often the further behind it is), so that its estimates follow the text
+        wait = EXPLORE * (1.0 if self.head[-1][2] < HEAD_FIRST else 1.0 + BEHIND * gap)
+        if self.speed(head) >= self.speed(best) or self.since_head >= wait:
             return head
         return best
 
@@ -252,4 +256,4 @@ class Controller:
                 row[1] += weight * (nodes - 1 - row[1])
                 row[2] += 1
             self.head_forwards += HEAD_EMA * (plan.head_forwards - self.head_forwards)
-            self.cost.observe_draft(plan.head_forwards, draft_seconds)
+            self.cost.observe_draft(plan.head_forwards, draft_seconds, plan.catch_up_rows)

@@ -102,6 +102,25 @@ def test_auto_sampling_matches_the_target_distribution(llama, rule, monkeypatch)
     assert tv(counts, exact_continuations(llama, prompt, sampling), draws) < 0.12
 
 
+def test_a_seed_reproduces_a_sampled_answer(llama):
+    """The controller's choices depend on the cached costs and the tokens, never on a clock: the same seed gives
+    the same sampled tokens, alone or beside another sequence."""
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    cfg = GenerationConfig(max_new_tokens=40, tree=auto_tree(TREE), sampling=SamplingConfig(temperature=0.9),
+                           seed=7, stop_at_eos=False)
+    first = Engine(llama, auto(llama, head)).generate(PROMPTS[0], cfg).token_ids
+    assert Engine(llama, auto(llama, head)).generate(PROMPTS[0], cfg).token_ids == first
+    engine = Engine(llama)
+    seqs = [engine.begin(p, cfg, drafter=auto(llama, head)) for p in (PROMPTS[0], PROMPTS[1])]
+    out = [list(first_token) for _, first_token in seqs]
+    while not all(seq.done for seq, _ in seqs):
+        running = [(i, seq) for i, (seq, _) in enumerate(seqs) if not seq.done]
+        for (i, _), new in zip(running, engine.step([seq for _, seq in running])):
+            out[i] += new
+    assert out[0] == first
+
+
 def test_each_request_has_its_own_controller(llama):
     torch.manual_seed(0)
     first = auto(llama, DraftHead.for_target(llama))
@@ -158,16 +177,12 @@ def test_controller_chooses_what_pays():
     assert control.choose(0, 0, 16).kind == "head"        # but it does draft again, to follow the text
 
 
-def test_step_cost_interpolates_monotone_and_follows_steps():
+def test_step_cost_interpolates_monotone():
     cost = StepCost({1: 0.008, 4: 0.011, 8: 0.010, 16: 0.023})   # a noisy 8
     assert cost.step(1) == pytest.approx(0.008)
     assert cost.step(2) == pytest.approx(0.009)
     assert cost.step(8) >= cost.step(4)                            # a larger tree never costs less
     assert cost.step(32) > cost.step(16)
-    before = cost.verify[4]
-    for _ in range(200):
-        cost.observe(4, 0.02)
-    assert cost.verify[4] > before and cost.step(4) == pytest.approx(0.02, rel=0.05)
     assert StepCost({1: 0.01}, 0.001, 0.002).draft(3) == pytest.approx(0.004)
     owed = StepCost({1: 0.01}, 0.001, 0.002, catch_up_row=0.0001)   # the features of steps the head sat out
     assert owed.draft(1, rows=12) == pytest.approx(0.002 + 10 * 0.0001)

@@ -1,10 +1,10 @@
 """How the target answers distillation prompts: eagle_lite's own decoding engine, or batched `generate()`.
 
   "engine"   - `eagle_lite.decoding.engine.Engine` with the drafting method `method` (data.distill.method and
-               .options, the keys of eagle_lite/options.py; "auto": the head shipped for the target, prompt lookup
-               where none ships), `batch_size` prompts decoded together as a server batches requests
-               (`Engine.begin_all`, `Engine.step`: each over its own cache, a finished one replaced by the next
-               prompt at once).
+               .options, the keys of eagle_lite/options.py; "auto": its controller over the head shipped for the
+               target, prompt lookup where none ships), `batch_size` prompts decoded together as a server batches
+               requests (`Engine.begin_all`, `Engine.step`: each over its own cache, a finished one replaced by the
+               next prompt at once).
                Speculative decoding is lossless, so each answer is the target's own greedy answer (or a draw
                from its own distribution when sampling, from the prompt's own seeded generator), and on a CPU
                it is the faster way (docs/benchmarks.md, "Distillation backends"). The speed-ups it applies to
@@ -153,7 +153,8 @@ def no_shipped_head(target: Target, settings) -> bool:
 def _pipeline_for(target: Target, method: str = "auto", options: dict | None = None):
     """The pipeline that answers for `target` with `method` and its `options` (built once, and kept until another
     target answers), with the speed-ups and tree-attention backend applied to the target (the features stage and
-    batched generate() run it as built, inside `Target.stock`). "auto": the head shipped for it, else lookup."""
+    batched generate() run it as built, inside `Target.stock`). "auto": its controller over the head shipped for it
+    (drafters/auto.py), else lookup."""
     settings = options_of(method, option_values(options or {}))
     if _answering["target"] is not target:
         _answering.update(target=target, pipelines={})

@@ -14,18 +14,18 @@ Expected tokens come from an acceptance model of this request, learnt from what 
   a chain's token is accepted exactly when it is the target's (greedy, or the target's sample: acceptance is
   lossless, so what follows has the target's distribution whatever was proposed).
 - head (`Calibration`): the chance a drafted node is accepted given the head's path probability of it, per bin,
-  starting from the identity; plus the running number of head tokens a head step gained.
+  starting from the identity; plus, by lookup's bucket, the tokens a head step returned and the nodes it verified.
 A drafted node is worth verifying where its chance p of being accepted beats what its cost c buys elsewhere,
 p > c x rate (rate: this request's tokens per second): the lookup chain is cut where p falls below it, and the
 head's tree stops growing where its calibrated path probability does (`TreeConfig.min_prob`, set each step).
-Then the proposal of the highest expected tokens / expected seconds is run. The head drafts at least every EXPLORE
-steps, so its calibration follows the text.
+Then the proposal of the highest expected tokens / expected seconds is run. Where the head looked worse it drafts
+again now and then (its first HEAD_FIRST times every EXPLORE steps, then the less often the further behind), so
+its figures follow the text. Seconds are the cost model's, never a clock's: a seed reproduces a sampled answer.
 
 The controller changes what is proposed, never what is accepted: every tree is verified exactly.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from .cost import StepCost
@@ -141,12 +141,12 @@ class Plan:
     controller: Controller = field(repr=False)
     bucket: int = 0            # lookup's bucket this step (ChainRate.key)
     head_forwards: int = 0     # the head forwards a head plan ran
-    catch_up_rows: int = 0     # the features its catch-up read, those of steps the head sat out included
+    catch_up_rows: int = 0     # the features its catch-up read, those of steps the head sat out included (the
+    #                            debt of those steps, which any later head step pays, is not this plan's cost)
 
-    def done(self, draft_seconds: float, step_seconds: float, nodes: int, tokens: int) -> None:
-        """What the step took (its draft, then its verify and acceptance) and returned: the controller's running
-        figures and this machine's costs follow it."""
-        self.controller.measured(self, draft_seconds, step_seconds, nodes, tokens)
+    def done(self, nodes: int, tokens: int) -> None:
+        """What the step verified and returned: the controller's running figures follow it."""
+        self.controller.measured(self, nodes, tokens)
 
 
 class Controller:
@@ -156,9 +156,7 @@ class Controller:
         self.cost, self.has_head = cost, head
         self.calibration = Calibration()
         self.lookup = ChainRate()
-        self.tokens, self.seconds = 1.0, cost.step(1)   # running tokens and seconds per step
-        self.overhead = 0.0            # running seconds a step's wall time has beyond its draft, verify, acceptance
-        self._last: float | None = None    # perf_counter when the last step was measured
+        self.tokens, self.seconds = 1.0, cost.step(1)   # running tokens and (predicted) seconds per step
         # head steps by lookup's bucket (ChainRate.key, 0: no match), and of all buckets together (key -1):
         # [tokens, nodes verified, steps] running
         self.head = {m: [HEAD_PRIOR_TOKENS, 2.0, 0] for m in range(-1, ChainRate.COPY + 1)}
@@ -167,8 +165,9 @@ class Controller:
 
     @property
     def rate(self) -> float:
-        """Tokens per second of this request's steps so far (running), wall time."""
-        return self.tokens / (self.seconds + self.overhead)
+        """Tokens per second of this request's steps so far (running; the seconds its plans were predicted to take,
+        so that no choice depends on a clock: a seed reproduces a sampled answer)."""
+        return self.tokens / self.seconds
 
     def node_cost(self, nodes: int) -> float:
         """Seconds one more verified node adds to a step of `nodes` (the mean over the next NODE_SPAN: timing noise
@@ -217,9 +216,10 @@ class Controller:
             return head
         return best
 
-    def speed(self, plan: Plan) -> float:
-        """The plan's expected tokens per second, with the step's untimed overhead."""
-        return plan.tokens / (plan.seconds + self.overhead)
+    @staticmethod
+    def speed(plan: Plan) -> float:
+        """The plan's expected tokens per second."""
+        return plan.tokens / plan.seconds
 
     def head_estimate(self, match: int) -> tuple[float, float]:
         """(tokens, nodes verified besides the root) of a head step in lookup's bucket `match`: the bucket's running
@@ -238,16 +238,10 @@ class Controller:
         """The floor of the head's first token, whose forward a head step runs anyway: its verify alone."""
         return self.calibration.floor(self.node_cost(nodes) * self.rate)
 
-    def measured(self, plan: Plan, draft_seconds: float, step_seconds: float, nodes: int, tokens: int) -> None:
-        seconds = draft_seconds + step_seconds
-        now = time.perf_counter()
-        if self._last is not None:   # the wall time since the last step's end: this step and what it did not time
-            extra = min(max(now - self._last - seconds, 0.0), seconds)
-            self.overhead += RATE_EMA * (extra - self.overhead)
-        self._last = now
+    def measured(self, plan: Plan, nodes: int, tokens: int) -> None:
+        """What a step of `plan` verified (nodes) and returned (tokens)."""
         self.tokens += RATE_EMA * (tokens - self.tokens)
-        self.seconds += RATE_EMA * (seconds - self.seconds)
-        self.cost.observe(nodes, step_seconds)
+        self.seconds += RATE_EMA * (plan.seconds - self.seconds)
         self.since_head = 0 if plan.kind == "head" else self.since_head + 1
         if plan.kind == "head":
             for row in (self.head[plan.bucket], self.head[-1]):
@@ -256,4 +250,3 @@ class Controller:
                 row[1] += weight * (nodes - 1 - row[1])
                 row[2] += 1
             self.head_forwards += HEAD_EMA * (plan.head_forwards - self.head_forwards)
-            self.cost.observe_draft(plan.head_forwards, draft_seconds, plan.catch_up_rows)

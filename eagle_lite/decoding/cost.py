@@ -1,6 +1,7 @@
 """What a step costs on this machine: the target's forward over a tree of n nodes (with the lm_head row acceptance
-reads), and one forward of a draft head, measured once per host, device, target and head and cached, then followed
-as steps run.
+reads), and one forward of a draft head, measured once per host, device, target and head and cached. Decoding
+reads them and never changes them: method auto's choices then depend on no clock, so a seed reproduces a sampled
+answer.
 
     cost = step_cost(target, head_drafter)      # measured on first use here, then read from the cache
     cost.step(6)                                # seconds of a step that verifies 6 nodes (root included)
@@ -30,7 +31,6 @@ from ..atomic import write_json_atomic
 log = logging.getLogger("eagle_lite")
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes measured (nodes, root included)
-EMA = 0.05              # weight of a new step's time in the running figure of its tree size
 PREFIX = 128            # context before the measured forwards
 VERSION = 2             # of the cache file's layout and what it measures
 CATCH_UP_ROWS = 2       # the accepted tokens a catch-up forward is timed over (a step's own, typically)
@@ -81,25 +81,6 @@ class StepCost:
         if forwards <= 0:
             return 0.0
         return self.catch_up + (rows - CATCH_UP_ROWS) * self.catch_up_row + (forwards - 1) * self.head
-
-    def observe(self, nodes: int, seconds: float) -> None:
-        """A step that verified `nodes` nodes took `seconds` (draft excluded): the measured size nearest below it
-        follows it, scaled to that size."""
-        n0 = max((n for n in self.verify if n <= nodes), default=None)
-        if n0 is None or not math.isfinite(seconds) or seconds <= 0:
-            return
-        seen = seconds * self.step(n0) / self.step(nodes)
-        self.verify[n0] += EMA * (seen - self.verify[n0])
-        self._monotone()
-
-    def observe_draft(self, forwards: int, seconds: float, rows: int = CATCH_UP_ROWS) -> None:
-        """A head draft of `forwards` forwards, its catch-up over `rows` features, took `seconds`."""
-        if forwards <= 0 or not math.isfinite(seconds) or seconds <= 0 or self.catch_up <= 0:
-            return
-        scale = seconds / self.draft(forwards, rows)
-        self.catch_up += EMA * (self.catch_up * scale - self.catch_up)
-        self.head += EMA * (self.head * scale - self.head)
-        self.catch_up_row += EMA * (self.catch_up_row * scale - self.catch_up_row)
 
     def as_dict(self) -> dict:
         return {"version": VERSION, "verify": {str(n): s for n, s in self.verify.items()}, "head": self.head,

@@ -358,10 +358,10 @@ class Engine:
             out = seq.emit(new)
             stats.accept_lengths.append(len(out))
             emitted.append(out)
-            if tree.plan is not None:   # method auto: the controller's plan learns what the step took
+            if tree.plan is not None:   # method auto: the controller learns what the step returned
                 draft = stats.draft_seconds - before
                 step = (t2 - t1) / len(seqs) + time.perf_counter() - t3
-                tree.plan.done(draft, step, len(tree), len(new))
+                tree.plan.done(len(tree), len(new))
                 stats.choose(tree.plan.kind, len(out), tree.plan.tokens, tree.plan.seconds, draft + step)
                 self.last_plans.append((tree.plan.kind, len(out), tree.plan.seconds, draft + step))
         return emitted

@@ -98,7 +98,7 @@ def read_turn() -> str:
 
 
 def chat(lm, cfg: GenerationConfig) -> None:
-    from .decoding.engine import GenerationStats
+    from .decoding.engine import GenerationStats, add_choices
     from .kv_cache import ContextOverflowError
 
     static = f" (static step, mode {lm.static})" if getattr(lm, "static", None) else ""
@@ -165,9 +165,7 @@ def chat(lm, cfg: GenerationConfig) -> None:
         totals["tokens"] += stats.new_tokens
         totals["seconds"] += stats.seconds
         totals["forwards"] += stats.target_forwards
-        for kind, row in stats.choices.items():
-            kept = choices.setdefault(kind, [0.0] * len(row))
-            kept[:] = [a + b for a, b in zip(kept, row)]
+        add_choices(choices, stats.choices)
         print(stats_line(stats), file=sys.stderr)
 
 

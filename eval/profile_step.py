@@ -24,7 +24,7 @@ import torch
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
-from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.engine import Engine, add_choices
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
 from eagle_lite.options import TARGET_HELP, add_device_flags, add_static_flag
@@ -58,9 +58,7 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
                                ("prefill", s.prefill_seconds), ("seconds", s.seconds), ("tokens", s.new_tokens),
                                ("steps", len(s.accept_lengths))):
                 total[key] += value
-            for kind, row in s.choices.items():
-                kept = choices[name].setdefault(kind, [0.0] * len(row))
-                kept[:] = [a + b for a, b in zip(kept, row)]
+            add_choices(choices[name], s.choices)
     rows = {}
     for name, t in sums.items():
         steps = max(t["steps"], 1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,24 @@ def any_family(request) -> Target:
 @pytest.fixture(scope="session")
 def llama() -> Target:
     return make_target("llama")
+
+
+def tv(counts: Counter, probs: dict, total: int) -> float:
+    """The total variation distance between `total` draws counted in `counts` and the distribution `probs`."""
+    keys = set(counts) | set(probs)
+    return 0.5 * sum(abs(counts.get(k, 0) / total - probs.get(k, 0.0)) for k in keys)
+
+
+def continuation_tv(target: Target, engine, prompt: list[int], sampling, tree, draws: int = 1000) -> float:
+    """`tv` of `draws` 3-token continuations `engine` samples after `prompt` (seeds 0, 1, ...) from the target's
+    exact law of them (`exact_continuations`)."""
+    from eagle_lite.config import GenerationConfig
+
+    counts = Counter()
+    for seed in range(draws):
+        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, tree=tree, seed=seed, stop_at_eos=False)
+        counts[tuple(engine.generate(prompt, cfg).token_ids)] += 1
+    return tv(counts, exact_continuations(target, prompt, sampling), draws)
 
 
 def exact_continuations(target: Target, prompt: list[int], sampling, length: int = 3) -> dict[tuple, float]:

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import exact_continuations, make_target
+from conftest import continuation_tv, exact_continuations, make_target, tv
 from test_grid_linear import needs_kernel
 
 from eagle_lite.config import GenerationConfig, SamplingConfig
@@ -26,11 +26,6 @@ P_AFTER_1 = torch.tensor([0.40, 0.05, 0.25, 0.10, 0.10, 0.10])
 SAMPLING = SamplingConfig(temperature=1.0)
 N_DRAWS = 20_000
 TV_BOUND = 0.025
-
-
-def tv(counts: Counter, probs: dict, total: int) -> float:
-    keys = set(counts) | set(probs)
-    return 0.5 * sum(abs(counts.get(k, 0) / total - probs.get(k, 0.0)) for k in keys)
 
 
 def logits_for(tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -270,9 +265,6 @@ def test_engine_sampling_with_a_grafted_lookup_path_matches_target(llama):
     drafter.propose = lambda inp, tree: sizes.append(len(t := propose(inp, tree))) or t
     engine = Engine(llama, drafter)
     tree = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
-    draws, counts = 1000, Counter()
-    for seed in range(draws):
-        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, tree=tree, seed=seed, stop_at_eos=False)
-        counts[tuple(engine.generate(prompt, cfg).token_ids)] += 1
+    distance = continuation_tv(llama, engine, prompt, sampling, tree)
     assert max(sizes) > 1 + tree.total_tokens          # grafted nodes were verified
-    assert tv(counts, exact_continuations(llama, prompt, sampling), draws) < 0.12
+    assert distance < 0.12

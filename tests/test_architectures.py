@@ -190,8 +190,8 @@ def test_sampling_follows_the_logits_the_model_scales():
     not the unscaled lm_head's (which samples as if at a quarter of the temperature)."""
     from collections import Counter
 
-    from conftest import exact_continuations
-    from test_accept import TargetTopKDrafter, tv
+    from conftest import exact_continuations, tv
+    from test_accept import TargetTopKDrafter
 
     from eagle_lite.config import SamplingConfig
 

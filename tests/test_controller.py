@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import exact_continuations, reference_greedy
+from conftest import continuation_tv, reference_greedy
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding import cost as cost_module
@@ -79,11 +79,6 @@ def test_auto_greedy_is_exact_whatever_the_controller_chooses(llama, with_head, 
     assert seen["plain"] and seen["lookup"] and (seen["head"] or not with_head)
 
 
-def tv(counts: Counter, probs: dict, total: int) -> float:
-    keys = set(counts) | set(probs)
-    return 0.5 * sum(abs(counts.get(k, 0) / total - probs.get(k, 0.0)) for k in keys)
-
-
 @pytest.mark.parametrize("rule", ["q", "match"])
 def test_auto_sampling_matches_the_target_distribution(llama, rule, monkeypatch):
     """Sampled, with the controller made to pick plans at random: the 3-token continuations' law is the target's."""
@@ -94,12 +89,9 @@ def test_auto_sampling_matches_the_target_distribution(llama, rule, monkeypatch)
     seen = every_choice(monkeypatch, seed=3)
     engine = Engine(llama, drafter)
     tree = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
-    draws, counts = 1000, Counter()
-    for seed in range(draws):
-        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, tree=tree, seed=seed, stop_at_eos=False)
-        counts[tuple(engine.generate(prompt, cfg).token_ids)] += 1
+    distance = continuation_tv(llama, engine, prompt, sampling, tree)
     assert min(seen.values()) > 50 and len(seen) == 3
-    assert tv(counts, exact_continuations(llama, prompt, sampling), draws) < 0.12
+    assert distance < 0.12
 
 
 def test_a_seed_reproduces_a_sampled_answer(llama):
@@ -184,8 +176,6 @@ def test_step_cost_interpolates_monotone():
     assert cost.step(8) >= cost.step(4)                            # a larger tree never costs less
     assert cost.step(32) > cost.step(16)
     assert StepCost({1: 0.01}, 0.001, 0.002).draft(3) == pytest.approx(0.004)
-    owed = StepCost({1: 0.01}, 0.001, 0.002, catch_up_row=0.0001)   # the features of steps the head sat out
-    assert owed.draft(1, rows=12) == pytest.approx(0.002 + 10 * 0.0001)
 
 
 def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
@@ -196,8 +186,7 @@ def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     torch.manual_seed(0)
     drafter = EagleDrafter(llama, DraftHead.for_target(llama))
     first = step_cost(llama, drafter)
-    assert first.head > 0 and first.catch_up > 0 and first.catch_up_row >= 0
-    assert all(s > 0 for s in first.verify.values())
+    assert first.head > 0 and first.catch_up > 0 and all(s > 0 for s in first.verify.values())
     again = step_cost(llama, drafter)
     assert len(calls) == 1 and again.verify == first.verify and "cached" in again.source
     (file,) = (tmp_path / "costs").iterdir()

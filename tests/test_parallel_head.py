@@ -3,12 +3,10 @@ draft is one head forward, output stays the target's (greedy token for token, sa
 saves, loads and trains as any other."""
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from conftest import eagle_drafter, exact_continuations, make_target, reference_greedy
-from test_eagle_sampling import SHAPES, TEMPERATURE, Q, assert_exact, decode_pairs, exact_pairs, tv
+from conftest import continuation_tv, eagle_drafter, make_target, reference_greedy
+from test_eagle_sampling import SHAPES, TEMPERATURE, Q, assert_exact, decode_pairs, exact_pairs
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
@@ -118,11 +116,7 @@ def test_engine_sampling_with_a_parallel_head_matches_the_target(llama):
     prompt = [5, 6, 5, 6, 5, 6, 5]
     engine = Engine(llama, eagle_drafter(llama, parallel_head(llama, 3), draft_sampling="q"))
     tree = TreeConfig(depth=3, top_k=2, total_tokens=4, lookup=3)
-    draws, counts = 1000, Counter()
-    for seed in range(draws):
-        cfg = GenerationConfig(max_new_tokens=3, sampling=sampling, tree=tree, seed=seed, stop_at_eos=False)
-        counts[tuple(engine.generate(prompt, cfg).token_ids)] += 1
-    assert tv(counts, exact_continuations(llama, prompt, sampling), draws) < 0.12
+    assert continuation_tv(llama, engine, prompt, sampling, tree) < 0.12
 
 
 def test_a_parallel_head_saves_and_loads_with_its_mask_rows(llama, tmp_path):

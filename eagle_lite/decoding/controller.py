@@ -141,8 +141,6 @@ class Plan:
     controller: Controller = field(repr=False)
     bucket: int = 0            # lookup's bucket this step (ChainRate.key)
     head_forwards: int = 0     # the head forwards a head plan ran
-    catch_up_rows: int = 0     # the features its catch-up read, those of steps the head sat out included (the
-    #                            debt of those steps, which any later head step pays, is not this plan's cost)
 
     def done(self, nodes: int, tokens: int) -> None:
         """What the step verified and returned: the controller's running figures follow it."""

@@ -32,7 +32,7 @@ log = logging.getLogger("eagle_lite")
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes measured (nodes, root included)
 PREFIX = 128            # context before the measured forwards
-VERSION = 2             # of the cache file's layout and what it measures
+VERSION = 3             # of the cache file's layout and what it measures
 CATCH_UP_ROWS = 2       # the accepted tokens a catch-up forward is timed over (a step's own, typically)
 
 
@@ -41,12 +41,11 @@ class StepCost:
     """verify: {nodes: seconds} of a step that verifies a tree of that many nodes (the forward and the lm_head row
     of the root), measured; head: seconds of one draft-head forward over one row (0.0: no head); catch_up: of the
     head's first forward of a step, which also reads the target's features of the CATCH_UP_ROWS tokens accepted
-    (0.0: no head); catch_up_row: what each more row read adds to it (features of the steps the head sat out)."""
+    (0.0: no head)."""
 
     verify: dict[int, float]
     head: float = 0.0
     catch_up: float = 0.0
-    catch_up_row: float = 0.0
     source: str = "measured"
     _points: list[tuple[int, float]] = field(init=False, repr=False)
 
@@ -75,16 +74,13 @@ class StepCost:
         (n0, s0), (n1, s1) = points[-2], points[-1]
         return s1 + (s1 - s0) * (nodes - n1) / (n1 - n0)
 
-    def draft(self, forwards: int, rows: int = CATCH_UP_ROWS) -> float:
-        """Seconds of a head's draft of `forwards` forwards, the first one its catch-up over `rows` features; 0 for
-        none."""
-        if forwards <= 0:
-            return 0.0
-        return self.catch_up + (rows - CATCH_UP_ROWS) * self.catch_up_row + (forwards - 1) * self.head
+    def draft(self, forwards: int) -> float:
+        """Seconds of a head's draft of `forwards` forwards (the first one its catch-up); 0 for none."""
+        return 0.0 if forwards <= 0 else self.catch_up + (forwards - 1) * self.head
 
     def as_dict(self) -> dict:
         return {"version": VERSION, "verify": {str(n): s for n, s in self.verify.items()}, "head": self.head,
-                "catch_up": self.catch_up, "catch_up_row": self.catch_up_row}
+                "catch_up": self.catch_up}
 
 
 def cache_dir() -> Path:
@@ -124,8 +120,7 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
         try:
             data = json.loads(path.read_text())
             if data.get("version") == VERSION:
-                return StepCost(data["verify"], data["head"], data["catch_up"], data["catch_up_row"],
-                                source=f"cached {path}")
+                return StepCost(data["verify"], data["head"], data["catch_up"], source=f"cached {path}")
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("the step cost cache %s is unreadable: measuring again", path)
     cost = measure(target, drafter)
@@ -160,39 +155,36 @@ def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 3
             best = min(best, time.perf_counter() - start)
             cache.truncate(prefix)
         verify[n] = best
-    head = catch_up = catch_up_row = 0.0
+    head = catch_up = 0.0
     if getattr(drafter, "head", None) is not None:
-        catch_up, catch_up_row, head = _time_head(target, drafter, repeats)
-    return StepCost(verify, head, catch_up, catch_up_row)
+        catch_up, head = _time_head(target, drafter, repeats)
+    return StepCost(verify, head, catch_up)
 
 
-def _time_head(target, drafter, repeats: int, more: int = 32) -> tuple[float, float, float]:
-    """(seconds of a catch-up forward over CATCH_UP_ROWS accepted tokens' features, of each `more` row in it, of one
-    more forward) of an EAGLE drafter's head: depth-1 and depth-3 greedy chains drafted by a sibling with its own
-    cache, after a catch-up of CATCH_UP_ROWS and of CATCH_UP_ROWS + `more` rows."""
+def _time_head(target, drafter, repeats: int) -> tuple[float, float]:
+    """(seconds of a catch-up forward over CATCH_UP_ROWS accepted tokens' features, of one more forward) of an EAGLE
+    drafter's head: depth-1 and depth-3 greedy chains drafted by a sibling with its own cache."""
     from ..config import TreeConfig
     from .drafter import DraftInput
 
     twin = drafter.sibling()
     width = (len(drafter.feature_layers) or 1) * target.hidden_size
     times = {}
-    for rows, depth in ((CATCH_UP_ROWS, 1), (CATCH_UP_ROWS, 3), (CATCH_UP_ROWS + more, 1)):
+    for depth in (1, 3):
         best = math.inf
         for _ in range(repeats):
-            twin.reset(PREFIX + more + 8, 0)
+            twin.reset(PREFIX, 0)
             tokens = [5] * (PREFIX // 4)
             zeros = torch.zeros(len(tokens) - 1, width, dtype=target.dtype, device=target.device)
             twin.propose(DraftInput(tokens, zeros), TreeConfig(1, 1, 1))   # its context, read once
-            inp = DraftInput(tokens + [7 + i % 50 for i in range(rows)], zeros.new_zeros(rows, width))
+            inp = DraftInput(tokens + [7 + i for i in range(CATCH_UP_ROWS)], zeros.new_zeros(CATCH_UP_ROWS, width))
             _sync(target.device)
             start = time.perf_counter()
             twin.propose(inp, TreeConfig(depth, 1, depth))
             _sync(target.device)
             best = min(best, time.perf_counter() - start)
-        times[rows, depth] = best
-    base = times[CATCH_UP_ROWS, 1]
-    return (base, max(times[CATCH_UP_ROWS + more, 1] - base, 0.0) / more,
-            max(times[CATCH_UP_ROWS, 3] - base, 0.0) / 2)
+        times[depth] = best
+    return times[1], max(times[3] - times[1], 0.0) / 2
 
 
 def _sync(device: torch.device) -> None:

@@ -81,6 +81,13 @@ class GenerationStats:
                 for kind, (steps, tokens, expected, predicted, measured) in sorted(self.choices.items())}
 
 
+def add_choices(total: dict[str, list[float]], choices: dict[str, list[float]]) -> None:
+    """Add one call's `GenerationStats.choices` into `total` (a chat session's, a profile's), row by row."""
+    for kind, row in choices.items():
+        kept = total.setdefault(kind, [0.0] * len(row))
+        kept[:] = [a + b for a, b in zip(kept, row)]
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]

@@ -98,7 +98,6 @@ class AutoDrafter:
             drafted = DraftTree.chain(torch.tensor([inp.root] + chain[:plan.lookup], device=inp.hidden.device))
         else:
             head_tree = dataclasses.replace(tree, min_prob=plan.min_prob, lookup=0)
-            plan.catch_up_rows = self.inner.queued_rows + inp.hidden.shape[0]
             first = self.controller.first_min_prob(len(chain[:plan.lookup]) + 1)
             grown = yield from self.inner.proposal(inp, head_tree, first_min_prob=min(first, plan.min_prob))
             self._drafted = (len(inp.tokens), grown)

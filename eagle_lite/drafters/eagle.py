@@ -108,11 +108,6 @@ class EagleDrafter:
         """Another drafter proposed this step (a lookup chain): keep its features for the next `propose`."""
         self._queued.append(inp.hidden)
 
-    @property
-    def queued_rows(self) -> int:
-        """Features of the steps it sat out, which its next catch-up forward reads besides the step's own."""
-        return sum(q.shape[0] for q in self._queued)
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [R, H] predicted features -> the head's logits over its vocabulary [R, V_draft] (float32)."""
         h = self.head.logit_features(h)                      # an EAGLE-3 head's own final norm, else h

@@ -22,7 +22,8 @@ from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_li
 from .config import GenerationConfig
 from .options import add_model_flags, add_static_flag, check_flags, load_from_flags, quiet_libraries
 
-CHAT_HELP = ("commands: /reset (new conversation)  /stats (totals so far; with method auto, its choices)  /quit (or "
+CHAT_HELP = ("commands: /reset (new conversation)  /stats (totals so far; with method auto, its choices; with --adapt, "
+             "what the head learned)  /reset-head (with --adapt: back to the head it started from)  /quit (or "
              "Ctrl-D); Ctrl-C stops an answer")
 
 
@@ -83,18 +84,28 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
         print("[stopped]", file=sys.stderr)
     if not args.json:
         print(stats_line(stats), file=sys.stderr)
+    if lm.adapter is not None and stats.stop_reason != "interrupted":   # the answer joins what the head learns from
+        lm.adapter.round()
     return status
 
 
-def read_turn() -> str:
+def read_turn(adapter=None) -> str:
     """The next line the user types or pipes in. The `you>` prompt is shown only to a person at a terminal, on
-    stderr where stdout is not the terminal (a piped transcript holds the answers alone)."""
-    if not sys.stdin.isatty():
-        return input()
-    if sys.stdout.isatty():
-        return input("you> ")
-    print("you> ", end="", file=sys.stderr, flush=True)
-    return input()
+    stderr where stdout is not the terminal (a piped transcript holds the answers alone). adapter (--adapt): while
+    the user types, the head learns, one optimizer step at a time on this thread (torch's own), until a line
+    arrives or the steps its answers bought are spent."""
+    if sys.stdin.isatty():
+        print("you> ", end="", file=sys.stdout if sys.stdout.isatty() else sys.stderr, flush=True)
+    if adapter is not None:
+        import select
+
+        while adapter.has_work() and not select.select([sys.stdin], [], [], 0)[0]:
+            if not adapter.round(steps=1)["steps"]:
+                break
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
 
 
 def chat(lm, cfg: GenerationConfig) -> None:
@@ -110,7 +121,7 @@ def chat(lm, cfg: GenerationConfig) -> None:
     choices: dict[str, list[float]] = {}   # method auto: its controller's choices over the session
     while True:
         try:
-            line = read_turn().strip()
+            line = read_turn(lm.adapter).strip()
         except EOFError:
             print(file=sys.stderr)
             return
@@ -133,6 +144,13 @@ def chat(lm, cfg: GenerationConfig) -> None:
                   f"{totals['forwards']} target forwards]", file=sys.stderr)
             if choices:
                 print(choices_line(choices), file=sys.stderr)
+            if lm.adapter is not None:
+                lm.adapter.round(steps=0)   # the answers so far taken in (and judged, where enough came)
+                print(lm.adapter.stats_line(), file=sys.stderr)
+            continue
+        if line == "/reset-head" and lm.adapter is not None:
+            lm.adapter.reset()
+            print("(the head adaptation started from serves again)", file=sys.stderr)
             continue
         if line.startswith("/"):
             print(f"unknown command {line}; {CHAT_HELP}", file=sys.stderr)

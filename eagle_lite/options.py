@@ -147,6 +147,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record", default=None, metavar="DIR",
                    help="record every completed answer as token ids in DIR, to train a head on this traffic "
                         "(python -m trainers.train data=recorded data.distill.start_from=DIR); off by default")
+    p.add_argument("--adapt", default=None, metavar="DIR",
+                   help="the head keeps learning from the answers it serves (between chat turns, while a server is "
+                        "idle), kept in DIR as a head folder and resumed from it; methods auto and eagle")
     add_sampling_flags(p.add_argument_group("sampling (temperature 0 = greedy)"))
     add_tree_flags(p)
     add_device_flags(p)
@@ -242,10 +245,16 @@ def check_flags(args: argparse.Namespace) -> None:
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
                      sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
     check_threads(args.threads)
-    if getattr(args, "record", None):   # a folder that cannot be written to is found before the target loads
-        from .atomic import check_folder_writable
+    for flag in ("record", "adapt"):   # a folder that cannot be written to is found before the target loads
+        if getattr(args, flag, None):
+            from .atomic import check_folder_writable
 
-        check_folder_writable(args.record)
+            try:
+                check_folder_writable(getattr(args, flag))
+            except OSError as err:
+                raise ValueError(f"--{flag} {getattr(args, flag)}: cannot write there ({err.strerror or err})") from err
+    if getattr(args, "adapt", None) and args.method not in (registry.AUTO, "eagle"):
+        raise ValueError(f"--adapt trains a draft head: use --method auto or eagle, not {args.method}")
     if args.static is not None:
         if args.temperature > 0:
             raise ValueError("--static decodes greedily: drop --temperature (or --static)")
@@ -283,7 +292,8 @@ def load_from_flags(args: argparse.Namespace):
     set_threads(args.threads)
     args.target = target_of(args.target, getattr(args, "draft", None) or getattr(args, "medusa", None))
     lm = load(args.target, method=args.method, options=options_of(args.method, args), dtype=args.dtype,
-              device=args.device, attention=args.attention, static=args.static, record=args.record)
+              device=args.device, attention=args.attention, static=args.static, record=args.record,
+              adapt=getattr(args, "adapt", None))
     if lm.method == registry.AUTO and lm.engine.drafter.head is not None and \
             any(v is not None for v in tree_flags(args).values()):   # a tree given is pinned: eagle runs it
         lm = lm.pinned(options_of("eagle", args))

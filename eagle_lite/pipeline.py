@@ -39,6 +39,7 @@ class Pipeline:
         self.target, self.method, self.options = target, method, options
         self.static: str | None = None   # the static step's mode where `engine` is one (`load(static=...)`)
         self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
+        self.adapter = None    # heads.adapt.Adapter: the head learns from the answers it serves (--adapt)
         self.engine = engine if engine is not None else engine_for(target, drafter)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
         source = drafter if engine is None else engine
@@ -69,6 +70,8 @@ class Pipeline:
         options = replace(options or registry.EagleOptions(), head=self.engine.drafter.head)
         pipeline = for_target(self.target, "eagle", options)
         pipeline.recorder = self.recorder
+        if self.adapter is not None:   # the head adapts on in the pinned pipeline
+            self.adapter.bind(pipeline)
         return pipeline
 
     def config(self, **overrides) -> GenerationConfig:
@@ -133,7 +136,7 @@ class Pipeline:
 
 def load(target: str | None = None, method: str = "auto", options=None, draft: str | None = None,
          dtype: str = "float32", device: str = "cpu", attention: str = "auto", static: str | None = None,
-         record: str | None = None) -> Pipeline:
+         record: str | None = None, adapt: str | None = None) -> Pipeline:
     """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
     method: one of `drafters.NAMES`; "auto" (the default) chooses each step between a plain step, prompt lookup and
@@ -146,7 +149,21 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     and vanilla, a mode of theirs (`Pipeline.static`). None: the engine.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
+    adapt: a folder where the head learns from the answers it serves (heads/adapt.py: `pipeline.adapter.round()`
+    between answers, or `start_idle()`); a folder holding an adapted head resumes from it. Methods auto and eagle.
     """
+    if adapt is not None:
+        from .heads.adapt import adapted_draft
+
+        if static is not None:
+            raise ValueError("--adapt runs on the engine, not the static step: drop --static")
+        eagle_options = isinstance(options, registry.EagleOptions)
+        start_draft = options.draft if eagle_options else draft
+        resumed = adapted_draft(adapt, None)
+        if resumed is not None and eagle_options:
+            options = replace(options, draft=resumed, head=None)
+        elif resumed is not None:
+            draft = resumed
     if draft is not None and (method == registry.AUTO or method in registry.HEAD_METHODS):
         if options is not None:
             raise ValueError("pass the head either as draft=... or inside options, not both")
@@ -177,6 +194,10 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
         from .text.record import Recorder
 
         pipeline.recorder = Recorder(record, tgt)
+    if adapt is not None:
+        from .heads.adapt import attach
+
+        attach(pipeline, adapt, start_draft)
     return pipeline
 
 

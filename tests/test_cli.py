@@ -430,3 +430,28 @@ def test_generate_checks_its_inputs_before_the_target_loads(args, message, tmp_p
     code = main(["--prompt", "x", *[a.format(nowhere=tmp_path / "nowhere") for a in args]])
     err = capsys.readouterr().err
     assert code in (1, 2) and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_chat_with_adapt_learns_between_turns_and_keeps_a_head_folder(tiny_model_dir, tmp_path):
+    """--adapt in the chat: answers as without it, /stats says what the head learned, /reset-head is a command; a
+    folder that cannot be written and a method without a head are refused in one line before loading."""
+    folder = tmp_path / "adapted"
+    script = "".join(f"question number {i} about the weather\n" for i in range(4)) + "/stats\n/reset-head\n/quit\n"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    common = ["--target", str(tiny_model_dir), "--draft", "random", "--max-new-tokens", "40"]
+    proc = subprocess.run(cli(*common, "--adapt", str(folder)), input=script, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "[adapt: 4 answers" in proc.stderr or "[adapt: 3 answers" in proc.stderr, proc.stderr
+    assert "serves again" in proc.stderr
+    plain = subprocess.run(cli(*common), input=script.replace("/reset-head\n", ""), capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert plain.stdout == proc.stdout                                     # the same answers
+    file = tmp_path / "file"
+    file.write_text("")
+    bad = subprocess.run(cli(*common, "--adapt", str(file / "sub"), "--prompt", "hi"), capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert bad.returncode != 0 and "cannot write there" in bad.stderr and "Traceback" not in bad.stderr
+    lookup = subprocess.run(cli(*common[:2], "--method", "lookup", "--adapt", str(folder), "--prompt", "hi"),
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert lookup.returncode != 0 and "--adapt trains a draft head" in lookup.stderr

@@ -73,7 +73,7 @@ class Server:
     """A server in this process, on a thread, on a free loopback port."""
 
     def __init__(self, target, method: str = "vanilla", limits: Limits = Limits(max_batch=4), record=None,
-                 **kwargs) -> None:
+                 adapt=None, **kwargs) -> None:
         torch.manual_seed(0)
         head = DraftHead.for_target(target) if method in ("eagle", "auto") else None
         make = {"vanilla": NoDrafter, "lookup": PromptLookupDrafter, "slow": SlowDrafter,
@@ -85,6 +85,15 @@ class Server:
             from eagle_lite.text.record import Recorder
 
             self.pipeline.recorder = Recorder(record, target)
+        if adapt is not None:    # --adapt: what load(adapt=...) sets; requests then draft with the head serving
+            from eagle_lite.heads.adapt import Adapter
+            from eagle_lite.heads.learner import LearnConfig
+
+            torch.manual_seed(0)
+            start = DraftHead.for_target(target)
+            Adapter(self.pipeline, adapt, start, cfg=LearnConfig(batch_tokens=256, window=128, replay=0.0),
+                    judge_tokens=16)
+            make = None
         self.service = build_service(self.pipeline, "tiny", limits, make_drafter=make, verify_seconds=COST, **kwargs)
         self.service.scheduler.start()
         self.port = free_port()
@@ -189,6 +198,31 @@ def test_recorded_requests_are_the_answers_served(serve, chat_target, tmp_path):
         q, chat_template=False), n)) for q, n in zip(QUESTIONS, lengths)}
     assert {tuple(r["input_ids"]) for r in records} == want
     assert all(r["spans"][0][1] == len(r["input_ids"]) for r in records)
+
+
+def test_the_head_adapts_while_the_server_is_idle(serve, chat_target, tmp_path):
+    """--adapt in the server: the answers stay the target's own, the learner runs between requests, and /metrics
+    shows it."""
+    s = serve("auto", Limits(max_batch=4), adapt=tmp_path / "head")
+    lengths = [30, 12, 25]
+
+    def ask(i: int) -> str:
+        return s.client.completions.create(model="tiny", prompt=QUESTIONS[i], max_tokens=lengths[i],
+                                           temperature=0).choices[0].text
+
+    for _ in range(2):
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(ask, range(3)))
+        for q, n, text in zip(QUESTIONS, lengths, texts):
+            ids = s.pipeline.encode(q, chat_template=False)
+            assert text == s.pipeline.decode(alone(chat_target, ids, n))
+    deadline = time.monotonic() + 60
+    while s.service.scheduler.adapter.learner.steps == 0:
+        assert time.monotonic() < deadline, "the learner never ran while the server was idle"
+        time.sleep(0.1)
+    metrics = httpx.get(s.url + "/metrics").text
+    assert "eagle_lite_adapt_steps_total " in metrics and "eagle_lite_adapt_steps_total 0\n" not in metrics
+    assert 'eagle_lite_adapt_judged_accepted{head="serving"}' in metrics
 
 
 def test_stop_strings_and_seeded_sampling(serve):

@@ -37,6 +37,8 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from eagle_lite.heads.objective import collate
+
 from .features import FeatureCache, FeatureCacheMismatch
 from .sharegpt import SPLITS, heldout_mask
 
@@ -143,55 +145,6 @@ class RankSlice(DistributedSampler):
 
     def __iter__(self):
         return iter(range(self.rank, self.n, self.world))
-
-
-def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool, device=None) -> dict[str, torch.Tensor]:
-    """Pack (first fit, longest first) or pad sequences into rows; see the module doc for the layout. device: where
-    the batch is made (None: the CPU)."""
-    rows: list[list[dict]] = []
-    if pack:
-        space: list[int] = []
-        for item in sorted(items, key=lambda it: -len(it["input_ids"])):
-            n = len(item["input_ids"])
-            fit = next((r for r, free in enumerate(space) if free >= n), None)
-            if fit is None:
-                rows.append([item])
-                space.append(max_len - n)
-            else:
-                rows[fit].append(item)
-                space[fit] -= n
-    else:
-        rows = [[item] for item in items]
-    width = max(sum(len(it["input_ids"]) for it in row) for row in rows)
-    hidden_size = items[0]["hidden"].shape[-1]
-    b = len(rows)
-    batch = {
-        "input_ids": torch.zeros(b, width, dtype=torch.long, device=device),
-        "hidden": torch.zeros(b, width, hidden_size, dtype=items[0]["hidden"].dtype, device=device),
-        "loss_mask": torch.zeros(b, width, dtype=torch.bool, device=device),
-        "segment": torch.zeros(b, width, dtype=torch.long, device=device),
-        "position_ids": torch.zeros(b, width, dtype=torch.long, device=device),
-    }
-    if "taps" in items[0]:
-        batch["taps"] = torch.zeros(b, width, items[0]["taps"].shape[-1], dtype=items[0]["taps"].dtype, device=device)
-    if "group" in items[0]:
-        batch["group"] = torch.full((b, width), -1, dtype=torch.long, device=device)
-    for r, row in enumerate(rows):
-        start = 0
-        for s, item in enumerate(row, start=1):
-            n = len(item["input_ids"])
-            span = slice(start, start + n)
-            batch["input_ids"][r, span] = item["input_ids"]
-            batch["hidden"][r, span] = item["hidden"]
-            if "taps" in batch:
-                batch["taps"][r, span] = item["taps"]
-            if "group" in batch:
-                batch["group"][r, span] = int(item["group"])
-            batch["loss_mask"][r, span] = item["loss_mask"]
-            batch["segment"][r, span] = s
-            batch["position_ids"][r, span] = torch.arange(n, device=device)
-            start += n
-    return batch
 
 
 def collate_items(items: list[dict]) -> list[dict]:

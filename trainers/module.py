@@ -21,8 +21,16 @@ import torch
 from torchmetrics.aggregation import SumMetric
 
 from eagle_lite.heads.draft import DraftHead
-
-from .objective import ObjectiveConfig, add_noise, agreement, make_pairs, novel_pairs, objective, unroll
+from eagle_lite.heads.objective import (
+    ObjectiveConfig,
+    agreement,
+    head_loss,
+    make_pairs,
+    novel_pairs,
+    objective,
+    scored,
+    unroll,
+)
 
 
 @dataclass(frozen=True)
@@ -133,19 +141,11 @@ class DraftLightningModule(L.LightningModule):
         return self.lm_weight if self.head.d2t is None else self.draft_lm
 
     def scored(self, preds: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(what the output projection reads of each step's prediction, the rows it scores with): an EAGLE-3
-        head's own norm and lm_head (trained with it), else the predictions and the target's rows."""
-        if self.head.lm_head is None:
-            return preds, self.draft_weight
-        return [self.head.logit_features(p) for p in preds], self.head.lm_head.weight
+        return scored(self.head, preds, self.draft_weight)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        cfg = self.objective_cfg
-        pairs = make_pairs(batch, self.embed_weight, taps=bool(self.head.feature_layers))
-        preds = unroll(self.head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
-        novel = novel_pairs(batch) if cfg.copy_weight != 1.0 else None
-        features, weight = self.scored(preds)
-        losses = objective(features, pairs, self.draft_weight, cfg, novel, q_weight=weight, per_rank=self._per_rank())
+        losses = head_loss(self.head, batch, self.embed_weight, self.draft_weight, self.objective_cfg,
+                           per_rank=self._per_rank())
         rows = int(batch["input_ids"].shape[0])
         for key, value in losses.items():
             self.log(f"train/{key}", value, prog_bar=key == "loss", on_step=True, on_epoch=True, batch_size=rows,

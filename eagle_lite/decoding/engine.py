@@ -26,6 +26,7 @@ from ..targets.lm_head import NodeLogits
 from ..targets.model import Target
 from ..tree import DraftTree
 from .accept import accept, sample, target_probs
+from .capture import Capture, Rows
 from .drafter import Drafter, DraftInput, NoDrafter, propose_together
 
 
@@ -40,6 +41,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0        # target forward over the tree (hidden states)
     accept_seconds: float = 0.0        # lm_head rows the acceptance walk reads, acceptance, cache commit
+    capture_seconds: float = 0.0       # keeping the accepted rows for a head that adapts (`Engine.capture`)
     seconds: float = 0.0               # wall time, prefill included
     stop_reason: str = ""              # "eos" | "length" | "context"; "interrupted" where a caller stopped it
     # method auto: per choice of the controller (controller.KINDS), [steps, tokens, predicted tokens, predicted s,
@@ -62,6 +64,7 @@ class GenerationStats:
             "prefill_seconds": round(self.prefill_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4), "accept_seconds": round(self.accept_seconds, 4),
             "stop_reason": self.stop_reason,
+            **({"capture_seconds": round(self.capture_seconds, 4)} if self.capture_seconds else {}),
             **({"choices": self.choices_dict()} if self.choices else {}),
         }
 
@@ -164,6 +167,7 @@ class Sequence:
     eos: set[int]
     generator: torch.Generator | None  # its own sampling stream: a batch-mate never moves it
     start: float                       # perf_counter at its prefill
+    rows: Rows | None = None           # the target's outputs kept for `Engine.capture` (None: not captured)
 
     @property
     def done(self) -> bool:
@@ -191,6 +195,8 @@ class Engine:
         self.last_verify: tuple[int, float] = (0, 0.0)   # (tree nodes, seconds) of the last step's target forward
         # method auto: (choice, tokens, predicted s, measured s) of each sequence of the last step that had a plan
         self.last_plans: list[tuple[str, int, float, float]] = []
+        # where each finished answer's target outputs go for a head that adapts (decoding/capture.py); None: nowhere
+        self.capture: Capture | None = None
 
     def _cache_for(self, prompt_ids: list[int], max_len: int) -> tuple[StaticKVCache, int]:
         """A cache for this call and how many leading prompt tokens it already holds."""
@@ -296,7 +302,8 @@ class Engine:
             rows = NodeLogits.together(target.lm, [(last[i][None], [0]) for i in greedy])
             firsts = {i: nodes.top_token(0) for i, nodes in zip(greedy, rows)}
         begun = []
-        for i, ((s, stats, budget, cache, generator), (_, features)) in enumerate(zip(ready, outs)):
+        for i, ((s, stats, budget, cache, generator), (hidden, features)) in enumerate(zip(ready, outs)):
+            rows = self._capture_prefill(s.prompt_ids, cache.length, hidden, features, stats)
             cache.commit(len(s.prompt_ids) - cache.length)
             if s.before is not None:
                 features = torch.cat([s.before, features])
@@ -311,9 +318,30 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - start
             eos = target.eos_token_ids if s.cfg.stop_at_eos else set()
             seq = Sequence(s.drafter, cache, s.cfg, stats, list(s.prompt_ids) + [first], features, budget, eos,
-                           generator, start)
+                           generator, start, rows)
             begun.append((seq, seq.emit([first])))
         return begun
+
+    def _capture_prefill(self, prompt_ids: list[int], read_from: int, hidden: torch.Tensor, features: torch.Tensor,
+                         stats: GenerationStats) -> Rows | None:
+        """A new sequence's captured rows (`capture`), starting with its prefill's outputs; None where not captured."""
+        if self.capture is None:
+            return None
+        t0 = time.perf_counter()
+        rows = self.capture.rows_for(len(prompt_ids), read_from)
+        cut = rows.start - read_from
+        rows.add(hidden[cut:], None if features is hidden else features[cut:])
+        stats.capture_seconds += time.perf_counter() - t0
+        return rows
+
+    def _capture_step(self, seq: Sequence, hidden: torch.Tensor, features: torch.Tensor, path: list[int]) -> None:
+        """Keep a step's accepted rows; a finished sequence goes to `capture` whole."""
+        t0 = time.perf_counter()
+        seq.rows.add(hidden[path], None if features is hidden else features[path])
+        if seq.done:
+            self.capture.finish(seq.rows, seq.tokens, seq.stats.new_tokens)
+            seq.rows = None
+        seq.stats.capture_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], caps: list[int | None] | None = None) -> list[list[int]]:
@@ -345,8 +373,8 @@ class Engine:
         projected = NodeLogits.together(target.lm, [(hidden, likely) for (hidden, _), likely in zip(outs, paths)])
         shared = (time.perf_counter() - t3) / len(seqs)
         emitted, self.last_plans = [], []
-        for seq, tree, (_, features), likely, nodes, before in zip(seqs, drafted, outs, paths, projected,
-                                                                   drafted_before):
+        for seq, tree, (hidden, features), likely, nodes, before in zip(seqs, drafted, outs, paths, projected,
+                                                                        drafted_before):
             t3 = time.perf_counter() - shared
             if tree.probes:
                 nodes.prefetch(tree.probes + likely)   # with the rows the drafter reads back: one product
@@ -365,6 +393,8 @@ class Engine:
             out = seq.emit(new)
             stats.accept_lengths.append(len(out))
             emitted.append(out)
+            if seq.rows is not None and self.capture is not None:
+                self._capture_step(seq, hidden, features, path)
             if tree.plan is not None:   # method auto: the controller learns what the step returned
                 draft = stats.draft_seconds - before
                 step = (t2 - t1) / len(seqs) + time.perf_counter() - t3

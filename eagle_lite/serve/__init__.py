@@ -38,6 +38,9 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     now, about a second). threads: torch
     threads for small and for large batches (scheduler.BUSY_BATCH; None: as they are). tree: every request's draft
     tree (None: the pipeline's)."""
+    adapter = pipeline.adapter
+    if make_drafter is None and adapter is not None:   # --adapt: each request drafts with the head serving then
+        make_drafter = lambda: pipeline.engine.drafter.sibling()   # noqa: E731
     make_drafter = make_drafter or pipeline.drafter_factory(options)
     tree = tree or pipeline.tree
     probe = make_drafter()
@@ -45,7 +48,9 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     cost = CostModel(verify_seconds or step_cost(pipeline.target, getattr(probe, "inner", None)).verify, tree_nodes)
     metrics = Metrics(pipeline.method)
     engine = engine_for(pipeline.target, None)   # each sequence of a batch brings its own drafter
+    if adapter is not None:
+        engine.capture = adapter.capture
     scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads,
-                          recorder=pipeline.recorder)
+                          recorder=pipeline.recorder, adapter=adapter)
     return Service(pipeline, scheduler, metrics, model_id, tree, default_max_tokens, default_temperature,
                    default_seed)

@@ -136,13 +136,14 @@ def failed(err: Exception) -> tuple:
 class Scheduler:
     def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
                  cost: CostModel, on_step: Callable[[int, int, int, list[int], list], None] | None = None,
-                 threads: tuple[int, int] | None = None, recorder=None) -> None:
+                 threads: tuple[int, int] | None = None, recorder=None, adapter=None) -> None:
         """make_drafter: a fresh drafter (weights shared, state its own); tree_nodes: the most nodes one tree has.
         on_step(batch, cap, rows, emitted per sequence, auto's plans): called after each step (metrics). threads:
         torch CPU threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are).
         recorder: where each finished answer is recorded (`text.record.Recorder`; None: nowhere, the default)."""
         self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
         self.recorder = recorder
+        self.adapter = adapter   # heads.adapt.Adapter (--adapt): its learner runs a step at a time while idle
         self.threads = threads
         self.make_drafter = make_drafter
         self.pool = [make_drafter() for _ in range(limits.max_batch)]   # more are made while kept sequences hold some
@@ -229,6 +230,9 @@ class Scheduler:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
+    def _learns(self) -> bool:
+        return self.adapter is not None and self.adapter.has_work()
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.reading and not self._busy
@@ -240,10 +244,19 @@ class Scheduler:
         gets workers of its own, libgomp then throttles their spinning, and a step takes far longer)."""
         while True:
             with self._cond:
-                while not self._stopped and self.idle:
+                while not self._stopped and self.idle and not self._learns():
                     self._cond.wait()
                 if self._stopped:
                     break
+                learn = self.idle
+            if learn:   # nothing to serve: one step of the head's learner, on this thread (torch's own)
+                try:
+                    self.adapter.round(steps=1)
+                except Exception:  # noqa: BLE001 (a learner's failure must not stop serving)
+                    log.exception("the head's learner failed; serving goes on with the head it has, not learning")
+                    self.adapter = None
+                continue
+            with self._cond:
                 admit = []
                 while self.waiting and len(self.running) + len(self.reading) + len(admit) < self.limits.max_batch:
                     admit.append(self.waiting.popleft())

@@ -85,6 +85,55 @@ class ConcatKV:
         return 0 if self.keys is None else self.keys.shape[2]
 
 
+def collate(items: list[dict[str, torch.Tensor]], max_len: int, pack: bool, device=None) -> dict[str, torch.Tensor]:
+    """Pack (first fit, longest first) or pad sequences into rows; see the module doc for the layout. device: where
+    the batch is made (None: the CPU)."""
+    rows: list[list[dict]] = []
+    if pack:
+        space: list[int] = []
+        for item in sorted(items, key=lambda it: -len(it["input_ids"])):
+            n = len(item["input_ids"])
+            fit = next((r for r, free in enumerate(space) if free >= n), None)
+            if fit is None:
+                rows.append([item])
+                space.append(max_len - n)
+            else:
+                rows[fit].append(item)
+                space[fit] -= n
+    else:
+        rows = [[item] for item in items]
+    width = max(sum(len(it["input_ids"]) for it in row) for row in rows)
+    hidden_size = items[0]["hidden"].shape[-1]
+    b = len(rows)
+    batch = {
+        "input_ids": torch.zeros(b, width, dtype=torch.long, device=device),
+        "hidden": torch.zeros(b, width, hidden_size, dtype=items[0]["hidden"].dtype, device=device),
+        "loss_mask": torch.zeros(b, width, dtype=torch.bool, device=device),
+        "segment": torch.zeros(b, width, dtype=torch.long, device=device),
+        "position_ids": torch.zeros(b, width, dtype=torch.long, device=device),
+    }
+    if "taps" in items[0]:
+        batch["taps"] = torch.zeros(b, width, items[0]["taps"].shape[-1], dtype=items[0]["taps"].dtype, device=device)
+    if "group" in items[0]:
+        batch["group"] = torch.full((b, width), -1, dtype=torch.long, device=device)
+    for r, row in enumerate(rows):
+        start = 0
+        for s, item in enumerate(row, start=1):
+            n = len(item["input_ids"])
+            span = slice(start, start + n)
+            batch["input_ids"][r, span] = item["input_ids"]
+            batch["hidden"][r, span] = item["hidden"]
+            if "taps" in batch:
+                batch["taps"][r, span] = item["taps"]
+            if "group" in batch:
+                batch["group"][r, span] = int(item["group"])
+            batch["loss_mask"][r, span] = item["loss_mask"]
+            batch["segment"][r, span] = s
+            batch["position_ids"][r, span] = torch.arange(n, device=device)
+            start += n
+    return batch
+
+
 @dataclass
 class Pairs:
     """The head's inputs and targets for a batch, T' = T - 1 pairs per row."""
@@ -271,6 +320,26 @@ def objective(preds: list[torch.Tensor], pairs: Pairs, lm_weight: torch.Tensor, 
             "top1": top1}
 
 
+def scored(head, preds: list[torch.Tensor], draft_weight: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(what the output projection reads of each step's prediction, the rows it scores with): an EAGLE-3 head's own
+    norm and lm_head (trained with it), else the predictions and the target's rows `draft_weight` ([V_draft, H])."""
+    if head.lm_head is None:
+        return preds, draft_weight
+    return [head.logit_features(p) for p in preds], head.lm_head.weight
+
+
+def head_loss(head, batch: dict, embed_weight: torch.Tensor, draft_weight: torch.Tensor, cfg: ObjectiveConfig,
+              per_rank: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """The training loss of `head` on a batch (`collate`'s layout): noised inputs, cfg.ttt_steps unrolled, then
+    `objective`. embed_weight: the target's token embeddings; draft_weight: its lm_head rows over the draft
+    vocabulary. What training (trainers/module.py) and online adaptation (heads/learner.py) both minimise."""
+    pairs = make_pairs(batch, embed_weight, taps=bool(head.feature_layers))
+    preds = unroll(head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
+    novel = novel_pairs(batch) if cfg.copy_weight != 1.0 else None
+    features, weight = scored(head, preds, draft_weight)
+    return objective(features, pairs, draft_weight, cfg, novel, q_weight=weight, per_rank=per_rank)
+
+
 def lookup_predictable(ids: torch.Tensor, segment: torch.Tensor, n: int = 3) -> torch.Tensor:
     """[B, T] bool: token i is what an n-gram prompt lookup would propose there, i.e. the n tokens before it
     occurred earlier in the same segment and were then (at their latest occurrence) followed by ids[i].
@@ -352,3 +421,15 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
                             ("group_accept", length[rows])):
             out[key] = torch.bincount(g[keep], weights=values[keep], minlength=num_groups).float()
     return out
+
+
+@torch.no_grad()
+def chain_accept(head, batch: dict, embed_weight: torch.Tensor, full_weight: torch.Tensor,
+                 draft_weight: torch.Tensor, depth: int) -> tuple[float, int]:
+    """(sum of the chain lengths a greedy chain of `depth` head tokens gets, bonus included; roots) over a batch's
+    loss-masked positions (`agreement`'s "accept"): how much `head` would accept per step on that text."""
+    pairs = make_pairs(batch, embed_weight, taps=bool(head.feature_layers))
+    preds = unroll(head, pairs, depth)
+    features, weight = scored(head, preds, draft_weight)
+    stats = agreement(features, pairs, full_weight, weight, head.d2t)
+    return stats["accept"], int(stats["roots"])

@@ -1,0 +1,266 @@
+"""`--adapt DIR`: the serving head keeps learning from the traffic it serves, guarded, and persisted in DIR.
+
+The path: the engine keeps what its verify forwards computed for every answer (decoding/capture.py); between answers
+`Adapter.round` judges and trains:
+1. **Guard (champion and challenger).** The answers captured since the last judgement are traffic neither head has
+   trained on. Once they hold `judge_tokens` answer tokens, the serving head (champion) and the learner's head
+   (challenger) are scored on them (heads/learner.py `accepted`: tokens per step of a greedy chain). A challenger
+   that accepts more replaces the serving head; one that accepts less is dropped (the learner restarts from the
+   champion); a tie keeps training. The answers then join the learner's pool.
+2. **Learner.** `steps` optimizer steps of the training loss on the pool, mixed with replay (heads/learner.py).
+
+Output stays exact whichever head serves: a head only proposes, and the target's acceptance decides.
+
+DIR is an ordinary head folder (`--draft DIR` loads it, `eagle_lite.export` exports it) holding the champion, its
+config's `adapted` card (what it learned from; accepted per step before and after each promotion) and the trees and
+training objective of the head it started from. It is written only at a promotion, each file atomically, so a crash
+or kill loses at most the rounds since and never leaves a half-written head. A DIR holding a head resumes from it; a
+head of another target, or a DIR that cannot be written, is refused in one line. `reset()` goes back to the head it
+started from.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..atomic import check_folder_writable, write_text_atomic
+from ..decoding.capture import Capture, Captured
+from .checkpoint import read_config, save_head
+from .learner import LearnConfig, Learner, Replay, objective_of
+
+log = logging.getLogger(__name__)
+
+CARRIED = ("tree", "tree_cuda", "tree_command", "training")   # config keys a head folder passes on to DIR
+DEFAULT_REPLAY = Path(__file__).resolve().parents[2] / "data" / "distill"
+
+
+def serving_eagle(drafter):
+    """(the object holding the EAGLE drafter, the drafter): method auto's `inner`, eagle's graft's `inner`."""
+    from ..drafters.eagle import EagleDrafter
+
+    inner = getattr(drafter, "inner", None)
+    if isinstance(inner, EagleDrafter):
+        return drafter, inner
+    if isinstance(drafter, EagleDrafter):
+        return None, drafter
+    raise ValueError(f"--adapt trains a draft head, but method '{getattr(drafter, 'name', drafter)}' drafts "
+                     f"without one: use method auto or eagle")
+
+
+def default_replay(target) -> Path | None:
+    """The shipped head's training answers for `target` where the source tree holds them (data/distill)."""
+    path = DEFAULT_REPLAY / f"{target.name}-sharegpt_all"
+    return path if any(path.glob("shard-*.jsonl*")) else None
+
+
+class Adapter:
+    """Online adaptation of `pipeline`'s head into `folder` (module docstring).
+
+    start: a trainable copy of the head adaptation starts from (never the serving one, whose linears run packed
+    kernels), loaded as the pipeline's was; champion: the head DIR holds where it resumes (the pipeline serves it),
+    None: the start head serves. source: the start head's folder (its objective and trees; None: EAGLE's defaults).
+    replay: a distill folder of the start head's training answers (None: no replay)."""
+
+    def __init__(self, pipeline, folder: str | Path, start, champion=None, source: str | Path | None = None,
+                 cfg: LearnConfig = LearnConfig(), replay: str | Path | None = None, judge_tokens: int = 256,
+                 steps: int = 4, seed: int = 0) -> None:
+        self.pipeline, self.folder, self.cfg = pipeline, Path(folder), cfg
+        self.judge_tokens, self.steps = judge_tokens, steps
+        try:
+            check_folder_writable(self.folder)
+        except OSError as err:
+            raise ValueError(f"--adapt {self.folder}: cannot write there ({err.strerror or err})") from err
+        self.holder, _ = serving_eagle(pipeline.engine.drafter)
+        self.source = Path(source) if source is not None else None
+        self.start_head = start.float().eval()
+        self.card = {"from": str(self.source) if self.source else "", "answers": 0, "answer_tokens": 0,
+                     "promotions": 0, "judged": []}
+        if champion is not None:
+            self.card.update(read_config(self.folder).get("adapted", {}))
+        self.champion = copy.deepcopy(champion if champion is not None else self.start_head).float().eval()
+        objective = objective_of(self.champion, self.source if self.source is not None else
+                                 (self.folder if champion is not None else None))
+        replays = Replay(pipeline.target, replay, self.champion.feature_layers, cfg.window, cfg.replay_pool, seed) \
+            if replay is not None and cfg.replay > 0 else None
+        self.learner = Learner(pipeline.target, copy.deepcopy(self.champion), objective, cfg, replays, seed)
+        self.capture = Capture(max_tokens=cfg.pool_tokens)
+        pipeline.engine.capture = self.capture
+        pipeline.adapter = self
+        self.pending: list[Captured] = []
+        self.credit = 0          # optimizer steps the answers so far have bought and the learner has not run
+        self.rounds = 0
+        self.history: list[tuple[int, float, float, bool]] = []   # (answer tokens seen, champion, challenger, promoted)
+        self._idle: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
+
+    # -- serving --------------------------------------------------------------------------------------
+    def _serve(self, head) -> None:
+        """Make `head` (a copy: the drafter accelerates it in place) the one the pipeline drafts with."""
+        from ..drafters.eagle import EagleDrafter
+
+        _, old = serving_eagle(self.pipeline.engine.drafter)
+        head = head.to(old.lm_weight.device).eval()
+        head.tree = old.recommended_tree
+        drafter = EagleDrafter(self.pipeline.target, head, draft_sampling=old.draft_sampling)
+        drafter.recommended_tree = old.recommended_tree
+        if self.holder is None:
+            self.pipeline.engine.drafter = drafter
+        else:
+            self.holder.inner = drafter
+            if hasattr(self.holder, "head"):
+                self.holder.head = head
+        self.pipeline.engine.reset()
+
+    def bind(self, pipeline) -> None:
+        """Adapt the head `pipeline` serves from now on (`Pipeline.pinned`: eagle's pipeline over the same head)."""
+        self.pipeline, (self.holder, _) = pipeline, serving_eagle(pipeline.engine.drafter)
+        pipeline.engine.capture = self.capture
+        pipeline.adapter = self
+
+    def reset(self) -> None:
+        """Serve the head adaptation started from again, and train from it (DIR keeps its last champion until the
+        next promotion)."""
+        with self._lock:
+            self.champion = copy.deepcopy(self.start_head).float().eval()
+            self._restart()
+            self._serve(copy.deepcopy(self.champion))
+
+    def _restart(self) -> None:
+        """The learner starts again from the champion (a dropped challenger)."""
+        self.learner.head.load_state_dict(self.champion.state_dict())
+        self.learner.optimizer.state.clear()
+
+    # -- learning -------------------------------------------------------------------------------------
+    def round(self, steps: int | None = None) -> dict:
+        """Judge the answers captured since the last judgement where enough have come, then train: each new answer
+        buys `self.steps` optimizer steps, run here up to `steps` at a time (None: all it holds). Returns what it
+        did: {"judged": (champion, challenger) or None, "promoted": bool, "loss": float, "steps": int,
+        "seconds": float}."""
+        with self._lock:
+            t0 = time.perf_counter()
+            new = self.capture.take()
+            self.pending += new
+            self.credit += self.steps * len(new)
+            self.card["answers"] += len(new)
+            self.card["answer_tokens"] += sum(int(r.loss_mask.sum()) for r in new)
+            judged, promoted = None, False
+            if sum(int(r.loss_mask.sum()) for r in self.pending) >= self.judge_tokens:
+                judged, promoted = self._judge(self.pending)
+                self.learner.add(self.pending)
+                self.pending = []
+            before = self.learner.steps
+            loss = self.learner.train(min(self.credit, self.credit if steps is None else steps))
+            self.credit -= self.learner.steps - before
+            self.rounds += 1
+            return {"judged": judged, "promoted": promoted, "loss": loss, "steps": self.learner.steps - before,
+                    "seconds": time.perf_counter() - t0}
+
+    def _judge(self, records: list[Captured]) -> tuple[tuple[float, float] | None, bool]:
+        if self.learner.steps == 0:
+            return None, False
+        champion = self.learner.accepted(self.champion, records)
+        challenger = self.learner.accepted(self.learner.head, records)
+        promoted = challenger > champion
+        seen = self.card["answer_tokens"]
+        self.history.append((seen, champion, challenger, promoted))
+        self.card["judged"] = (self.card["judged"] + [[seen, round(champion, 4), round(challenger, 4)]])[-20:]
+        if promoted:
+            self.champion.load_state_dict(self.learner.head.state_dict())
+            self.card["promotions"] += 1
+            self._serve(copy.deepcopy(self.champion))
+            self.save()
+        elif challenger < champion:
+            self._restart()
+        return (champion, challenger), promoted
+
+    def save(self) -> None:
+        """Write the champion into DIR as a head folder (a disk error is reported in one line; serving goes on)."""
+        extra = {"adapted": self.card}
+        if self.source is not None and (self.source / "config.json").is_file():
+            config = read_config(self.source)
+            extra.update({k: config[k] for k in CARRIED if k in config})
+            yaml_path = self.source / "train_config.yaml"
+            if yaml_path.is_file() and not (self.folder / "train_config.yaml").is_file():
+                shutil.copyfile(yaml_path, self.folder / "train_config.yaml")
+        try:
+            save_head(self.champion, self.folder, self.pipeline.target, extra=extra, dtype=torch.float32)
+            write_text_atomic(self.folder / "README.md", self.describe())
+        except OSError as err:
+            log.warning("--adapt %s: the adapted head was not saved (%s); serving goes on", self.folder,
+                        err.strerror or err)
+
+    def describe(self) -> str:
+        """The folder's card: where the head came from and what it learned."""
+        c = self.card
+        lines = ["# A draft head adapted online by eagle_lite (`--adapt`)", "",
+                 f"- started from: {c['from'] or 'the head given'}",
+                 f"- learned from: {c['answers']} answers, {c['answer_tokens']} answer tokens",
+                 f"- promotions: {c['promotions']}", "",
+                 "| answer tokens seen | serving head (accepted/step) | challenger | ", "|---:|---:|---:|"]
+        lines += [f"| {seen} | {a:.3f} | {b:.3f} |" for seen, a, b in c["judged"]]
+        return "\n".join(lines) + "\n"
+
+    def has_work(self) -> bool:
+        """New answers to take in, or steps bought and a pool to spend them on."""
+        return len(self.capture) > 0 or (self.credit > 0 and bool(self.learner.pool))
+
+    # -- while idle -----------------------------------------------------------------------------------
+    def start_idle(self, max_rounds: int = 1000) -> None:
+        """Learn in a background thread until `stop_idle` (between chat turns, while a server has no request)."""
+        if self._idle is not None:
+            return
+        self._stop.clear()
+
+        def run() -> None:
+            for _ in range(max_rounds):
+                if self._stop.is_set() or not self.round(steps=1)["steps"]:
+                    break
+        self._idle = threading.Thread(target=run, name="eagle_lite-adapt", daemon=True)
+        self._idle.start()
+
+    def stop_idle(self) -> None:
+        """Stop the background learning; waits for its current step (one optimizer step at most)."""
+        if self._idle is None:
+            return
+        self._stop.set()
+        self._idle.join()
+        self._idle = None
+
+    def stats_line(self) -> str:
+        last = self.history[-1] if self.history else None
+        judged = f", last judged {last[1]:.2f} -> {last[2]:.2f} accepted/step" if last else ""
+        return (f"[adapt: {self.card['answers']} answers, {self.learner.steps} steps, "
+                f"{self.card['promotions']} promotions{judged}, learner {self.learner.seconds:.1f} s]")
+
+
+def adapted_draft(folder: str | Path | None, draft: str | None) -> str | None:
+    """The head a pipeline with `--adapt folder` serves: the folder's where it holds one (resuming), else `draft`."""
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        return str(folder)
+    return draft
+
+
+def attach(pipeline, folder: str | Path, draft: str | None = None, **settings) -> Adapter:
+    """Adapt `pipeline`'s head into `folder` (`load(adapt=...)`): the head adaptation starts from is `draft` (a head
+    folder; None or "auto": the one shipped for the target; "random"), loaded afresh as a trainable copy; the
+    folder's head, where it holds one, is the champion the pipeline already serves. Replay: the shipped head's
+    training answers where the source tree holds them."""
+    from ..drafters.registry import AUTO, load_eagle_head
+    from .checkpoint import default_head_path
+
+    target = pipeline.target
+    serving_eagle(pipeline.engine.drafter)          # a method with a head, before anything is loaded
+    start = load_eagle_head(target, draft)
+    if start is None:
+        raise ValueError(f"--adapt trains a draft head, but none ships for target '{target.name}': give --draft PATH")
+    source = default_head_path(target.name) if draft in (None, AUTO) else None if draft == "random" else Path(draft)
+    champion = load_eagle_head(target, str(folder)) if (Path(folder) / "config.json").is_file() else None
+    settings.setdefault("replay", default_replay(target) if draft in (None, AUTO) else None)
+    return Adapter(pipeline, folder, start, champion=champion, source=source, **settings)

@@ -1,0 +1,202 @@
+"""Online head adaptation measured (`--adapt`): a head that learns from the answers it serves, beside the frozen head.
+
+    python -m eval.adapt --questions eval/questions/heldout12.jsonl --max-new-tokens 256 --threads 2
+    python -m eval.adapt --tasks sharegpt_kinds --per-task 60 --stream kind --out runs/adapt
+
+Each question's turns are answered twice, greedily and interleaved: by the frozen head, then by the adapting one
+(heads/adapt.py), whose learner then runs its round (timed apart: the learner's seconds, never in tokens/s).
+`--stream kind` (default) gives every kind its own stream, in file order, each starting from the head given;
+`--stream mixed` runs one stream over every question in file order. Printed per kind and per fifth of its stream:
+tokens/s and accepted tokens per step of both heads, and whether every output was identical; then an overall row of
+the last fifths, the learner's seconds and its cost per answered token. `--out DIR` also writes `adapt.json` and
+keeps each stream's adapted head (DIR/heads/<stream>).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from eagle_lite.cli import entry_point
+from eagle_lite.drafters import registry
+from eagle_lite.heads.learner import MOVES, LearnConfig
+from eagle_lite.threads import check_threads, set_threads
+
+from .evaluation import load_questions
+
+FIFTHS = 5
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.adapt", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--questions", help="a questions file (.jsonl: question_id, category, turns)")
+    p.add_argument("--tasks", default="", help="comma-separated eval tasks instead of or beside --questions "
+                   "(e.g. sharegpt, humaneval)")
+    p.add_argument("--per-task", type=int, default=None, help="the first N questions of each kind")
+    p.add_argument("--stream", choices=["kind", "mixed"], default="kind",
+                   help="kind: a stream per kind, each from the head given; mixed: one stream over every question")
+    p.add_argument("--method", choices=["auto", "eagle"], default="auto", help="the method both heads draft in")
+    p.add_argument("--draft", default=registry.AUTO, help="the head to start from (default: the shipped one)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--moves", choices=MOVES, default=LearnConfig.moves, help="what the learner updates")
+    p.add_argument("--lr", type=float, default=LearnConfig.lr)
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps each answer buys")
+    p.add_argument("--judge-tokens", type=int, default=256, help="answer tokens between two judgements of the guard")
+    p.add_argument("--replay", type=float, default=LearnConfig.replay,
+                   help="share of a batch from the head's training answers (0: none)")
+    p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
+    args = p.parse_args(argv)
+    if not args.questions and not args.tasks:
+        p.error("give --questions FILE or --tasks")
+    if args.max_new_tokens < 1 or args.steps < 0 or (args.per_task is not None and args.per_task < 1):
+        p.error("--max-new-tokens and --per-task must be >= 1, --steps >= 0")
+    check_threads(args.threads)
+    return args
+
+
+def questions_of(args) -> list:
+    tasks = [{"name": "file", "path": args.questions}] if args.questions else []
+    tasks += [{"name": name.strip()} for name in args.tasks.split(",") if name.strip()]
+    return load_questions(tasks, args.per_task)
+
+
+def streams(questions: list, how: str) -> dict[str, list]:
+    """Stream name -> its questions in file order: one per kind, or one ("mixed") over them all."""
+    if how == "mixed":
+        return {"mixed": list(questions)}
+    out: dict[str, list] = defaultdict(list)
+    for q in questions:
+        out[q.category].append(q)
+    return dict(out)
+
+
+def answer(pipeline, question, max_new_tokens: int) -> list[dict]:
+    """Every turn of `question` answered greedily (each turn after this pipeline's own earlier answers)."""
+    messages, turns = [], []
+    for turn in question.turns:
+        messages.append({"role": "user", "content": turn})
+        out = pipeline.generate(messages, pipeline.config(max_new_tokens=max_new_tokens))
+        messages.append({"role": "assistant", "content": out.text})
+        s = out.stats
+        turns.append({"ids": out.token_ids, "tokens": s.new_tokens, "seconds": s.seconds,
+                      "steps": max(s.target_forwards - 1, 1)})
+    return turns
+
+
+def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> list[dict]:
+    """One stream: the frozen and the adapting pipeline answer each question in turn; rows per question."""
+    from eagle_lite.heads.adapt import attach
+    from eagle_lite.pipeline import for_target
+
+    options = registry.EagleOptions(draft=args.draft)
+    frozen = for_target(target, args.method, options)
+    adapting = for_target(target, args.method, registry.EagleOptions(draft=args.draft))
+    folder = heads_dir / name
+    cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay)
+    adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps)
+    rows = []
+    for i, q in enumerate(questions):
+        a = answer(frozen, q, args.max_new_tokens)
+        b = answer(adapting, q, args.max_new_tokens)
+        t0 = time.process_time()
+        report = adapter.round()
+        learner = time.process_time() - t0
+        rows.append({"kind": q.category, "id": q.question_id, "frozen": a, "adapted": b, "learner_seconds": learner,
+                     "identical": all(x["ids"] == y["ids"] for x, y in zip(a, b)), "judged": report["judged"],
+                     "promoted": report["promoted"]})
+        judged = report["judged"]
+        note = f" judged {judged[0]:.2f}->{judged[1]:.2f}{' promoted' if report['promoted'] else ''}" if judged else ""
+        print(f"  {name} {i + 1}/{len(questions)} {q.question_id}: frozen {summary(a)}, adapted {summary(b)}"
+              f"{'' if rows[-1]['identical'] else ' DIFFERENT'}{note}", file=sys.stderr, flush=True)
+    return rows
+
+
+def summary(turns: list[dict]) -> str:
+    tokens, seconds, steps = (sum(t[k] for t in turns) for k in ("tokens", "seconds", "steps"))
+    return f"{tokens / max(seconds, 1e-9):.1f} tok/s {tokens / steps:.2f}/step"
+
+
+def totals(rows: list[dict], side: str) -> dict:
+    turns = [t for r in rows for t in r[side]]
+    tokens, seconds, steps = (sum(t[k] for t in turns) for k in ("tokens", "seconds", "steps"))
+    return {"accepted": round(tokens / steps, 4) if steps else 0.0,
+            "tokens_per_s": round(tokens / seconds, 3) if seconds else 0.0, "tokens": tokens}
+
+
+def fifths(rows: list[dict]) -> list[list[dict]]:
+    """The rows in FIFTHS consecutive parts, as even as they can be (empty parts where fewer rows)."""
+    n = len(rows)
+    return [rows[n * k // FIFTHS:n * (k + 1) // FIFTHS] for k in range(FIFTHS)]
+
+
+def table(by_kind: dict[str, list[dict]]) -> tuple[str, dict]:
+    """The printed table and adapt.json's "kinds"."""
+    lines = ["| kind | fifth | answers | frozen tok/s | adapted tok/s | speed | frozen acc/step | adapted acc/step | "
+             "acc | identical |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    kinds: dict = {}
+    last: list[dict] = []
+    for kind, rows in sorted(by_kind.items()):
+        parts = []
+        for k, part in enumerate(fifths(rows)):
+            f, a = totals(part, "frozen"), totals(part, "adapted")
+            parts.append({"frozen": f, "adapted": a})
+            if part:
+                lines.append(row_line(kind, str(k + 1), part, f, a))
+        kinds[kind] = {"fifths": parts}
+        last += fifths(rows)[-1]
+    lines.append(row_line("all", "last", last, totals(last, "frozen"), totals(last, "adapted")))
+    return "\n".join(lines), kinds
+
+
+def row_line(kind: str, fifth: str, rows: list[dict], f: dict, a: dict) -> str:
+    speed = a["tokens_per_s"] / f["tokens_per_s"] if f["tokens_per_s"] else 0.0
+    acc = a["accepted"] / f["accepted"] if f["accepted"] else 0.0
+    same = sum(r["identical"] for r in rows)
+    return (f"| {kind} | {fifth} | {len(rows)} | {f['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | {speed:.2f}x | "
+            f"{f['accepted']:.2f} | {a['accepted']:.2f} | {acc:.2f}x | {same}/{len(rows)} |")
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from eagle_lite.targets.loading import load_target
+
+    questions = questions_of(args)
+    if not questions:
+        raise ValueError("no questions to answer: check --questions / --tasks / --per-task")
+    set_threads(args.threads)
+    target = load_target(None)
+    out = Path(args.out) if args.out else None
+    heads_dir = out / "heads" if out else Path(tempfile.mkdtemp(prefix="eagle_lite-adapt-"))
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    learner = 0.0
+    for name, qs in streams(questions, args.stream).items():
+        for row in run_stream(target, args, name, qs, heads_dir):
+            by_kind[row["kind"]].append(row)
+            learner += row["learner_seconds"]
+    text, kinds = table(by_kind)
+    rows = [r for rs in by_kind.values() for r in rs]
+    identical = sum(r["identical"] for r in rows) / len(rows)
+    answered = sum(t["tokens"] for r in rows for t in r["adapted"])
+    print(f"eval.adapt · {target.name} · method {args.method} · stream {args.stream} · moves {args.moves} · lr "
+          f"{args.lr} · {args.steps} steps/answer · replay {args.replay} · {len(rows)} questions · "
+          f"{args.max_new_tokens} new tokens · {args.threads or 'default'} threads\n")
+    print(text)
+    print(f"\nidentical outputs: {identical:.1%} · learner {learner:.1f} CPU s "
+          f"({1e3 * learner / max(answered, 1):.2f} ms per answered token)")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "adapt.json").write_text(json.dumps({"kinds": kinds, "identical": identical,
+                                                    "learner_seconds": round(learner, 3)}, indent=2) + "\n")
+        print(f"wrote {out / 'adapt.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

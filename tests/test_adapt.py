@@ -1,0 +1,202 @@
+"""Online head adaptation (`--adapt`): capture at accept time, the learner, the guard, persistence, and that the output
+stays the target's own whichever head serves."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_target, reference_greedy
+
+from eagle_lite.config import GenerationConfig, SamplingConfig
+from eagle_lite.drafters import EagleOptions
+from eagle_lite.heads.adapt import Adapter, attach
+from eagle_lite.heads.draft import DraftHead
+from eagle_lite.heads.learner import LearnConfig
+from eagle_lite.pipeline import for_target
+from trainers.features import target_features
+
+SMALL = LearnConfig(batch_tokens=256, window=128, lr=1e-3, replay=0.0)
+
+
+def prompts(n: int, seed: int = 0, length: int = 16) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def twin_heads(target, **kw) -> tuple[DraftHead, DraftHead]:
+    """A head for the pipeline to serve and an identical trainable copy to start adaptation from."""
+    torch.manual_seed(0)
+    serving = DraftHead.for_target(target, **kw)
+    start = DraftHead.for_target(target, **kw)
+    start.load_state_dict(serving.state_dict())
+    return serving, start
+
+
+def adapting(target, folder, method="auto", cfg=SMALL, **kw):
+    serving, start = twin_heads(target, **kw)
+    pipeline = for_target(target, method, EagleOptions(head=serving))
+    return pipeline, Adapter(pipeline, folder, start, cfg=cfg, judge_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return make_target("llama", layers=4)
+
+
+@pytest.mark.parametrize("design", ["eagle", "eagle3"])
+def test_capture_holds_the_targets_features_of_the_answer(llama, deep, tmp_path, design):
+    target = deep if design == "eagle3" else llama
+    kw = {"feature_layers": (0, 1, 2), "design": "eagle3"} if design == "eagle3" else {}
+    pipeline, adapter = adapting(target, tmp_path, **kw)
+    adapter.capture.context = 8
+    prompt = prompts(1)[0]
+    out = pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=20, tree=pipeline.tree))
+    (record,) = adapter.capture.take()
+    tokens = prompt + out.token_ids
+    n = len(record)                          # 8 prompt tokens, the answer (its last token where a step read it)
+    assert n in (27, 28) and record.input_ids.tolist() == tokens[len(prompt) - 8:len(prompt) - 8 + n]
+    assert record.loss_mask.tolist() == [False] * 8 + [True] * (n - 8)
+    full = target_features(target, [tokens[:len(prompt) - 8 + n]], kw.get("feature_layers", ()))[0]
+    hidden, taps = full if design == "eagle3" else (full, None)
+    torch.testing.assert_close(record.hidden.float(), hidden[len(prompt) - 8:], atol=0.05, rtol=0.02)
+    if design == "eagle3":
+        torch.testing.assert_close(record.taps.float(), taps[len(prompt) - 8:], atol=0.05, rtol=0.02)
+    else:
+        assert record.taps is None
+    assert out.stats.capture_seconds > 0
+
+
+@pytest.mark.parametrize("method", ["auto", "eagle"])
+def test_greedy_output_is_the_targets_while_the_head_adapts(llama, tmp_path, method):
+    pipeline, adapter = adapting(llama, tmp_path, method)
+    adapter.learner.accepted = lambda head, records: 2.0 if head is adapter.learner.head else 1.0   # always promote
+    for prompt in prompts(6):
+        out = pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=pipeline.tree))
+        assert out.token_ids == reference_greedy(llama, prompt, 24)
+        adapter.round()
+    assert adapter.card["promotions"] >= 2
+    assert adapter.learner.steps > 0
+
+
+def test_sampled_output_does_not_depend_on_capture(llama, tmp_path):
+    sampling = SamplingConfig(temperature=1.0)
+    pipeline, adapter = adapting(llama, tmp_path)
+    prompt = prompts(1)[0]
+    cfg = GenerationConfig(max_new_tokens=24, tree=pipeline.tree, sampling=sampling, seed=3)
+    with_capture = pipeline.engine.generate(prompt, cfg).token_ids
+    pipeline.engine.capture = None
+    assert pipeline.engine.generate(prompt, cfg).token_ids == with_capture
+
+
+def test_learner_lowers_the_training_loss_on_what_it_saw(llama, tmp_path):
+    pipeline, adapter = adapting(llama, tmp_path)
+    for prompt in prompts(3):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
+    adapter.learner.add(adapter.capture.take())
+    first = adapter.learner.train(1)
+    adapter.learner.train(30)
+    assert adapter.learner.train(1) < 0.8 * first
+
+
+def test_guard_drops_a_challenger_that_accepts_less(llama, tmp_path):
+    pipeline, adapter = adapting(llama, tmp_path)
+    serving = pipeline.engine.drafter.inner
+    for prompt in prompts(2):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
+    adapter.round()                                   # the first answers join the pool; training starts
+    with torch.no_grad():                             # a challenger gone bad
+        for p in adapter.learner.head.parameters():
+            p.normal_(0, 1)
+    before = {k: v.clone() for k, v in adapter.champion.state_dict().items()}
+    for prompt in prompts(2, seed=1):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
+    report = adapter.round(steps=0)
+    champion, challenger = report["judged"]
+    assert challenger < champion and not report["promoted"]
+    assert pipeline.engine.drafter.inner is serving                          # still the same serving head
+    for k, v in adapter.champion.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+        torch.testing.assert_close(adapter.learner.head.state_dict()[k], v)  # the learner restarts from it
+    assert not (tmp_path / "config.json").exists()                          # nothing promoted, nothing written
+
+
+def test_a_promoted_head_is_an_ordinary_head_folder_and_resumes(llama, tmp_path):
+    from eagle_lite.formats import load_head
+
+    pipeline, adapter = adapting(llama, tmp_path)
+    adapter.learner.accepted = lambda head, records: 2.0 if head is adapter.learner.head else 1.0
+    for prompt in prompts(4):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=pipeline.tree))
+        adapter.round()
+    assert adapter.card["promotions"] >= 1
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["adapted"]["promotions"] == adapter.card["promotions"]
+    assert "answer tokens seen" in (tmp_path / "README.md").read_text()
+    loaded = load_head(tmp_path, llama)
+    for k, v in adapter.champion.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v)
+    # a new pipeline with the folder resumes from its head (`load(adapt=...)` does this with the folder's head)
+    resumed_pipeline = for_target(llama, "auto", EagleOptions(draft=str(tmp_path)))
+    _, start = twin_heads(llama)
+    resumed = Adapter(resumed_pipeline, tmp_path, start, champion=load_head(tmp_path, llama), cfg=SMALL)
+    assert resumed.card["promotions"] == adapter.card["promotions"]
+    for k, v in adapter.champion.state_dict().items():
+        torch.testing.assert_close(resumed.champion.state_dict()[k], v)
+    prompt = prompts(1, seed=5)[0]
+    out = resumed_pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=resumed_pipeline.tree))
+    assert out.token_ids == reference_greedy(llama, prompt, 24)
+    resumed.reset()                                   # back to the head adaptation started from
+    for k, v in start.state_dict().items():
+        torch.testing.assert_close(resumed.champion.state_dict()[k], v.float())
+
+
+def test_a_save_that_fails_keeps_serving(llama, tmp_path, monkeypatch, caplog):
+    import eagle_lite.heads.adapt as adapt
+
+    pipeline, adapter = adapting(llama, tmp_path)
+    adapter.learner.accepted = lambda head, records: 2.0 if head is adapter.learner.head else 1.0
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(adapt, "save_head", full)
+    for prompt in prompts(4):
+        out = pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=pipeline.tree))
+        assert out.token_ids == reference_greedy(llama, prompt, 24)
+        adapter.round()
+    assert adapter.card["promotions"] >= 1
+    assert "No space left on device" in caplog.text
+
+
+def test_bad_folders_and_methods_are_refused_in_one_line(llama, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    pipeline, _ = adapting(llama, tmp_path / "ok")
+    _, start = twin_heads(llama)
+    with pytest.raises(ValueError, match="cannot write there"):
+        Adapter(pipeline, file / "sub", start, cfg=SMALL)
+    lookup = for_target(llama, "lookup")
+    with pytest.raises(ValueError, match="drafts without one"):
+        attach(lookup, tmp_path / "lookup", "random")
+    with pytest.raises(ValueError, match="adapt moves"):
+        LearnConfig(moves="everything")
+
+
+def test_a_folder_with_another_targets_head_is_refused(llama, tmp_path):
+    from eagle_lite.heads.checkpoint import HeadMismatchError, save_head
+
+    other = make_target("qwen2")
+    save_head(DraftHead.for_target(other), tmp_path, other)
+    with pytest.raises(HeadMismatchError):
+        attach(for_target(llama, "auto", EagleOptions(draft="random")), tmp_path, "random")
+
+
+def test_idle_learning_spends_the_credit_and_stops(llama, tmp_path):
+    pipeline, adapter = adapting(llama, tmp_path)
+    for prompt in prompts(3):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
+    adapter.round(steps=0)
+    adapter.start_idle()
+    adapter._idle.join(timeout=60)
+    adapter.stop_idle()
+    assert adapter.credit == 0 and adapter.learner.steps == 3 * adapter.steps

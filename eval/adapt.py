@@ -34,6 +34,7 @@ FIFTHS = 5
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.adapt", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2)")
     p.add_argument("--questions", help="a questions file (.jsonl: question_id, category, turns)")
     p.add_argument("--tasks", default="", help="comma-separated eval tasks instead of or beside --questions "
                    "(e.g. sharegpt, humaneval)")
@@ -135,12 +136,11 @@ def fifths(rows: list[dict]) -> list[list[dict]]:
     return [rows[n * k // FIFTHS:n * (k + 1) // FIFTHS] for k in range(FIFTHS)]
 
 
-def table(by_kind: dict[str, list[dict]]) -> tuple[str, dict]:
-    """The printed table and adapt.json's "kinds"."""
+def table(by_kind: dict[str, list[dict]], by_stream: dict[str, list[dict]]) -> tuple[str, dict]:
+    """The printed table and adapt.json's "kinds": each kind's rows in fifths, then the last fifth of every stream."""
     lines = ["| kind | fifth | answers | frozen tok/s | adapted tok/s | speed | frozen acc/step | adapted acc/step | "
              "acc | identical |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     kinds: dict = {}
-    last: list[dict] = []
     for kind, rows in sorted(by_kind.items()):
         parts = []
         for k, part in enumerate(fifths(rows)):
@@ -149,8 +149,8 @@ def table(by_kind: dict[str, list[dict]]) -> tuple[str, dict]:
             if part:
                 lines.append(row_line(kind, str(k + 1), part, f, a))
         kinds[kind] = {"fifths": parts}
-        last += fifths(rows)[-1]
-    lines.append(row_line("all", "last", last, totals(last, "frozen"), totals(last, "adapted")))
+    last = [row for rows in by_stream.values() for row in fifths(rows)[-1]]
+    lines.append(row_line("all streams", "last", last, totals(last, "frozen"), totals(last, "adapted")))
     return "\n".join(lines), kinds
 
 
@@ -171,16 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     if not questions:
         raise ValueError("no questions to answer: check --questions / --tasks / --per-task")
     set_threads(args.threads)
-    target = load_target(None)
+    target = load_target(args.target)
     out = Path(args.out) if args.out else None
     heads_dir = out / "heads" if out else Path(tempfile.mkdtemp(prefix="eagle_lite-adapt-"))
     by_kind: dict[str, list[dict]] = defaultdict(list)
-    learner = 0.0
+    by_stream: dict[str, list[dict]] = {}
     for name, qs in streams(questions, args.stream).items():
-        for row in run_stream(target, args, name, qs, heads_dir):
+        by_stream[name] = run_stream(target, args, name, qs, heads_dir)
+        for row in by_stream[name]:
             by_kind[row["kind"]].append(row)
-            learner += row["learner_seconds"]
-    text, kinds = table(by_kind)
+    learner = sum(row["learner_seconds"] for rows in by_stream.values() for row in rows)
+    text, kinds = table(by_kind, by_stream)
     rows = [r for rs in by_kind.values() for r in rs]
     identical = sum(r["identical"] for r in rows) / len(rows)
     answered = sum(t["tokens"] for r in rows for t in r["adapted"])

@@ -200,3 +200,22 @@ def test_idle_learning_spends_the_credit_and_stops(llama, tmp_path):
     adapter._idle.join(timeout=60)
     adapter.stop_idle()
     assert adapter.credit == 0 and adapter.learner.steps == 3 * adapter.steps
+
+
+def test_eval_adapt_writes_fifths_per_kind_with_identical_outputs(tiny_model_dir, tmp_path):
+    from eval.adapt import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": f"{kind}-{i}", "category": kind,
+                                             "turns": [f"tell me about {kind} number {i}"]}) + "\n"
+                                 for kind in ("alpha", "beta") for i in range(5)))
+    out = tmp_path / "out"
+    assert main(["--target", str(tiny_model_dir), "--draft", "random", "--questions", str(questions),
+                 "--max-new-tokens", "16", "--judge-tokens", "16", "--replay", "0", "--out", str(out)]) == 0
+    report = json.loads((out / "adapt.json").read_text())
+    assert sorted(report["kinds"]) == ["alpha", "beta"]
+    for kind in report["kinds"].values():
+        assert len(kind["fifths"]) == 5
+        assert all(f["frozen"]["tokens_per_s"] > 0 and f["adapted"]["accepted"] >= 1 for f in kind["fifths"])
+    assert report["identical"] == 1.0 and report["learner_seconds"] >= 0
+    assert (out / "heads" / "alpha").is_dir()

@@ -219,3 +219,24 @@ def test_eval_adapt_writes_fifths_per_kind_with_identical_outputs(tiny_model_dir
         assert all(f["frozen"]["tokens_per_s"] > 0 and f["adapted"]["accepted"] >= 1 for f in kind["fifths"])
     assert report["identical"] == 1.0 and report["learner_seconds"] >= 0
     assert (out / "heads" / "alpha").is_dir()
+
+
+def test_load_with_adapt_resumes_and_a_pinned_tree_keeps_adapting(tiny_model_dir, tmp_path):
+    from eagle_lite.pipeline import load
+
+    lm = load(str(tiny_model_dir), draft="random", adapt=str(tmp_path / "head"))
+    assert lm.adapter is not None and lm.engine.capture is lm.adapter.capture
+    pinned = lm.pinned()
+    assert pinned.adapter is lm.adapter and pinned.engine.capture is lm.adapter.capture
+    pinned.generate("hello there", pinned.config(max_new_tokens=12))
+    assert len(lm.adapter.capture) == 1
+    lm.adapter.learner.accepted = lambda head, records: 2.0 if head is lm.adapter.learner.head else 1.0
+    lm.adapter.judge_tokens = 16
+    for text in ("one more question", "and another one", "the last question"):
+        pinned.generate(text, pinned.config(max_new_tokens=30))
+        lm.adapter.round()
+    assert (tmp_path / "head" / "config.json").is_file()
+    again = load(str(tiny_model_dir), draft="random", adapt=str(tmp_path / "head"))
+    assert again.adapter.card["promotions"] == lm.adapter.card["promotions"] >= 1
+    for k, v in lm.adapter.champion.state_dict().items():
+        torch.testing.assert_close(again.adapter.champion.state_dict()[k], v)

@@ -240,3 +240,22 @@ def test_load_with_adapt_resumes_and_a_pinned_tree_keeps_adapting(tiny_model_dir
     assert again.adapter.card["promotions"] == lm.adapter.card["promotions"] >= 1
     for k, v in lm.adapter.champion.state_dict().items():
         torch.testing.assert_close(again.adapter.champion.state_dict()[k], v)
+
+
+def test_adapt_curves_replays_the_captured_answers_per_setting(tiny_model_dir, tmp_path, capsys):
+    from eval.adapt_curves import load_records, main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": f"k-{i}", "category": "k",
+                                             "turns": [f"question {i} about something"]}) + "\n" for i in range(5)))
+    records = tmp_path / "answers.safetensors"
+    argv = ["--target", str(tiny_model_dir), "--draft", "random", "--questions", str(questions),
+            "--max-new-tokens", "16", "--records", str(records), "--settings",
+            '{"replay": 0, "judge_tokens": 16, "batch_tokens": 128}', '{"replay": 0, "moves": "layer"}']
+    assert main(argv) == 0
+    assert len(load_records(str(records))) == 5
+    first = capsys.readouterr().out
+    assert first.count("| `{") == 2 and "fifth 5" in first
+    assert main(argv) == 0                            # the second run replays the file: the same curves
+    assert capsys.readouterr().out == first
+    assert main(argv[:-2] + ['{"learning": 1}']) == 1   # one line: unknown learner settings

@@ -85,7 +85,11 @@ class Capture:
         ids = torch.tensor(tokens[first:first + n], dtype=torch.long)
         mask = torch.zeros(n, dtype=torch.bool)
         mask[max(begin, 0):] = True
-        record = Captured(ids, mask, hidden, taps)
+        self.put(Captured(ids, mask, hidden, taps), answer_tokens)
+
+    def put(self, record: Captured, answer_tokens: int | None = None) -> None:
+        """Store a record (`finish`; eval.adapt_curves replays stored ones)."""
+        answer_tokens = int(record.loss_mask.sum()) if answer_tokens is None else answer_tokens
         with self._lock:
             self._records.append(record)
             self._tokens += len(record)

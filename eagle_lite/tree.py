@@ -219,7 +219,8 @@ def log_floor(min_prob: float) -> float:
 def top_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V_draft] -> (log-probabilities, target token ids) [R, min(k, V_draft)]: each row's likeliest
-    next tokens, best first. vocab: [V_draft] the target id of each draft token (None: the same ids)."""
+    next tokens, best first (k 1: one max, cheaper than a top-k on a CPU). vocab: [V_draft] the target id of each
+    draft token (None: the same ids)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     scores, ids = logp.max(dim=-1, keepdim=True) if k == 1 else logp.topk(min(k, logits.shape[-1]), dim=-1)
     return scores, ids if vocab is None else vocab[ids]

@@ -91,5 +91,5 @@ def test_rerank_keeps_a_connected_tree_when_a_broken_draft_scores_nan():
     scores = torch.tensor([-3.4, -3.5, -3.6, nan, nan, nan, nan, nan, nan])   # the root's children, then theirs
     parents = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])                      # by number: candidate c is c + 1
     kept, tree_parents = rerank(scores, parents, 5)
-    assert all(p <= j for j, p in enumerate(tree_parents.tolist()))                   # every kept node's parent is kept first
+    assert all(p <= j for j, p in enumerate(tree_parents.tolist()))   # every kept node's parent is kept first
     assert kept[:3].tolist() == [0, 1, 2]

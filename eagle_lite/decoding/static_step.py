@@ -12,10 +12,10 @@ tensor op:
   S slots of the buffer under a boolean mask [1, 1, T, S] (`slot_mask`): the committed prefix, plus the tree
   block's own ancestors. The committed length lives on the device.
 - the draft tree (`static_tree.py`): EAGLE-2's top-k expansion with a fixed `top_k` and `depth`, reranked to
-  `total_tokens` by cumulative log-probability, exactly as drafters/eagle.py does, but in tensors: parents by index
-  arithmetic, the ancestor mask by `depth` gathers (`tree_ancestors`), then padded to a bucket size (`BUCKETS`) with
-  masked-out nodes that can never be accepted. A tree's shapes depend only on (top_k, depth, total_tokens), so each
-  bucket has one verify graph.
+  `total_tokens` by cumulative log-probability, grown by the code drafters/eagle.py grows its trees with
+  (tree.py: `top_children`, `Growth`, `rerank`), then the ancestor mask by `depth` gathers and the tree padded to a
+  bucket size (`BUCKETS`) with masked-out nodes that can never be accepted. A tree's shapes depend only on
+  (top_k, depth, total_tokens), so each bucket has one verify graph.
 - acceptance (`accept_greedy`): node i matches when its token is the target's argmax at its parent; a node is
   accepted when all its ancestors match; the deepest accepted node ends the path, and its argmax is the bonus.
   That is the target's greedy output, token for token, as accept.py's walk is.
@@ -27,11 +27,21 @@ which the caller needs anyway to print, stop at EOS and count the budget; on CUD
 while the next step already runs (`StaticEngine._ahead`). The prompt's prefill runs eagerly (its length varies);
 so does the draft head's read of the prompt.
 
+What of the engine drafter's tree building stays apart, because it reads the device or sizes tensors by the data:
+- the head forwards around the growth: the drafter appends the tree's nodes to its growing cache, their masks
+  sized by the nodes written so far; here they go to fixed draft-cache slots under masks built once per shape.
+- min_prob: the drafter stops expanding once no frontier node reaches it and shrinks the rerank's budget to the
+  nodes that do; here every level is expanded, `total_tokens` nodes are kept and the unlikely ones marked invalid
+  (verified, never accepted: the same tokens come out).
+- top_k 1: the drafter's greedy chain (`greedy_chain_steps`) reads each token back to stop early; here a chain is
+  grown as any other top-k tree.
+- the tree itself: the drafter's `DraftTree` is built on the host; here `StaticTree`'s buffers are written in place.
+
 `StaticEngine` runs it with the engine's interface (`generate`, `stream`). Greedy only: sampling stays with the
 engine (a clear error here). The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left
-out; `min_prob` masks nodes instead of shrinking the tree. On CUDA the draft step and each bucket's verify step
-are captured in CUDA graphs (`mode="cuda-graph"`), or compiled (`mode="compile"` or `"reduce-overhead"`); on a
-CPU the same code runs eagerly, or compiled. docs/gpu.md has the design and the GPU commands.
+out. On CUDA the draft step and each bucket's verify step are captured in CUDA graphs (`mode="cuda-graph"`), or
+compiled (`mode="compile"` or `"reduce-overhead"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md
+has the design and the GPU commands.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from .targets.loading import load_target
 from .targets.model import Target
 from .text.chat_format import chat_ids, clean_text
 from .text.detokenize import Detokenizer
+
+if TYPE_CHECKING:
+    from .decoding.static_step import StaticEngine
 
 
 @dataclass
@@ -207,6 +211,15 @@ def engine_for(target: Target, method: str | Drafter | None = registry.AUTO, opt
     assembled: the pipeline, the server, custom_generate and eval all come here."""
     drafter = registry.build(method, target, options) if isinstance(method, str) else method
     return Engine(target, drafter)
+
+
+def static_engine_for(target: Target, head=None, mode: str = "auto", **options) -> StaticEngine:
+    """The fixed-shape step's engine (decoding/static_step.py) for `target`: plain decoding (head None) or greedy
+    EAGLE with `head`, its steps run in `mode` (`static_step.MODES`); options: StaticEngine's others (max_len,
+    profile, compile_backend, lookahead, fused). The one place a `StaticEngine` is assembled for eval."""
+    from .decoding.static_step import StaticEngine
+
+    return StaticEngine(target, head, mode=mode, **options)
 
 
 def for_target(target: Target, method: str = registry.AUTO, options=None) -> Pipeline:

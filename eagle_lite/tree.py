@@ -1,4 +1,4 @@
-"""Draft trees: the nodes a drafter proposes, their ancestor mask, and the EAGLE-2 rerank.
+"""Draft trees: the nodes a drafter proposes, their ancestor mask, and EAGLE-2's tree growth and rerank.
 
 Node 0 is always the root: the last token already chosen (by the target) but not yet in its KV cache.
 Every other node is a drafted guess; `parents[i] < i`, so nodes are in topological order and a
@@ -205,20 +205,107 @@ def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
                      likely=tree.likely)
 
 
-def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> tuple[torch.Tensor, list[int]]:
-    """EAGLE-2's rerank: keep the `budget` drafted nodes of highest cumulative log-probability.
+# -- EAGLE-2's tree growth, in tensor ops ------------------------------------------------------------------
+# One implementation for both drafting paths: the engine's drafter (drafters/eagle.py `grow_tree_steps`) and the
+# fixed-shape step (decoding/static_step.py `StaticEngine.draft_step`, captured in a CUDA graph). Nothing below
+# reads the device from the host or changes a shape with the data; what does (the engine's early stop under
+# min_prob, its budget, its DraftTree) stays with the engine.
 
-    scores: [M] cumulative log-prob of each candidate; parents: [M] index of each candidate's parent
-    candidate, -1 for the root's children. Candidates must be listed parents-first. Because a child's
-    score never exceeds its parent's, and a stable sort keeps parents ahead of equal-scored children,
-    the kept set is always a connected tree.
-    Returns (kept candidate indices in topological order [K], parent of each kept node as a tree index
-    where 0 is the root and kept node j is tree node j + 1).
+def log_floor(min_prob: float) -> float:
+    """The path log-probability a node needs to be worth verifying under `TreeConfig.min_prob` (-inf: any)."""
+    return math.log(min_prob) if min_prob > 0 else -math.inf
+
+
+def top_children(logits: torch.Tensor, k: int, vocab: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V_draft] -> (log-probabilities, target token ids) [R, min(k, V_draft)]: each row's likeliest
+    next tokens, best first (k 1: one max, cheaper than a top-k on a CPU). vocab: [V_draft] the target id of each
+    draft token (None: the same ids)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    scores, ids = logp.max(dim=-1, keepdim=True) if k == 1 else logp.topk(min(k, logits.shape[-1]), dim=-1)
+    return scores, ids if vocab is None else vocab[ids]
+
+
+def candidate_parents(levels: list[tuple[int, int]]) -> list[int]:
+    """Each candidate's parent as an index into the expanded nodes (the root first, then each frontier in order),
+    for a growth of `levels` ((nodes expanded, children each) per level, `Growth.levels`). A sampled tree's
+    candidate draws from its parent's distribution, the parent's index among the expanded nodes."""
+    parents, first = [], 0
+    for nodes, per in levels:
+        parents += [first + i for i in range(nodes) for _ in range(per)]
+        first += nodes
+    return parents
+
+
+class Growth:
+    """The candidates of EAGLE-2's tree growth and the frontier the next expansion reads.
+
+    Candidates are numbered from 1 in the order they are drafted (0: the root): the root's children, then each
+    expansion's, a frontier node's children together, best first. Each has a value (what the frontier and the
+    rerank rank by) and a path log-probability `cum` (what its children's values start from); for the top-k tree
+    (`add_top`, `choose`) both are the cumulative log-probability. `levels` holds each level's shape, (nodes
+    expanded, children each), from which the candidates' parents follow (`candidate_parents`).
+
+    values, cum, tokens: [c] the root's children. first: [r + 1] arange, the numbers of the root and of the first
+    frontier (the root's first r children), passed in so that a caller can keep it on the device."""
+
+    def __init__(self, values: torch.Tensor, cum: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor) -> None:
+        r = first.numel() - 1
+        self.values, self.cum, self.tokens = [values], [cum], [tokens]
+        self.expanded = [first]             # the numbers of the nodes each level expands, the root (0) first
+        self.levels = [(1, values.numel())]
+        self.size = values.numel()          # candidates drafted
+        self.front_cum, self.front_tokens = cum[:r], tokens[:r]
+
+    def add(self, values: torch.Tensor, cum: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The frontier's children, [r, c] each: row i holds frontier node i's."""
+        self.levels.append((values.shape[0], values.shape[1]))
+        self.values.append(values.flatten())
+        self.cum.append(cum.flatten())
+        self.tokens.append(tokens.flatten())
+        self.size += values.numel()
+
+    def add_top(self, logp: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The frontier's children ranked by path log-probability: logp and tokens [r, c] (`top_children`), or [1, c]
+        where every frontier node has the same children (a parallel head's level)."""
+        values = self.front_cum[:, None] + logp
+        self.add(values, values, tokens.expand_as(values))
+
+    def choose(self, k: int) -> torch.Tensor:
+        """The top-k tree's next frontier: the last level's k likeliest candidates (`follow`)."""
+        last = self.values[-1]
+        front_cum, best = last.topk(min(k, last.numel()))
+        return self.follow(best, front_cum)
+
+    def follow(self, best: torch.Tensor, front_cum: torch.Tensor | None = None) -> torch.Tensor:
+        """Make the last level's candidates `best` (indices into it) the next frontier; front_cum: their cum where the
+        caller has it. Returns each one's parent's row in the last expansion."""
+        self.expanded.append(best + (self.size - self.values[-1].numel() + 1))
+        self.front_cum = self.cum[-1][best] if front_cum is None else front_cum
+        self.front_tokens = self.tokens[-1][best]
+        return best // self.levels[-1][1]
+
+    def parents(self, parent_of: torch.Tensor) -> torch.Tensor:
+        """[size] each candidate's parent's number (0: the root); parent_of: `candidate_parents(self.levels)`."""
+        return torch.cat(self.expanded)[parent_of]
+
+
+def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int, slots: torch.Tensor | None = None,
+           nodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2's rerank: keep the `budget` drafted nodes of highest score (cumulative log-probability).
+
+    scores: [M] each candidate's score; parents: [M] each candidate's parent's number (0: the root, candidate c:
+    c + 1; `Growth.parents`). Candidates must be listed parents-first. Because a child's score never exceeds its
+    parent's, and a stable sort keeps parents ahead of equal-scored children, the kept set is always a connected
+    tree. Returns (kept candidate indices in topological order [K], the parent of each kept node as a tree index
+    [K], where 0 is the root and kept node j is tree node j + 1). slots ([M + 1] long zeros) and nodes
+    (arange(1, K + 1)): where the caller keeps them on the device.
     """
     scores = scores.nan_to_num(nan=-math.inf)   # a broken draft's NaN would sort anywhere (its tree stays exact)
     order = torch.sort(scores, descending=True, stable=True).indices[:budget]
     kept = torch.sort(order).values  # candidate order is topological, so sorting indices keeps it
-    kept_list, parent_of = kept.tolist(), parents.tolist()
-    slot = {c: j + 1 for j, c in enumerate(kept_list)}
-    tree_parents = [0 if parent_of[c] < 0 else slot[parent_of[c]] for c in kept_list]
-    return kept, tree_parents
+    if slots is None:
+        slots = torch.zeros(scores.numel() + 1, dtype=torch.long, device=scores.device)
+    if nodes is None:
+        nodes = torch.arange(1, kept.numel() + 1, device=scores.device)
+    return kept, slots.index_copy(0, kept + 1, nodes)[parents[kept]]   # a candidate's number -> its tree node

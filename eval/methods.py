@@ -24,10 +24,9 @@ import torch
 
 from eagle_lite.config import GenerationConfig
 from eagle_lite.decoding.engine import Engine
-from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.registry import eagle_head
-from eagle_lite.pipeline import engine_for
+from eagle_lite.pipeline import engine_for, static_engine_for
 from eagle_lite.targets.loading import gguf_file
 from eagle_lite.targets.model import Target
 
@@ -136,7 +135,7 @@ def engine_method(engine: Engine) -> Method:
 
 def static_method(target: Target, head=None, mode: str = "auto", max_len: int | None = None) -> Method:
     """The fixed-shape step (static_step.StaticEngine): plain decoding (head None) or EAGLE with `head`."""
-    return engine_method(StaticEngine(target, head, mode=mode, max_len=max_len))
+    return engine_method(static_engine_for(target, head, mode, max_len=max_len))
 
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")

@@ -25,10 +25,9 @@ import torch
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine, add_choices
-from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.drafters import registry
 from eagle_lite.options import TARGET_HELP, add_device_flags, add_static_flag
-from eagle_lite.pipeline import engine_for
+from eagle_lite.pipeline import engine_for, static_engine_for
 from eagle_lite.targets.loading import load_target
 from eagle_lite.text.chat_format import chat_ids
 from eagle_lite.threads import check_threads, set_threads
@@ -112,13 +111,13 @@ def run(args: argparse.Namespace) -> int:
     plain = GenerationConfig(args.max_new_tokens, sampling=sampling, seed=0)
     runs = [("vanilla", engine_for(target, "vanilla"), plain)]
     if args.static:
-        runs.append(("vanilla (static)", StaticEngine(target, None, mode=args.static, profile=True), plain))
+        runs.append(("vanilla (static)", static_engine_for(target, None, args.static, profile=True), plain))
     runs.append(("lookup", engine_for(target, "lookup"), plain))
     for tree in args.trees:
         cfg = GenerationConfig(args.max_new_tokens, tree=tree, sampling=sampling, seed=0)
         runs.append((tree_label(tree), engine_for(target, "eagle", registry.EagleOptions(head=head)), cfg))
         if args.static:
-            runs.append((f"{tree_label(tree)} (static)", StaticEngine(target, head, mode=args.static, profile=True),
+            runs.append((f"{tree_label(tree)} (static)", static_engine_for(target, head, args.static, profile=True),
                          cfg))
     auto = engine_for(target, "auto", registry.EagleOptions(head=head))
     runs.append(("auto", auto, GenerationConfig(args.max_new_tokens, tree=auto.drafter.recommended_tree,

@@ -43,6 +43,7 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
+from eagle_lite.pipeline import static_engine_for
 from eagle_lite.threads import check_threads, set_threads
 
 from .tuning import ints, tree_spec
@@ -168,8 +169,8 @@ def measure(target, head, args) -> dict:
     trees = args.trees or [head_tree(head)]
     with torch.inference_mode():
         for mode in args.modes:
-            plain = StaticEngine(target, None, mode=mode)
-            eagle = StaticEngine(target, head, mode=mode)
+            plain = static_engine_for(target, None, mode)
+            eagle = static_engine_for(target, head, mode)
             with plain._running(), eagle._running():
                 out["verify"][mode] = {n: verify_ms(plain if n == 1 else eagle, prompt, n, args.reps)
                                        for n in args.sizes}
@@ -213,7 +214,7 @@ def count_ops(target, head, args) -> list:
     tree = args.trees[0] if args.trees else TreeConfig(depth=6, top_k=10, total_tokens=60)
     cfg = GenerationConfig(max_new_tokens=args.count_tokens, stop_at_eos=False, tree=tree)
     with torch.inference_mode():
-        return [count_generation(StaticEngine(target, h, mode="eager"), prompts, cfg) for h in (None, head)]
+        return [count_generation(static_engine_for(target, h, "eager"), prompts, cfg) for h in (None, head)]
 
 
 def count_prompts(target, args) -> list[list[int]]:

@@ -41,11 +41,11 @@ def test_rerank_keeps_the_best_connected_nodes_with_their_parents():
         for p in parents:   # a child never scores above its parent
             scores.append((0.0 if p < 0 else scores[p]) - rng.random())
         budget = rng.randint(0, m)
-        kept, tree_parents = rerank(torch.tensor(scores), torch.tensor(parents), budget)
+        kept, tree_parents = rerank(torch.tensor(scores), torch.tensor(parents) + 1, budget)   # by number: c + 1
         best = sorted(range(m), key=lambda c: -scores[c])[:budget]
         assert kept.tolist() == sorted(best)
         slot = {c: j + 1 for j, c in enumerate(kept.tolist())}
-        assert tree_parents == [0 if parents[c] < 0 else slot[parents[c]] for c in kept.tolist()]
+        assert tree_parents.tolist() == [0 if parents[c] < 0 else slot[parents[c]] for c in kept.tolist()]
 
 
 def reference_chain(table: torch.Tensor, root: int, tree: TreeConfig) -> list[int]:

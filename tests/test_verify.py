@@ -76,12 +76,12 @@ def test_attention_mask_shows_prefix_and_ancestors():
 
 
 def test_rerank_keeps_a_connected_tree_of_the_best_nodes():
-    # candidates: 0,1 are root children; 2,3 children of 0; 4 child of 1; 5 child of 2
+    # candidates: 0,1 are root children; 2,3 children of 0; 4 child of 1; 5 child of 2 (parents by number: c + 1)
     scores = torch.tensor([-0.1, -2.0, -0.5, -0.5, -2.5, -0.5])
-    parents = torch.tensor([-1, -1, 0, 0, 1, 2])
+    parents = torch.tensor([0, 0, 1, 1, 2, 3])
     kept, tree_parents = rerank(scores, parents, budget=4)
     assert kept.tolist() == [0, 2, 3, 5]          # ties keep parents first, 1 and 4 drop
-    assert tree_parents == [0, 1, 1, 2]           # tree node j+1 for kept[j]
+    assert tree_parents.tolist() == [0, 1, 1, 2]  # tree node j+1 for kept[j]
     with pytest.raises(ValueError, match="parent"):
         DraftTree(torch.tensor([1, 2]), [-1, 1])
 
@@ -89,7 +89,7 @@ def test_rerank_keeps_a_connected_tree_of_the_best_nodes():
 def test_rerank_keeps_a_connected_tree_when_a_broken_draft_scores_nan():
     nan = float("nan")
     scores = torch.tensor([-3.4, -3.5, -3.6, nan, nan, nan, nan, nan, nan])   # the root's children, then theirs
-    parents = torch.tensor([-1, -1, -1, 0, 0, 0, 1, 1, 1])
+    parents = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])                      # by number: candidate c is c + 1
     kept, tree_parents = rerank(scores, parents, 5)
-    assert all(p <= j for j, p in enumerate(tree_parents))                   # every kept node's parent is kept first
+    assert all(p <= j for j, p in enumerate(tree_parents.tolist()))   # every kept node's parent is kept first
     assert kept[:3].tolist() == [0, 1, 2]

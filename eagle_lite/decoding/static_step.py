@@ -12,10 +12,10 @@ tensor op:
   S slots of the buffer under a boolean mask [1, 1, T, S] (`slot_mask`): the committed prefix, plus the tree
   block's own ancestors. The committed length lives on the device.
 - the draft tree (`static_tree.py`): EAGLE-2's top-k expansion with a fixed `top_k` and `depth`, reranked to
-  `total_tokens` by cumulative log-probability, exactly as drafters/eagle.py does, but in tensors: parents by index
-  arithmetic, the ancestor mask by `depth` gathers (`tree_ancestors`), then padded to a bucket size (`BUCKETS`) with
-  masked-out nodes that can never be accepted. A tree's shapes depend only on (top_k, depth, total_tokens), so each
-  bucket has one verify graph.
+  `total_tokens` by cumulative log-probability, grown by the code drafters/eagle.py grows its trees with
+  (tree.py: `top_children`, `Growth`, `rerank`), then the ancestor mask by `depth` gathers and the tree padded to a
+  bucket size (`BUCKETS`) with masked-out nodes that can never be accepted. A tree's shapes depend only on
+  (top_k, depth, total_tokens), so each bucket has one verify graph.
 - acceptance (`accept_greedy`): node i matches when its token is the target's argmax at its parent; a node is
   accepted when all its ancestors match; the deepest accepted node ends the path, and its argmax is the bonus.
   That is the target's greedy output, token for token, as accept.py's walk is.
@@ -27,17 +27,26 @@ which the caller needs anyway to print, stop at EOS and count the budget; on CUD
 while the next step already runs (`StaticEngine._ahead`). The prompt's prefill runs eagerly (its length varies);
 so does the draft head's read of the prompt.
 
+What of the engine drafter's tree building stays apart, because it reads the device or sizes tensors by the data:
+- the head forwards around the growth: the drafter appends the tree's nodes to its growing cache, their masks
+  sized by the nodes written so far; here they go to fixed draft-cache slots under masks built once per shape.
+- min_prob: the drafter stops expanding once no frontier node reaches it and shrinks the rerank's budget to the
+  nodes that do; here every level is expanded, `total_tokens` nodes are kept and the unlikely ones marked invalid
+  (verified, never accepted: the same tokens come out).
+- top_k 1: the drafter's greedy chain (`greedy_chain_steps`) reads each token back to stop early; here a chain is
+  grown as any other top-k tree.
+- the tree itself: the drafter's `DraftTree` is built on the host; here `StaticTree`'s buffers are written in place.
+
 `StaticEngine` runs it with the engine's interface (`generate`, `stream`). Greedy only: sampling stays with the
 engine (a clear error here). The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left
-out; `min_prob` masks nodes instead of shrinking the tree. On CUDA the draft step and each bucket's verify step
-are captured in CUDA graphs (`mode="cuda-graph"`), or compiled (`mode="compile"` or `"reduce-overhead"`); on a
-CPU the same code runs eagerly, or compiled. docs/gpu.md has the design and the GPU commands.
+out. On CUDA the draft step and each bucket's verify step are captured in CUDA graphs (`mode="cuda-graph"`), or
+compiled (`mode="compile"` or `"reduce-overhead"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md
+has the design and the GPU commands.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
@@ -48,6 +57,7 @@ from ..config import STATIC_MODES, GenerationConfig, TreeConfig
 from ..kernels.accelerate import stock
 from ..kernels.attention import KEYS, resolve_backend, select_attention
 from ..kv_cache import cache_keyword
+from ..tree import Growth, candidate_parents, log_floor, rerank, top_children
 from .device_kv_cache import DeviceKVCache, slot_mask
 from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
 from .static_stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
@@ -81,9 +91,8 @@ class DraftConstants:
     chain_vis: torch.Tensor       # [depth - 1, W] bool: a parallel head's mask row d and those before it (slot d, 0)
     zero1: torch.Tensor           # [1] long 0
     true1: torch.Tensor           # [1] bool True
-    first_front: torch.Tensor     # [k] candidates 1..k: the root's children
-    bases: list[int]              # expansion d's children are candidates bases[d] + (row * k + child)
-    parent_of: torch.Tensor       # [C]: each candidate's parent as an index into cat(the frontiers, root first)
+    first: torch.Tensor           # [k + 1] arange: the numbers of the root and its children (`tree.Growth`)
+    parent_of: torch.Tensor       # [C] each candidate's parent as an index into the expanded nodes (`Growth.parents`)
     no_slot: torch.Tensor         # [C + 1] long zeros
     tree_nodes: torch.Tensor      # [n] arange(1, n + 1): the kept candidates' nodes
     level_of: torch.Tensor        # [C] each candidate's depth in the tree
@@ -100,15 +109,15 @@ def draft_constants(tree: TreeConfig, bucket: int, slots: int, device) -> DraftC
     k, depth = tree.top_k, tree.depth
     levels, width = depth - 1, max(k * (depth - 1), 1)
     main = slots - k * (depth - 1)
-    cands = k + levels * k * k
+    shape = [(1, k)] + [(k, k)] * levels                       # `Growth.levels`: every frontier holds k nodes
+    cands = sum(nodes * per for nodes, per in shape)
     kept = min(tree.total_tokens, cands)
     pad = bucket - 1 - kept
     kk = torch.arange(k)
     own = torch.zeros(max(levels, 1), k, width, dtype=torch.bool)
     for d in range(levels):
         own[d, kk, d * k + kk] = True
-    parent_of = [0] * k + [1 + d * k + i for d in range(levels) for i in range(k) for _ in range(k)]
-    level_of = [1] * k + [d + 2 for d in range(levels) for _ in range(k * k)]
+    level_of = [d + 1 for d, (nodes, per) in enumerate(shape) for _ in range(nodes * per)]
     long = dict(dtype=torch.long, device=device)
     return DraftConstants(
         read_rows=torch.arange(depth + 1, device=device),
@@ -119,8 +128,8 @@ def draft_constants(tree: TreeConfig, bucket: int, slots: int, device) -> DraftC
         no_ancestors=torch.zeros(k, width, dtype=torch.bool, device=device),
         chain_vis=(own[:, 0].long().cumsum(0) > 0).to(device),
         zero1=torch.zeros(1, **long), true1=torch.ones(1, dtype=torch.bool, device=device),
-        first_front=torch.arange(1, k + 1, device=device), bases=[1 + k + (d - 1) * k * k for d in range(depth)],
-        parent_of=torch.tensor(parent_of, **long), no_slot=torch.zeros(cands + 1, **long),
+        first=torch.arange(k + 1, device=device), parent_of=torch.tensor(candidate_parents(shape), **long),
+        no_slot=torch.zeros(cands + 1, **long),
         tree_nodes=torch.arange(1, kept + 1, device=device), level_of=torch.tensor(level_of, **long),
         pad_zeros=torch.zeros(pad, **long), pad_ones=torch.ones(pad, **long),
         valid=torch.arange(bucket, device=device) <= kept, eye=torch.eye(bucket, dtype=torch.bool, device=device),
@@ -387,17 +396,17 @@ class StaticEngine:
             h = rms_norm(norm, h)                                          # logit_features in one op
         else:
             h = self.head.logit_features(h)
-        logits = h @ self._lm_weight.t()
-        scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        return scores, (ids if self.head.d2t is None else self.head.d2t[ids])
+        return top_children(h @ self._lm_weight.t(), k, self.head.d2t)
 
     # -- the steps ------------------------------------------------------------------------------------
     def draft_step(self) -> None:
         """Read the features the last step produced, then grow the tree under the root into `state.tree`.
 
-        Everything that depends only on the tree's shape is built once in `_prepare` (`DraftConstants`): the
-        expansions write the draft cache at fixed slots past the main region, so their mask is the prefix (one
-        comparison a step) beside their block; the rotary tables of all expansions come from one call.
+        The tree grows through `tree.Growth` and is reranked by `tree.rerank`, as drafters/eagle.py grows its own;
+        what differs is only what fixed shapes demand (module docstring). Everything that depends only on the
+        tree's shape is built once in `_prepare` (`DraftConstants`): the expansions write the draft cache at fixed
+        slots past the main region, so their mask is the prefix (one comparison a step) beside their block; the
+        rotary tables of all expansions come from one call.
 
         A parallel head (`DraftHead.parallel`) runs its depth - 1 mask rows in one more forward instead of the
         expansions, at the first slot of each expansion level; each level's children are then that row's top-k,
@@ -410,10 +419,9 @@ class StaticEngine:
         at = start + c.read_rows
         h = self._head(s.feats, s.emitted, at, slot_mask(start, c.causal, c.cols, at), at)   # D+1 H
         h_root = h.index_select(0, s.n.view(1) - 1)                        # 1 H: predicts the root's feature
-        # 2. the root's children, then depth - 1 expansions of the best-k frontier (drafters/eagle.py)
-        scores, tokens = self._head_top_k(h_root, k)                       # 1 k
-        cand_scores, cand_tokens, fronts = [scores[0]], [tokens[0]], [c.zero1, c.first_front]
-        front_scores, front_tokens = scores[0], tokens[0]
+        # 2. the root's children, then depth - 1 expansions of the best-k frontier
+        logp, tokens = self._head_top_k(h_root, k)                         # 1 k
+        growth = Growth(logp[0], logp[0], tokens[0], c.first)
         front_h = h_root.expand(k, -1)
         front_anc = c.no_ancestors                                         # k W: ancestors among expansion slots
         if depth > 1:
@@ -422,43 +430,33 @@ class StaticEngine:
                 mask = torch.cat([(c.main_cols < s.length).expand(depth - 1, -1), c.chain_vis], dim=1)[None, None]
                 mask_hidden, mask_embeds = self.head.mask_rows(depth - 1, s.feats.dtype)
                 h = self._head(mask_hidden, None, positions, mask, c.expansion_slots[:, 0], embeds=mask_embeds)
-                level_scores, level_tokens = self._head_top_k(h, k)        # depth-1 k
+                level_logp, level_tokens = self._head_top_k(h, k)          # depth-1 k
             else:
                 prefix = (c.main_cols < s.length).expand(k, -1)            # k main: the committed slots
                 rotary = self._head_rotary(s.feats, positions)
         for d in range(1, depth):
-            if parallel:
-                scores, tokens = level_scores[d - 1].expand(k, -1), level_tokens[d - 1].expand(k, -1)   # k k
+            if parallel:                                                   # every frontier node: the row's top-k
+                growth.add_top(level_logp[d - 1:d], level_tokens[d - 1:d])
             else:
                 vis = front_anc | c.own[d - 1]                             # k W: each frontier node and its path
                 mask = torch.cat([prefix, vis], dim=1)[None, None]
-                h = self._head(front_h, front_tokens, positions[d - 1].expand(k), mask, c.expansion_slots[d - 1],
+                h = self._head(front_h, growth.front_tokens, positions[d - 1].expand(k), mask,
+                               c.expansion_slots[d - 1],
                                None if rotary is None else tuple(r[d - 1].expand(k, -1, -1) for r in rotary))   # k H
-                scores, tokens = self._head_top_k(h, k)                    # k k
-            cum = (front_scores[:, None] + scores).flatten()               # k*k
-            cand_scores.append(cum)
-            cand_tokens.append(tokens.flatten())
+                growth.add_top(*self._head_top_k(h, k))                    # k k
             if d < depth - 1:                                              # the next frontier
-                front_scores, best = cum.topk(k)
-                fronts.append(best + c.bases[d])
-                parent_row = best // k
-                front_tokens = tokens.flatten()[best]
+                parent_row = growth.choose(k)
                 if not parallel:
-                    front_h = h[parent_row]
-                    front_anc = vis[parent_row]
-        # 3. rerank: the total_tokens best candidates by cumulative log-probability (tree.rerank, in tensors).
-        #    Candidates count from 1 (0: the root), so a parent index needs no special case.
-        scores = torch.cat(cand_scores).nan_to_num(nan=-math.inf)
-        order = torch.sort(scores, descending=True, stable=True).indices[:tree_cfg.total_tokens]
-        kept = torch.sort(order).values                                    # candidate order is topological
-        parents = torch.cat(fronts)[c.parent_of][kept]                     # candidates' parents, 0: the root
-        slot_of = c.no_slot.index_copy(0, kept + 1, c.tree_nodes)          # candidate -> its node in the tree
+                    front_h, front_anc = h[parent_row], vis[parent_row]
+        # 3. rerank: the total_tokens best candidates (tree.rerank); min_prob masks the unlikely ones
+        scores = torch.cat(growth.values)
+        kept, parents = rerank(scores, growth.parents(c.parent_of), tree_cfg.total_tokens, c.no_slot, c.tree_nodes)
         t = s.tree
-        torch.cat([c.zero1, slot_of[parents], c.pad_zeros], out=t.parents)
-        torch.cat([s.root, torch.cat(cand_tokens)[kept], c.pad_zeros], out=t.tokens)
+        torch.cat([c.zero1, parents, c.pad_zeros], out=t.parents)
+        torch.cat([s.root, torch.cat(growth.tokens)[kept], c.pad_zeros], out=t.tokens)
         torch.cat([c.zero1, c.level_of[kept], c.pad_ones], out=t.depths)
         if tree_cfg.min_prob > 0:                                          # unlikely nodes: verified, never accepted
-            torch.cat([c.true1, scores[kept] >= math.log(tree_cfg.min_prob), c.pad_zeros.bool()], out=t.valid)
+            torch.cat([c.true1, scores[kept] >= log_floor(tree_cfg.min_prob), c.pad_zeros.bool()], out=t.valid)
         else:
             t.valid.copy_(c.valid)
         t.ancestors.copy_(c.eye)                                           # depth gathers up the parent pointers

@@ -40,7 +40,7 @@ from ..decoding.drafter import DraftInput, Proposal, propose_together
 from ..heads.draft import DraftHead
 from ..kernels import MAX_GRID_ROWS, accelerate_head, draft_vocab_grid, few_rows_product
 from ..kv_cache import StaticKVCache
-from ..tree import DraftTree, SampledRows, rerank
+from ..tree import DraftTree, Growth, SampledRows, candidate_parents, log_floor, rerank, top_children
 
 
 class EagleDrafter:
@@ -310,76 +310,70 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
                     size: int | None = None, first_min_prob: float | None = None
                     ) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
     """EAGLE-2's dynamic tree from a draft's logits: the root's children, then `depth - 1` expansions of the best
-    frontier, then the rerank to `total_tokens` (and `min_prob`).
+    frontier, then the rerank to `total_tokens` (and `min_prob`), grown through `tree.Growth` as the static step
+    grows its own.
 
     root_logits: [1, V_draft] the draft's logits after the root. Each expansion yields (parent_row [r], tokens [r])
     and is sent [r, V_draft]: the draft's logits after each frontier node, given its parent's row in the previous
     expansion's output (the root's: 0) and its own token (`grow_tree`: an `expand` function answers). vocab:
     [V_draft] the target id of each draft token (None: the same ids); size: the target's vocabulary size (sampled
     trees); first_min_prob: a greedy top-1 chain's floor for its first token (`greedy_chain_steps`).
-    sampling None: each node's k likeliest children, ranked by path log-probability. Else children are drawn from
-    q = target_probs(logits, sampling) and ranked by value (`sampled_values`); the tree carries `SampledRows`.
-    Each candidate has a value (what the frontier and the rerank rank by) and a path log-probability `cum` (its
-    children's values start from it); for the top-k tree both are the cumulative log-probability."""
+    sampling None: each node's k likeliest children (`top_children`), ranked by path log-probability. Else children
+    are drawn from q = target_probs(logits, sampling) and ranked by value (`sampled_values`); the tree carries
+    `SampledRows`. Expansion stops early where no frontier node reaches min_prob, and the rerank keeps only the
+    nodes that do."""
     k, dev = tree.top_k, root_logits.device
     sampled = sampling is not None
     if k == 1 and not sampled:
         return (yield from greedy_chain_steps(root, root_logits, tree, vocab, first_min_prob))
     dists: list[torch.Tensor] = []                           # sampled: the q of each expanded node, root first
 
-    def children(logits: torch.Tensor, parent_cum: torch.Tensor):
-        if not sampled:
-            scores, ids = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)   # k > V_draft: all
-            values = parent_cum[:, None] + scores
-            return values, values, ids if vocab is None else vocab[ids]
+    def drawn(logits: torch.Tensor, parent_cum: torch.Tensor):
         q, p, ids = _draw(logits, k, sampling, generator)
         dists.append(q)
         values, cum = sampled_values(parent_cum, p)
         return values, cum, ids if vocab is None else vocab[ids]
 
-    values, cum, tokens = children(root_logits, torch.zeros(1, device=dev))   # 1 k
-    valid = int((values[0] > -math.inf).sum()) if sampled else values.shape[1]
-    cand_values, cand_tokens, cand_cum = [values[0]], [tokens[0]], [cum[0]]
-    cand_parents = [torch.full((values.shape[1],), -1, device=dev)]
-    cand_source = [torch.zeros(values.shape[1], dtype=torch.long, device=dev)]  # sampled: the row in `dists`
-    front = torch.arange(valid, device=dev)                  # candidate index of each frontier node
-    front_cum, front_tokens = cum[0, :valid], tokens[0, :valid]   # r
-    parent_row = torch.zeros(valid, dtype=torch.long, device=dev)
-    floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf   # path log-prob worth verifying
-    for _ in range(1, tree.depth):
-        r = front.numel()
-        if r == 0 or (tree.min_prob > 0 and float(front_cum.max()) < floor):
+    if sampled:
+        values, cum, tokens = drawn(root_logits, torch.zeros(1, device=dev))     # 1 k
+        valid = int((values[0] > -math.inf).sum())
+    else:
+        values, tokens = top_children(root_logits, k, vocab)
+        cum, valid = values, values.shape[1]
+    growth = Growth(values[0], cum[0], tokens[0], torch.arange(valid + 1, device=dev))
+    parent_row = torch.zeros(valid, dtype=torch.long, device=dev)   # the root's children read the root's row
+    floor = log_floor(tree.min_prob)
+    for level in range(1, tree.depth):
+        if level > 1:
+            parent_row = growth.follow(_sampled_frontier(growth.values[-1], k)) if sampled else growth.choose(k)
+        front = growth.front_cum
+        if front.numel() == 0 or (tree.min_prob > 0 and float(front.max()) < floor):
             break                                            # nothing left worth expanding
-        first_row = sum(d.shape[0] for d in dists)           # frontier node j's q will be row first_row + j
-        values, cum, tokens = children((yield parent_row, front_tokens), front_cum)   # r k
-        per = values.shape[1]
-        values, cum, tokens = values.flatten(), cum.flatten(), tokens.flatten()       # r*k
-        base = sum(v.numel() for v in cand_values)
-        cand_values.append(values)
-        cand_tokens.append(tokens)
-        cand_cum.append(cum)
-        cand_parents.append(front.repeat_interleave(per))
-        cand_source.append((first_row + torch.arange(r, device=dev)).repeat_interleave(per))
-        if sampled:    # the frontier in candidate order; equal values rank the earlier candidate first
-            best = torch.sort(values, descending=True, stable=True).indices[:k]
-            best = best[values[best] > -math.inf].sort().values
+        logits = yield parent_row, growth.front_tokens
+        if sampled:
+            growth.add(*drawn(logits, front))
         else:
-            best = values.topk(min(k, values.numel())).indices    # into the r*k grid
-        parent_row = best // per                             # which frontier node each came from
-        front = base + best
-        front_cum, front_tokens = cum[best], tokens[best]
-    values = torch.cat(cand_values)
+            growth.add_top(*top_children(logits, k, vocab))
+    values = torch.cat(growth.values)
     budget = tree.total_tokens if tree.min_prob <= 0 else min(tree.total_tokens, int((values >= floor).sum()))
     if sampled:
         budget = min(budget, int((values > -math.inf).sum()))     # never a slot that holds no draw
-    kept, parents = rerank(values, torch.cat(cand_parents), budget)
-    tokens = torch.cat([torch.tensor([root], device=dev), torch.cat(cand_tokens)[kept]])
-    parents = [-1] + parents
-    scores = [0.0] + torch.cat(cand_cum)[kept].tolist()   # each kept node's path log-probability
+    parent_of = torch.tensor(candidate_parents(growth.levels), device=dev)   # sampled: each one's row in `dists`
+    kept, parents = rerank(values, growth.parents(parent_of), budget)
+    tokens = torch.cat([torch.tensor([root], device=dev), torch.cat(growth.tokens)[kept]])
+    parents = [-1] + parents.tolist()
+    scores = [0.0] + torch.cat(growth.cum)[kept].tolist()   # each kept node's path log-probability
     if not sampled:
         return DraftTree(tokens, parents, scores=scores)
     return DraftTree(tokens, parents, sampled_rows(torch.cat(dists), vocab, size, tokens.tolist(), parents,
-                                                   [-1] + torch.cat(cand_source)[kept].tolist()), scores=scores)
+                                                   [-1] + parent_of[kept].tolist()), scores=scores)
+
+
+def _sampled_frontier(values: torch.Tensor, k: int) -> torch.Tensor:
+    """A sampled level's next frontier: its k best candidates by value that hold a draw, in candidate order (equal
+    values rank the earlier candidate first)."""
+    best = torch.sort(values, descending=True, stable=True).indices[:k]
+    return best[values[best] > -math.inf].sort().values
 
 
 def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, vocab: torch.Tensor | None = None,
@@ -391,19 +385,19 @@ def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, v
     the rerank keeps a prefix of it), without the expansions whose nodes the budget would drop. first_min_prob (None:
     min_prob): the first token's floor instead."""
     dev = root_logits.device
-    floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
-    first = floor if first_min_prob is None else math.log(first_min_prob) if first_min_prob > 0 else -math.inf
+    floor = log_floor(tree.min_prob)
+    first = floor if first_min_prob is None else log_floor(first_min_prob)
     length = min(tree.depth, tree.total_tokens)
     row = torch.zeros(1, dtype=torch.long, device=dev)   # the one frontier node's row in each expansion's output
     tokens: list[int] = []
     scores = [0.0]
     cum, logits = 0.0, root_logits
     while len(tokens) < length:
-        best, top = torch.log_softmax(logits[0].detach().float(), dim=-1).max(dim=-1)
+        best, top = top_children(logits[:1], 1, vocab)
         cum += float(best)
         if cum < (floor if tokens else first):
             break
-        tokens.append(int(top) if vocab is None else int(vocab[top]))
+        tokens.append(int(top))
         scores.append(cum)
         if len(tokens) < length:
             logits = yield row, torch.tensor(tokens[-1:], device=dev)

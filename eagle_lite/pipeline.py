@@ -185,12 +185,11 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     method, options = registry.resolve(method, tgt, options)
     if static is not None:
-        from .decoding.static_step import StaticEngine
         from .drafters.registry import eagle_head
 
         check_static(method, static)
         head = eagle_head(tgt, options) if method == "eagle" else None
-        pipeline = Pipeline(tgt, None, method, StaticEngine(tgt, head, mode=static))
+        pipeline = Pipeline(tgt, None, method, static_engine_for(tgt, head, static))
         pipeline.static = static
     else:
         pipeline = for_target(tgt, method, options)
@@ -216,7 +215,7 @@ def engine_for(target: Target, method: str | Drafter | None = registry.AUTO, opt
 def static_engine_for(target: Target, head=None, mode: str = "auto", **options) -> StaticEngine:
     """The fixed-shape step's engine (decoding/static_step.py) for `target`: plain decoding (head None) or greedy
     EAGLE with `head`, its steps run in `mode` (`static_step.MODES`); options: StaticEngine's others (max_len,
-    profile, compile_backend, lookahead, fused). The one place a `StaticEngine` is assembled for eval."""
+    profile, compile_backend, lookahead, fused). The one place a `StaticEngine` is assembled: `load` and eval."""
     from .decoding.static_step import StaticEngine
 
     return StaticEngine(target, head, mode=mode, **options)

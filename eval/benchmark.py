@@ -53,7 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=None,
                    help=f"comma-separated; the first is the baseline (default: {','.join(ALL_METHODS)}, "
                         f"plus llama_cpp when llama-cpp-python is installed)")
-    p.add_argument("--tasks", default="sharegpt,humaneval", help="built-in tasks: sharegpt,humaneval")
+    p.add_argument("--tasks", default="sharegpt,humaneval",
+                   help="built-in tasks: sharegpt,humaneval,sharegpt_kinds (ShareGPT first prompts by kind: "
+                        "eval.tasks.sharegpt_kind_questions, --per-task of each kind)")
     p.add_argument("--questions", type=Path, help="an MT-bench / Spec-Bench JSONL question file (adds its categories)")
     p.add_argument("--per-task", type=int, default=3, help="questions per task (and per category of --questions)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -33,9 +33,18 @@ from eagle_lite.threads import check_threads, set_threads
 
 from . import plots, report, runner
 from .methods import STATIC_METHODS, build_methods, check_static, gguf_of, method_names, registry_method
-from .tasks import Question, humaneval_questions, limit_per_category, load_question_file, sharegpt_questions
+from .tasks import (
+    KINDS,
+    Question,
+    humaneval_questions,
+    limit_per_category,
+    load_question_file,
+    sharegpt_kind_questions,
+    sharegpt_questions,
+)
 
 log = logging.getLogger("eagle_lite")
+SHAREGPT_KINDS_DEFAULT = 60   # questions per kind of the sharegpt_kinds task when it names no limit
 
 
 @dataclass
@@ -72,6 +81,9 @@ class EvalSettings:
 
 
 def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> list[Question]:
+    """The questions of a task list, in its order: each task a mapping with `name` (sharegpt, humaneval,
+    sharegpt_kinds or file), an optional `limit` (sharegpt_kinds: per kind, default `SHAREGPT_KINDS_DEFAULT`),
+    sharegpt_kinds an optional `kinds` list (default every kind of `eval.tasks.KINDS`), file its `path`."""
     questions: list[Question] = []
     for task in tasks:
         name = task.get("name")
@@ -79,10 +91,14 @@ def load_questions(tasks: list[dict], per_category_limit: int | None = None) -> 
             questions += sharegpt_questions(limit=task.get("limit"))
         elif name == "humaneval":
             questions += humaneval_questions(limit=task.get("limit"))
+        elif name == "sharegpt_kinds":
+            limit = task.get("limit")
+            questions += sharegpt_kind_questions(SHAREGPT_KINDS_DEFAULT if limit is None else limit,
+                                                 kinds=task.get("kinds", KINDS))
         elif name == "file":
             questions += load_question_file(task["path"], per_category_limit=task.get("limit"))
         else:
-            raise ValueError(f"unknown task '{name}': use sharegpt, humaneval or file (with a path)")
+            raise ValueError(f"unknown task '{name}': use sharegpt, humaneval, sharegpt_kinds or file (with a path)")
     return limit_per_category(questions, per_category_limit)
 
 

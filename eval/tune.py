@@ -87,9 +87,9 @@ def tunable() -> list[str]:
 
 def task_names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in names if t not in ("humaneval", "sharegpt")]
+    unknown = [t for t in names if t not in ("humaneval", "sharegpt", "sharegpt_kinds")]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"tasks are humaneval and/or sharegpt, got {text!r}")
+        raise argparse.ArgumentTypeError(f"tasks are humaneval, sharegpt and/or sharegpt_kinds, got {text!r}")
     return names
 
 
@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", required=True, choices=tunable(),
                    help="the method to tune; not tuned: " + "; ".join(f"{m}: {why}" for m, why in UNTUNED.items()))
     p.add_argument("--task", default="humaneval", type=task_names,
-                   help="built-in prompt sets, comma-separated: humaneval, sharegpt")
+                   help="built-in prompt sets, comma-separated: humaneval, sharegpt, sharegpt_kinds")
     p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
     p.add_argument("--limit", type=int, default=3, help="questions used per task (per category with --questions)")
     p.add_argument("--skip", type=int, default=0,

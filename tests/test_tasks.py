@@ -9,12 +9,21 @@ import pytest
 
 from eval.tasks import (
     HUMANEVAL_INSTRUCTION,
+    KINDS,
+    MAX_PROMPT_CHARS,
     Question,
+    clean_prompt,
     humaneval_questions,
+    kind_of,
+    kinds_table,
     limit_per_category,
     load_question_file,
+    opening_record,
+    sharegpt_kind_questions,
     sharegpt_questions,
+    usable_prompt,
 )
+from eval.tasks import main as tasks_main
 from trainers.sharegpt import split_of
 
 
@@ -125,3 +134,138 @@ def test_sharegpt_questions_are_heldout_user_turns(tmp_path):
     assert len(sharegpt_questions(limit=3, heldout_percent=10, path=path)) == 3
     # A conversation without user turns never becomes a question, even if held out.
     assert sharegpt_questions(heldout_percent=100, path=path)[-1].question_id == "s399_0"
+
+
+# -- ShareGPT first prompts by kind (sharegpt_kind_questions) --------------------------------------------------------
+PASSAGE = ("The river town grew around a ferry crossing in the eighteenth century. Merchants built warehouses "
+           "along the bank, and the market square filled every Saturday with farmers from the valley. ") * 4
+
+KIND_PROMPTS = {
+    "qa": "What causes the seasons on Earth?",
+    "summarization": "Summarize the following text in two sentences:\n\n" + PASSAGE,
+    "rag": PASSAGE + "\n\nBased on the text above, who came to the market every Saturday?",
+    "extraction": "Extract all the place names from this passage:\n\n" + PASSAGE,
+    "translation": "Translate the following sentence into French: The market opens at dawn.",
+    "coding": "Why does my Python loop never end?\n```python\nwhile True:\n    pass\n```",
+    "writing": "Write a short poem about the first snowfall of the year.",
+}
+
+
+@pytest.mark.parametrize("kind, prompt", list(KIND_PROMPTS.items()))
+def test_kind_of_rules(kind, prompt):
+    assert kind_of(prompt) == kind
+
+
+@pytest.mark.parametrize("prompt, kind", [
+    ("Write a Python function that can translate English words into French.", "coding"),   # code: not translation
+    ("Write a Python script to extract all emails from a text file.\n" + PASSAGE, "coding"),  # code that extracts
+    ("Summary: " + PASSAGE, None),                    # the word, not a request to summarize
+    ("Don't summarize this yet, just read it:\n" + PASSAGE, None),
+    ("What is the capital of France?\nAnd of Spain?", None),   # qa is one short line
+    ("Hello there, nice to meet you today.", None),   # no rule
+])
+def test_kind_of_leaves_out_near_misses(prompt, kind):
+    assert kind_of(prompt) == kind
+
+
+def test_usable_prompt_length_ascii_and_reply_language():
+    assert usable_prompt("What causes the seasons on Earth?")
+    assert not usable_prompt("Why?")                                   # under MIN_PROMPT_CHARS
+    assert not usable_prompt("x" * (MAX_PROMPT_CHARS + 1))
+    assert not usable_prompt("季節はなぜ変わるのですか？ What causes the seasons?")   # mostly not ASCII
+    assert not usable_prompt("What causes the seasons on Earth?\nReply in Français")
+    assert usable_prompt("What causes the seasons on Earth? Answer in English.")
+    cleaned = clean_prompt("  What is a ferry?\nAnswer in English.지금 번역하기 ")
+    assert cleaned == "What is a ferry?\nAnswer in English."
+    assert opening_record("abc_0") and opening_record("abc") and not opening_record("abc_3")
+
+
+def _kinds_file(tmp_path, records):
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"id": rid, "conversations": [{"from": "human", "value": text},
+                                                              {"from": "gpt", "value": "ok"}]}
+                                for rid, text in records]))
+    return path
+
+
+def _ids(split, n, start=0):
+    """`n` opening-record ids ("k<i>_0") that `split_of(id, 50)` puts on `split`."""
+    found, i = [], start
+    while len(found) < n:
+        rid = f"k{i}_0"
+        if split_of(rid, 50) == split:
+            found.append(rid)
+        i += 1
+    return found
+
+
+def test_sharegpt_kind_questions_tiers_dedup_and_order(tmp_path):
+    train, held = _ids("train", 6), _ids("heldout", 3)
+    records = [
+        (train[0], "What is a ferry crossing?"),                   # trained: one of the head's prompts
+        (train[1], "What is a market square?"),                    # unseen
+        (train[2], "What is a market square?!"),                   # opens like train[1]: counted once
+        (train[3], "Write a short poem about a river town."),      # writing, unseen
+        (held[0], "What is a warehouse used for?"),                # held out
+        (held[0].replace("_0", "_1"), "What is a valley?"),        # a later record of a chat: not an opening
+        (train[4], "Hello there, nice to meet you today."),        # no kind
+        (held[1], "Why do towns grow around rivers?"),             # held out
+        (train[5], "What is a ferry crossing, really?"),           # unseen: opens otherwise than train[0]
+    ]
+    path = _kinds_file(tmp_path, records)
+    counts = {}
+    questions = sharegpt_kind_questions(3, ["qa", "writing"], heldout_percent=50, path=path,
+                                        trained={train[0]}, counts=counts)
+    assert [(q.question_id, q.category) for q in questions] == [
+        (held[0], "qa"), (held[1], "qa"), (train[1], "qa"), (train[3], "writing")]
+    assert questions[0].turns == ["What is a warehouse used for?"]
+    assert counts["qa"].tiers == {"heldout": 2, "unseen": 1, "trained": 0} and counts["qa"].total == 3
+    assert counts["qa"].available == 5          # train[0], train[1] (= train[2]), held[0], held[1], train[5]
+    assert counts["writing"].tiers == {"heldout": 0, "unseen": 1, "trained": 0}
+    # Enough room: the trained prompt comes last, after every unseen one.
+    more = sharegpt_kind_questions(10, ["qa"], heldout_percent=50, path=path, trained={train[0]}, counts=counts)
+    assert [q.question_id for q in more] == [held[0], held[1], train[1], train[5], train[0]]
+    assert counts["qa"].tiers == {"heldout": 2, "unseen": 2, "trained": 1}
+    assert "| qa | 5 | 2 | 2 | 1 | 5 |" in kinds_table(counts, 10)
+    assert sharegpt_kind_questions(0, path=path, trained=set()) == []
+    with pytest.raises(ValueError, match="unknown kind"):
+        sharegpt_kind_questions(3, ["poetry"], path=path, trained=set())
+
+
+def test_sharegpt_kind_questions_near_duplicate_of_trained_prompt_is_trained(tmp_path):
+    train = _ids("train", 3)
+    path = _kinds_file(tmp_path, [(train[0], "What is a ferry crossing?"),
+                                  (train[1], "Write a poem about a ferry."),
+                                  (train[2], "what is a FERRY crossing")])    # opens like train[0]
+    counts = {}
+    questions = sharegpt_kind_questions(5, ["qa"], heldout_percent=50, path=path, trained={train[0]},
+                                        counts=counts)
+    assert [q.question_id for q in questions] == [train[0]]
+    assert counts["qa"].tiers["trained"] == 1 and counts["qa"].available == 1
+
+
+def test_kinds_command_writes_a_question_file(tmp_path, capsys):
+    held = _ids("heldout", len(KIND_PROMPTS), start=1000)
+    path = _kinds_file(tmp_path, list(zip(held, KIND_PROMPTS.values())))
+    out = tmp_path / "kinds.jsonl"
+    # heldout_percent is the package split's 2: ids held out at 50% may train at 2%, all are "unseen" or "held out"
+    assert tasks_main(["kinds", "--per-kind", "1", "--out", str(out), "--sharegpt", str(path)]) == 0
+    questions = load_question_file(out)
+    assert [q.category for q in questions] == list(KINDS)
+    assert all(len(q.turns) == 1 for q in questions)
+    table = capsys.readouterr().out
+    assert "| kind | total (of 1) | heldout | unseen | trained | available |" in table
+    assert all(f"| {kind} | 1 |" in table for kind in KINDS)
+
+
+def test_load_questions_runs_the_sharegpt_kinds_task(monkeypatch):
+    from eval import evaluation
+
+    calls = []
+    monkeypatch.setattr(evaluation, "sharegpt_kind_questions",
+                        lambda per_kind, kinds=KINDS: calls.append((per_kind, tuple(kinds))) or [
+                            Question("a_0", "qa", ["What is a ferry?"])])
+    questions = evaluation.load_questions([{"name": "sharegpt_kinds", "limit": 4},
+                                           {"name": "sharegpt_kinds", "kinds": ["rag"]}])
+    assert calls == [(4, KINDS), (evaluation.SHAREGPT_KINDS_DEFAULT, ("rag",))]
+    assert [q.category for q in questions] == ["qa", "qa"]

@@ -84,8 +84,9 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
         print("[stopped]", file=sys.stderr)
     if not args.json:
         print(stats_line(stats), file=sys.stderr)
-    if lm.adapter is not None and stats.stop_reason != "interrupted":   # the answer joins what the head learns from
-        lm.adapter.round()
+    adapter = getattr(lm, "adapter", None)
+    if adapter is not None and stats.stop_reason != "interrupted":   # the answer joins what the head learns from
+        adapter.round()
     return status
 
 
@@ -119,9 +120,10 @@ def chat(lm, cfg: GenerationConfig) -> None:
     messages: list[dict] = []
     totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "forwards": 0}
     choices: dict[str, list[float]] = {}   # method auto: its controller's choices over the session
+    adapter = getattr(lm, "adapter", None)   # --adapt: the head learning from this chat
     while True:
         try:
-            line = read_turn(lm.adapter).strip()
+            line = read_turn(adapter).strip()
         except EOFError:
             print(file=sys.stderr)
             return
@@ -144,12 +146,12 @@ def chat(lm, cfg: GenerationConfig) -> None:
                   f"{totals['forwards']} target forwards]", file=sys.stderr)
             if choices:
                 print(choices_line(choices), file=sys.stderr)
-            if lm.adapter is not None:
-                lm.adapter.round(steps=0)   # the answers so far taken in (and judged, where enough came)
-                print(lm.adapter.stats_line(), file=sys.stderr)
+            if adapter is not None:
+                adapter.round(steps=0)   # the answers so far taken in (and judged, where enough came)
+                print(adapter.stats_line(), file=sys.stderr)
             continue
-        if line == "/reset-head" and lm.adapter is not None:
-            lm.adapter.reset()
+        if line == "/reset-head" and adapter is not None:
+            adapter.reset()
             print("(the head adaptation started from serves again)", file=sys.stderr)
             continue
         if line.startswith("/"):

@@ -249,10 +249,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if getattr(args, flag, None):
             from .atomic import check_folder_writable
 
-            try:
-                check_folder_writable(getattr(args, flag))
-            except OSError as err:
-                raise ValueError(f"--{flag} {getattr(args, flag)}: cannot write there ({err.strerror or err})") from err
+            check_folder_writable(getattr(args, flag))
     if getattr(args, "adapt", None) and args.method not in (registry.AUTO, "eagle"):
         raise ValueError(f"--adapt trains a draft head: use --method auto or eagle, not {args.method}")
     if args.static is not None:

@@ -154,7 +154,8 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
     adapt: a folder where the head learns from the answers it serves (heads/adapt.py: `pipeline.adapter.round()`
-    between answers, or `start_idle()`); a folder holding an adapted head resumes from it. Methods auto and eagle.
+    between answers, as the chat and the server do); a folder holding an adapted head resumes from it. Methods auto
+    and eagle.
     """
     if adapt is not None:
         from .heads.adapt import adapted_draft

@@ -97,7 +97,7 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
 
     options = registry.EagleOptions(draft=args.draft)
     frozen = for_target(target, args.method, options)
-    adapting = for_target(target, args.method, registry.EagleOptions(draft=args.draft))
+    adapting = for_target(target, args.method, options)
     folder = heads_dir / name
     cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay)
     adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps)

@@ -192,13 +192,13 @@ def test_a_folder_with_another_targets_head_is_refused(llama, tmp_path):
 
 
 def test_idle_learning_spends_the_credit_and_stops(llama, tmp_path):
+    """What the chat (while the user types) and the server (while idle) run: a step at a time while there is work."""
     pipeline, adapter = adapting(llama, tmp_path)
     for prompt in prompts(3):
         pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
     adapter.round(steps=0)
-    adapter.start_idle()
-    adapter._idle.join(timeout=60)
-    adapter.stop_idle()
+    while adapter.has_work():
+        assert adapter.round(steps=1)["steps"] == 1
     assert adapter.credit == 0 and adapter.learner.steps == 3 * adapter.steps
 
 

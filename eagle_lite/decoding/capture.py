@@ -63,9 +63,6 @@ class Capture:
         self._records: deque[Captured] = deque()
         self._tokens = 0
         self._lock = threading.Lock()
-        self.answers = 0          # answers captured since the start
-        self.answer_tokens = 0    # their answer tokens
-        self.seconds = 0.0        # time spent capturing (the engine's copies of the rows)
 
     def rows_for(self, prompt_tokens: int, read_from: int) -> Rows:
         """Rows of a new sequence whose prefill reads its tokens read_from.. (earlier ones were in the cache): they
@@ -85,16 +82,13 @@ class Capture:
         ids = torch.tensor(tokens[first:first + n], dtype=torch.long)
         mask = torch.zeros(n, dtype=torch.bool)
         mask[max(begin, 0):] = True
-        self.put(Captured(ids, mask, hidden, taps), answer_tokens)
+        self.put(Captured(ids, mask, hidden, taps))
 
-    def put(self, record: Captured, answer_tokens: int | None = None) -> None:
+    def put(self, record: Captured) -> None:
         """Store a record (`finish`; eval.adapt_curves replays stored ones)."""
-        answer_tokens = int(record.loss_mask.sum()) if answer_tokens is None else answer_tokens
         with self._lock:
             self._records.append(record)
             self._tokens += len(record)
-            self.answers += 1
-            self.answer_tokens += answer_tokens
             while self._tokens > self.max_tokens and len(self._records) > 1:
                 self._tokens -= len(self._records.popleft())
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -94,11 +93,7 @@ class Adapter:
         pipeline.adapter = self
         self.pending: list[Captured] = []
         self.credit = 0          # optimizer steps the answers so far have bought and the learner has not run
-        self.rounds = 0
         self.history: list[tuple[int, float, float, bool]] = []   # (answer tokens seen, champion, challenger, promoted)
-        self._idle: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._lock = threading.RLock()
 
     # -- serving --------------------------------------------------------------------------------------
     def _serve(self, head) -> None:
@@ -109,7 +104,6 @@ class Adapter:
         head = head.to(old.lm_weight.device).eval()
         head.tree = old.recommended_tree
         drafter = EagleDrafter(self.pipeline.target, head, draft_sampling=old.draft_sampling)
-        drafter.recommended_tree = old.recommended_tree
         if self.holder is None:
             self.pipeline.engine.drafter = drafter
         else:
@@ -127,10 +121,9 @@ class Adapter:
     def reset(self) -> None:
         """Serve the head adaptation started from again, and train from it (DIR keeps its last champion until the
         next promotion)."""
-        with self._lock:
-            self.champion = copy.deepcopy(self.start_head).float().eval()
-            self._restart()
-            self._serve(copy.deepcopy(self.champion))
+        self.champion = copy.deepcopy(self.start_head).float().eval()
+        self._restart()
+        self._serve(copy.deepcopy(self.champion))
 
     def _restart(self) -> None:
         """The learner starts again from the champion (a dropped challenger)."""
@@ -143,24 +136,22 @@ class Adapter:
         buys `self.steps` optimizer steps, run here up to `steps` at a time (None: all it holds). Returns what it
         did: {"judged": (champion, challenger) or None, "promoted": bool, "loss": float, "steps": int,
         "seconds": float}."""
-        with self._lock:
-            t0 = time.perf_counter()
-            new = self.capture.take()
-            self.pending += new
-            self.credit += self.steps * len(new)
-            self.card["answers"] += len(new)
-            self.card["answer_tokens"] += sum(int(r.loss_mask.sum()) for r in new)
-            judged, promoted = None, False
-            if sum(int(r.loss_mask.sum()) for r in self.pending) >= self.judge_tokens:
-                judged, promoted = self._judge(self.pending)
-                self.learner.add(self.pending)
-                self.pending = []
-            before = self.learner.steps
-            loss = self.learner.train(min(self.credit, self.credit if steps is None else steps))
-            self.credit -= self.learner.steps - before
-            self.rounds += 1
-            return {"judged": judged, "promoted": promoted, "loss": loss, "steps": self.learner.steps - before,
-                    "seconds": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        new = self.capture.take()
+        self.pending += new
+        self.credit += self.steps * len(new)
+        self.card["answers"] += len(new)
+        self.card["answer_tokens"] += sum(int(r.loss_mask.sum()) for r in new)
+        judged, promoted = None, False
+        if sum(int(r.loss_mask.sum()) for r in self.pending) >= self.judge_tokens:
+            judged, promoted = self._judge(self.pending)
+            self.learner.add(self.pending)
+            self.pending = []
+        before = self.learner.steps
+        loss = self.learner.train(self.credit if steps is None else min(self.credit, steps))
+        self.credit -= self.learner.steps - before
+        return {"judged": judged, "promoted": promoted, "loss": loss, "steps": self.learner.steps - before,
+                "seconds": time.perf_counter() - t0}
 
     def _judge(self, records: list[Captured]) -> tuple[tuple[float, float] | None, bool]:
         if self.learner.steps == 0:
@@ -211,28 +202,6 @@ class Adapter:
         """New answers to take in, or steps bought and a pool to spend them on."""
         return len(self.capture) > 0 or (self.credit > 0 and bool(self.learner.pool))
 
-    # -- while idle -----------------------------------------------------------------------------------
-    def start_idle(self, max_rounds: int = 1000) -> None:
-        """Learn in a background thread until `stop_idle` (between chat turns, while a server has no request)."""
-        if self._idle is not None:
-            return
-        self._stop.clear()
-
-        def run() -> None:
-            for _ in range(max_rounds):
-                if self._stop.is_set() or not self.round(steps=1)["steps"]:
-                    break
-        self._idle = threading.Thread(target=run, name="eagle_lite-adapt", daemon=True)
-        self._idle.start()
-
-    def stop_idle(self) -> None:
-        """Stop the background learning; waits for its current step (one optimizer step at most)."""
-        if self._idle is None:
-            return
-        self._stop.set()
-        self._idle.join()
-        self._idle = None
-
     def stats_line(self) -> str:
         last = self.history[-1] if self.history else None
         judged = f", last judged {last[1]:.2f} -> {last[2]:.2f} accepted/step" if last else ""
@@ -261,6 +230,7 @@ def attach(pipeline, folder: str | Path, draft: str | None = None, **settings) -
     if start is None:
         raise ValueError(f"--adapt trains a draft head, but none ships for target '{target.name}': give --draft PATH")
     source = default_head_path(target.name) if draft in (None, AUTO) else None if draft == "random" else Path(draft)
-    champion = load_eagle_head(target, str(folder)) if (Path(folder) / "config.json").is_file() else None
+    resumed = adapted_draft(folder, None)
+    champion = load_eagle_head(target, resumed) if resumed is not None else None
     settings.setdefault("replay", default_replay(target) if draft in (None, AUTO) else None)
     return Adapter(pipeline, folder, start, champion=champion, source=source, **settings)

@@ -78,7 +78,6 @@ class Replay:
             raise ValueError(f"replay folder {folder} holds no distill shards (shard-*.jsonl)")
         self.rng = random.Random(seed)
         self.items: list[dict] = []
-        self.seconds = 0.0     # target time spent on replay features
 
     def _record(self) -> dict:
         path = self.rng.choice(self.shards)
@@ -97,12 +96,10 @@ class Replay:
                 mask[start:min(end, len(ids))] = True
             if len(ids) < 3 or not bool(mask.any()):
                 continue
-            t0 = time.perf_counter()
             with torch.inference_mode():
                 cache = self.target.new_cache(len(ids))
                 ((hidden, features),) = self.target.verify(
                     [(torch.tensor(ids, device=self.target.device), cache, None, None)], taps=self.taps)
-            self.seconds += time.perf_counter() - t0
             item = {"input_ids": torch.tensor(ids), "loss_mask": mask, "hidden": hidden.to(torch.bfloat16).cpu()}
             if self.taps:
                 item["taps"] = features.to(torch.bfloat16).cpu()
@@ -137,7 +134,6 @@ class Learner:
         self._pool_tokens = 0
         self.rng = random.Random(seed)
         self.steps = 0
-        self.tokens_seen = 0      # captured answer tokens added
         self.seconds = 0.0        # time spent training (replay features included)
 
     def add(self, records: list[Captured]) -> None:
@@ -145,7 +141,6 @@ class Learner:
         for record in records:
             self.pool.append(record)
             self._pool_tokens += len(record)
-            self.tokens_seen += int(record.loss_mask.sum())
         while self._pool_tokens > self.cfg.pool_tokens and len(self.pool) > 1:
             self._pool_tokens -= len(self.pool.popleft())
 

@@ -88,13 +88,18 @@ def save_records(records: list[Captured], path: str) -> None:
 
 
 def load_records(path: str) -> list[Captured]:
-    from safetensors import safe_open
+    """The answers `save_records` wrote; a file that is not such a file is refused in one line."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, "pt") as f:
-        n = int(f.metadata()["records"])
-        keys = set(f.keys())
-        return [Captured(*(f.get_tensor(f"{i}.{k}") if f"{i}.{k}" in keys else None for k in FIELDS))
-                for i in range(n)]
+    try:
+        with safe_open(path, "pt") as f:
+            n = int((f.metadata() or {})["records"])
+            keys = set(f.keys())
+            return [Captured(*(f.get_tensor(f"{i}.{k}") if f"{i}.{k}" in keys else None for k in FIELDS))
+                    for i in range(n)]
+    except (SafetensorError, KeyError, ValueError) as err:
+        raise ValueError(f"--records {path} is not a file of captured answers written by eval.adapt_curves "
+                         f"({err}); give another path, or delete it to answer again") from err
 
 
 def curve(lm, draft: str, records: list[Captured], cfg: LearnConfig, keywords: dict) -> tuple[list, float]:

@@ -259,3 +259,7 @@ def test_adapt_curves_replays_the_captured_answers_per_setting(tiny_model_dir, t
     assert main(argv) == 0                            # the second run replays the file: the same curves
     assert capsys.readouterr().out == first
     assert main(argv[:-2] + ['{"learning": 1}']) == 1   # one line: unknown learner settings
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text("not safetensors")
+    assert main(["--records", str(bad)]) == 1
+    assert "is not a file of captured answers" in capsys.readouterr().err

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=LearnConfig.lr)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps each answer buys")
     p.add_argument("--judge-tokens", type=int, default=256, help="answer tokens between two judgements of the guard")
+    p.add_argument("--confidence", type=float, default=2.0,
+                   help="standard errors by which the guard's paired difference must clear zero to swap heads")
     p.add_argument("--replay", type=float, default=LearnConfig.replay,
                    help="share of a batch from the head's training answers (0: none)")
     p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
@@ -100,7 +102,8 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
     adapting = for_target(target, args.method, options)
     folder = heads_dir / name
     cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay)
-    adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps)
+    adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps,
+                     confidence=args.confidence)
     rows = []
     for i, q in enumerate(questions):
         a = answer(frozen, q, args.max_new_tokens)

@@ -5,11 +5,11 @@
 
 The questions are answered once (greedy, with the engine's capture on, heads/adapt.py's data); `--records FILE`
 keeps those answers' captured features (safetensors) so a later run replays them without answering again. Each
-setting (JSON: heads/learner.py's LearnConfig fields, plus "steps" per answer and "judge_tokens") then replays the
-stream through an Adapter, the guard included: each answer is scored before it is learned from (tokens per step of a
-greedy chain of LearnConfig.depth head tokens, `Learner.accepted`) by the frozen head and by the head serving at that
-point. Printed per setting and fifth of the stream: both, their ratio, and the learner's seconds. No tokens/s: this
-measures the head, `eval.adapt` the speed.
+setting (JSON: heads/learner.py's LearnConfig fields, plus the Adapter's "steps" per answer, "judge_tokens" and
+"confidence") then replays the stream through an Adapter, the guard included: each answer is scored before it is
+learned from (tokens per step of a greedy chain of LearnConfig.depth head tokens, `Learner.accepted`) by the frozen
+head and by the head serving at that point. Printed per setting and fifth of the stream: both, their ratio, and the
+learner's seconds. No tokens/s: this measures the head, `eval.adapt` the speed.
 """
 from __future__ import annotations
 
@@ -52,14 +52,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def settings(text: str) -> tuple[LearnConfig, dict]:
-    """A setting's (LearnConfig, Adapter keywords: steps, judge_tokens)."""
+    """A setting's (LearnConfig, Adapter keywords: steps, judge_tokens, confidence)."""
     try:
         given = json.loads(text)
     except ValueError as err:
         raise ValueError(f"--settings {text!r} is not JSON ({err})") from err
     if not isinstance(given, dict):
         raise ValueError(f"--settings {text!r} is not a JSON object")
-    adapter = {k: given.pop(k) for k in ("steps", "judge_tokens") if k in given}
+    adapter = {k: given.pop(k) for k in ("steps", "judge_tokens", "confidence") if k in given}
     unknown = set(given) - set(LearnConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"--settings: unknown learner settings {sorted(unknown)}")

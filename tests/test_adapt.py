@@ -39,6 +39,11 @@ def adapting(target, folder, method="auto", cfg=SMALL, **kw):
     return pipeline, Adapter(pipeline, folder, start, cfg=cfg, judge_tokens=32)
 
 
+def always_promote(adapter) -> None:
+    """Every judgement finds the challenger a whole token a step better than the champion at every root."""
+    adapter.learner.lengths = lambda head, records: torch.full((8,), 2.0 if head is adapter.learner.head else 1.0)
+
+
 @pytest.fixture(scope="module")
 def deep():
     return make_target("llama", layers=4)
@@ -70,7 +75,7 @@ def test_capture_holds_the_targets_features_of_the_answer(llama, deep, tmp_path,
 @pytest.mark.parametrize("method", ["auto", "eagle"])
 def test_greedy_output_is_the_targets_while_the_head_adapts(llama, tmp_path, method):
     pipeline, adapter = adapting(llama, tmp_path, method)
-    adapter.learner.accepted = lambda head, records: 2.0 if head is adapter.learner.head else 1.0   # always promote
+    always_promote(adapter)
     for prompt in prompts(6):
         out = pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=pipeline.tree))
         assert out.token_ids == reference_greedy(llama, prompt, 24)
@@ -101,6 +106,7 @@ def test_learner_lowers_the_training_loss_on_what_it_saw(llama, tmp_path):
 
 def test_guard_drops_a_challenger_that_accepts_less(llama, tmp_path):
     pipeline, adapter = adapting(llama, tmp_path)
+    adapter.confidence = 0.0       # the plain comparison: a random target's heads differ by little on its text
     serving = pipeline.engine.drafter.inner
     for prompt in prompts(2):
         pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
@@ -125,7 +131,7 @@ def test_a_promoted_head_is_an_ordinary_head_folder_and_resumes(llama, tmp_path)
     from eagle_lite.formats import load_head
 
     pipeline, adapter = adapting(llama, tmp_path)
-    adapter.learner.accepted = lambda head, records: 2.0 if head is adapter.learner.head else 1.0
+    always_promote(adapter)
     for prompt in prompts(4):
         pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=pipeline.tree))
         adapter.round()
@@ -155,7 +161,7 @@ def test_a_save_that_fails_keeps_serving(llama, tmp_path, monkeypatch, caplog):
     import eagle_lite.heads.adapt as adapt
 
     pipeline, adapter = adapting(llama, tmp_path)
-    adapter.learner.accepted = lambda head, records: 2.0 if head is adapter.learner.head else 1.0
+    always_promote(adapter)
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -230,7 +236,7 @@ def test_load_with_adapt_resumes_and_a_pinned_tree_keeps_adapting(tiny_model_dir
     assert pinned.adapter is lm.adapter and pinned.engine.capture is lm.adapter.capture
     pinned.generate("hello there", pinned.config(max_new_tokens=12))
     assert len(lm.adapter.capture) == 1
-    lm.adapter.learner.accepted = lambda head, records: 2.0 if head is lm.adapter.learner.head else 1.0
+    always_promote(lm.adapter)
     lm.adapter.judge_tokens = 16
     for text in ("one more question", "and another one", "the last question"):
         pinned.generate(text, pinned.config(max_new_tokens=30))
@@ -263,3 +269,42 @@ def test_adapt_curves_replays_the_captured_answers_per_setting(tiny_model_dir, t
     bad.write_text("not safetensors")
     assert main(["--records", str(bad)]) == 1
     assert "is not a file of captured answers" in capsys.readouterr().err
+
+
+def test_the_guard_swaps_heads_only_past_the_noise():
+    from eagle_lite.heads.adapt import verdict
+
+    champion = torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0] * 8)
+    assert verdict(champion, champion.clone(), 2.0) == "wait"
+    # one root in ten a token longer, one in twelve a token shorter: more on average, within the noise
+    noisy = champion + torch.tensor([1.0 if i % 10 == 0 else -1.0 if i % 12 == 5 else 0.0 for i in range(40)])
+    assert noisy.mean() > champion.mean() and verdict(champion, noisy, 2.0) == "wait"
+    assert verdict(champion, champion + 0.5 + 0.1 * (torch.arange(40) % 3), 2.0) == "promote"
+    assert verdict(champion, champion - 1.0 + 0.1 * (torch.arange(40) % 2), 2.0) == "drop"
+    assert verdict(champion, noisy, 0.0) == "promote"          # no margin: the plain comparison
+
+
+def test_answers_judged_within_the_noise_stay_held_out_until_the_limit(llama, tmp_path):
+    pipeline, adapter = adapting(llama, tmp_path)
+    adapter.max_judge_tokens = 3 * adapter.judge_tokens
+    for prompt in prompts(2):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
+    adapter.round()                                   # training starts
+    scored = []
+
+    def lengths(head, records):                       # the challenger ahead on one root in twenty: noise
+        scored.append(len(records))
+        n = 60
+        return torch.ones(n) + (torch.arange(n) % 20 == 0).float() * (head is adapter.learner.head)
+    adapter.learner.lengths = lengths
+    pooled = len(adapter.learner.pool)
+    held = []
+    for prompt in prompts(6, seed=2):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=32, tree=pipeline.tree))
+        report = adapter.round(steps=1)
+        held.append(len(adapter.pending))
+        assert not report["promoted"]
+    assert adapter.card["promotions"] == 0 and not (tmp_path / "config.json").exists()
+    assert max(held) >= 2                             # judged, within the noise: held out, judged again with more
+    assert scored[2] > scored[0]                      # the second judgement scored the held answers and the new
+    assert len(adapter.learner.pool) > pooled         # past the limit they joined the pool

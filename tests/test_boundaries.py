@@ -1,7 +1,9 @@
 """House rules a reader of one file cannot see. The kernels package is reached through its entry points only:
 `eagle_lite.kernels` (what accelerate.py names) for the speed-ups and `kernels.attention` for the attention
 backends, so a kernel module can be split or renamed without touching the drafters, heads and targets that use it.
-The runtime's comments and docstrings quote no timings: they go stale with every host and kernel; docs/ holds them."""
+The runtime's comments and docstrings quote no timings: they go stale with every host and kernel; docs/ holds them.
+An engine is assembled in one place (the pipeline's factories), and eval/'s entry points share library modules
+instead of importing one another."""
 from __future__ import annotations
 
 import ast
@@ -39,6 +41,33 @@ def test_kernel_internals_are_imported_through_the_entry_points_only():
     leaks = sorted((str(f.relative_to(ROOT)), m) for f in outside for m in imported_modules(f)
                    if m.startswith("eagle_lite.kernels") and m not in ENTRY_POINTS)
     assert leaks == []
+
+
+def entry_point(file: Path) -> bool:
+    """`file` runs as `python -m ...` (it has an `if __name__ == "__main__":` block)."""
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for node in ast.parse(file.read_text()).body)
+
+
+def test_no_entry_point_in_eval_is_imported_by_another_module():
+    entries = {".".join(f.relative_to(ROOT).with_suffix("").parts) for f in (ROOT / "eval").glob("*.py")
+               if entry_point(f)}
+    importers = [f for folder in ("eagle_lite", "trainers", "eval") for f in (ROOT / folder).rglob("*.py")]
+    found = sorted((str(f.relative_to(ROOT)), m) for f in importers for m in imported_modules(f) & entries)
+    assert entries and found == []
+
+
+def test_engines_are_assembled_by_the_pipeline_only():
+    made = sorted(str(f.relative_to(ROOT)) for folder in ("eagle_lite", "trainers", "eval")
+                  for f in (ROOT / folder).rglob("*.py")
+                  if any(isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in
+                         ("Engine", "StaticEngine") for node in ast.walk(ast.parse(f.read_text()))))
+    assert made == ["eagle_lite/pipeline.py"]
+
+
+def test_the_package_top_level_and_the_readme_stay_small():
+    assert len(list((ROOT / "eagle_lite").glob("*.py"))) <= 12
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 220
 
 
 def test_the_entry_point_names_the_kernels_own_objects():

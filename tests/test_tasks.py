@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from eval.kinds import kinds_table
+from eval.kinds import main as kinds_main
 from eval.tasks import (
     HUMANEVAL_INSTRUCTION,
     KINDS,
@@ -15,7 +17,6 @@ from eval.tasks import (
     clean_prompt,
     humaneval_questions,
     kind_of,
-    kinds_table,
     limit_per_category,
     load_question_file,
     opening_record,
@@ -23,7 +24,6 @@ from eval.tasks import (
     sharegpt_questions,
     usable_prompt,
 )
-from eval.tasks import main as tasks_main
 from trainers.sharegpt import split_of
 
 
@@ -249,7 +249,7 @@ def test_kinds_command_writes_a_question_file(tmp_path, capsys):
     path = _kinds_file(tmp_path, list(zip(held, KIND_PROMPTS.values())))
     out = tmp_path / "kinds.jsonl"
     # heldout_percent is the package split's 2: ids held out at 50% may train at 2%, all are "unseen" or "held out"
-    assert tasks_main(["kinds", "--per-kind", "1", "--out", str(out), "--sharegpt", str(path)]) == 0
+    assert kinds_main(["--per-kind", "1", "--out", str(out), "--sharegpt", str(path)]) == 0
     questions = load_question_file(out)
     assert [q.category for q in questions] == list(KINDS)
     assert all(len(q.turns) == 1 for q in questions)

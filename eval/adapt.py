@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="standard errors by which the guard's paired difference must clear zero to swap heads")
     p.add_argument("--replay", type=float, default=LearnConfig.replay,
                    help="share of a batch from the head's training answers (0: none)")
+    p.add_argument("--prompts", action="store_true",
+                   help="train on the prompts' positions too, not only the answers' (LearnConfig.prompts)")
     p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
     args = p.parse_args(argv)
     if not args.questions and not args.tasks:
@@ -101,7 +103,7 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
     frozen = for_target(target, args.method, options)
     adapting = for_target(target, args.method, options)
     folder = heads_dir / name
-    cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay)
+    cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts)
     adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps,
                      confidence=args.confidence)
     rows = []

@@ -104,6 +104,23 @@ def test_learner_lowers_the_training_loss_on_what_it_saw(llama, tmp_path):
     assert adapter.learner.train(1) < 0.8 * first
 
 
+def test_the_learner_can_train_on_the_prompts_positions_too(llama, tmp_path):
+    from dataclasses import replace
+
+    pipeline, adapter = adapting(llama, tmp_path, cfg=replace(SMALL, prompts=True))
+    for prompt in prompts(2):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=12, tree=pipeline.tree))
+    records = adapter.capture.take()
+    assert all(not r.loss_mask.all() for r in records)           # the record's own mask: its answer alone
+    adapter.learner.add(records)
+    batch = adapter.learner._batch()
+    real = batch["segment"] > 0
+    assert batch["loss_mask"][real].all()                        # every position of a record is trained on
+    adapter.learner.cfg = SMALL
+    answers = adapter.learner._batch()
+    assert not answers["loss_mask"][answers["segment"] > 0].all()
+
+
 def test_guard_drops_a_challenger_that_accepts_less(llama, tmp_path):
     pipeline, adapter = adapting(llama, tmp_path)
     adapter.confidence = 0.0       # the plain comparison: a random target's heads differ by little on its text

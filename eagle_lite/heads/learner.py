@@ -39,6 +39,7 @@ class LearnConfig:
     replay_pool: int = 48       # training records whose features are kept for replay
     pool_tokens: int = 65536    # captured tokens the learner keeps to train on (the newest)
     depth: int = 4              # chain depth the guard scores heads at
+    prompts: bool = False       # train on a captured record's prompt positions too (the target's distribution there)
 
     def __post_init__(self) -> None:
         if self.moves not in MOVES:
@@ -159,6 +160,8 @@ class Learner:
         share = want * (1 - self.cfg.replay) if self.replay is not None else want
         while captured and total < share:
             item = self._window(self.rng.choice(captured).item())
+            if self.cfg.prompts:   # every position's target distribution, the prompt's as well as the answer's
+                item = {**item, "loss_mask": torch.ones_like(item["loss_mask"])}
             items.append(item)
             total += len(item["input_ids"])
         if not items:

@@ -4,6 +4,7 @@
     python -m eval.gpu_day pack            # here: the bundle for the device, cut into one folder per call
     python3 -m eval.gpu_day run --carry /tmp/carry --out $OUT --budget-s 240      # there, once per call
     python -m eval.gpu_day report DIR      # here: what came back, as the tables of docs/benchmarks.md
+    python -m eval.gpu_day report DIR --keep   # and the parallel head that came back kept for the next loan
 
 A lent machine reaches no package registry, starts bare, takes at most 64 MiB a call (the working tree included),
 returns at most 8 files a call, and is lent for 15 minutes in all, its start and every idle wait included. So the
@@ -19,7 +20,9 @@ The steps, in order (issue #62: eagle at 2x vanilla through the static step once
                       heads); the attention backends
   2. parallel_fit     `trainers.train experiment=gpu_parallel`: the shipped head fine-tuned to draft 4 tokens in one
                       forward (P-EAGLE), the target's features computed in the fit, for what the last call leaves
-                      after the two tables; exported, and returned as parallel.tar (resumable: the next loan goes on)
+                      after the two tables; exported, and returned as parallel.tar. Resumable: `report DIR --keep`
+                      keeps it in runs/heads/smollm2-parallel-gpu, the next `pack` carries it (`--parallel-from`,
+                      none: none) to /tmp/carry/parallel_init, and the next fit continues it (draft.init_from)
   3. table_bf16_parallel, table_fp32_parallel   `eval.benchmark`, 2 held-out prompts of each of 12 kinds x 256
                       tokens: vanilla against eagle with that head (d4 k10 n60), both `--static`, bf16 and fp32
   then, left out by default (an earlier day measured or made them, docs/benchmarks.md; `--all` keeps them):
@@ -47,9 +50,10 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
@@ -81,6 +85,11 @@ MEASURED = ("table_bf16", "table_bf16_eagle3", "table_bf16_full_vocab", "table_f
             "step_cost_smollm2", "hf_generate", "op_counts", "step_cost_llama1b", "table_shipped", "tune",
             "head_features", "head_fit", "head_validate", "table_tuned")
 PARALLEL_NAME = "gpu_day_parallel"
+# The parallel head a day returned, kept here (`report DIR --keep`) for `pack` to carry to the next loan, where
+# `install` extracts it to CARRY/parallel_init and parallel_fit continues it (draft.init_from).
+PARALLEL_HEAD = "runs/heads/smollm2-parallel-gpu"
+PARALLEL_INIT = "parallel_init"   # the carried head's folder under --carry; its bundle entry is parallel_init.tar
+HEAD_KIND = "head"                # the manifest's "kind" of a bundle entry that is a head's folder, not a wheel
 EAGLE3_HEAD = "../shared/heads/smollm2-eagle3-gpu"     # the EAGLE-3 head the 2026-11-26 H100 day trained
 # for the static step (no lookup graft): each tree fills its verify bucket (static_tree.BUCKETS, the root included)
 TUNE_TREES = ("4,8,31", "6,10,63", "8,12,95", "10,16,127")
@@ -118,6 +127,7 @@ class Profile:
     parallel_train: tuple[str, ...] = ("experiment=gpu_parallel", "estimate=false", "progress=false")
     parallel_export: str = f"train/smollm2/sharegpt_all/{PARALLEL_NAME}/head"   # under EAGLE_LITE_RUNS
     parallel_tree: tuple[str, ...] = ("--tree-depth", "4", "--tree-top-k", "10", "--tree-total-tokens", "60")
+    parallel_init: str | None = None       # a carried parallel head that parallel_fit continues (draft.init_from)
 
 
 def dry_profile(target: str, draft: str, questions: str) -> Profile:
@@ -268,32 +278,128 @@ def device_commands(folders: int, skip: tuple[str, ...] = (), eagle3: bool = Fal
     return calls
 
 
-def pack(out: Path, wheels: Path) -> list[Path]:
-    """Download the day's wheels (at the versions installed here) and cut them into folders that each fit one
-    call beside the working tree."""
+def pack(out: Path, wheels: Path, parallel_from: Path | None = None) -> list[Path]:
+    """Download the day's wheels (at the versions installed here) and cut them, and the parallel head of
+    `parallel_from` if any, into folders that each fit one call beside the working tree."""
     tree = tree_bytes()
     per_call = CALL_LIMIT - tree - CALL_SPARE
     if per_call < 4 << 20:
         raise RuntimeError(f"the working tree takes {tree / 2**20:.1f} MiB of a call's 64: too little is "
                            f"left to carry the bundle")
-    files = device_bundle.download(wheels, PACKAGES)
-    # the small wheels first: the first call installs them and runs the steps that need no target files
-    files.sort(key=lambda p: (p.name.replace("-", "_").startswith(TARGET_PACKAGE), p.name))
-    return device_bundle.split(files, out, per_call)
+    return bundle(device_bundle.download(wheels, PACKAGES), out, per_call, parallel_from)
+
+
+def is_target_package(path: Path) -> bool:
+    return path.name.replace("-", "_").startswith(TARGET_PACKAGE)
+
+
+def bundle(files: list[Path], out: Path, per_call: int, parallel_from: Path | None = None) -> list[Path]:
+    """`files` cut into folders of at most `per_call` bytes, the small wheels first (the first call installs them
+    and runs the steps that need no target files). parallel_from: a parallel head's folder, carried as one more
+    entry before the target's package (parallel_init.tar, "kind": "head"), which `install` extracts."""
+    files = sorted(files, key=lambda p: (is_target_package(p), p.name))
+    extra = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if parallel_from is not None:
+            head = Path(tmp) / f"{PARALLEL_INIT}.tar"
+            with tarfile.open(head, "w") as tar:
+                for f in sorted(parallel_from.iterdir()):
+                    if f.is_file():
+                        tar.add(f, arcname=f.name)
+            files.insert(sum(not is_target_package(f) for f in files), head)
+            extra[head.name] = {"kind": HEAD_KIND, "from": shown(parallel_from),
+                                "about": head_about(parallel_from)}
+        return device_bundle.split(files, out, per_call, extra)
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the repository where it is inside it (through a symlink such as runs/ too)."""
+    path = Path(os.path.abspath(path))
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def head_about(folder: Path) -> str:
+    """A few words on a head folder's training, from its config.json."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "no readable config.json"
+    training = config.get("training") or {}
+    words = [f"parallel {config['parallel']}" if config.get("parallel") else "sequential"]
+    if "global_step" in training:
+        words.append(f"{training['global_step']} steps of {training.get('experiment', '?')}")
+    if isinstance(training.get("val/accept_len_est"), (int, float)):
+        words.append(f"val/accept_len_est {training['val/accept_len_est']:.2f}")
+    return ", ".join(words)
+
+
+def parallel_from_arg(text: str | None) -> Path | None:
+    """pack's --parallel-from: None (the default) takes PARALLEL_HEAD where it holds a head, "none" takes none."""
+    if text is None:
+        default = ROOT / PARALLEL_HEAD
+        return default if (default / "config.json").is_file() else None
+    if text == "none":
+        return None
+    folder = Path(text)
+    try:
+        parallel = json.loads((folder / "config.json").read_text()).get("parallel")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--parallel-from {folder}: no head folder there ({err.__class__.__name__} reading its "
+                         f"config.json); name a parallel head's folder, or none") from err
+    if not parallel:
+        raise ValueError(f"--parallel-from {folder}: not a parallel head (its config.json has no \"parallel\")")
+    return folder
+
+
+def carried_head(carry: Path) -> dict | None:
+    """The manifest entry of the parallel head a packed bundle carries (in carry/1), or None."""
+    manifest = carry / "1" / device_bundle.MANIFEST
+    if not manifest.is_file():
+        return None
+    return next((e for e in device_bundle.read_manifest(manifest) if e.get("kind") == HEAD_KIND), None)
+
+
+def continuation_line(carry: Path) -> str:
+    """What the plan says of where parallel_fit starts: the head the bundle carries, or the shipped one."""
+    entry = carried_head(carry)
+    if entry is not None:
+        return (f"parallel_fit continues the parallel head packed from {entry.get('from', '?')} "
+                f"({entry.get('about', '?')}): the bundle carries it to /tmp/carry/{PARALLEL_INIT}.")
+    kept = ROOT / PARALLEL_HEAD
+    hint = (f"{PARALLEL_HEAD} holds one: repack with `make gpu-day` to continue it"
+            if (kept / "config.json").is_file() else
+            "`report DIR --keep` keeps a returned one, which the next `make gpu-day` packs")
+    return f"parallel_fit starts from the shipped head: the bundle carries no parallel head ({hint})."
 
 
 # -- there: install, run the steps, pack the outputs ----------------------------------------------------------------
 
 def install(carry: Path, site: Path, log) -> set[str]:
     """Join every file of the bundle whose parts have all arrived and pip-install the wheels not yet installed;
-    returns the names of the installed wheels."""
+    extract a head's folder ("kind": "head") to carry/NAME (its name less .tar) once. Returns the names of the
+    installed wheels."""
     manifest = device_bundle.read_manifest(carry / device_bundle.MANIFEST)
     here = {p.name for p in carry.iterdir()}
     complete = [e for e in manifest if all(Path(part).name in here for part in e["parts"])]
     wheels = carry / "joined"
+    for entry in complete:
+        if entry.get("kind", "wheel") == "wheel":
+            continue
+        dest = carry / entry["name"].removesuffix(".tar")
+        if entry.get("kind") != HEAD_KIND:
+            log(f"{entry['name']}: an entry of kind {entry.get('kind')!r}, not a wheel nor a head: left as it is")
+        elif not (dest / "config.json").is_file():
+            (joined,) = device_bundle.join(carry, wheels, only={entry["name"]})
+            part = dest.with_name(dest.name + ".part")
+            shutil.rmtree(part, ignore_errors=True)
+            with tarfile.open(joined) as tar:
+                tar.extractall(part, filter="data")
+            shutil.rmtree(dest, ignore_errors=True)
+            part.rename(dest)
+            log(f"the carried head {entry['name']} (packed from {entry.get('from', '?')}) is in {dest}")
     installed_file = site / ".installed.json"
     installed = set(json.loads(installed_file.read_text())) if installed_file.is_file() else set()
-    todo = [e for e in complete if e["name"] not in installed]
+    todo = [e for e in complete if e.get("kind", "wheel") == "wheel" and e["name"] not in installed]
     if todo:
         joined = device_bundle.join(carry, wheels, only={e["name"] for e in todo})
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
@@ -424,7 +530,8 @@ class Day:
         if name == "parallel_fit":
             fit_s = int(max(30, left - PARALLEL_TABLES_S - 60))   # then its export, and the two tables
             clock = time.strftime("%H:%M:%S", time.gmtime(fit_s))
-            return [([sys.executable, "-m", "trainers.train", *p.parallel_train, f"name={PARALLEL_NAME}",
+            init = [f"draft.init_from={p.parallel_init}"] if p.parallel_init else []   # else the experiment's
+            return [([sys.executable, "-m", "trainers.train", *p.parallel_train, *init, f"name={PARALLEL_NAME}",
                       f"++trainer.max_time=00:{clock}"], fit_s + 60)]
         if name == "head_fit":
             fit_s = int(max(30, left - 75))   # export and validation after the fit
@@ -467,6 +574,10 @@ class Day:
                 self.log(f"== {step.name}: {record.status}")
                 continue
             self.log(f"== {step.name}: {step.what} ({self.left():.0f} s left)")
+            if step.name == "parallel_fit":
+                init = self.profile.parallel_init
+                self.log(f"   continues the carried parallel head {init} ({head_about(Path(init))})" if init else
+                         "   no parallel head carried: starts from its experiment's draft.init_from (the shipped head)")
             t0 = time.monotonic()
             commands = self.commands(step.name, self.left())
             status = "ok" if commands else "skipped (not in this profile)"
@@ -548,7 +659,9 @@ def run(args) -> int:
     if args.carry:
         installed = install(args.carry, SITE, day.log)
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        installed_target = any(n.replace("-", "_").startswith(TARGET_PACKAGE) for n in installed)
+        installed_target = args.dry_run or any(n.replace("-", "_").startswith(TARGET_PACKAGE) for n in installed)
+        if (args.carry / PARALLEL_INIT / "config.json").is_file():
+            day.profile = replace(day.profile, parallel_init=str(args.carry / PARALLEL_INIT))
     elif not args.dry_run:
         installed_target = True    # a machine that has everything installed already
     if not args.dry_run:
@@ -575,12 +688,14 @@ def read_steps(file: Path) -> list[dict]:
     raise ValueError(f"{file} is not a gpu_day steps.json ({problem}): copy it again from what the call returned")
 
 
-def report(folder: Path) -> int:
+def report(folder: Path, keep: Path | None = None) -> int:
     """Print what came back from the calls (their folders under `folder`, or one folder): each step's status
-    and seconds, then the tables."""
+    and seconds, then the tables. keep: where to copy the parallel head that came back (replacing what is there),
+    for the next `pack` to carry; without it, the last line says how."""
     folders = sorted({p.parent for p in folder.rglob("steps.json")})
     if not folders:
         raise FileNotFoundError(f"{folder}: no steps.json under it (the files a gpu_day call returns)")
+    parallel = None
     for f in folders:
         steps = read_steps(f / "steps.json")
         print(f"## {f}\n\n| step | status | seconds |\n|---|---|---:|")
@@ -600,6 +715,23 @@ def report(folder: Path) -> int:
                     tar.extractall(f / "unpacked", filter="data")
                 print(f"the new {'parallel ' if name == 'parallel' else ''}head: {f / 'unpacked' / name} "
                       f"(benchmark it like any head: docs/training.md)\n")
+                if name == "parallel":
+                    parallel = f / "unpacked" / name
+    if parallel is not None and keep is not None:
+        new = keep.with_name(keep.name + ".new")
+        shutil.rmtree(new, ignore_errors=True)
+        shutil.copytree(parallel, new)
+        if keep.is_symlink():
+            keep.unlink()
+        elif keep.exists():
+            shutil.rmtree(keep)
+        new.rename(keep)
+        print(f"kept the parallel head in {keep}: the next `make gpu-day` packs it and parallel_fit continues it")
+    elif parallel is not None:
+        print(f"to continue the parallel head on the next loan: python -m eval.gpu_day report {folder} --keep "
+              f"(copies it to {PARALLEL_HEAD}, which the next `make gpu-day` packs)")
+    elif keep is not None:
+        print("--keep: no parallel head came back; nothing kept")
     return 0
 
 
@@ -624,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="download the bundle and cut it into .carry/1, .carry/2, ... (one per call)")
     pk.add_argument("--out", type=Path, default=ROOT / ".carry", help="folder of the parts (git-ignored)")
     pk.add_argument("--wheels", type=Path, default=ROOT / ".carry-wheels", help="where the downloads go")
+    pk.add_argument("--parallel-from", metavar="DIR",
+                    help=f"the parallel head parallel_fit continues, carried in the bundle (default {PARALLEL_HEAD} "
+                         f"where it holds a head; none: start from the shipped head)")
     r = sub.add_parser("run", help="on the device: install what has arrived, run the steps not yet run")
     r.add_argument("--out", type=Path, required=True, help="the folder the device tool returns ($OUT)")
     r.add_argument("--budget-s", type=float, required=True, help="seconds this call may take")
@@ -639,12 +774,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--questions", help="dry run: a question file of prompts that fit the tiny target's context")
     rp = sub.add_parser("report", help="print what the calls returned: step times and tables")
     rp.add_argument("folder", type=Path)
+    rp.add_argument("--keep", type=Path, nargs="?", const=ROOT / PARALLEL_HEAD, metavar="TO",
+                    help=f"copy the parallel head that came back to TO (default {PARALLEL_HEAD}, replaced), which "
+                         f"the next `pack` carries for parallel_fit to continue")
     args = p.parse_args(argv)
     if args.verb is None:
         args = p.parse_args(["plan"])
     verb = args.verb
     if verb == "report":
-        return report(args.folder)
+        return report(args.folder, args.keep)
     with arguments():
         unknown = sorted(set(args.skip) - {s.name for s in STEPS})
         if unknown:
@@ -657,18 +795,22 @@ def main(argv: list[str] | None = None) -> int:
                                  "it) and --questions (prompts that fit its context)")
             if args.carry and not (args.carry / device_bundle.MANIFEST).is_file():
                 raise ValueError(f"--carry {args.carry}: no {device_bundle.MANIFEST} there; copy .carry/1 first")
+        if verb == "pack":
+            parallel_from = parallel_from_arg(args.parallel_from)
     if verb == "run":
         return run(args)
     skip = () if args.all else tuple(s.name for s in STEPS if s.name in args.skip)   # in the steps' order
     carry = args.out if verb == "pack" else args.carry
     if verb == "pack":
-        for d in pack(args.out, args.wheels):
+        for d in pack(args.out, args.wheels, parallel_from):
             print(f"{d}: {folder_bytes(d) / 2**20:.1f} MiB")
     stale = stale_folders(carry, tree_bytes())
     if stale:
         raise RuntimeError(stale[0])
     folders = len([d for d in carry.iterdir() if d.is_dir() and d.name != "eagle3"]) if carry.is_dir() else 2
     print("\n".join(plan_lines(folders, skip)))
+    if "parallel_fit" not in skip:
+        print("\n" + continuation_line(carry))
     eagle3 = (carry / "eagle3" / "config.json").is_file() and any(s not in skip for s in EAGLE3_STEPS)
     if not eagle3 and any(s not in skip for s in EAGLE3_STEPS):
         print(f"\n(no .carry/eagle3: the EAGLE-3 head's steps run only where {EAGLE3_HEAD} exists on the device; "

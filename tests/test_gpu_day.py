@@ -6,6 +6,8 @@ import json
 import tarfile
 
 import pytest
+import torch
+from conftest import train_config
 
 from eagle_lite.heads.checkpoint import save_head
 from eagle_lite.heads.draft import DraftHead
@@ -68,6 +70,14 @@ def test_the_dry_run_runs_every_step_and_returns_the_files_a_call_may(tiny_model
     assert "the new parallel head:" in text
     assert (out / "unpacked" / "head" / "config.json").is_file()
     assert json.loads((out / "unpacked" / "parallel" / "config.json").read_text())["parallel"] == 3
+    assert text.rstrip().endswith(f"python -m eval.gpu_day report {out} --keep (copies it to "
+                                  f"{gpu_day.PARALLEL_HEAD}, which the next `make gpu-day` packs)")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "stale.txt").write_text("from the head before")
+    assert gpu_day.main(["report", str(out), "--keep", str(kept)]) == 0
+    assert f"kept the parallel head in {kept}" in capsys.readouterr().out
+    assert sorted(p.name for p in kept.iterdir()) == sorted(p.name for p in (out / "unpacked" / "parallel").iterdir())
 
 
 def test_steps_without_time_left_are_skipped_and_recorded(tiny_model_dir, tiny_head, questions, tmp_path):
@@ -178,3 +188,96 @@ def test_a_damaged_steps_file_is_named_in_one_line(text, problem, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'call1' / 'steps.json'} is not a gpu_day steps.json") and problem in err
     assert err.count("\n") == 1
+
+
+@pytest.fixture
+def parallel_head(tiny_model_dir, tmp_path):
+    """A tiny parallel head (3 tokens a forward), as a day's parallel_fit returns one for the tiny target."""
+    target = load_target(str(tiny_model_dir))
+    return save_head(DraftHead.for_target(target).make_parallel(3), tmp_path / "kept", target)
+
+
+def fit_commands(monkeypatch, tiny_model_dir, tiny_head, questions, tmp_path, carry=None):
+    """The parallel_fit commands of a dry run (the others skipped, no command run) and its log."""
+    ran = []
+
+    def sh(self, record, argv, timeout):
+        record.commands.append(" ".join(argv))
+        ran.append(argv)
+        return 0
+
+    monkeypatch.setattr(gpu_day.Day, "sh", sh)
+    monkeypatch.setattr(gpu_day, "SITE", tmp_path / "site")
+    out = tmp_path / "out"
+    skip = ",".join(s.name for s in gpu_day.STEPS if s.name != "parallel_fit")
+    assert gpu_day.main(["run", "--dry-run", "--target", str(tiny_model_dir), "--draft", str(tiny_head),
+                         "--questions", str(questions), "--out", str(out), "--work", str(tmp_path / "w"),
+                         "--budget-s", "900", "--skip", skip, *(["--carry", str(carry)] if carry else [])]) == 0
+    return ran, (out / "log.txt").read_text()
+
+
+def test_a_packed_parallel_head_is_extracted_and_continued_by_the_fit(monkeypatch, tiny_model_dir, tiny_head,
+                                                                       parallel_head, questions, tmp_path, capsys):
+    wheel = tmp_path / "wheels" / "hydra_core-1.3.8-py3-none-any.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"w" * 100)
+    size = sum(f.stat().st_size for f in parallel_head.iterdir())
+    folders = gpu_day.bundle([wheel], tmp_path / "carry", size // 3, parallel_head)
+    assert len(folders) >= 3                                     # the head cut over several calls
+    manifest = json.loads((folders[0] / "manifest.json").read_text())
+    assert [e["name"] for e in manifest] == [wheel.name, "parallel_init.tar"]
+    assert "kind" not in manifest[0] and manifest[1]["kind"] == "head"
+    assert manifest[1]["from"] == str(parallel_head) and "parallel 3" in manifest[1]["about"]
+
+    # the plan says which head the bundle continues
+    assert gpu_day.main(["plan", "--carry", str(tmp_path / "carry")]) == 0
+    assert f"parallel_fit continues the parallel head packed from {parallel_head}" in capsys.readouterr().out
+
+    # on the device: nothing goes to pip but the wheel, the head once all its parts are in
+    pips = []
+    monkeypatch.setattr(gpu_day.subprocess, "run", lambda cmd, **kw: pips.append(cmd))
+    device = tmp_path / "device"
+    device.mkdir()
+    for folder in folders:
+        for f in folder.iterdir():
+            (device / f.name).write_bytes(f.read_bytes())
+        installed = gpu_day.install(device, tmp_path / "site", lambda line: None)
+        assert installed == {wheel.name}
+        assert (device / "parallel_init" / "config.json").is_file() == (folder == folders[-1])
+    assert len(pips) == 1 and pips[0][-1].endswith(wheel.name)
+    for f in parallel_head.iterdir():
+        assert (device / "parallel_init" / f.name).read_bytes() == f.read_bytes()
+    monkeypatch.undo()
+
+    ran, log = fit_commands(monkeypatch, tiny_model_dir, tiny_head, questions, tmp_path, carry=device)
+    assert len(ran) == 1 and f"draft.init_from={device / 'parallel_init'}" in ran[0]
+    assert f"continues the carried parallel head {device / 'parallel_init'} (parallel 3" in log
+
+
+def test_without_a_carried_head_the_fit_starts_as_its_experiment_does(monkeypatch, tiny_model_dir, tiny_head,
+                                                                      questions, tmp_path, capsys):
+    (tmp_path / "carry").mkdir()
+    (tmp_path / "carry" / "manifest.json").write_text("[]")
+    ran, log = fit_commands(monkeypatch, tiny_model_dir, tiny_head, questions, tmp_path, carry=tmp_path / "carry")
+    profile = gpu_day.dry_profile(str(tiny_model_dir), str(tiny_head), str(questions))
+    assert len(ran) == 1 and ran[0][3:-1] == [*profile.parallel_train, f"name={gpu_day.PARALLEL_NAME}"]
+    assert "no parallel head carried" in log
+    assert gpu_day.main(["plan", "--carry", str(tmp_path / "none")]) == 0
+    assert "parallel_fit starts from the shipped head" in capsys.readouterr().out
+    assert gpu_day.main(["pack", "--parallel-from", str(tmp_path)]) == 2
+    assert "--parallel-from" in capsys.readouterr().err
+
+
+def test_trainers_train_continues_a_parallel_head(tiny_model_dir, parallel_head, tmp_path):
+    """What parallel_fit runs with a carried head: the head is taken as it is (parallel, its mask vectors kept)."""
+    from eagle_lite.formats import load_head
+    from trainers.train import build_module, own_target
+
+    cfg = train_config(*own_target([f"target={tiny_model_dir}", "data=tiny", f"draft.init_from={parallel_head}",
+                                    "draft.parallel=3", "draft.objective.ttt_steps=3"]))
+    target = load_target(str(tiny_model_dir))
+    head = build_module(cfg, target, None).head
+    saved = load_head(str(parallel_head), target).float()
+    assert head.parallel == 3
+    assert torch.equal(head.mask_hidden, saved.mask_hidden) and torch.equal(head.mask_embed, saved.mask_embed)
+    assert torch.equal(head.fc.weight, saved.fc.weight)

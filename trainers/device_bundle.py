@@ -57,9 +57,12 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(files: list[Path], out: Path, call_bytes: int = CALL_BYTES) -> list[Path]:
+def split(files: list[Path], out: Path, call_bytes: int = CALL_BYTES,
+          extra: dict[str, dict] | None = None) -> list[Path]:
     """Cut `files` into parts of at most `call_bytes`, grouped into folders out/1, out/2, ... of at most
-    `call_bytes` each; out/1 also holds the manifest (each file's name, size, checksum and parts, in order)."""
+    `call_bytes` each; out/1 also holds the manifest (each file's name, size, checksum and parts, in order).
+    extra: more fields of a file's manifest entry, by its name (e.g. {"kind": "head"} for a file that is no
+    wheel)."""
     if out.exists():
         shutil.rmtree(out)
     folders: list[Path] = []
@@ -82,7 +85,8 @@ def split(files: list[Path], out: Path, call_bytes: int = CALL_BYTES) -> list[Pa
                 used += len(chunk)
                 if not chunk:      # an empty file: one empty part
                     break
-        manifest.append({"name": path.name, "bytes": path.stat().st_size, "blake2b": _digest(path), "parts": parts})
+        manifest.append({"name": path.name, "bytes": path.stat().st_size, "blake2b": _digest(path), "parts": parts,
+                         **(extra or {}).get(path.name, {})})
     (out / "1" / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return folders
 

@@ -289,15 +289,16 @@ def pack(out: Path, wheels: Path, parallel_from: Path | None = None) -> list[Pat
     return bundle(device_bundle.download(wheels, PACKAGES), out, per_call, parallel_from)
 
 
-def is_target_package(path: Path) -> bool:
-    return path.name.replace("-", "_").startswith(TARGET_PACKAGE)
+def is_target_package(name: str) -> bool:
+    """A wheel's (or an installed entry's) file name is the target's own package."""
+    return name.replace("-", "_").startswith(TARGET_PACKAGE)
 
 
 def bundle(files: list[Path], out: Path, per_call: int, parallel_from: Path | None = None) -> list[Path]:
     """`files` cut into folders of at most `per_call` bytes, the small wheels first (the first call installs them
     and runs the steps that need no target files). parallel_from: a parallel head's folder, carried as one more
     entry before the target's package (parallel_init.tar, "kind": "head"), which `install` extracts."""
-    files = sorted(files, key=lambda p: (is_target_package(p), p.name))
+    files = sorted(files, key=lambda p: (is_target_package(p.name), p.name))
     extra = {}
     with tempfile.TemporaryDirectory() as tmp:
         if parallel_from is not None:
@@ -306,7 +307,7 @@ def bundle(files: list[Path], out: Path, per_call: int, parallel_from: Path | No
                 for f in sorted(parallel_from.iterdir()):
                     if f.is_file():
                         tar.add(f, arcname=f.name)
-            files.insert(sum(not is_target_package(f) for f in files), head)
+            files.insert(sum(not is_target_package(f.name) for f in files), head)
             extra[head.name] = {"kind": HEAD_KIND, "from": shown(parallel_from),
                                 "about": head_about(parallel_from)}
         return device_bundle.split(files, out, per_call, extra)
@@ -659,7 +660,7 @@ def run(args) -> int:
     if args.carry:
         installed = install(args.carry, SITE, day.log)
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        installed_target = args.dry_run or any(n.replace("-", "_").startswith(TARGET_PACKAGE) for n in installed)
+        installed_target = args.dry_run or any(map(is_target_package, installed))
         if (args.carry / PARALLEL_INIT / "config.json").is_file():
             day.profile = replace(day.profile, parallel_init=str(args.carry / PARALLEL_INIT))
     elif not args.dry_run:

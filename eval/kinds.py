@@ -27,7 +27,6 @@ def kinds_table(counts: dict[str, KindCounts], per_kind: int) -> str:
     return "\n".join(lines)
 
 
-
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.kinds", description=(

@@ -433,4 +433,3 @@ def chain_lengths(head, batch: dict, embed_weight: torch.Tensor, full_weight: to
     preds = unroll(head, pairs, depth)
     features, weight = scored(head, preds, draft_weight)
     return agreement(features, pairs, full_weight, weight, head.d2t)["lengths"]
-

@@ -282,6 +282,7 @@ def test_adapt_curves_replays_the_captured_answers_per_setting(tiny_model_dir, t
     assert main(argv) == 0                            # the second run replays the file: the same curves
     assert capsys.readouterr().out == first
     assert main(argv[:-2] + ['{"learning": 1}']) == 1   # one line: unknown learner settings
+    assert main(argv[:-2] + ['{"confidence": -1}']) == 1   # one line: a guard that would swap on any gain
     bad = tmp_path / "bad.safetensors"
     bad.write_text("not safetensors")
     assert main(["--records", str(bad)]) == 1

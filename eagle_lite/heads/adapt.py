@@ -75,6 +75,8 @@ class Adapter:
                  steps: int = 4, seed: int = 0, confidence: float = 2.0, max_judge_tokens: int = 1024) -> None:
         self.pipeline, self.folder, self.cfg = pipeline, Path(folder), cfg
         self.judge_tokens, self.steps = judge_tokens, steps
+        if confidence < 0:
+            raise ValueError(f"the guard's confidence is a number of standard errors, >= 0; got {confidence}")
         self.confidence, self.max_judge_tokens = confidence, max(max_judge_tokens, judge_tokens)
         try:
             check_folder_writable(self.folder)

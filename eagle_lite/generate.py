@@ -56,7 +56,8 @@ def choices_line(choices: dict[str, list[float]]) -> str:
     steps = sum(row[0] for row in choices.values()) or 1
     return "[auto's choices: " + ", ".join(
         f"{kind} {100 * n / steps:.0f}% ({tokens / n:.2f} tokens, {1e3 * predicted / n:.1f} ms predicted, "
-        f"{1e3 * measured / n:.1f} measured)" for kind, (n, tokens, _, predicted, measured) in sorted(choices.items())
+        f"{1e3 * measured / n:.1f} measured)"
+        for kind, (n, tokens, _, predicted, measured, *_) in sorted(choices.items())
     ) + "]"
 
 

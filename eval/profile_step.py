@@ -138,17 +138,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_choices(choices: dict[str, list[float]]) -> None:
-    """Method auto's steps by the controller's choice: share, tokens a step and step ms (draft + verify + accept: the
-    stats' step, without the loop's own time) as the controller predicted them and as measured, and the tokens/s
-    of each."""
+    """Method auto's steps by the controller's choice: share, tokens a step, step ms (draft + verify + accept: the
+    stats' step, without the loop's own time) and of it the draft's, as the controller predicted them and as
+    measured, and the tokens/s of each."""
     steps = sum(row[0] for row in choices.values()) or 1
     print("\n| auto's choice | steps | tokens/step predicted | measured | ms/step predicted | measured | "
-          "tok/s predicted | measured |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind, (n, tokens, expected, predicted, measured) in sorted(choices.items()):
+          "draft ms predicted | measured | tok/s predicted | measured |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, (n, tokens, expected, predicted, measured, pdraft, mdraft) in sorted(choices.items()):
         print(f"| {kind} | {100 * n / steps:.0f}% | {expected / n:.2f} | {tokens / n:.2f} | "
-              f"{1e3 * predicted / n:.2f} | {1e3 * measured / n:.2f} | {expected / predicted:.1f} | "
-              f"{tokens / measured:.1f} |")
+              f"{1e3 * predicted / n:.2f} | {1e3 * measured / n:.2f} | {1e3 * pdraft / n:.2f} | "
+              f"{1e3 * mdraft / n:.2f} | "
+              f"{expected / predicted:.1f} | {tokens / measured:.1f} |")
 
 
 if __name__ == "__main__":

@@ -216,3 +216,7 @@ def test_stats_show_the_split_by_choice(llama):
     assert set(choices) <= {"plain", "lookup", "head"}
     assert sum(c["steps"] for c in choices.values()) == len(out.stats.accept_lengths)
     assert all(c["predicted_ms"] > 0 and c["measured_ms"] > 0 for c in choices.values())
+    # of each step, the draft's share: none predicted where the head sat out, some where it drafted
+    assert all(c["predicted_draft_ms"] == 0 for kind, c in choices.items() if kind != "head")
+    assert "head" in choices and choices["head"]["predicted_draft_ms"] > 0 and choices["head"]["measured_draft_ms"] > 0
+    assert all(c["measured_draft_ms"] <= c["measured_ms"] for c in choices.values())

@@ -141,6 +141,7 @@ class Plan:
     controller: Controller = field(repr=False)
     bucket: int = 0            # lookup's bucket this step (ChainRate.key)
     head_forwards: int = 0     # the head forwards a head plan ran
+    draft: float = 0.0         # of `seconds`, the head's draft
 
     def done(self, nodes: int, tokens: int) -> None:
         """What the step verified and returned: the controller's running figures follow it."""
@@ -204,8 +205,9 @@ class Controller:
         if not self.has_head:
             return best
         tokens, nodes = self.head_estimate(match)
-        head = Plan("head", length, self.min_prob(1 + round(nodes)), tokens,
-                    self.cost.draft(max(1, round(self.head_forwards))) + self.cost.step(1 + round(nodes)), self, match)
+        draft = self.cost.draft(max(1, round(self.head_forwards)))
+        head = Plan("head", length, self.min_prob(1 + round(nodes)), tokens, draft + self.cost.step(1 + round(nodes)),
+                    self, match, draft=draft)
         gap = max(0.0, 1.0 - self.speed(head) / self.speed(best))
         # the head drafts where it is the fastest, and now and then where it is not (its first HEAD_FIRST steps
         # every EXPLORE steps, then the less often the further behind it is), so that its estimates follow the text

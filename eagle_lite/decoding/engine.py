@@ -45,7 +45,7 @@ class GenerationStats:
     seconds: float = 0.0               # wall time, prefill included
     stop_reason: str = ""              # "eos" | "length" | "context"; "interrupted" where a caller stopped it
     # method auto: per choice of the controller (controller.KINDS), [steps, tokens, predicted tokens, predicted s,
-    # measured s] summed
+    # measured s, of which the draft predicted, measured] summed
     choices: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -68,20 +68,24 @@ class GenerationStats:
             **({"choices": self.choices_dict()} if self.choices else {}),
         }
 
-    def choose(self, kind: str, tokens: int, predicted_tokens: float, predicted: float, measured: float) -> None:
+    def choose(self, kind: str, tokens: int, predicted_tokens: float, predicted: float, measured: float,
+               predicted_draft: float = 0.0, measured_draft: float = 0.0) -> None:
         """Count a step of the controller's choice `kind` (method auto): the tokens it emitted and the seconds it
-        took (draft, verify, acceptance), against the controller's prediction of both."""
-        row = self.choices.setdefault(kind, [0, 0, 0.0, 0.0, 0.0])
-        for i, value in enumerate((1, tokens, predicted_tokens, predicted, measured)):
+        took (draft, verify, acceptance), and of them the draft's, against the controller's prediction of each."""
+        row = self.choices.setdefault(kind, [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        for i, value in enumerate((1, tokens, predicted_tokens, predicted, measured, predicted_draft, measured_draft)):
             row[i] += value
 
     def choices_dict(self) -> dict:
-        """Per choice: steps, and tokens per step and step time (ms) as predicted and as measured."""
+        """Per choice: steps, and tokens per step, step time and draft time (ms) as predicted and as measured."""
         return {kind: {"steps": int(steps), "tokens_per_step": round(tokens / steps, 3),
                        "predicted_tokens_per_step": round(expected / steps, 3),
                        "predicted_ms": round(1e3 * predicted / steps, 3),
-                       "measured_ms": round(1e3 * measured / steps, 3)}
-                for kind, (steps, tokens, expected, predicted, measured) in sorted(self.choices.items())}
+                       "measured_ms": round(1e3 * measured / steps, 3),
+                       "predicted_draft_ms": round(1e3 * pdraft / steps, 3),
+                       "measured_draft_ms": round(1e3 * mdraft / steps, 3)}
+                for kind, (steps, tokens, expected, predicted, measured, pdraft, mdraft)
+                in sorted(self.choices.items())}
 
 
 def add_choices(total: dict[str, list[float]], choices: dict[str, list[float]]) -> None:
@@ -399,7 +403,8 @@ class Engine:
                 draft = stats.draft_seconds - before
                 step = (t2 - t1) / len(seqs) + time.perf_counter() - t3
                 tree.plan.done(len(tree), len(new))
-                stats.choose(tree.plan.kind, len(out), tree.plan.tokens, tree.plan.seconds, draft + step)
+                stats.choose(tree.plan.kind, len(out), tree.plan.tokens, tree.plan.seconds, draft + step,
+                             tree.plan.draft, draft)
                 self.last_plans.append((tree.plan.kind, len(out), tree.plan.seconds, draft + step))
         return emitted
 

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--moves", choices=MOVES, default=LearnConfig.moves, help="what the learner updates")
+    p.add_argument("--rank", type=int, default=LearnConfig.rank, help="of each linear's change, with --moves lowrank")
     p.add_argument("--lr", type=float, default=LearnConfig.lr)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps each answer buys")
     p.add_argument("--judge-tokens", type=int, default=256, help="answer tokens between two judgements of the guard")
@@ -62,6 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_new_tokens < 1 or args.steps < 0 or (args.per_task is not None and args.per_task < 1):
         p.error("--max-new-tokens and --per-task must be >= 1, --steps >= 0")
     check_threads(args.threads)
+    try:
+        LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
+    except ValueError as err:   # refused before anything is loaded
+        p.error(str(err))
     return args
 
 
@@ -103,7 +108,7 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
     frozen = for_target(target, args.method, options)
     adapting = for_target(target, args.method, options)
     folder = heads_dir / name
-    cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts)
+    cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
     adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps,
                      confidence=args.confidence)
     rows = []

@@ -326,3 +326,54 @@ def test_answers_judged_within_the_noise_stay_held_out_until_the_limit(llama, tm
     assert max(held) >= 2                             # judged, within the noise: held out, judged again with more
     assert scored[2] > scored[0]                      # the second judgement scored the held answers and the new
     assert len(adapter.learner.pool) > pooled         # past the limit they joined the pool
+
+
+@pytest.mark.parametrize("design", ["eagle", "eagle3"])
+def test_a_low_rank_learner_moves_a_low_rank_change_and_hands_over_an_ordinary_head(llama, deep, tmp_path, design):
+    from dataclasses import replace
+
+    target = deep if design == "eagle3" else llama
+    kw = {"feature_layers": (0, 1, 2), "design": "eagle3"} if design == "eagle3" else {}
+    pipeline, adapter = adapting(target, tmp_path, cfg=replace(SMALL, moves="lowrank", rank=4, lr=1e-2), **kw)
+    learner, champion = adapter.learner, adapter.champion
+    assert learner.params and all(p.shape[0] == 4 or p.shape[1] == 4 for p in learner.params)   # A and B alone
+    assert {id(p) for p in learner.head.parameters() if p.requires_grad} == {id(p) for p in learner.params}
+    start = champion.state_dict()
+    assert learner.weights().keys() == start.keys()
+    for k, v in learner.weights().items():         # B starts at zero: the head is unchanged
+        torch.testing.assert_close(v, start[k])
+    for prompt in prompts(3):
+        pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=30, tree=pipeline.tree))
+    learner.add(adapter.capture.take())
+    first = learner.train(1)
+    learner.train(60)
+    assert learner.train(1) < 0.9 * first
+    moved = learner.weights()
+    changed = [k for k in moved if not torch.equal(moved[k], start[k])]
+    assert changed and all(k.endswith(".weight") for k in changed)
+    assert not any(k.startswith("lm_head") for k in changed)
+    for k in changed:                              # each weight moved by a change of rank 4 at most
+        assert torch.linalg.matrix_rank(moved[k] - start[k]).item() <= 4
+    fresh = DraftHead.for_target(target, **kw)     # an ordinary head takes the weights, and drafts as the learner's
+    fresh.load_state_dict(moved)
+    records = adapter.capture.take() or list(learner.pool)
+    assert learner.accepted(fresh, records) == pytest.approx(learner.accepted(learner.head, records))
+    learner.restart(start)                         # a dropped challenger: back to the champion, no change
+    for k, v in learner.weights().items():
+        torch.testing.assert_close(v, start[k])
+
+
+def test_low_rank_adaptation_keeps_greedy_output_the_targets(llama, tmp_path):
+    from dataclasses import replace
+
+    pipeline, adapter = adapting(llama, tmp_path, cfg=replace(SMALL, moves="lowrank"))
+    always_promote(adapter)
+    for prompt in prompts(4):
+        out = pipeline.engine.generate(prompt, GenerationConfig(max_new_tokens=24, tree=pipeline.tree))
+        assert out.token_ids == reference_greedy(llama, prompt, 24)
+        adapter.round()
+    assert adapter.card["promotions"] >= 1
+    from eagle_lite.formats import load_head
+    head = load_head(tmp_path, llama)               # the promoted head: an ordinary head folder
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(v.float(), adapter.champion.state_dict()[k].float())

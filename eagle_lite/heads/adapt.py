@@ -135,8 +135,7 @@ class Adapter:
 
     def _restart(self) -> None:
         """The learner starts again from the champion (a dropped challenger)."""
-        self.learner.head.load_state_dict(self.champion.state_dict())
-        self.learner.optimizer.state.clear()
+        self.learner.restart(self.champion.state_dict())
 
     # -- learning -------------------------------------------------------------------------------------
     def round(self, steps: int | None = None) -> dict:
@@ -176,7 +175,7 @@ class Adapter:
         self.history.append((seen, *scores, decision == "promote"))
         self.card["judged"] = (self.card["judged"] + [[seen, round(scores[0], 4), round(scores[1], 4)]])[-20:]
         if decision == "promote":
-            self.champion.load_state_dict(self.learner.head.state_dict())
+            self.champion.load_state_dict(self.learner.weights())
             self.card["promotions"] += 1
             self._serve(copy.deepcopy(self.champion))
             self.save()

@@ -9,7 +9,9 @@ Each question's turns are answered twice, greedily and interleaved: by the froze
 `--stream mixed` runs one stream over every question in file order. Printed per kind and per fifth of its stream:
 tokens/s and accepted tokens per step of both heads, and whether every output was identical; then an overall row of
 the last fifths, the learner's seconds and its cost per answered token. `--out DIR` also writes `adapt.json` and
-keeps each stream's adapted head (DIR/heads/<stream>).
+keeps each stream's adapted head (DIR/heads/<stream>). The `--tree-*` flags set the tree both heads draft (unset:
+the head's own; `--method eagle --tree-depth 4 --tree-top-k 1 --tree-total-tokens 4 --tree-lookup 0` is a chain of 4
+head tokens alone, where acceptance is all the head's).
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from eagle_lite.cli import entry_point
+from eagle_lite.config import resolve_tree
 from eagle_lite.drafters import registry
 from eagle_lite.heads.learner import MOVES, LearnConfig
+from eagle_lite.options import add_tree_flags, tree_flags
 from eagle_lite.threads import check_threads, set_threads
 
 from .evaluation import load_questions
@@ -57,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", action="store_true",
                    help="train on the prompts' positions too, not only the answers' (LearnConfig.prompts)")
     p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
+    add_tree_flags(p)
     args = p.parse_args(argv)
     if not args.questions and not args.tasks:
         p.error("give --questions FILE or --tasks")
@@ -86,12 +91,16 @@ def streams(questions: list, how: str) -> dict[str, list]:
     return dict(out)
 
 
-def answer(pipeline, question, max_new_tokens: int) -> list[dict]:
-    """Every turn of `question` answered greedily (each turn after this pipeline's own earlier answers)."""
+def answer(pipeline, question, max_new_tokens: int, tree: dict | None = None) -> list[dict]:
+    """Every turn of `question` answered greedily (each turn after this pipeline's own earlier answers); tree: the
+    --tree-* flags set (`options.tree_flags`; None or unset: the pipeline's tree)."""
     messages, turns = [], []
+    cfg = pipeline.config(max_new_tokens=max_new_tokens)
+    if tree:
+        cfg = pipeline.config(max_new_tokens=max_new_tokens, tree=resolve_tree(pipeline.tree, **tree))
     for turn in question.turns:
         messages.append({"role": "user", "content": turn})
-        out = pipeline.generate(messages, pipeline.config(max_new_tokens=max_new_tokens))
+        out = pipeline.generate(messages, cfg)
         messages.append({"role": "assistant", "content": out.text})
         s = out.stats
         turns.append({"ids": out.token_ids, "tokens": s.new_tokens, "seconds": s.seconds,
@@ -113,8 +122,8 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
                      confidence=args.confidence)
     rows = []
     for i, q in enumerate(questions):
-        a = answer(frozen, q, args.max_new_tokens)
-        b = answer(adapting, q, args.max_new_tokens)
+        a = answer(frozen, q, args.max_new_tokens, tree_flags(args))
+        b = answer(adapting, q, args.max_new_tokens, tree_flags(args))
         t0 = time.process_time()
         report = adapter.round()
         learner = time.process_time() - t0
@@ -195,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for rs in by_kind.values() for r in rs]
     identical = sum(r["identical"] for r in rows) / len(rows)
     answered = sum(t["tokens"] for r in rows for t in r["adapted"])
-    print(f"eval.adapt · {target.name} · method {args.method} · stream {args.stream} · moves {args.moves} · lr "
-          f"{args.lr} · {args.steps} steps/answer · replay {args.replay} · {len(rows)} questions · "
+    tree = ", ".join(f"{k} {v}" for k, v in tree_flags(args).items() if v is not None) or "the head's"
+    moves = f"{args.moves} (rank {args.rank})" if args.moves == "lowrank" else args.moves
+    print(f"eval.adapt · {target.name} · method {args.method} · tree {tree} · stream {args.stream} · moves {moves} · "
+          f"lr {args.lr} · {args.steps} steps/answer · replay {args.replay} · {len(rows)} questions · "
           f"{args.max_new_tokens} new tokens · {args.threads or 'default'} threads\n")
     print(text)
     print(f"\nidentical outputs: {identical:.1%} · learner {learner:.1f} CPU s "

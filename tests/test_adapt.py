@@ -244,6 +244,25 @@ def test_eval_adapt_writes_fifths_per_kind_with_identical_outputs(tiny_model_dir
     assert (out / "heads" / "alpha").is_dir()
 
 
+def test_eval_adapt_takes_a_tree_and_a_low_rank_learner(tiny_model_dir, tmp_path, capsys):
+    from eval.adapt import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": f"alpha-{i}", "category": "alpha",
+                                             "turns": [f"tell me about number {i}"]}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    assert main(["--target", str(tiny_model_dir), "--draft", "random", "--questions", str(questions),
+                 "--max-new-tokens", "16", "--judge-tokens", "16", "--replay", "0", "--method", "eagle",
+                 "--moves", "lowrank", "--rank", "2", "--lr", "1e-2", "--tree-depth", "3", "--tree-top-k", "1",
+                 "--tree-total-tokens", "3", "--tree-lookup", "0", "--out", str(out)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "tree depth 3, top_k 1, total_tokens 3, lookup 0" in header and "moves lowrank (rank 2)" in header
+    assert json.loads((out / "adapt.json").read_text())["identical"] == 1.0
+    with pytest.raises(SystemExit):   # a rank below 1 is refused before anything loads
+        main(["--target", str(tiny_model_dir), "--questions", str(questions), "--moves", "lowrank", "--rank", "0"])
+    assert "rank 0" in capsys.readouterr().err
+
+
 def test_load_with_adapt_resumes_and_a_pinned_tree_keeps_adapting(tiny_model_dir, tmp_path):
     from eagle_lite.pipeline import load
 

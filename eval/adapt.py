@@ -8,7 +8,8 @@ Each question's turns are answered twice, greedily and interleaved: by the froze
 `--stream kind` (default) gives every kind its own stream, in file order, each starting from the head given;
 `--stream mixed` runs one stream over every question in file order. Printed per kind and per fifth of its stream:
 tokens/s and accepted tokens per step of both heads, and whether every output was identical; then an overall row of
-the last fifths, the learner's seconds and its cost per answered token. `--out DIR` also writes `adapt.json` and
+the last fifths, the learner's seconds and its cost per answered token. The adapting side also looks up earlier
+answers (its lookup store, `--traffic-tokens`; 0: the head alone adapts). `--out DIR` also writes `adapt.json` and
 keeps each stream's adapted head (DIR/heads/<stream>). The `--tree-*` flags set the tree both heads draft (unset:
 the head's own; `--method eagle --tree-depth 4 --tree-top-k 1 --tree-total-tokens 4 --tree-lookup 0` is a chain of 4
 head tokens alone, where acceptance is all the head's).
@@ -26,6 +27,7 @@ from pathlib import Path
 from eagle_lite.cli import entry_point
 from eagle_lite.config import resolve_tree
 from eagle_lite.drafters import registry
+from eagle_lite.drafters.traffic import MAX_TOKENS
 from eagle_lite.heads.learner import MOVES, LearnConfig
 from eagle_lite.options import add_tree_flags, tree_flags
 from eagle_lite.threads import check_threads, set_threads
@@ -60,13 +62,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="share of a batch from the head's training answers (0: none)")
     p.add_argument("--prompts", action="store_true",
                    help="train on the prompts' positions too, not only the answers' (LearnConfig.prompts)")
+    p.add_argument("--traffic-tokens", type=int, default=MAX_TOKENS,
+                   help="answer tokens the adapting side's lookup store keeps, to copy from across questions "
+                        "(drafters/traffic.py; 0: none, the head alone adapts)")
     p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
     add_tree_flags(p)
     args = p.parse_args(argv)
     if not args.questions and not args.tasks:
         p.error("give --questions FILE or --tasks")
-    if args.max_new_tokens < 1 or args.steps < 0 or (args.per_task is not None and args.per_task < 1):
-        p.error("--max-new-tokens and --per-task must be >= 1, --steps >= 0")
+    if args.max_new_tokens < 1 or args.steps < 0 or (args.per_task is not None and args.per_task < 1) \
+            or args.traffic_tokens < 0:
+        p.error("--max-new-tokens and --per-task must be >= 1, --steps and --traffic-tokens >= 0")
     check_threads(args.threads)
     try:
         LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
@@ -119,7 +125,7 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
     folder = heads_dir / name
     cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
     adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps,
-                     confidence=args.confidence)
+                     confidence=args.confidence, traffic_tokens=args.traffic_tokens)
     rows = []
     for i, q in enumerate(questions):
         a = answer(frozen, q, args.max_new_tokens, tree_flags(args))
@@ -207,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     tree = ", ".join(f"{k} {v}" for k, v in tree_flags(args).items() if v is not None) or "the head's"
     moves = f"{args.moves} (rank {args.rank})" if args.moves == "lowrank" else args.moves
     print(f"eval.adapt · {target.name} · method {args.method} · tree {tree} · stream {args.stream} · moves {moves} · "
-          f"lr {args.lr} · {args.steps} steps/answer · replay {args.replay} · {len(rows)} questions · "
-          f"{args.max_new_tokens} new tokens · {args.threads or 'default'} threads\n")
+          f"lr {args.lr} · {args.steps} steps/answer · lookup store {args.traffic_tokens} tokens · "
+          f"replay {args.replay} · {len(rows)} questions · {args.max_new_tokens} new tokens · "
+          f"{args.threads or 'default'} threads\n")
     print(text)
     print(f"\nidentical outputs: {identical:.1%} · learner {learner:.1f} CPU s "
           f"({1e3 * learner / max(answered, 1):.2f} ms per answered token)")

@@ -87,6 +87,7 @@ def test_greedy_output_is_the_targets_while_the_head_adapts(llama, tmp_path, met
 def test_sampled_output_does_not_depend_on_capture(llama, tmp_path):
     sampling = SamplingConfig(temperature=1.0)
     pipeline, adapter = adapting(llama, tmp_path)
+    pipeline.engine.traffic = None   # capture alone (the store changes what is proposed, so a seed's draws)
     prompt = prompts(1)[0]
     cfg = GenerationConfig(max_new_tokens=24, tree=pipeline.tree, sampling=sampling, seed=3)
     with_capture = pipeline.engine.generate(prompt, cfg).token_ids
@@ -396,3 +397,21 @@ def test_low_rank_adaptation_keeps_greedy_output_the_targets(llama, tmp_path):
     head = load_head(tmp_path, llama)               # the promoted head: an ordinary head folder
     for k, v in head.state_dict().items():
         torch.testing.assert_close(v.float(), adapter.champion.state_dict()[k].float())
+
+
+def test_adapt_keeps_the_answers_it_serves_to_look_up(llama, tmp_path):
+    pipeline, adapter = adapting(llama, tmp_path)
+    assert pipeline.engine.traffic is adapter.traffic and len(adapter.traffic) == 0
+    cfg = GenerationConfig(max_new_tokens=24, tree=pipeline.tree, stop_at_eos=False)
+    first = pipeline.engine.generate(prompts(1)[0], cfg)
+    assert len(adapter.traffic) == 1 and "1 answers to look up" in adapter.stats_line()
+    pipeline.engine.reset()
+    again = pipeline.engine.generate(prompts(1)[0], cfg)       # the same question: its answer is looked up
+    assert again.token_ids == first.token_ids == reference_greedy(llama, prompts(1)[0], 24)
+    assert again.stats.target_forwards < first.stats.target_forwards
+    adapter.reset()                                            # back to the head it started from: the store empties
+    assert len(adapter.traffic) == 0 and pipeline.engine.traffic is adapter.traffic
+    serving, start = twin_heads(llama)
+    off = for_target(llama, "auto", EagleOptions(head=serving))
+    assert Adapter(off, tmp_path / "off", start, cfg=SMALL, traffic_tokens=0).traffic is None
+    assert off.engine.traffic is None

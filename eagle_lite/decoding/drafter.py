@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..config import SamplingConfig, TreeConfig
 from ..tree import DraftTree
+
+if TYPE_CHECKING:
+    from ..drafters.traffic import TrafficStore
 
 
 @dataclass
@@ -22,12 +25,14 @@ class DraftInput:
       `feature_layers` (EAGLE-3 heads) the outputs of those decoder layers instead, [m, len * H].
     sampling, generator: how the target samples; a drafter that samples its tokens from q_draft
       (rather than choosing them deterministically) uses them and returns q_draft with the tree.
+    traffic: the engine's store of answers served (`Engine.traffic`), or None.
     """
 
     tokens: list[int]
     hidden: torch.Tensor
     sampling: SamplingConfig = SamplingConfig()
     generator: torch.Generator | None = None
+    traffic: TrafficStore | None = None   # earlier answers a lookup may copy from (drafters/traffic.py; None: none)
 
     @property
     def root(self) -> int:

@@ -17,6 +17,7 @@ import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from ..tree import DraftTree
 from .accept import accept, sample, target_probs
 from .capture import Capture, Rows
 from .drafter import Drafter, DraftInput, NoDrafter, propose_together
+
+if TYPE_CHECKING:
+    from ..drafters.traffic import TrafficStore
 
 
 @dataclass
@@ -172,6 +176,7 @@ class Sequence:
     generator: torch.Generator | None  # its own sampling stream: a batch-mate never moves it
     start: float                       # perf_counter at its prefill
     rows: Rows | None = None           # the target's outputs kept for `Engine.capture` (None: not captured)
+    traffic: TrafficStore | None = None   # `Engine.traffic` when it began: its answer joins it when done
 
     @property
     def done(self) -> bool:
@@ -201,6 +206,8 @@ class Engine:
         self.last_plans: list[tuple[str, int, float, float]] = []
         # where each finished answer's target outputs go for a head that adapts (decoding/capture.py); None: nowhere
         self.capture: Capture | None = None
+        # the answers served, for lookups across requests (drafters/traffic.py; `--adapt` sets one); None: none
+        self.traffic: TrafficStore | None = None
 
     def _cache_for(self, prompt_ids: list[int], max_len: int) -> tuple[StaticKVCache, int]:
         """A cache for this call and how many leading prompt tokens it already holds."""
@@ -322,7 +329,7 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - start
             eos = target.eos_token_ids if s.cfg.stop_at_eos else set()
             seq = Sequence(s.drafter, cache, s.cfg, stats, list(s.prompt_ids) + [first], features, budget, eos,
-                           generator, start, rows)
+                           generator, start, rows, self.traffic)
             begun.append((seq, seq.emit([first])))
         return begun
 
@@ -397,6 +404,8 @@ class Engine:
             out = seq.emit(new)
             stats.accept_lengths.append(len(out))
             emitted.append(out)
+            if seq.done and seq.traffic is not None:
+                seq.traffic.add(seq.tokens[stats.prompt_tokens:stats.prompt_tokens + stats.new_tokens])
             if seq.rows is not None and self.capture is not None:
                 self._capture_step(seq, hidden, features, path)
             if tree.plan is not None:   # method auto: the controller learns what the step returned
@@ -461,7 +470,7 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
 def _plan(seq: Sequence, cap: int | None) -> DraftTree | tuple[DraftInput, TreeConfig]:
     """What `draft_all` asks the sequence's drafter: (its input, the tree config cut to `cap`), or the root alone
     where the drafter sits a plain step out."""
-    inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator)
+    inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator, seq.traffic)
     sit_out = getattr(seq.drafter, "sit_out", None)
     if cap is not None and cap <= 1 and sit_out is not None:
         sit_out(inp)

@@ -1,7 +1,9 @@
 """Prompt lookup (n-gram) drafting: propose what followed the latest earlier occurrence of the last n-gram.
 
 Training-free and nearly free to run; it shines where the answer repeats the context (code edits,
-summaries, quoting). With no match the tree is the root alone: a plain decoding step, no loss.
+summaries, quoting). With no match the tree is the root alone: a plain decoding step, no loss. Given the engine's
+store of earlier answers (`DraftInput.traffic`, drafters/traffic.py), it also copies from them where they match
+longer.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from ..config import TreeConfig
 from ..decoding.drafter import DraftInput
 from ..tree import DraftTree
+from .traffic import TrafficStore
 
 
 class AdaptiveLength:
@@ -77,24 +80,34 @@ class PromptLookupDrafter:
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         return 1 + self.length.high
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The up-to-k tokens that followed the most recent earlier match of the longest suffix n-gram."""
-        return self.match(tokens, k)[1]
+    def lookup(self, tokens: list[int], k: int, traffic: TrafficStore | None = None) -> list[int]:
+        """The up-to-k tokens that followed the most recent earlier match of the longest suffix n-gram (in the
+        context, or in `traffic`'s earlier answers where they hold a longer one)."""
+        return self.match_length(tokens, k, traffic)[2]
 
     def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(where the continuation starts in `tokens`, the continuation): `lookup` with the place it copies from
         (tokens[start - 1] is the earlier occurrence of the last token). (0, []) where nothing matches."""
         return self.match_length(tokens, k)[1:]
 
-    def match_length(self, tokens: list[int], k: int) -> tuple[int, int, list[int]]:
-        """`match` with the length of the n-gram matched first: (n, start, continuation); (0, 0, []) for none."""
+    def match_length(self, tokens: list[int], k: int, traffic: TrafficStore | None = None
+                     ) -> tuple[int, int, list[int]]:
+        """`match` with the length of the n-gram matched first: (n, start, continuation); (0, 0, []) for none.
+        traffic: earlier answers (drafters/traffic.py), whose match is taken where its n-gram is longer than the
+        context's (start is then 0: it copies from no place of `tokens`)."""
         self.index.update(tokens)
         n_tok = len(tokens)
+        found = 0, 0, []
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             start = self.index.latest(tuple(tokens[n_tok - n:]))
             if start is not None:
-                return n, start + n, tokens[start + n:start + n + k]
-        return 0, 0, []
+                found = n, start + n, tokens[start + n:start + n + k]
+                break
+        if traffic is not None and found[0] < self.max_ngram:
+            n, chain = traffic.continuation(tokens, max(self.min_ngram, found[0] + 1), k)
+            if chain:
+                return n, 0, chain
+        return found
 
     def sit_out(self, inp: DraftInput) -> None:
         """A step without a lookup chain (a batch's plain step): nothing to learn; the index catches up later."""
@@ -102,6 +115,6 @@ class PromptLookupDrafter:
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         if self.adaptive:
             self.length.update(inp.hidden.shape[0] - 1)   # features arrive for the root + accepted tokens
-        guess = self.lookup(inp.tokens, self.length.k)
+        guess = self.lookup(inp.tokens, self.length.k, inp.traffic)
         self.length.proposed = len(guess)
         return DraftTree.chain(torch.tensor([inp.root] + guess, device=inp.hidden.device))

@@ -12,6 +12,9 @@ The path: the engine keeps what its verify forwards computed for every answer (d
    and the next `judge_tokens` together, up to `max_judge_tokens`; past that they join the pool and training
    goes on with no verdict.
 2. **Learner.** `steps` optimizer steps of the training loss on the pool, mixed with replay (heads/learner.py).
+3. **Lookup from traffic.** The engine keeps every finished answer in a store (drafters/traffic.py, the newest
+   `traffic_tokens`; 0: none) that prompt lookup copies from across requests, where an earlier answer matches a
+   longer n-gram than the request's own context.
 
 Output stays exact whichever head serves: a head only proposes, and the target's acceptance decides.
 
@@ -34,6 +37,7 @@ import torch
 
 from ..atomic import check_folder_writable, write_text_atomic
 from ..decoding.capture import Capture, Captured
+from ..drafters.traffic import MAX_TOKENS, TrafficStore
 from .checkpoint import read_config, save_head
 from .learner import LearnConfig, Learner, Replay, objective_of
 
@@ -72,7 +76,8 @@ class Adapter:
 
     def __init__(self, pipeline, folder: str | Path, start, champion=None, source: str | Path | None = None,
                  cfg: LearnConfig = LearnConfig(), replay: str | Path | None = None, judge_tokens: int = 256,
-                 steps: int = 4, seed: int = 0, confidence: float = 2.0, max_judge_tokens: int = 1024) -> None:
+                 steps: int = 4, seed: int = 0, confidence: float = 2.0, max_judge_tokens: int = 1024,
+                 traffic_tokens: int = MAX_TOKENS) -> None:
         self.pipeline, self.folder, self.cfg = pipeline, Path(folder), cfg
         self.judge_tokens, self.steps = judge_tokens, steps
         if confidence < 0:
@@ -97,6 +102,11 @@ class Adapter:
         self.learner = Learner(pipeline.target, copy.deepcopy(self.champion), objective, cfg, replays, seed)
         self.capture = Capture(max_tokens=cfg.pool_tokens)
         pipeline.engine.capture = self.capture
+        if traffic_tokens < 0:
+            raise ValueError(f"the lookup store keeps >= 0 answer tokens (0: none), got {traffic_tokens}")
+        self.traffic_tokens = traffic_tokens
+        self.traffic = TrafficStore(traffic_tokens) if traffic_tokens else None
+        pipeline.engine.traffic = self.traffic
         pipeline.adapter = self
         self.pending: list[Captured] = []
         self.judged_tokens = 0   # answer tokens of `pending` at its last judgement (one within the noise keeps them)
@@ -124,12 +134,16 @@ class Adapter:
         """Adapt the head `pipeline` serves from now on (`Pipeline.pinned`: eagle's pipeline over the same head)."""
         self.pipeline, (self.holder, _) = pipeline, serving_eagle(pipeline.engine.drafter)
         pipeline.engine.capture = self.capture
+        pipeline.engine.traffic = self.traffic
         pipeline.adapter = self
 
     def reset(self) -> None:
         """Serve the head adaptation started from again, and train from it (DIR keeps its last champion until the
-        next promotion)."""
+        next promotion); the lookup store starts empty."""
         self.champion = copy.deepcopy(self.start_head).float().eval()
+        if self.traffic is not None:
+            self.traffic = TrafficStore(self.traffic_tokens)
+            self.pipeline.engine.traffic = self.traffic
         self._restart()
         self._serve(copy.deepcopy(self.champion))
 
@@ -217,8 +231,9 @@ class Adapter:
     def stats_line(self) -> str:
         last = self.history[-1] if self.history else None
         judged = f", last judged {last[1]:.2f} -> {last[2]:.2f} accepted/step" if last else ""
+        store = f", {len(self.traffic)} answers to look up" if self.traffic is not None else ""
         return (f"[adapt: {self.card['answers']} answers, {self.learner.steps} steps, "
-                f"{self.card['promotions']} promotions{judged}, learner {self.learner.seconds:.1f} s]")
+                f"{self.card['promotions']} promotions{judged}, learner {self.learner.seconds:.1f} s{store}]")
 
 
 def verdict(champion: torch.Tensor, challenger: torch.Tensor, confidence: float) -> str:

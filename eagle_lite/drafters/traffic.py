@@ -1,0 +1,68 @@
+"""A store of the answers served, for prompt lookup across requests: what followed an n-gram in an earlier answer.
+
+Prompt lookup copies from the request's own context. Answers of one kind of traffic repeat one another too (code's
+idioms, a support bot's phrasing): the store keeps the latest answers as token ids (at most `max_tokens`, the
+oldest dropped first) with the latest place of every n-gram of 1 to `max_ngram` tokens, and a lookup drafter that
+finds a longer match here than in its context proposes what followed it. It changes what is proposed, never what
+is accepted. `--adapt` turns it on (heads/adapt.py): like the adapted head, it learns from every request served.
+
+    store = TrafficStore()
+    store.add(answer_ids)                         # a finished answer
+    n, chain = store.continuation(tokens, 2, 8)   # the longest n-gram (>= 2) ending `tokens`, what followed it
+"""
+from __future__ import annotations
+
+from collections import deque
+
+MAX_TOKENS = 65536   # answer tokens kept
+
+
+class TrafficStore:
+    def __init__(self, max_tokens: int = MAX_TOKENS, max_ngram: int = 5) -> None:
+        if max_tokens < 1 or max_ngram < 1:
+            raise ValueError(f"a traffic store keeps >= 1 token and n-grams of >= 1, got {max_tokens}, {max_ngram}")
+        self.max_tokens, self.max_ngram = max_tokens, max_ngram
+        self.answers: deque[tuple[int, list[int]]] = deque()   # (serial, tokens), oldest first
+        self.tokens = 0
+        self._serial = 0
+        self._by_serial: dict[int, list[int]] = {}
+        # n -> {n-gram: (serial of the answer, start)}: the latest place of each n-gram some token follows
+        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in range(1, max_ngram + 1)}
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def add(self, answer: list[int]) -> None:
+        """Keep a finished answer (token ids). Past `max_tokens` kept, the oldest go down to three quarters of it
+        (the index is rebuilt then, so not at every answer)."""
+        answer = list(answer[-self.max_tokens:])
+        if len(answer) < 2:
+            return
+        self._serial += 1
+        self.answers.append((self._serial, answer))
+        self._by_serial[self._serial] = answer
+        self.tokens += len(answer)
+        self._index_answer(self._serial, answer)
+        if self.tokens > self.max_tokens:
+            while self.tokens > self.max_tokens * 3 // 4 and len(self.answers) > 1:
+                serial, old = self.answers.popleft()
+                del self._by_serial[serial]
+                self.tokens -= len(old)
+            self._index = {n: {} for n in self._index}
+            for serial, kept in self.answers:
+                self._index_answer(serial, kept)
+
+    def _index_answer(self, serial: int, answer: list[int]) -> None:
+        for n, places in self._index.items():
+            for s in range(len(answer) - n):
+                places[tuple(answer[s:s + n])] = (serial, s)
+
+    def continuation(self, tokens: list[int], min_ngram: int, k: int) -> tuple[int, list[int]]:
+        """(n, chain): the longest n-gram (min_ngram <= n <= max_ngram) ending `tokens` that an earlier answer
+        holds, and the up-to-k tokens that followed it there; (0, []) where none does."""
+        for n in range(min(self.max_ngram, len(tokens)), max(min_ngram, 1) - 1, -1):
+            place = self._index[n].get(tuple(tokens[len(tokens) - n:]))
+            if place is not None:
+                serial, start = place
+                return n, self._by_serial[serial][start + n:start + n + k]
+        return 0, []

@@ -20,6 +20,9 @@ def prompts(n: int, seed: int = 0, length: int = 12) -> list[list[int]]:
 
 
 def test_the_store_finds_the_longest_ngram_of_earlier_answers_and_keeps_the_newest():
+    from eagle_lite.decoding.controller import ChainRate
+
+    assert ChainRate.key(4, False, stored=True) == ChainRate.STORED != ChainRate.key(4, False)   # auto's own bucket
     store = TrafficStore(max_tokens=20, max_ngram=3)
     store.add([1, 2, 3, 4, 5, 6])
     store.add([9, 2, 3, 7, 8])
@@ -39,11 +42,12 @@ def test_the_store_finds_the_longest_ngram_of_earlier_answers_and_keeps_the_newe
 
 def test_lookup_takes_the_stores_match_only_where_it_is_longer():
     store = TrafficStore()
-    store.add([5, 6, 7, 8, 9])
+    store.add([4, 5, 6, 7, 8, 9])
     lookup = PromptLookupDrafter(max_ngram=5, min_ngram=1)
-    context = [7, 1, 2, 5, 6, 7]
-    assert lookup.match_length(context, 3) == (1, 1, [1, 2, 5])       # the context alone: (7) at its start
-    assert lookup.match_length(context, 3, store) == (3, 0, [8, 9])   # the store holds (5, 6, 7)
+    context = [7, 1, 2, 4, 5, 6, 7]
+    assert lookup.match_length(context, 3) == (1, 1, [1, 2, 4])       # the context alone: (7) at its start
+    assert lookup.match_length(context, 3, store) == (4, 0, [8, 9])   # the store holds (4, 5, 6, 7)
+    assert lookup.match_length([5, 6, 7], 3, store) == (0, 0, [])      # 3 tokens: too short to copy from another answer
     assert lookup.match_length([1, 2, 1, 2], 2, store) == (2, 2, [1, 2])   # the context's longer match stays
 
 

@@ -9,8 +9,9 @@ weighs three proposals:
   head     the draft head's tree (a chain on a CPU) with lookup's L tokens grafted on.
 
 Expected tokens come from an acceptance model of this request, learnt from what the target accepted:
-- lookup (`ChainRate`): by the length m of the n-gram matched, the chance its first token is accepted and each next
-  one after the one before. Every step's lookup chain is scored against the tokens that followed, proposed or not:
+- lookup (`ChainRate`): by the length m of the n-gram matched (a bucket of its own for a chain copied from an
+  earlier answer), the chance its first token is accepted and each next one after the one before. Every step's
+  lookup chain is scored against the tokens that followed, proposed or not:
   a chain's token is accepted exactly when it is the target's (greedy, or the target's sample: acceptance is
   lossless, so what follows has the target's distribution whatever was proposed).
 - head (`Calibration`): the chance a drafted node is accepted given the head's path probability of it, per bin,
@@ -91,17 +92,19 @@ class ChainRate:
 
     MAX_M = 5
     COPY = MAX_M + 1
+    STORED = COPY + 1     # a chain copied from an earlier answer (drafters/traffic.py), not from the context
     PRIOR = 2.0
 
     def __init__(self) -> None:
-        first = {m: 0.1 * m for m in range(1, self.MAX_M + 1)} | {self.COPY: 0.7}
+        first = {m: 0.1 * m for m in range(1, self.MAX_M + 1)} | {self.COPY: 0.7, self.STORED: 0.3}
         self.first = {m: [self.PRIOR * p, self.PRIOR] for m, p in first.items()}
         self.next = {m: [self.PRIOR * (0.8 if m == self.COPY else 0.5), self.PRIOR] for m in first}
 
     @classmethod
-    def key(cls, m: int, copying: bool) -> int:
-        """The bucket of a chain matched by an m-gram (0: no match), `copying` the last chain accepted whole."""
-        return 0 if m <= 0 else cls.COPY if copying else min(m, cls.MAX_M)
+    def key(cls, m: int, copying: bool, stored: bool = False) -> int:
+        """The bucket of a chain matched by an m-gram (0: no match), `copying` the last chain accepted whole,
+        `stored` one copied from an earlier answer."""
+        return 0 if m <= 0 else cls.STORED if stored else cls.COPY if copying else min(m, cls.MAX_M)
 
     def expect(self, m: int, length: int) -> list[float]:
         """The chance each of the chain's first `length` tokens is accepted (each with all before it); m: its
@@ -158,7 +161,7 @@ class Controller:
         self.tokens, self.seconds = 1.0, cost.step(1)   # running tokens and (predicted) seconds per step
         # head steps by lookup's bucket (ChainRate.key, 0: no match), and of all buckets together (key -1):
         # [tokens, nodes verified, steps] running
-        self.head = {m: [HEAD_PRIOR_TOKENS, 2.0, 0] for m in range(-1, ChainRate.COPY + 1)}
+        self.head = {m: [HEAD_PRIOR_TOKENS, 2.0, 0] for m in range(-1, ChainRate.STORED + 1)}
         self.head_forwards = 2.0       # head forwards per head step (running)
         self.since_head = 0
 

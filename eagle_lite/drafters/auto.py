@@ -87,8 +87,8 @@ class AutoDrafter:
         """`propose` step by step (decoding.drafter.Proposal): the head's forwards, where the plan drafts with it."""
         self._learn(inp.tokens)
         most = max(COPY_MAX, tree.lookup)   # a cap (a server's batch) cuts the chain (`engine._cut`)
-        m, _, chain = self.lookup.match_length(inp.tokens, most, inp.traffic)
-        match = ChainRate.key(m, self._copying)
+        m, start, chain = self.lookup.match_length(inp.tokens, most, inp.traffic)
+        match = ChainRate.key(m, self._copying, stored=bool(chain) and start == 0)   # start 0: an earlier answer
         if chain:
             self._lookups.append((len(inp.tokens), chain, match))
         plan = self.controller.choose(match, len(chain), most)

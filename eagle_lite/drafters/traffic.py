@@ -3,8 +3,10 @@
 Prompt lookup copies from the request's own context. Answers of one kind of traffic repeat one another too (code's
 idioms, a support bot's phrasing): the store keeps the latest answers as token ids (at most `max_tokens`, the
 oldest dropped first) with the latest place of every n-gram of 1 to `max_ngram` tokens, and a lookup drafter that
-finds a longer match here than in its context proposes what followed it. It changes what is proposed, never what
-is accepted. `--adapt` turns it on (heads/adapt.py): like the adapted head, it learns from every request served.
+finds a longer match here than in its context, of at least MIN_NGRAM tokens, proposes what followed it (replayed
+over earlier answers, shorter matches from other answers were wholly wrong 60-76% of the time). It changes what is
+proposed, never what is accepted. `--adapt` turns it on (heads/adapt.py): like the adapted head, it learns from
+every request served.
 
     store = TrafficStore()
     store.add(answer_ids)                         # a finished answer
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 MAX_TOKENS = 65536   # answer tokens kept
+MIN_NGRAM = 4        # the shortest match a lookup copies from another answer: shorter ones are mostly wrong there
 
 
 class TrafficStore:

@@ -8,11 +8,11 @@ Each question's turns are answered twice, greedily and interleaved: by the froze
 `--stream kind` (default) gives every kind its own stream, in file order, each starting from the head given;
 `--stream mixed` runs one stream over every question in file order. Printed per kind and per fifth of its stream:
 tokens/s and accepted tokens per step of both heads, and whether every output was identical; then an overall row of
-the last fifths, the learner's seconds and its cost per answered token. The adapting side also looks up earlier
-answers (its lookup store, `--traffic-tokens`; 0: the head alone adapts). `--out DIR` also writes `adapt.json` and
-keeps each stream's adapted head (DIR/heads/<stream>). The `--tree-*` flags set the tree both heads draft (unset:
-the head's own; `--method eagle --tree-depth 4 --tree-top-k 1 --tree-total-tokens 4 --tree-lookup 0` is a chain of 4
-head tokens alone, where acceptance is all the head's).
+the last fifths, the learner's seconds and its cost per answered token. With `--traffic-tokens N` the adapting side
+also looks up earlier answers (its lookup store; 0, the default: the head alone adapts). `--out DIR` also writes
+`adapt.json` and keeps each stream's adapted head (DIR/heads/<stream>). The `--tree-*` flags set the tree both heads
+draft (unset: the head's own; `--method eagle --tree-depth 4 --tree-top-k 1 --tree-total-tokens 4 --tree-lookup 0`
+is a chain of 4 head tokens alone, where acceptance is all the head's).
 """
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="share of a batch from the head's training answers (0: none)")
     p.add_argument("--prompts", action="store_true",
                    help="train on the prompts' positions too, not only the answers' (LearnConfig.prompts)")
-    p.add_argument("--traffic-tokens", type=int, default=MAX_TOKENS,
-                   help="answer tokens the adapting side's lookup store keeps, to copy from across questions "
-                        "(drafters/traffic.py; 0: none, the head alone adapts)")
+    p.add_argument("--traffic-tokens", type=int, default=0,
+                   help=f"answer tokens the adapting side's lookup store keeps, to copy from across questions "
+                        f"(drafters/traffic.py, e.g. {MAX_TOKENS}; 0, the default: none, the head alone adapts)")
     p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
     add_tree_flags(p)
     args = p.parse_args(argv)

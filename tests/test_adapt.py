@@ -400,7 +400,9 @@ def test_low_rank_adaptation_keeps_greedy_output_the_targets(llama, tmp_path):
 
 
 def test_adapt_keeps_the_answers_it_serves_to_look_up(llama, tmp_path):
-    pipeline, adapter = adapting(llama, tmp_path)
+    serving, start = twin_heads(llama)
+    pipeline = for_target(llama, "auto", EagleOptions(head=serving))
+    adapter = Adapter(pipeline, tmp_path, start, cfg=SMALL, judge_tokens=32, traffic_tokens=4096)
     assert pipeline.engine.traffic is adapter.traffic and len(adapter.traffic) == 0
     cfg = GenerationConfig(max_new_tokens=24, tree=pipeline.tree, stop_at_eos=False)
     first = pipeline.engine.generate(prompts(1)[0], cfg)
@@ -411,7 +413,6 @@ def test_adapt_keeps_the_answers_it_serves_to_look_up(llama, tmp_path):
     assert again.stats.target_forwards < first.stats.target_forwards
     adapter.reset()                                            # back to the head it started from: the store empties
     assert len(adapter.traffic) == 0 and pipeline.engine.traffic is adapter.traffic
-    serving, start = twin_heads(llama)
     off = for_target(llama, "auto", EagleOptions(head=serving))
-    assert Adapter(off, tmp_path / "off", start, cfg=SMALL, traffic_tokens=0).traffic is None
+    assert Adapter(off, tmp_path / "off", start, cfg=SMALL).traffic is None    # off unless asked
     assert off.engine.traffic is None

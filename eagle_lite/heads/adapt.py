@@ -12,9 +12,9 @@ The path: the engine keeps what its verify forwards computed for every answer (d
    and the next `judge_tokens` together, up to `max_judge_tokens`; past that they join the pool and training
    goes on with no verdict.
 2. **Learner.** `steps` optimizer steps of the training loss on the pool, mixed with replay (heads/learner.py).
-3. **Lookup from traffic.** The engine keeps every finished answer in a store (drafters/traffic.py, the newest
-   `traffic_tokens`; 0: none) that prompt lookup copies from across requests, where an earlier answer matches a
-   longer n-gram than the request's own context.
+3. **Lookup from traffic** (opt-in: `traffic_tokens` > 0). The engine keeps every finished answer in a store
+   (drafters/traffic.py, the newest `traffic_tokens`) that prompt lookup copies from across requests, where an
+   earlier answer matches a longer n-gram than the request's own context.
 
 Output stays exact whichever head serves: a head only proposes, and the target's acceptance decides.
 
@@ -37,7 +37,7 @@ import torch
 
 from ..atomic import check_folder_writable, write_text_atomic
 from ..decoding.capture import Capture, Captured
-from ..drafters.traffic import MAX_TOKENS, TrafficStore
+from ..drafters.traffic import TrafficStore
 from .checkpoint import read_config, save_head
 from .learner import LearnConfig, Learner, Replay, objective_of
 
@@ -77,7 +77,7 @@ class Adapter:
     def __init__(self, pipeline, folder: str | Path, start, champion=None, source: str | Path | None = None,
                  cfg: LearnConfig = LearnConfig(), replay: str | Path | None = None, judge_tokens: int = 256,
                  steps: int = 4, seed: int = 0, confidence: float = 2.0, max_judge_tokens: int = 1024,
-                 traffic_tokens: int = MAX_TOKENS) -> None:
+                 traffic_tokens: int = 0) -> None:
         self.pipeline, self.folder, self.cfg = pipeline, Path(folder), cfg
         self.judge_tokens, self.steps = judge_tokens, steps
         if confidence < 0:

@@ -74,9 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             or args.traffic_tokens < 0:
         p.error("--max-new-tokens and --per-task must be >= 1, --steps and --traffic-tokens >= 0")
     check_threads(args.threads)
-    try:
-        LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
-    except ValueError as err:   # refused before anything is loaded
+    try:   # refused before anything is loaded
+        args.learn = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
+    except ValueError as err:
         p.error(str(err))
     return args
 
@@ -99,11 +99,9 @@ def streams(questions: list, how: str) -> dict[str, list]:
 
 def answer(pipeline, question, max_new_tokens: int, tree: dict | None = None) -> list[dict]:
     """Every turn of `question` answered greedily (each turn after this pipeline's own earlier answers); tree: the
-    --tree-* flags set (`options.tree_flags`; None or unset: the pipeline's tree)."""
+    --tree-* flags (`options.tree_flags`; None or unset: the pipeline's tree)."""
     messages, turns = [], []
-    cfg = pipeline.config(max_new_tokens=max_new_tokens)
-    if tree:
-        cfg = pipeline.config(max_new_tokens=max_new_tokens, tree=resolve_tree(pipeline.tree, **tree))
+    cfg = pipeline.config(max_new_tokens=max_new_tokens, tree=resolve_tree(pipeline.tree, **(tree or {})))
     for turn in question.turns:
         messages.append({"role": "user", "content": turn})
         out = pipeline.generate(messages, cfg)
@@ -123,13 +121,13 @@ def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> lis
     frozen = for_target(target, args.method, options)
     adapting = for_target(target, args.method, options)
     folder = heads_dir / name
-    cfg = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
-    adapter = attach(adapting, folder, args.draft, cfg=cfg, judge_tokens=args.judge_tokens, steps=args.steps,
+    adapter = attach(adapting, folder, args.draft, cfg=args.learn, judge_tokens=args.judge_tokens, steps=args.steps,
                      confidence=args.confidence, traffic_tokens=args.traffic_tokens)
+    tree = tree_flags(args)
     rows = []
     for i, q in enumerate(questions):
-        a = answer(frozen, q, args.max_new_tokens, tree_flags(args))
-        b = answer(adapting, q, args.max_new_tokens, tree_flags(args))
+        a = answer(frozen, q, args.max_new_tokens, tree)
+        b = answer(adapting, q, args.max_new_tokens, tree)
         t0 = time.process_time()
         report = adapter.round()
         learner = time.process_time() - t0

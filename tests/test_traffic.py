@@ -23,7 +23,7 @@ def test_the_store_finds_the_longest_ngram_of_earlier_answers_and_keeps_the_newe
     from eagle_lite.decoding.controller import ChainRate
 
     assert ChainRate.key(4, False, stored=True) == ChainRate.STORED != ChainRate.key(4, False)   # auto's own bucket
-    store = TrafficStore(max_tokens=20, max_ngram=3)
+    store = TrafficStore(max_tokens=20, min_ngram=1, max_ngram=3)
     store.add([1, 2, 3, 4, 5, 6])
     store.add([9, 2, 3, 7, 8])
     assert store.continuation([0, 2, 3], 1, 4) == (2, [7, 8])       # the latest place of (2, 3)
@@ -38,6 +38,8 @@ def test_the_store_finds_the_longest_ngram_of_earlier_answers_and_keeps_the_newe
     assert store.continuation([31, 32], 1, 2) == (2, [33, 34])
     with pytest.raises(ValueError):
         TrafficStore(max_tokens=0)
+    with pytest.raises(ValueError):
+        TrafficStore(min_ngram=6, max_ngram=5)
 
 
 def test_lookup_takes_the_stores_match_only_where_it_is_longer():

@@ -12,7 +12,7 @@ import torch
 from ..config import TreeConfig
 from ..decoding.drafter import DraftInput
 from ..tree import DraftTree
-from .traffic import MIN_NGRAM, TrafficStore
+from .traffic import TrafficStore
 
 
 class AdaptiveLength:
@@ -94,7 +94,7 @@ class PromptLookupDrafter:
                      ) -> tuple[int, int, list[int]]:
         """`match` with the length of the n-gram matched first: (n, start, continuation); (0, 0, []) for none.
         traffic: earlier answers (drafters/traffic.py), whose match is taken where its n-gram is longer than the
-        context's and at least MIN_NGRAM (start is then 0: it copies from no place of `tokens`)."""
+        context's and as long as the store copies (start is then 0: it copies from no place of `tokens`)."""
         self.index.update(tokens)
         n_tok = len(tokens)
         found = 0, 0, []
@@ -104,7 +104,7 @@ class PromptLookupDrafter:
                 found = n, start + n, tokens[start + n:start + n + k]
                 break
         if traffic is not None and found[0] < self.max_ngram:
-            n, chain = traffic.continuation(tokens, max(self.min_ngram, found[0] + 1, MIN_NGRAM), k)
+            n, chain = traffic.continuation(tokens, max(self.min_ngram, found[0] + 1), k)
             if chain:
                 return n, 0, chain
         return found

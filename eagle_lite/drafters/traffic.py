@@ -2,35 +2,34 @@
 
 Prompt lookup copies from the request's own context. Answers of one kind of traffic repeat one another too (code's
 idioms, a support bot's phrasing): the store keeps the latest answers as token ids (at most `max_tokens`, the
-oldest dropped first) with the latest place of every n-gram of 1 to `max_ngram` tokens, and a lookup drafter that
-finds a longer match here than in its context, of at least MIN_NGRAM tokens, proposes what followed it (replayed
+oldest dropped first) with the latest place of every n-gram of `min_ngram` (MIN_NGRAM) to `max_ngram` tokens, and
+a lookup drafter that finds a longer match here than in its context proposes what followed it (replayed
 over earlier answers, shorter matches from other answers were wholly wrong 60-76% of the time). It changes what is
-proposed, never what is accepted. `--adapt` turns it on (heads/adapt.py): like the adapted head, it learns from
-every request served.
+proposed, never what is accepted. `--adapt` turns it on where asked (heads/adapt.py, `traffic_tokens`): like the
+adapted head, it learns from every request served.
 
     store = TrafficStore()
     store.add(answer_ids)                         # a finished answer
-    n, chain = store.continuation(tokens, 2, 8)   # the longest n-gram (>= 2) ending `tokens`, what followed it
+    n, chain = store.continuation(tokens, 5, 8)   # the longest n-gram (>= 5 here) ending `tokens`, what followed it
 """
 from __future__ import annotations
-
-from collections import deque
 
 MAX_TOKENS = 65536   # answer tokens kept
 MIN_NGRAM = 4        # the shortest match a lookup copies from another answer: shorter ones are mostly wrong there
 
 
 class TrafficStore:
-    def __init__(self, max_tokens: int = MAX_TOKENS, max_ngram: int = 5) -> None:
-        if max_tokens < 1 or max_ngram < 1:
-            raise ValueError(f"a traffic store keeps >= 1 token and n-grams of >= 1, got {max_tokens}, {max_ngram}")
-        self.max_tokens, self.max_ngram = max_tokens, max_ngram
-        self.answers: deque[tuple[int, list[int]]] = deque()   # (serial, tokens), oldest first
+    def __init__(self, max_tokens: int = MAX_TOKENS, min_ngram: int = MIN_NGRAM, max_ngram: int = 5) -> None:
+        if max_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"a traffic store keeps >= 1 token and n-grams of 1 <= min <= max, got {max_tokens}, "
+                             f"{min_ngram}, {max_ngram}")
+        self.max_tokens, self.min_ngram, self.max_ngram = max_tokens, min_ngram, max_ngram
+        self.answers: dict[int, list[int]] = {}   # serial -> tokens, oldest first
         self.tokens = 0
         self._serial = 0
-        self._by_serial: dict[int, list[int]] = {}
         # n -> {n-gram: (serial of the answer, start)}: the latest place of each n-gram some token follows
-        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in range(1, max_ngram + 1)}
+        self._index: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
+        self._reindex()
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -42,18 +41,18 @@ class TrafficStore:
         if len(answer) < 2:
             return
         self._serial += 1
-        self.answers.append((self._serial, answer))
-        self._by_serial[self._serial] = answer
+        self.answers[self._serial] = answer
         self.tokens += len(answer)
         self._index_answer(self._serial, answer)
         if self.tokens > self.max_tokens:
             while self.tokens > self.max_tokens * 3 // 4 and len(self.answers) > 1:
-                serial, old = self.answers.popleft()
-                del self._by_serial[serial]
-                self.tokens -= len(old)
-            self._index = {n: {} for n in self._index}
-            for serial, kept in self.answers:
-                self._index_answer(serial, kept)
+                self.tokens -= len(self.answers.pop(next(iter(self.answers))))
+            self._reindex()
+
+    def _reindex(self) -> None:
+        self._index = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        for serial, kept in self.answers.items():
+            self._index_answer(serial, kept)
 
     def _index_answer(self, serial: int, answer: list[int]) -> None:
         for n, places in self._index.items():
@@ -61,11 +60,12 @@ class TrafficStore:
                 places[tuple(answer[s:s + n])] = (serial, s)
 
     def continuation(self, tokens: list[int], min_ngram: int, k: int) -> tuple[int, list[int]]:
-        """(n, chain): the longest n-gram (min_ngram <= n <= max_ngram) ending `tokens` that an earlier answer
-        holds, and the up-to-k tokens that followed it there; (0, []) where none does."""
-        for n in range(min(self.max_ngram, len(tokens)), max(min_ngram, 1) - 1, -1):
+        """(n, chain): the longest n-gram (at least min_ngram and the store's own `min_ngram`, at most `max_ngram`)
+        ending `tokens` that an earlier answer holds, and the up-to-k tokens that followed it there; (0, []) where
+        none does."""
+        for n in range(min(self.max_ngram, len(tokens)), max(min_ngram, self.min_ngram) - 1, -1):
             place = self._index[n].get(tuple(tokens[len(tokens) - n:]))
             if place is not None:
                 serial, start = place
-                return n, self._by_serial[serial][start + n:start + n + k]
+                return n, self.answers[serial][start + n:start + n + k]
         return 0, []

@@ -82,6 +82,8 @@ class Adapter:
         self.judge_tokens, self.steps = judge_tokens, steps
         if confidence < 0:
             raise ValueError(f"the guard's confidence is a number of standard errors, >= 0; got {confidence}")
+        if traffic_tokens < 0:
+            raise ValueError(f"the lookup store keeps >= 0 answer tokens (0: none), got {traffic_tokens}")
         self.confidence, self.max_judge_tokens = confidence, max(max_judge_tokens, judge_tokens)
         try:
             check_folder_writable(self.folder)
@@ -102,8 +104,6 @@ class Adapter:
         self.learner = Learner(pipeline.target, copy.deepcopy(self.champion), objective, cfg, replays, seed)
         self.capture = Capture(max_tokens=cfg.pool_tokens)
         pipeline.engine.capture = self.capture
-        if traffic_tokens < 0:
-            raise ValueError(f"the lookup store keeps >= 0 answer tokens (0: none), got {traffic_tokens}")
         self.traffic_tokens = traffic_tokens
         self.traffic = TrafficStore(traffic_tokens) if traffic_tokens else None
         pipeline.engine.traffic = self.traffic

@@ -150,12 +150,8 @@ class Learner:
         self.full_weight = lm
         self.embed_weight = target.embed_tokens.weight.detach().float()
         self.draft_weight = lm if head.d2t is None else lm[head.d2t.to(lm.device)]
-        frozen = (head.norm, head.lm_head) if cfg.moves != "all" else ()
-        frozen_ids = {id(p) for m in frozen if m is not None for p in m.parameters()}
-        self.params = [p for p in head.parameters() if id(p) not in frozen_ids]
         self.low_rank: list[LowRank] = []
-        if cfg.moves == "lowrank":
-            frozen_ids = {id(p) for p in head.parameters()}
+        if cfg.moves == "lowrank":   # a change of each linear but the lm_head trains, nothing else
             gen = torch.Generator().manual_seed(seed)
             for module in list(head.modules()):
                 if isinstance(module, nn.Linear) and module is not head.lm_head:
@@ -163,8 +159,13 @@ class Learner:
                     parametrize.register_parametrization(module, "weight", change)
                     self.low_rank.append(change)
             self.params = [p for change in self.low_rank for p in change.parameters()]
+        else:
+            frozen = (head.norm, head.lm_head) if cfg.moves == "layer" else ()
+            frozen_ids = {id(p) for m in frozen if m is not None for p in m.parameters()}
+            self.params = [p for p in head.parameters() if id(p) not in frozen_ids]
+        trained = {id(p) for p in self.params}
         for p in head.parameters():
-            p.requires_grad_(id(p) not in frozen_ids)
+            p.requires_grad_(id(p) in trained)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.pool: deque[Captured] = deque()
         self._pool_tokens = 0
@@ -176,13 +177,10 @@ class Learner:
         """The trained head's state dict as an ordinary head's (a low-rank change multiplied into its weights)."""
         if not self.low_rank:
             return self.head.state_dict()
-        out = {}
-        for key, value in self.head.state_dict().items():
-            if ".parametrizations.weight." not in key:
-                out[key] = value
-            elif key.endswith(".parametrizations.weight.original"):
-                module = self.head.get_submodule(key[:-len(".parametrizations.weight.original")])
-                out[key.replace(".parametrizations.weight.original", ".weight")] = module.weight.detach().clone()
+        out = {k: v for k, v in self.head.state_dict().items() if ".parametrizations." not in k}
+        for name, module in self.head.named_modules():
+            if parametrize.is_parametrized(module, "weight"):
+                out[f"{name}.weight"] = module.weight.detach().clone()   # W + B A
         return out
 
     def restart(self, state: dict[str, torch.Tensor]) -> None:

@@ -159,3 +159,55 @@ def test_an_eagle3_draft_layer_runs_as_one_op_on_the_codes_its_own_forward_reads
         for block, out in zip(blocks, together):
             block[2].truncate(0)
             torch.testing.assert_close(out, head.step(*block), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("design", ["eagle", "eagle3"])
+def test_a_catch_ups_skipped_rows_write_the_same_keys_and_values_and_the_kept_rows_come_out_unchanged(design):
+    """`step_packed` blocks with a skip: the op computes only the skipped rows' keys and values (a catch-up's
+    accepted tokens before the root), and gives the other rows what the forward without skips gives them, for
+    sequences alone and packed, under a causal mask and under a tree's (to the rounding of the products' sums: a
+    product sums a row in another order when it has more rows beside it)."""
+
+    def close(a, b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+    from eagle_lite.drafters.eagle import EagleDrafter
+    from eagle_lite.heads.draft import DraftHead
+
+    target = make_target("llama", layers=4, grid=True)
+    if design == "eagle3":
+        drafter = eagle3_drafter(target)
+    else:
+        drafter = EagleDrafter(target, DraftHead.for_target(target))
+    head = drafter.head
+    assert fused_layer.running_fused(head.layer) is not None
+    width = head.input_width
+    g = torch.Generator().manual_seed(3)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    shapes = [(7, torch.ones(7, 7, dtype=torch.bool).tril_(), 6), (5, tree, 2), (3, torch.ones(3, 3).tril_().bool(), 0)]
+    seqs = [drafter.sibling() for _ in shapes]
+    for seq in seqs:
+        seq.reset(64)
+    blocks = [(torch.randn(t, width, generator=g), torch.randn(t, head.config.hidden_size, generator=g), seq.cache,
+               torch.arange(4, 4 + t), visible, skip) for (t, visible, skip), seq in zip(shapes, seqs)]
+    with torch.inference_mode():
+        for seq in seqs:        # a context of 4 pairs first, so the rows attend over committed slots too
+            head.step_packed([(torch.randn(4, width, generator=g), torch.randn(4, head.config.hidden_size,
+                                                                                generator=g), seq.cache,
+                               torch.arange(4), torch.ones(4, 4, dtype=torch.bool).tril_())])
+            seq.cache.commit(4)
+        full = head.step_packed([block[:5] for block in blocks])
+        kv = [(seq.cache.keys[..., :4 + t, :].clone(), seq.cache.values[..., :4 + t, :].clone())
+              for (t, _, _), seq in zip(shapes, seqs)]
+        for mode in ("packed", "alone"):
+            for seq in seqs:
+                seq.cache.keys[..., 4:, :] = 0
+                seq.cache.values[..., 4:, :] = 0
+            outs = (head.step_packed(blocks) if mode == "packed"
+                    else [head.step_packed([block])[0] for block in blocks])
+            for (t, _, skip), seq, out, whole, (keys, values) in zip(shapes, seqs, outs, full, kv):
+                assert out.shape[0] == t - skip
+                close(out, whole[skip:])
+                close(seq.cache.keys[..., :4 + t, :], keys)
+                close(seq.cache.values[..., :4 + t, :], values)

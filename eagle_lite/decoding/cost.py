@@ -32,7 +32,7 @@ log = logging.getLogger("eagle_lite")
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes measured (nodes, root included)
 PREFIX = 128            # context before the measured forwards
-VERSION = 3             # of the cache file's layout and what it measures
+VERSION = 4             # of the cache file's layout and what it measures (and the code it timed)
 CATCH_UP_ROWS = 2       # the accepted tokens a catch-up forward is timed over (a step's own, typically)
 
 

@@ -171,16 +171,16 @@ class EagleDrafter:
                 return self._parallel_tree(inp, tree, logits)
             finally:
                 cache.truncate(n + m)
-        # logits: the root's, then (probe) each chain token's
+        # h, logits: the root's, then (probe) each chain token's (the rows before only wrote keys and values)
         self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
-        h, root_logits = h[:m], logits[:1]
+        h, root_logits = h[:1], logits[:1]
         n += m                                               # = the root's position
         # 2. The tree: each expansion reads the frontier's parents' predicted features and the frontier's tokens,
         # at the next position, each node seeing its own ancestors among the tree nodes written so far.
         sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
         grow = grow_tree_steps(inp.root, root_logits, tree, sampling, inp.generator, self.head.d2t,
                                self.target.vocab_size, first_min_prob)
-        h, written, last, depth = h[-1:], torch.zeros(0, 0, dtype=torch.bool, device=dev), 0, 0
+        written, last, depth = torch.zeros(0, 0, dtype=torch.bool, device=dev), 0, 0
         try:
             request = next(grow)
             while True:
@@ -220,8 +220,9 @@ def _rows_by_depth(logits: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor
 @dataclass
 class HeadCall:
     """One head forward a proposal asks for (`EagleDrafter.proposal`): `DraftHead.step`'s inputs over the drafter's
-    cache (hidden, embeds: [t, H]; positions [t]; visible [t, S]). Its answer: the predicted features [t, H] and the
-    head's logits of rows logits_from.. of them."""
+    cache (hidden, embeds: [t, H]; positions [t]; visible [t, S]). Its answer: the predicted features of rows
+    logits_from.. [t - logits_from, H] and the head's logits of them; the rows before (a catch-up's accepted
+    tokens before the root) only write their keys and values (`DraftHead.step`'s skip)."""
 
     drafter: EagleDrafter
     hidden: torch.Tensor
@@ -242,15 +243,14 @@ class HeadCall:
         for ids in groups.values():
             group = [calls[i] for i in ids]
             drafter = group[0].drafter
-            outs = drafter.head.step_packed([(c.hidden, c.embeds, c.drafter.cache, c.positions, c.visible)
-                                             for c in group])
-            read = [out[c.logits_from:] for c, out in zip(group, outs)]
+            read = drafter.head.step_packed([(c.hidden, c.embeds, c.drafter.cache, c.positions, c.visible,
+                                              c.logits_from) for c in group])
             rows = read[0] if len(read) == 1 else torch.cat(read)
             # the draft vocabulary's product in pieces of rows its grid codes take, as each call's own would be
             logits = (drafter._logits(rows) if rows.shape[0] <= MAX_GRID_ROWS
                       else torch.cat([drafter._logits(part) for part in rows.split(MAX_GRID_ROWS)]))
             logits = [logits] if len(read) == 1 else logits.split([x.shape[0] for x in read])
-            for i, out, lg in zip(ids, outs, logits):
+            for i, out, lg in zip(ids, read, logits):
                 answers[i] = (out, lg)
         return answers
 

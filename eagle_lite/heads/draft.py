@@ -232,22 +232,25 @@ class DraftHead(nn.Module):
         return twin
 
     def step(self, hidden: torch.Tensor, token_embeds: torch.Tensor, cache, positions: torch.Tensor,
-             visible: torch.Tensor) -> torch.Tensor:
+             visible: torch.Tensor, skip: int = 0) -> torch.Tensor:
         """Inference over a static cache: T new inputs ([T, H] each) after its committed slots.
 
         positions: [T]. visible: [T, S] over the last S slots (see tree.attention_mask); the slots
-        before those are visible to all. Returns the predicted hidden states [T, H].
+        before those are visible to all. skip: the first rows whose outputs are not wanted (a catch-up's: only their
+        keys and values matter; computed here all the same, left out of the result). Returns the predicted hidden
+        states of rows skip.. [T - skip, H].
         """
         t, s = visible.shape
         kv_len = cache.reserve(t)
         out = self.forward(hidden[None], token_embeds[None], positions[None],
                            attention_mask(kv_len - s, visible), cache)
-        return out[0]
+        return out[0, skip:]
 
     def step_packed(self, blocks: list[tuple]) -> list[torch.Tensor]:
         """Several sequences' `step`s, packed: blocks [(hidden [t_i, H], token_embeds [t_i, H], cache_i,
-        positions [t_i], visible [t_i, S_i])], each as `step` takes it on its own cache. Returns each block's
-        predicted hidden states [t_i, H], what its own `step` gives (to the rounding of the products' sums).
+        positions [t_i], visible [t_i, S_i], skip_i)] (skip_i may be left out: 0), each as `step` takes it on its own
+        cache. Returns each block's predicted hidden states [t_i - skip_i, H], what its own `step` gives (to the
+        rounding of the products' sums). The native op leaves the skipped rows' query, attention and MLP out.
 
         Blocks run together in forwards of at most MAX_FUSED_ROWS rows in all, and a larger block on its own: past
         that many rows the head's products read its exact fp32 weights instead of the codes it runs from (a rounded
@@ -277,15 +280,16 @@ class DraftHead(nn.Module):
         fused = parts is not None and blocks[0][1].dtype == torch.float32
         if len(blocks) == 1 and not fused:
             return [self.step(*blocks[0])]
+        skips = [block[5] if len(block) > 5 else 0 for block in blocks]
         rows, caches, masks = [], [], []
-        for _, _, cache, _, visible in blocks:
+        for _, _, cache, _, visible, *_ in blocks:
             t, s = visible.shape
             kv_len = cache.reserve(t)
             rows.append(t)
             caches.append(cache)
             masks.append(attention_mask(kv_len - s, visible)[0, 0])     # t_i length_i+t_i
         if len(blocks) == 1:
-            hidden, embeds, _, positions, _ = blocks[0]
+            hidden, embeds, _, positions, *_ = blocks[0]
         else:
             hidden, embeds = torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks])
             positions = torch.cat([b[3] for b in blocks])
@@ -293,11 +297,12 @@ class DraftHead(nn.Module):
             x = self.layer_input(hidden, embeds).contiguous()                                 # T H
             beside = embeds.contiguous() if self.design == "eagle3" else None   # the op reads them beside x
             cos, sin = self.rope_table(x, positions)            # then the native op, as `step` runs it
-            out = parts.packed(x, cos, sin, caches, rows, [m.contiguous() for m in masks], beside)
-        else:
-            out = self.forward(hidden[None], embeds[None], positions[None], packed_mask(masks),
-                               PackedKVCache(caches, rows))[0]
-        return list(out.split(rows))
+            out = parts.packed(x, cos, sin, caches, rows, [m.contiguous() for m in masks], beside,
+                               skips if any(skips) else None)
+            return list(out.split([t - skip for t, skip in zip(rows, skips)]))
+        out = self.forward(hidden[None], embeds[None], positions[None], packed_mask(masks),
+                           PackedKVCache(caches, rows))[0]
+        return [part[skip:] for part, skip in zip(out.split(rows), skips)]
 
 
 def llama_config_for(config) -> LlamaConfig:  # noqa: F821

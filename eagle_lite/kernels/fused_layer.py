@@ -98,13 +98,16 @@ class _LayerParts:
 
 
     def packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[StaticKVCache],
-               rows: list[int], masks: list[torch.Tensor], embeds: torch.Tensor | None = None) -> torch.Tensor:
+               rows: list[int], masks: list[torch.Tensor], embeds: torch.Tensor | None = None,
+               skips: list[int] | None = None) -> torch.Tensor:
         """Several sequences' rows packed in x [T, hidden] (`FusedStack.packed`): sequence i's rows[i] rows write
-        into and attend over caches[i] under masks[i] [rows[i], length_i + rows[i]]; embeds as `__call__`."""
+        into and attend over caches[i] under masks[i] [rows[i], length_i + rows[i]]; embeds as `__call__`.
+        skips: the first skips[i] rows of sequence i only write their keys and values (a draft head's catch-up,
+        whose outputs no one reads); the result holds the other rows alone [sum(rows) - sum(skips), hidden]."""
         return torch.ops.eagle_lite.decoder_layer_packed(
             x, cos, sin, [c.keys[self.index, 0] for c in caches], [c.values[self.index, 0] for c in caches],
             [c.length for c in caches], rows, masks, self.norms[0], self.norms[1], self.eps[0], self.eps[1],
-            self.codes, self.scales, self.heads, self.scale, embeds, self.embed_norm, self.embed_eps)
+            self.codes, self.scales, self.heads, self.scale, embeds, self.embed_norm, self.embed_eps, skips)
 
 
 def _structured(layer: nn.Module) -> bool:

@@ -11,6 +11,10 @@
 // before it uses this op.
 // With `embeds` (an EAGLE-3 draft layer, heads/eagle3_layer.py) the attention reads twice the width:
 //   q, k, v = qkv_proj([rms_norm_0(embeds); rms_norm_1(x)])                 x stays the residual stream
+// With `skips` the first skips[i] rows of segment i only write their keys and values to the cache (a draft
+// head's catch-up: no one reads those rows' outputs, only later rows' attention reads their keys); their
+// query, attention, o_proj and MLP are left out, and the output holds the other rows alone, in order. The kept
+// rows' results are what they are without skips (a row's arithmetic is its own).
 #include "kernels.h"
 
 namespace {
@@ -57,7 +61,8 @@ inline void rope_row(const float* x, const float* c, const float* s, int64_t D, 
 
 // One sequence's share of a forward: rows [row, row + rows) of x, whose keys/values go to that sequence's cache
 // (this layer's [kv_heads, slots, head_dim] views) at slots [start, start + rows); they attend over the cache's
-// first start + rows slots as `visible` ([rows, start + rows] flags, or nullptr: causal) says.
+// first start + rows slots as `visible` ([rows, start + rows] flags, or nullptr: causal) says. Its first `skip`
+// rows only write keys and values; the others are rows [kept, kept + rows - skip) of the output.
 struct Segment {
     float* kp;
     float* vp;
@@ -65,12 +70,15 @@ struct Segment {
     int64_t slots;
     int64_t start, row, rows;
     const bool* visible;
+    int64_t skip = 0, kept = 0;
 };
 
 Segment segment_of(at::Tensor& keys, at::Tensor& values, int64_t start, int64_t row, int64_t rows,
-                   const bool* visible) {
+                   const bool* visible, int64_t skip, int64_t kept) {
+    TORCH_CHECK(skip >= 0 && skip < rows, "decoder_layer: skip ", skip, " must leave at least one of ", rows,
+                " rows");
     return {keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1), values.stride(0),
-            values.stride(1), keys.size(1), start, row, rows, visible};
+            values.stride(1), keys.size(1), start, row, rows, visible, skip, kept};
 }
 
 void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t T) {
@@ -92,6 +100,8 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
                 "decoder_layer: x must be a contiguous float32 CPU tensor [T, hidden]");
     const int64_t T = x.size(0), H = x.size(1);
+    int64_t Tk = 0;   // the rows kept (computed through to the output)
+    for (const Segment& g : segments) Tk += g.rows - g.skip;
     TORCH_CHECK(heads > 0 && heads % Hkv == 0 && D % 8 == 0 && D <= kMaxHeadDim && H % 8 == 0,
                 "decoder_layer: unsupported head layout");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -128,12 +138,12 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
         norm_rows(x, norm1, eps1, normed);
         product(normed, codes[0], scales[0], qkv, "decoder_layer qkv");
     }
-    at::Tensor q = at::empty({T, heads, D}, opts);
+    at::Tensor q = at::empty({Tk, heads, D}, opts);
     float* qp = q.data_ptr<float>();
     const float* qkvp = qkv.data_ptr<float>();
     const float* cosp = cos.data_ptr<float>();
     const float* sinp = sin.data_ptr<float>();
-    at::Tensor attn = at::empty({T, heads * D}, opts);
+    at::Tensor attn = at::empty({Tk, heads * D}, opts);
     float* ap = attn.data_ptr<float>();
     for (const Segment& g : segments) {
         for (int64_t t = g.row; t < g.row + g.rows; ++t) {
@@ -141,32 +151,42 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
             const float* c = cosp + t * D;
             const float* s = sinp + t * D;
             const int64_t slot = g.start + t - g.row;
-            for (int64_t h = 0; h < heads; ++h) rope_row(row + h * D, c, s, D, qp + (t * heads + h) * D);
+            if (t >= g.row + g.skip) {
+                const int64_t k = g.kept + t - g.row - g.skip;
+                for (int64_t h = 0; h < heads; ++h) rope_row(row + h * D, c, s, D, qp + (k * heads + h) * D);
+            }
             for (int64_t h = 0; h < Hkv; ++h) {
                 rope_row(row + qn + h * D, c, s, D, g.kp + h * g.kh + slot * g.ks);
                 std::copy(row + qn + kn + h * D, row + qn + kn + (h + 1) * D, g.vp + h * g.vh + slot * g.vs);
             }
         }
-        // no mask: causal, token t sees the prefix and the new tokens up to itself
-        attend_heads(qp + g.row * heads * D, D, heads * D, g.kp, g.kh, g.ks, g.vp, g.vh, g.vs, heads, Hkv, g.rows,
-                     g.start + g.rows, D, g.visible, g.start, static_cast<float>(scale), ap + g.row * heads * D);
+        // the kept rows attend; no mask: causal, token t sees the prefix and the new tokens up to itself
+        const int64_t S = g.start + g.rows;
+        attend_heads(qp + g.kept * heads * D, D, heads * D, g.kp, g.kh, g.ks, g.vp, g.vh, g.vs, heads, Hkv,
+                     g.rows - g.skip, S, D, g.visible ? g.visible + g.skip * S : nullptr, g.start + g.skip,
+                     static_cast<float>(scale), ap + g.kept * heads * D);
     }
-    at::Tensor o = at::empty({T, H}, opts);
+    at::Tensor o = at::empty({Tk, H}, opts);
     product(attn, codes[1], scales[1], o, "decoder_layer o");
-    at::Tensor h = at::empty({T, H}, opts);
+    at::Tensor h = at::empty({Tk, H}, opts);
     const float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
     const float* op = o.data_ptr<float>();
-    for (int64_t i = 0; i < T * H; ++i) hp[i] = xp[i] + op[i];
+    for (const Segment& g : segments) {
+        const float* xs = xp + (g.row + g.skip) * H;
+        const int64_t n = (g.rows - g.skip) * H, at = g.kept * H;
+        for (int64_t i = 0; i < n; ++i) hp[at + i] = xs[i] + op[at + i];
+    }
 
     // MLP block
+    normed = at::empty({Tk, H}, opts);
     norm_rows(h, norm2, eps2, normed);
-    at::Tensor gate_up = at::empty({T, 2 * inter}, opts);
+    at::Tensor gate_up = at::empty({Tk, 2 * inter}, opts);
     product(normed, codes[2], scales[2], gate_up, "decoder_layer gate_up");
-    at::Tensor act = at::empty({T, inter}, opts);
+    at::Tensor act = at::empty({Tk, inter}, opts);
     const float* gup = gate_up.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < Tk; ++t) {
         const float* g = gup + t * 2 * inter;
         const float* u = g + inter;
         float* a = actp + t * inter;
@@ -180,12 +200,12 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
         }
         for (; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
     }
-    at::Tensor down = at::empty({T, H}, opts);
+    at::Tensor down = at::empty({Tk, H}, opts);
     product(act, codes[3], scales[3], down, "decoder_layer down");
-    at::Tensor out = at::empty({T, H}, opts);
+    at::Tensor out = at::empty({Tk, H}, opts);
     float* outp = out.data_ptr<float>();
     const float* dp = down.data_ptr<float>();
-    for (int64_t i = 0; i < T * H; ++i) outp[i] = hp[i] + dp[i];
+    for (int64_t i = 0; i < Tk * H; ++i) outp[i] = hp[i] + dp[i];
     return out;
 }
 
@@ -194,14 +214,14 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
                          at::TensorList codes, at::TensorList scales, int64_t heads, double scale,
                          const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0,
-                         double eps0) {
+                         double eps0, int64_t skip) {
     TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
     const int64_t T = x.size(0);
     check_cache(keys, values, start, T);
     at::Tensor held;
     const bool* visible = eagle_lite::visible_flags(mask, T, start + T, held, "decoder_layer");
-    return layer_rows(x, cos, sin, {segment_of(keys, values, start, 0, T, visible)}, keys.size(0), keys.size(2),
-                      norm1, norm2, eps1, eps2, codes, scales, heads, scale, embeds, norm0, eps0);
+    return layer_rows(x, cos, sin, {segment_of(keys, values, start, 0, T, visible, skip, 0)}, keys.size(0),
+                      keys.size(2), norm1, norm2, eps1, eps2, codes, scales, heads, scale, embeds, norm0, eps0);
 }
 
 // Several sequences' new tokens packed into the rows of x (Target.verify): segment i is rows[i] rows over
@@ -213,15 +233,17 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
                                 const at::Tensor& norm2, double eps1, double eps2, at::TensorList codes,
                                 at::TensorList scales, int64_t heads, double scale,
                                 const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0,
-                                double eps0) {
+                                double eps0, at::OptionalIntArrayRef skips) {
     const int64_t n = static_cast<int64_t>(keys.size());
     TORCH_CHECK(n > 0 && static_cast<int64_t>(values.size()) == n && static_cast<int64_t>(starts.size()) == n &&
                 static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(masks.size()) == n,
                 "decoder_layer_packed: one key view, value view, start, row count and mask per segment");
+    TORCH_CHECK(!skips.has_value() || static_cast<int64_t>(skips->size()) == n,
+                "decoder_layer_packed: one skip per segment");
     TORCH_CHECK(x.dim() == 2, "decoder_layer_packed: x must be [T, hidden]");
     std::vector<at::Tensor> held(n);
     std::vector<Segment> segments;
-    int64_t row = 0;
+    int64_t row = 0, kept = 0;
     for (int64_t i = 0; i < n; ++i) {
         at::Tensor k = keys[i], v = values[i];
         check_cache(k, v, starts[i], rows[i]);
@@ -229,8 +251,10 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
                     "decoder_layer_packed: every cache must have the same head layout");
         const bool* visible = eagle_lite::visible_flags(masks[i], rows[i], starts[i] + rows[i], held[i],
                                                         "decoder_layer_packed");
-        segments.push_back(segment_of(k, v, starts[i], row, rows[i], visible));
+        const int64_t skip = skips.has_value() ? (*skips)[i] : 0;
+        segments.push_back(segment_of(k, v, starts[i], row, rows[i], visible, skip, kept));
         row += rows[i];
+        kept += rows[i] - skip;
     }
     TORCH_CHECK(row == x.size(0), "decoder_layer_packed: the segments' rows (", row, ") must be x's (", x.size(0),
                 ")");
@@ -243,11 +267,11 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
 TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
     m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, "
           "Tensor? mask, Tensor norm1, Tensor norm2, float eps1, float eps2, Tensor[] codes, Tensor[] scales, "
-          "int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, float eps0=0.0) -> Tensor");
+          "int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, float eps0=0.0, int skip=0) -> Tensor");
     m.def("decoder_layer_packed(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "
           "int[] starts, int[] rows, Tensor[] masks, Tensor norm1, Tensor norm2, float eps1, float eps2, "
           "Tensor[] codes, Tensor[] scales, int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, "
-          "float eps0=0.0) -> Tensor");
+          "float eps0=0.0, int[]? skips=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_lite, CPU, m) {

@@ -178,6 +178,23 @@ def test_step_cost_interpolates_monotone():
     assert StepCost({1: 0.01}, 0.001, 0.002).draft(3) == pytest.approx(0.004)
 
 
+def test_a_chains_cost_is_timed_with_the_lm_head_rows_acceptance_projects(monkeypatch):
+    """A chain's step is timed as acceptance runs it: on a grid lm_head every node's row in one product (the likely
+    path's projection, lm_head.NodeLogits), a single node's argmax alone."""
+    from conftest import make_target
+
+    from eagle_lite.targets.lm_head import LmHead
+
+    target = make_target("llama", grid=True)
+    assert target.lm.grid is not None
+    rows = []
+    logits = LmHead.logits
+    monkeypatch.setattr(LmHead, "logits", lambda self, hidden: rows.append(hidden.shape[0]) or logits(self, hidden))
+    with torch.inference_mode():
+        cost_module.measure(target, rows=(1, 4, 8), repeats=1)
+    assert rows == [1, 4, 8]
+
+
 def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_LITE_CACHE", str(tmp_path))
     calls = []

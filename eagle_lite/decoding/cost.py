@@ -1,5 +1,5 @@
-"""What a step costs on this machine: the target's forward over a tree of n nodes (with the lm_head row acceptance
-reads), and one forward of a draft head, measured once per host, device, target and head and cached. Decoding
+"""What a step costs on this machine: the target's forward over a tree of n nodes (with the lm_head rows acceptance
+projects), and one forward of a draft head, measured once per host, device, target and head and cached. Decoding
 reads them and never changes them: method auto's choices then depend on no clock, so a seed reproduces a sampled
 answer.
 
@@ -27,21 +27,22 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_json_atomic
+from ..targets.lm_head import NodeLogits
 
 log = logging.getLogger("eagle_lite")
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes measured (nodes, root included)
 PREFIX = 128            # context before the measured forwards
-VERSION = 4             # of the cache file's layout and what it measures (and the code it timed)
+VERSION = 5             # of the cache file's layout and what it measures (and the code it timed)
 CATCH_UP_ROWS = 2       # the accepted tokens a catch-up forward is timed over (a step's own, typically)
 
 
 @dataclass
 class StepCost:
-    """verify: {nodes: seconds} of a step that verifies a tree of that many nodes (the forward and the lm_head row
-    of the root), measured; head: seconds of one draft-head forward over one row (0.0: no head); catch_up: of the
-    head's first forward of a step, which also reads the target's features of the CATCH_UP_ROWS tokens accepted
-    (0.0: no head)."""
+    """verify: {nodes: seconds} of a step that verifies a chain of that many nodes (the forward and the lm_head rows
+    acceptance projects), measured; head: seconds of one draft-head forward over one row (0.0: no head); catch_up:
+    of the head's first forward of a step, which also reads the target's features of the CATCH_UP_ROWS tokens
+    accepted (0.0: no head)."""
 
     verify: dict[int, float]
     head: float = 0.0
@@ -134,8 +135,10 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
 
 @torch.inference_mode()
 def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 3) -> StepCost:
-    """Time the target's forward over chains of `rows` nodes after a PREFIX-token context, each with the lm_head row
-    of its root, and the drafter's head forwards; the best of `repeats` each."""
+    """Time the target's forward over chains of `rows` nodes after a PREFIX-token context, each with the lm_head rows
+    acceptance projects (`NodeLogits` over the chain as its likely path: every node's row in one product where the
+    lm_head has grid codes, the root's argmax alone for one node), and the drafter's head forwards; the best of
+    `repeats` each."""
     rows = tuple(n for n in rows if n + PREFIX < target.max_context) or (1,)
     prefix = min(PREFIX, target.max_context - max(rows) - 1)
     vocab, dev = target.vocab_size, target.device
@@ -150,7 +153,7 @@ def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 3
             _sync(dev)
             start = time.perf_counter()
             ((hidden, _),) = target.verify([(tokens, cache, None, None)])
-            target.top_token(hidden[0])
+            NodeLogits(target.lm, hidden, likely=list(range(n))).top_token(0)
             _sync(dev)
             best = min(best, time.perf_counter() - start)
             cache.truncate(prefix)

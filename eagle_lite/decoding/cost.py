@@ -134,30 +134,29 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
 
 
 @torch.inference_mode()
-def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 3) -> StepCost:
+def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 5) -> StepCost:
     """Time the target's forward over chains of `rows` nodes after a PREFIX-token context, each with the lm_head rows
     acceptance projects (`NodeLogits` over the chain as its likely path: every node's row in one product where the
     lm_head has grid codes, the root's argmax alone for one node), and the drafter's head forwards; the best of
-    `repeats` each."""
+    `repeats` rounds, each round timing every size once (a moment of load elsewhere then spoils one round of all
+    sizes rather than every try of one)."""
     rows = tuple(n for n in rows if n + PREFIX < target.max_context) or (1,)
     prefix = min(PREFIX, target.max_context - max(rows) - 1)
     vocab, dev = target.vocab_size, target.device
     cache = target.new_cache(prefix + max(rows))
     target.forward((torch.arange(prefix, device=dev) * 7919 + 11) % vocab, cache)
     cache.commit(prefix)
-    verify = {}
-    for n in rows:
-        tokens = (torch.arange(n, device=dev) * 31 + 5) % vocab
-        best = math.inf
-        for _ in range(repeats):
+    verify = dict.fromkeys(rows, math.inf)
+    for _ in range(repeats):
+        for n in rows:
+            tokens = (torch.arange(n, device=dev) * 31 + 5) % vocab
             _sync(dev)
             start = time.perf_counter()
             ((hidden, _),) = target.verify([(tokens, cache, None, None)])
             NodeLogits(target.lm, hidden, likely=list(range(n))).top_token(0)
             _sync(dev)
-            best = min(best, time.perf_counter() - start)
+            verify[n] = min(verify[n], time.perf_counter() - start)
             cache.truncate(prefix)
-        verify[n] = best
     head = catch_up = 0.0
     if getattr(drafter, "head", None) is not None:
         catch_up, head = _time_head(target, drafter, repeats)
@@ -172,10 +171,9 @@ def _time_head(target, drafter, repeats: int) -> tuple[float, float]:
 
     twin = drafter.sibling()
     width = (len(drafter.feature_layers) or 1) * target.hidden_size
-    times = {}
-    for depth in (1, 3):
-        best = math.inf
-        for _ in range(repeats):
+    times = {1: math.inf, 3: math.inf}
+    for _ in range(repeats):
+        for depth in times:
             twin.reset(PREFIX, 0)
             tokens = [5] * (PREFIX // 4)
             zeros = torch.zeros(len(tokens) - 1, width, dtype=target.dtype, device=target.device)
@@ -185,8 +183,7 @@ def _time_head(target, drafter, repeats: int) -> tuple[float, float]:
             start = time.perf_counter()
             twin.propose(inp, TreeConfig(depth, 1, depth))
             _sync(target.device)
-            best = min(best, time.perf_counter() - start)
-        times[depth] = best
+            times[depth] = min(times[depth], time.perf_counter() - start)
     return times[1], max(times[3] - times[1], 0.0) / 2
 
 

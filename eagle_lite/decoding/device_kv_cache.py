@@ -64,5 +64,7 @@ def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int | torch.Ten
     t, w = visible.shape
     cols = torch.arange(slots, device=visible.device) if isinstance(slots, int) else slots
     at = start + torch.arange(w, device=visible.device) if at is None else at
-    mask = (cols < start).expand(t, cols.numel()).index_copy(1, at, visible)
+    # a real [T, S] copy of the prefix row, not an expanded view: inductor's CPU code scattered the block into an
+    # expanded one as if its rows shared one row (tests/test_static_step.py)
+    mask = (cols < start).repeat(t, 1).index_copy(1, at, visible)
     return mask.view(1, 1, t, cols.numel())

@@ -201,12 +201,6 @@ class StaticEngine:
             # torch.compile's CUDA graphs replayed the draft step wrongly on an H100 (tests/test_static_step.py)
             raise ValueError("static step mode 'reduce-overhead' does not draft exactly with a head; use "
                              "'cuda-graph' (the default on CUDA) or 'compile'")
-        if mode == "compile" and head is not None and target.device.type == "cpu" and compile_backend == "inductor":
-            # inductor's CPU code for a head's steps made the target emit another token than the eager step does
-            # (a tree verify after a few steps; plain decoding and the aot_eager backend stay exact); refused until
-            # tests/test_static_step.py finds them equal again
-            raise ValueError("static step mode 'compile' does not decode exactly with a head on the CPU (inductor); "
-                             "use 'eager', the CPU's default")
         if mode in ("cuda-graph", "reduce-overhead") and target.device.type != "cuda":
             raise ValueError(f"static step mode {mode!r} captures CUDA graphs; target '{target.name}' is on "
                              f"{target.device} (use 'eager' or 'compile')")

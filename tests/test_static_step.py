@@ -301,9 +301,9 @@ def test_steps_compile_whole_and_stay_exact(attention):
 
 
 def test_the_slot_mask_compiles_exactly_with_inductor():
-    """Inductor's CPU code once scattered a block into the expanded prefix row of the mask as if all rows shared one
-    (index_copy into a stride-0 tensor): the verify step then let the root see stale tree entries and emit another
-    token. The mask is built from a real copy; compiled, it equals the eager one."""
+    """Inductor's CPU code scatters a block into an expanded (stride-0) prefix row as if all the mask's rows were one,
+    which would let a tree's root see stale entries and emit another token; the mask is built from a real copy, so
+    compiled it equals the eager one."""
     cols = torch.arange(32)
     compiled = torch.compile(slot_mask, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(0)

@@ -3,10 +3,9 @@
 Prompt lookup copies from the request's own context. Answers of one kind of traffic repeat one another too (code's
 idioms, a support bot's phrasing): the store keeps the latest answers as token ids (at most `max_tokens`, the
 oldest dropped first) with the latest place of every n-gram of `min_ngram` (MIN_NGRAM) to `max_ngram` tokens, and
-a lookup drafter that finds a longer match here than in its context proposes what followed it (replayed
-over earlier answers, shorter matches from other answers were wholly wrong 60-76% of the time). It changes what is
-proposed, never what is accepted. `--adapt` turns it on where asked (heads/adapt.py, `traffic_tokens`): like the
-adapted head, it learns from every request served.
+a lookup drafter that finds a longer match here than in its context proposes what followed it (shorter matches
+across answers are mostly wrong: MIN_NGRAM). It changes what is proposed, never what is accepted. `--adapt` turns
+it on where asked (heads/adapt.py, `traffic_tokens`): like the adapted head, it learns from every request served.
 
     store = TrafficStore()
     store.add(answer_ids)                         # a finished answer

@@ -179,7 +179,7 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     }
 
     // MLP block
-    normed = at::empty({Tk, H}, opts);
+    normed = normed.narrow(0, 0, Tk);   // the kept rows' share of the buffer: contiguous, no new allocation
     norm_rows(h, norm2, eps2, normed);
     at::Tensor gate_up = at::empty({Tk, 2 * inter}, opts);
     product(normed, codes[2], scales[2], gate_up, "decoder_layer gate_up");

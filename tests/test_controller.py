@@ -12,7 +12,7 @@ from conftest import continuation_tv, reference_greedy
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding import cost as cost_module
-from eagle_lite.decoding.controller import EXPLORE, Calibration, ChainRate, Controller, Plan
+from eagle_lite.decoding.controller import ALONE, EXPLORE, Calibration, ChainRate, Controller, Mates, Plan, seat
 from eagle_lite.decoding.cost import StepCost, step_cost
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import EagleOptions, build
@@ -167,6 +167,69 @@ def test_controller_chooses_what_pays():
     assert control.choose(0, 0, 16).kind == "plain"       # far behind: it explores less often than every EXPLORE
     control.since_head = 20 * EXPLORE
     assert control.choose(0, 0, 16).kind == "head"        # but it does draft again, to follow the text
+    control.mates = Mates(count=7, rows=7.0, tokens=7.0)
+    assert control.choose(0, 0, 16).kind == "plain"       # in a batch of 8, eight times less often
+    control.since_head = 8 * 20 * EXPLORE
+    assert control.choose(0, 0, 16).kind == "head"
+
+
+def test_a_batch_makes_each_node_cost_more_and_the_plans_smaller():
+    """Seated with mates whose rows reach where the forward's cost climbs (past the native op's rows), a lookup chain
+    worth verifying alone is not, and the step is a plain one; the seconds a plan is predicted are its share."""
+    cost = StepCost({1: 0.008, 8: 0.015, 32: 0.039, 48: 0.080, 64: 0.120})
+    control = Controller(cost, head=False)
+    for _ in range(40):        # a 3-gram's chain: its first token right 3 times in 10, each next one half the time
+        control.lookup.add(3, 4, 0)
+    for _ in range(17):
+        control.lookup.add(3, 4, 2)
+    alone = control.choose(3, 4, 16)
+    assert alone.kind == "lookup" and alone.seconds == pytest.approx(cost.step(1 + alone.lookup))
+    control.mates = Mates(count=7, rows=40.0, tokens=7.0)
+    crowded = control.choose(3, 4, 16)
+    assert crowded.kind == "plain" and crowded.seconds == pytest.approx(cost.step(41) / 8)
+    assert control.node_cost(1) > 2 * Controller(cost, head=False).node_cost(1)
+
+
+def test_seat_gives_each_controller_the_others_running_figures():
+    controllers = [Controller(fixed_cost(), head=True) for _ in range(3)]
+    for i, c in enumerate(controllers):
+        c.rows, c.tokens, c.drafting = 1.0 + i, 1.5 * (i + 1), 0.001 * i
+    seat(controllers)
+    assert controllers[0].mates == Mates(2, 2.0 + 3.0, 3.0 + 4.5, 0.001 + 0.002)
+    assert controllers[2].mates.count == 2 and controllers[2].mates.rows == pytest.approx(1.0 + 2.0)
+    seat(controllers[:1])
+    assert controllers[0].mates is ALONE
+
+
+def test_a_greedy_batch_is_seated_together_and_stays_exact(llama, monkeypatch):
+    """Engine.step seats the controllers of its batch (a seeded sampled sequence plans alone) and every greedy
+    sequence still gets the target's own tokens."""
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    seen, choose = [], Controller.choose
+
+    def record(self, *args):
+        seen.append(self.mates.count)
+        return choose(self, *args)
+
+    monkeypatch.setattr(Controller, "choose", record)
+    greedy = GenerationConfig(max_new_tokens=24, tree=auto_tree(TREE), stop_at_eos=False)
+    seeded = GenerationConfig(max_new_tokens=24, tree=auto_tree(TREE), sampling=SamplingConfig(temperature=0.9),
+                              seed=3, stop_at_eos=False)
+    engine = Engine(llama)
+    seqs = [engine.begin(p, cfg, drafter=auto(llama, head))
+            for p, cfg in ((PROMPTS[0], greedy), (PROMPTS[1], greedy), (PROMPTS[2], seeded))]
+    out = [list(first) for _, first in seqs]
+    for _ in range(3):
+        for i, new in enumerate(engine.step([seq for seq, _ in seqs])):
+            out[i] += new
+    assert seen[:3] == [2, 2, 0]
+    while not all(seq.done for seq, _ in seqs[:2]):
+        running = [(i, seq) for i, (seq, _) in enumerate(seqs[:2]) if not seq.done]
+        for (i, _), new in zip(running, engine.step([seq for _, seq in running])):
+            out[i] += new
+    for i in range(2):
+        assert out[i] == reference_greedy(llama, PROMPTS[i], 24)
 
 
 def test_step_cost_interpolates_monotone():

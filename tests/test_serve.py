@@ -178,6 +178,8 @@ def test_concurrent_clients_get_single_request_greedy_output(serve, chat_target,
     assert 'eagle_lite_requests_total{endpoint="/v1/completions",status="200"} 7' in metrics
     assert s.service.metrics.steps < sum(lengths)   # sequences shared target forwards
     assert ('eagle_lite_auto_steps_total{method="auto",choice=' in metrics) == (method == "auto")
+    # auto's controllers size their trees from the batch's rows; the cost model caps the fixed methods' trees only
+    assert (sum(s.service.scheduler.cost.count.values()) == 0) == (method == "auto")
 
 
 def test_recorded_requests_are_the_answers_served(serve, chat_target, tmp_path):

@@ -20,8 +20,17 @@ A drafted node is worth verifying where its chance p of being accepted beats wha
 p > c x rate (rate: this request's tokens per second): the lookup chain is cut where p falls below it, and the
 head's tree stops growing where its calibrated path probability does (`TreeConfig.min_prob`, set each step).
 Then the proposal of the highest expected tokens / expected seconds is run. Where the head looked worse it drafts
-again now and then (its first HEAD_FIRST times every EXPLORE steps, then the less often the further behind), so
-its figures follow the text. Seconds are the cost model's, never a clock's: a seed reproduces a sampled answer.
+again now and then (its first HEAD_FIRST times every EXPLORE steps, then the less often the further behind, and
+in a batch the less often the more sequences it holds), so its figures follow the text. Seconds are the cost
+model's, never a clock's: a seed reproduces a sampled answer.
+
+In a batch (a server's step over several requests) the target's one forward verifies every sequence's tree, so
+a node one sequence adds delays them all. `seat` gives each sequence's controller its batchmates (`Mates`: the rows,
+tokens and draft seconds the others are expected to add, from their running figures), and it then weighs the
+batch's step: a plan's speed is the batch's tokens over the step's seconds at the batch's rows, a node's cost the
+step's growth at those rows, and the rate it must beat the batch's (a sequence's share of a step is an equal part
+of the forward plus its own draft). As the batch grows, each node costs more and the trees shrink, down to plain
+steps: the server's tree size comes from this model, not from a second one. Alone, the mates are none.
 
 The controller changes what is proposed, never what is accepted: every tree is verified exactly.
 """
@@ -130,11 +139,36 @@ class ChainRate:
         self.next[m][1] += trials
 
 
+@dataclass(frozen=True)
+class Mates:
+    """What the other sequences of a batched step are expected to add to it (`seat`): how many they are, the tree
+    rows they verify, the tokens they return and their draft seconds."""
+
+    count: int = 0
+    rows: float = 0.0
+    tokens: float = 0.0
+    draft: float = 0.0
+
+
+ALONE = Mates()
+
+
+def seat(controllers: list[Controller]) -> None:
+    """Give each controller of a step's batch its mates: the others' running rows, tokens and draft seconds."""
+    rows = sum(c.rows for c in controllers)
+    tokens = sum(c.tokens for c in controllers)
+    draft = sum(c.drafting for c in controllers)
+    for c in controllers:
+        c.mates = Mates(len(controllers) - 1, rows - c.rows, tokens - c.tokens, draft - c.drafting) \
+            if len(controllers) > 1 else ALONE
+
+
 @dataclass
 class Plan:
     """One step's choice: its kind (KINDS), the lookup tokens it proposes (alone or grafted), the head's min_prob
     (a head plan; `Controller.first_min_prob` for its first token), and the tokens and seconds it was expected to
-    take (draft, verify and acceptance)."""
+    take (draft, verify and acceptance; in a batch, its share of the step: `Controller.share`), and the tree rows
+    it was expected to verify."""
 
     kind: str
     lookup: int
@@ -145,6 +179,7 @@ class Plan:
     bucket: int = 0            # lookup's bucket this step (ChainRate.key)
     head_forwards: int = 0     # the head forwards a head plan ran
     draft: float = 0.0         # of `seconds`, the head's draft
+    nodes: float = 1.0         # tree nodes it verifies, root included (a head plan: as expected)
 
     def done(self, nodes: int, tokens: int) -> None:
         """What the step verified and returned: the controller's running figures follow it."""
@@ -164,17 +199,31 @@ class Controller:
         self.head = {m: [HEAD_PRIOR_TOKENS, 2.0, 0] for m in range(-1, ChainRate.STORED + 1)}
         self.head_forwards = 2.0       # head forwards per head step (running)
         self.since_head = 0
+        self.rows, self.drafting = 1.0, 0.0   # tree rows verified and draft seconds per step (running)
+        self.mates = ALONE             # the rest of this step's batch (`seat`)
 
     @property
     def rate(self) -> float:
         """Tokens per second of this request's steps so far (running; the seconds its plans were predicted to take,
-        so that no choice depends on a clock: a seed reproduces a sampled answer)."""
+        so that no choice depends on a clock: a seed reproduces a sampled answer). In a batch its seconds are its
+        shares of the steps, so this is about the batch's rate."""
         return self.tokens / self.seconds
 
     def node_cost(self, nodes: int) -> float:
-        """Seconds one more verified node adds to a step of `nodes` (the mean over the next NODE_SPAN: timing noise
-        makes single steps of the measured curve uneven)."""
-        return max(self.cost.step(nodes + NODE_SPAN) - self.cost.step(nodes), 0.0) / NODE_SPAN
+        """Seconds one more verified node adds to a step where this sequence verifies `nodes` (and its mates theirs):
+        the mean over the next NODE_SPAN (timing noise makes single steps of the measured curve uneven)."""
+        rows = self.mates.rows + nodes
+        return max(self.cost.step(rows + NODE_SPAN) - self.cost.step(rows), 0.0) / NODE_SPAN
+
+    def share(self, nodes: float, draft: float = 0.0) -> float:
+        """This sequence's seconds of a step where it verifies `nodes` after a draft of `draft` seconds: its draft
+        and its part of the forward over the batch's rows (alone: the whole step)."""
+        return draft + self.cost.step(self.mates.rows + nodes) / (self.mates.count + 1)
+
+    def speed(self, plan: Plan) -> float:
+        """The expected tokens per second of the step (of the batch's, in a batch) where this sequence runs `plan`."""
+        m = self.mates
+        return (m.tokens + plan.tokens) / (m.draft + plan.draft + self.cost.step(m.rows + plan.nodes))
 
     def chain_length(self, probs: list[float], nodes: int = 1) -> int:
         """How many of a chain's tokens (each accepted with `probs`, falling along it) are worth verifying after a
@@ -200,29 +249,26 @@ class Controller:
         """The plan of this step: `match` lookup's bucket (`ChainRate.key`; 0: no match) and `chain` its tokens."""
         probs = self.lookup.expect(match, min(chain, max_lookup))
         length = self.chain_length(probs)
-        plans = [Plan("plain", 0, 0.0, 1.0, self.cost.step(1), self, match)]
+        plans = [Plan("plain", 0, 0.0, 1.0, self.share(1), self, match)]
         if length:
-            plans.append(Plan("lookup", length, 0.0, 1.0 + sum(probs[:length]), self.cost.step(1 + length), self,
-                              match))
+            plans.append(Plan("lookup", length, 0.0, 1.0 + sum(probs[:length]), self.share(1 + length), self,
+                              match, nodes=1 + length))
         best = max(plans, key=self.speed)
         if not self.has_head:
             return best
         tokens, nodes = self.head_estimate(match)
         draft = self.cost.draft(max(1, round(self.head_forwards)))
-        head = Plan("head", length, self.min_prob(1 + round(nodes)), tokens, draft + self.cost.step(1 + round(nodes)),
-                    self, match, draft=draft)
+        nodes = 1 + round(nodes)
+        head = Plan("head", length, self.min_prob(nodes), tokens, self.share(nodes, draft), self, match, draft=draft,
+                    nodes=nodes)
         gap = max(0.0, 1.0 - self.speed(head) / self.speed(best))
         # the head drafts where it is the fastest, and now and then where it is not (its first HEAD_FIRST steps
         # every EXPLORE steps, then the less often the further behind it is), so that its estimates follow the text
-        wait = EXPLORE * (1.0 if self.head[-1][2] < HEAD_FIRST else 1.0 + BEHIND * gap)
+        # in a batch an exploring step costs every sequence its time, for what this one learns: it waits longer
+        wait = EXPLORE * (1.0 if self.head[-1][2] < HEAD_FIRST else 1.0 + BEHIND * gap) * (1 + self.mates.count)
         if self.speed(head) >= self.speed(best) or self.since_head >= wait:
             return head
         return best
-
-    @staticmethod
-    def speed(plan: Plan) -> float:
-        """The plan's expected tokens per second."""
-        return plan.tokens / plan.seconds
 
     def head_estimate(self, match: int) -> tuple[float, float]:
         """(tokens, nodes verified besides the root) of a head step in lookup's bucket `match`: the bucket's running
@@ -245,6 +291,8 @@ class Controller:
         """What a step of `plan` verified (nodes) and returned (tokens)."""
         self.tokens += RATE_EMA * (tokens - self.tokens)
         self.seconds += RATE_EMA * (plan.seconds - self.seconds)
+        self.rows += RATE_EMA * (nodes - self.rows)
+        self.drafting += RATE_EMA * (plan.draft - self.drafting)
         self.since_head = 0 if plan.kind == "head" else self.since_head + 1
         if plan.kind == "head":
             for row in (self.head[plan.bucket], self.head[-1]):

@@ -28,6 +28,7 @@ from ..targets.model import Target
 from ..tree import DraftTree
 from .accept import accept, sample, target_probs
 from .capture import Capture, Rows
+from .controller import ALONE, seat
 from .drafter import Drafter, DraftInput, NoDrafter, propose_together
 
 if TYPE_CHECKING:
@@ -446,8 +447,18 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
     Greedy sequences whose drafters propose step by step (`proposal`: EAGLE heads) propose together where two or
     more do (`propose_together`): each head forward, the catch-up and each tree depth, runs once for all of them,
     and they share its time. Each tree is the one its drafter proposes alone (to the rounding of the packed
-    forwards' sums)."""
+    forwards' sums).
+
+    Drafters with a controller (method auto) are seated together first (`controller.seat`): each one's choice
+    weighs the batch's step, which is what sizes their trees (their caps are None). A sampled sequence with a seed
+    plans as if alone, so that its answer does not depend on its batch."""
     t0 = time.perf_counter()
+    controllers = [getattr(seq.drafter, "controller", None) for seq in seqs]
+    if all(c is not None for c in controllers):
+        seat(controllers)
+        for seq, c in zip(seqs, controllers):
+            if not seq.cfg.sampling.greedy and seq.cfg.seed is not None:
+                c.mates = ALONE
     plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
     together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))
                 if not isinstance(plan, DraftTree) and seq.cfg.sampling.greedy and hasattr(seq.drafter, "proposal")]

@@ -8,7 +8,8 @@ speculative decoding across concurrent requests.
 Requests join a running batch between steps and leave it when they finish (scheduler.py); each step drafts a
 tree per sequence and the target verifies all of them in one forward (`Engine.step`, `Target.verify`), each tree
 over its own KV cache, so every request gets what it would get alone (greedy: the CLI's answer). The trees shrink
-as the batch grows, down to plain decoding, by a cost model measured at start (cost.py). docs/serve.md is the
+as the batch grows, down to plain decoding: a fixed method's by a cost model measured at start (cost.py), method
+auto's by its controllers, which weigh the batch's step (decoding/controller.py). docs/serve.md is the
 manual: endpoints, limits, errors, metrics.
 
 FastAPI (on uvicorn) rather than LitServe: LitServe batches requests into one `predict` call per batch and runs

@@ -14,7 +14,8 @@ points). E(n), n'(n) and draft(n) are running averages of what the
 sequences got at each cap, starting from a prior (`prior_tokens`). On a CPU the forward's cost grows with its
 rows (and jumps past the 32 rows the native layer op takes), so as B grows the chosen trees shrink, down to plain
 decoding (n = 1), the way vLLM turns speculation off above a batch size, but found from measurements.
-Batch 1 always runs the configured tree: what the CLI runs.
+Batch 1 always runs the configured tree: what the CLI runs. Method auto's steps take no cap from here: its
+controllers weigh the batch's rows themselves (decoding/controller.py, `seat`).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ together by `Engine.begin_all`, each with a drafter of its own from a pool; a lo
 ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch:
 every sequence drafts its tree, the target verifies all of them in one forward, every sequence accepts its own
 path. The tree cap of the step
-comes from the cost model (cost.py). Events go back to each request's `sink` (called on this thread; the HTTP
+comes from the cost model (cost.py); method auto's controllers need none: they weigh the batch's step themselves
+(decoding/controller.py, `seat`). Events go back to each request's `sink` (called on this thread; the HTTP
 layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
 
 A finished request's KV cache and drafter are kept (the last `Limits.prefix_cache` of them): a later prompt that
@@ -399,13 +400,17 @@ class Scheduler:
         seqs = [seq for _, seq in self.running]
         if self.threads is not None:
             set_threads(self.threads[len(seqs) >= BUSY_BATCH])
-        cap = self.cost.choose(len(seqs))
+        # method auto's controllers size their own trees from the batch's rows (decoding/controller.py `seat`);
+        # a fixed method's tree is capped by the cost model
+        controlled = all(hasattr(seq.drafter, "controller") for seq in seqs)
+        cap = None if controlled else self.cost.choose(len(seqs))
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))
         rows, seconds = self.engine.last_verify
         self.last_cap = cap or 0
-        self.cost.observe(cap, rows, seconds, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
-                                               for out, seq, before in zip(outs, seqs, drafting)])
+        if not controlled:
+            self.cost.observe(cap, rows, seconds, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
+                                                   for out, seq, before in zip(outs, seqs, drafting)])
         if self.on_step is not None:
             self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs], self.engine.last_plans)
         kept = []

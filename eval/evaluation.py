@@ -212,8 +212,8 @@ def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfi
             f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
             f"{tree.total_tokens}, lookup {tree.lookup}" + (f", min_prob {tree.min_prob:g}" if tree.min_prob else "")
             + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
-               f"top_k {sampling.top_k}, seed {s.seed}, eagle's draft sampling "
-               f"{s.eagle.draft_sampling} (outputs differ by draw: no identity "
+               f"top_k {sampling.top_k}, seed {s.seed}, draft sampling "
+               f"{s.eagle.draft_sampling or 'q (auto: match)'} (outputs differ by draw: no identity "
                f"check)")
             + (f" · {', '.join(static)}: static step, mode {s.static}, no lookup graft" if static else "")
             + (f" · {note}" if note else ""))

@@ -4,7 +4,8 @@
 transformers' own `generate()` (the baselines users know);
 `vanilla` and `eagle` are eagle_lite's engine without and with speculation; the other drafters
 (staged, lookup, lookahead, draft_model, layer_skip, medusa) run through the same engine and verifier. `eagle_q`
-and `eagle_match` are eagle with one sampling rule each (EagleOptions.draft_sampling), so that one run compares them.
+and `eagle_match` are eagle with one sampling rule each (EagleOptions.draft_sampling), so that one run compares them;
+`auto_q` and `auto_match` the same for method auto's head.
 With a static step mode (`--static MODE`), `vanilla` and `eagle` run through the fixed-shape step instead
 (static_step.py): captured in CUDA graphs on CUDA, eager on a CPU (greedy only; eagle without the prompt-lookup
 graft); the other engine methods have no such mode. `llama_cpp` is
@@ -142,6 +143,7 @@ HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "llama_cpp")
 STATIC_METHODS = ("vanilla", "eagle")   # the methods a static step mode runs through the fixed-shape step
 # eval's names for a registry method with some options set: (method, EagleOptions fields)
 VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"}),
+            "auto_q": ("auto", {"draft_sampling": "q"}), "auto_match": ("auto", {"draft_sampling": "match"}),
             "eagle_full_vocab": ("eagle", {"draft_vocab": "full"})}
 
 

@@ -2,6 +2,7 @@
 costs measured here (decoding/cost.py). It changes what is proposed, never what is accepted."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -92,6 +93,32 @@ def test_auto_sampling_matches_the_target_distribution(llama, rule, monkeypatch)
     distance = continuation_tv(llama, engine, prompt, sampling, tree)
     assert min(seen.values()) > 50 and len(seen) == 3
     assert distance < 0.12
+
+
+def test_auto_match_samples_the_very_tokens_vanilla_does(llama, monkeypatch):
+    """Method auto (the registry's, the match rule) sampled with a seed emits vanilla decoding's tokens for that seed,
+    whatever its controller chooses (here at random) and whatever shares its batch: every token is the target's own
+    draw."""
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    cfg = GenerationConfig(max_new_tokens=40, tree=auto_tree(TREE), sampling=SamplingConfig(temperature=0.9),
+                           seed=11, stop_at_eos=False)
+    want = [Engine(llama).generate(p, cfg).token_ids for p in PROMPTS[:2]]
+    drafter = build("auto", llama, EagleOptions(head=head))
+    assert drafter.inner.draft_sampling == "match" and not drafter.moves_samples
+    seen = every_choice(monkeypatch, seed=5)
+    assert Engine(llama, drafter).generate(PROMPTS[0], cfg).token_ids == want[0]
+    engine = Engine(llama)
+    greedy = dataclasses.replace(cfg, sampling=SamplingConfig(), seed=None)
+    seqs = [engine.begin(p, c, drafter=drafter.sibling())
+            for p, c in ((PROMPTS[0], cfg), (PROMPTS[1], cfg), (PROMPTS[2], greedy))]
+    out = [list(first) for _, first in seqs]
+    while not all(seq.done for seq, _ in seqs):
+        running = [(i, seq) for i, (seq, _) in enumerate(seqs) if not seq.done]
+        for (i, _), new in zip(running, engine.step([seq for _, seq in running])):
+            out[i] += new
+    assert out[:2] == want
+    assert len(seen) == 3
 
 
 def test_a_seed_reproduces_a_sampled_answer(llama):

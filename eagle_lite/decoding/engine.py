@@ -451,13 +451,14 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
 
     Drafters with a controller (method auto) are seated together first (`controller.seat`): each one's choice
     weighs the batch's step, which is what sizes their trees (their caps are None). A sampled sequence with a seed
-    plans as if alone, so that its answer does not depend on its batch."""
+    whose drafter's proposals move its draws (`moves_samples`: a head's q rule) plans as if alone, so that its
+    answer does not depend on its batch."""
     t0 = time.perf_counter()
     controllers = [getattr(seq.drafter, "controller", None) for seq in seqs]
     if all(c is not None for c in controllers):
         seat(controllers)
         for seq, c in zip(seqs, controllers):
-            if not seq.cfg.sampling.greedy and seq.cfg.seed is not None:
+            if not seq.cfg.sampling.greedy and seq.cfg.seed is not None and getattr(seq.drafter, "moves_samples", True):
                 c.mates = ALONE
     plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
     together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))

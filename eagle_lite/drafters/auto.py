@@ -49,6 +49,10 @@ class AutoDrafter:
                                           or default_tree(str(target.device))) if inner is not None else \
             TreeConfig(1, 1, 1, AUTO_LOOKUP)
         self.cost = cost if cost is not None else step_cost(target, inner)
+        # whether what it proposes moves a sampled answer: the head's q rule draws its tree from the request's
+        # generator and accepts by its ratio; lookup's chains and the match rule's are accepted by the target's own
+        # draws, so a seed's answer is then the one vanilla decoding gives, whatever the controller chooses
+        self.moves_samples = getattr(inner, "draft_sampling", None) == "q"
         self._fresh()
 
     def _fresh(self) -> None:

@@ -22,6 +22,11 @@ from ..decoding.drafter import Drafter, NoDrafter
 
 log = logging.getLogger("eagle_lite")
 
+# each method's sampling rule for its head where none is given (EagleOptions.draft_sampling): eagle's q accepts more
+# in its trees; auto's match makes a seed's sampled answer the target's own draws, whatever the controller proposes
+# (the very tokens vanilla emits for that seed), and accepted more a step than q in auto's chains (docs/methods.md)
+DRAFT_SAMPLING_OF = {"eagle": "q", "auto": "match"}
+
 
 @dataclass(frozen=True)
 class EagleOptions:
@@ -29,7 +34,9 @@ class EagleOptions:
     folder. head: an already loaded DraftHead (overrides draft). copy_mode: see lookup_graft.LookupGraft.
     draft_sampling: with temperature > 0, "q" draws the tree from the head's distribution and accepts sibling by
     sibling by recursive rejection (EAGLE's sampling); "match" drafts the head's top-k as in greedy decoding and
-    accepts by sample-and-match (drafters/eagle.py). Both are exact; greedy decoding ignores it.
+    accepts by sample-and-match (drafters/eagle.py). Both are exact; greedy decoding ignores it. None: the method's
+    own, DRAFT_SAMPLING_OF (q for eagle and staged; match for auto, whose sampled answer for a seed is then the
+    target's own draws whatever it proposes).
     draft_vocab: "head" drafts over the head's own draft vocabulary; "full" over the target's whole vocabulary,
     for heads that score through the target's lm_head (DraftHead.over_full_vocabulary): costlier per draft row,
     and it accepts more in wide trees (docs/training.md)."""
@@ -39,10 +46,11 @@ class EagleOptions:
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True
-    draft_sampling: str = option("q", "draft-sampling", "with --temperature > 0: 'q' draws the tree from the head's "
-                                 "distribution and accepts sibling by sibling by recursive rejection (EAGLE's "
-                                 "sampling); 'match' drafts the head's top-k and accepts the child the target's sample "
-                                 "matches. Both exact", choices=DRAFT_SAMPLING)
+    draft_sampling: str | None = option(None, "draft-sampling", "with --temperature > 0: 'q' draws the tree from the "
+                                        "head's distribution and accepts sibling by sibling by recursive rejection "
+                                        "(EAGLE's sampling); 'match' drafts the head's top-k and accepts the child "
+                                        "the target's sample matches. Both exact. Default: q for eagle and staged, "
+                                        "match for auto", choices=DRAFT_SAMPLING)
     draft_vocab: str = option("head", "draft-vocab", "'head' drafts over the head's own draft vocabulary; 'full' over "
                               "the target's whole vocabulary (heads that score through the target's lm_head): each "
                               "draft row costs more, and wide trees accept more", choices=DRAFT_VOCAB)
@@ -114,7 +122,8 @@ def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     from .eagle import EagleDrafter
     from .lookup_graft import LookupGraft
 
-    drafter = EagleDrafter(target, eagle_head(target, o), round_head=o.round_head, draft_sampling=o.draft_sampling)
+    drafter = EagleDrafter(target, eagle_head(target, o), round_head=o.round_head,
+                           draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["eagle"])
     return LookupGraft(drafter, copy_mode=o.copy_mode, staged=staged)
 
 
@@ -125,7 +134,8 @@ def _auto(target, o: EagleOptions) -> Drafter:
     head = o.head if o.head is not None else load_eagle_head(target, o.draft)
     if head is not None:
         head = head.over_full_vocabulary() if o.draft_vocab == "full" else head
-        head = EagleDrafter(target, head, round_head=o.round_head, draft_sampling=o.draft_sampling)
+        head = EagleDrafter(target, head, round_head=o.round_head,
+                            draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["auto"])
     return AutoDrafter(target, head)
 
 
@@ -193,7 +203,7 @@ def _check_folder(path: str | Path, method: str) -> None:
 
 
 def _check_eagle(o: EagleOptions) -> None:
-    if o.draft_sampling not in DRAFT_SAMPLING:
+    if o.draft_sampling is not None and o.draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {o.draft_sampling!r}")
     if o.draft_vocab not in DRAFT_VOCAB:
         raise ValueError(f"draft_vocab must be one of {', '.join(DRAFT_VOCAB)}, got {o.draft_vocab!r}")

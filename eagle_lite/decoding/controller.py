@@ -154,7 +154,8 @@ ALONE = Mates()
 
 
 def seat(controllers: list[Controller]) -> None:
-    """Give each controller of a step's batch its mates: the others' running rows, tokens and draft seconds."""
+    """Give each controller of a step's batch its mates: the others' running rows, tokens and draft seconds (one
+    alone, or none: nothing to do but forget any earlier batch)."""
     rows = sum(c.rows for c in controllers)
     tokens = sum(c.tokens for c in controllers)
     draft = sum(c.drafting for c in controllers)

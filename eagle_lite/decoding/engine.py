@@ -454,12 +454,11 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
     whose drafter's proposals move its draws (`moves_samples`: a head's q rule) plans as if alone, so that its
     answer does not depend on its batch."""
     t0 = time.perf_counter()
-    controllers = [getattr(seq.drafter, "controller", None) for seq in seqs]
-    if all(c is not None for c in controllers):
-        seat(controllers)
-        for seq, c in zip(seqs, controllers):
-            if not seq.cfg.sampling.greedy and seq.cfg.seed is not None and getattr(seq.drafter, "moves_samples", True):
-                c.mates = ALONE
+    controlled = [(seq, seq.drafter.controller) for seq in seqs if hasattr(seq.drafter, "controller")]
+    seat([c for _, c in controlled])
+    for seq, c in controlled:
+        if not seq.cfg.sampling.greedy and seq.cfg.seed is not None and getattr(seq.drafter, "moves_samples", True):
+            c.mates = ALONE
     plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
     together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))
                 if not isinstance(plan, DraftTree) and seq.cfg.sampling.greedy and hasattr(seq.drafter, "proposal")]

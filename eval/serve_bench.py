@@ -15,7 +15,8 @@ and the CLI's trees differ, and so do their draws). The CLI row is the
 engine alone in this process (`eagle_lite.load(...).generate`, what `python -m eagle_lite.generate` runs), before
 the server starts, so the two never share the CPU. The "at once, no HTTP" row is the server's own batch loop in this
 process (`batch_run`), given the largest level's number of prompts together: what that level would reach without
-HTTP, clients or arrival times.
+HTTP, clients or arrival times. For method auto a second table splits each level's sequence steps by the
+controllers' choice (the server's /metrics), with the step time they predicted against the time measured.
 """
 from __future__ import annotations
 
@@ -219,6 +220,28 @@ def one_request(http, url: str, model: str, question: str, max_tokens: int, temp
     return {"ttft": (first or end) - start, "total": end - start, "tokens": tokens, "text": "".join(text)}
 
 
+def auto_choices(http, url: str) -> dict[str, list[float]]:
+    """Method auto's counters on the server's /metrics so far, per choice: [steps, tokens, predicted s, measured s]
+    (empty for another method)."""
+    names = ("auto_steps_total", "auto_tokens_total", "auto_predicted_seconds_total", "auto_measured_seconds_total")
+    out: dict[str, list[float]] = {}
+    for line in http.get(url + "/metrics").text.splitlines():
+        name, _, rest = line.removeprefix("eagle_lite_").partition("{")
+        if name in names and 'choice="' in rest:
+            choice = rest.split('choice="', 1)[1].split('"', 1)[0]
+            out.setdefault(choice, [0.0] * len(names))[names.index(name)] = float(rest.rsplit(" ", 1)[1])
+    return out
+
+
+def choice_rows(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict]:
+    """A level's split of auto's sequence steps by choice (the counters' growth between two /metrics reads): share of
+    steps, tokens a step, and ms a step as the controller predicted it and as measured (its share of the batch's)."""
+    grown = {c: [a - b for a, b in zip(v, before.get(c, [0.0] * len(v)))] for c, v in after.items()}
+    steps = sum(v[0] for v in grown.values()) or 1.0
+    return {c: {"share": v[0] / steps, "tokens_per_step": v[1] / v[0], "predicted_ms": 1e3 * v[2] / v[0],
+                "measured_ms": 1e3 * v[3] / v[0]} for c, v in sorted(grown.items()) if v[0] > 0}
+
+
 def level(url: str, model: str, questions: list[str], clients: int, args) -> tuple[dict, list[dict]]:
     """`clients` threads, each sending requests one at a time, `args.requests` in all (at least one each)."""
     import httpx
@@ -267,6 +290,7 @@ def main(argv=None) -> int:
               "methods": {}}
     lines = ["| method | clients | requests | tokens/s | vs 1 client | vs CLI | TTFT p50 / p95 s | "
              "total p50 / p95 s | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    choices: list[str] = []
     for method in methods:
         cli_rate, cli_answers = cli_run(args, method, questions[:max(args.requests, max(levels))])
         print(f"{method}: CLI engine {cli_rate:.1f} tokens/s", file=sys.stderr, flush=True)
@@ -282,7 +306,11 @@ def main(argv=None) -> int:
             with httpx.Client(timeout=600) as http:
                 one_request(http, url, model, questions[0], 8)   # warm-up
             for clients in levels:
+                with httpx.Client(timeout=60) as http:
+                    before = auto_choices(http, url)
                 row, results = level(url, model, questions, clients, args)
+                with httpx.Client(timeout=60) as http:
+                    row["choices"] = choice_rows(before, auto_choices(http, url))
                 row["identical"] = None if args.temperature else sum(
                     r["text"] == cli_answers[r["question"]] for r in results
                     if r["question"] < len(cli_answers)) / max(1, len(results))
@@ -302,7 +330,14 @@ def main(argv=None) -> int:
                          f"{row['total_p95']:.2f} | {share(row['identical'])} |")
         report["methods"][method] = {"cli_tokens_per_s": cli_rate, "batch_tokens_per_s": batch_rate,
                                      "batch_identical": batch_same, "levels": rows}
+        for row in rows:
+            for choice, c in row["choices"].items():
+                choices.append(f"| {method} | {row['clients']} | {choice} | {c['share']:.0%} | "
+                               f"{c['tokens_per_step']:.2f} | {c['predicted_ms']:.2f} | {c['measured_ms']:.2f} |")
     print("\n".join(lines))
+    if choices:   # method auto: what its controllers chose at each level, predicted against measured
+        print("\n| method | clients | choice | steps | tokens/step | ms/step predicted | measured |\n"
+              "|---|---|---|---:|---:|---:|---:|\n" + "\n".join(choices))
     if args.json:
         write_text_atomic(args.json, json.dumps(report, indent=1))
     return 0

@@ -518,7 +518,7 @@ def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp
         assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 for row in got["levels"])
 
 
-def test_serve_bench_samples_with_auto(tiny_model_dir, tmp_path):
+def test_serve_bench_samples_with_auto(tiny_model_dir, tmp_path, capsys):
     """--temperature: every request sampled (method auto: its controllers in the server's batch), no identity check."""
     from eval.serve_bench import main
 
@@ -528,6 +528,21 @@ def test_serve_bench_samples_with_auto(tiny_model_dir, tmp_path):
     got = json.loads(out.read_text())["methods"]["auto"]
     assert got["batch_identical"] is None and got["batch_tokens_per_s"] > 0
     assert [(row["identical"], row["requests"]) for row in got["levels"]] == [(None, 2)]
+    choices = got["levels"][0]["choices"]   # the level's split of auto's steps, from the server's /metrics
+    assert choices and set(choices) <= {"plain", "lookup", "head"}
+    assert sum(c["share"] for c in choices.values()) == pytest.approx(1.0)
+    assert all(c["tokens_per_step"] >= 1 and c["predicted_ms"] > 0 and c["measured_ms"] > 0 for c in choices.values())
+    assert "| auto | 2 | " in capsys.readouterr().out
+
+
+def test_serve_bench_splits_auto_steps_by_the_growth_of_its_counters():
+    from eval.serve_bench import choice_rows
+
+    rows = choice_rows({"plain": [10, 10, 0.1, 0.12]}, {"plain": [40, 40, 0.4, 0.42], "head": [10, 25, 0.1, 0.15]})
+    assert rows["plain"] == pytest.approx({"share": 0.75, "tokens_per_step": 1.0, "predicted_ms": 10.0,
+                                           "measured_ms": 10.0})
+    assert rows["head"] == pytest.approx({"share": 0.25, "tokens_per_step": 2.5, "predicted_ms": 10.0,
+                                          "measured_ms": 15.0})
 
 
 @pytest.mark.parametrize("args, message", [

@@ -207,13 +207,14 @@ class Stopped(KeyboardInterrupt):
 def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfig, note: str) -> str:
     """The report's first line: what ran, where, with which tree and sampling."""
     static = [m for m in s.methods if m in STATIC_METHODS] if s.static is not None else []
+    each_own = ", ".join(f"{method}'s {rule}" for method, rule in registry.DRAFT_SAMPLING_OF.items())
     return (f"target {target.name} · {s.dtype} · {target.device} · attention "
             f"{target.config._attn_implementation} · {torch.get_num_threads()} threads · max_new_tokens "
             f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "
             f"{tree.total_tokens}, lookup {tree.lookup}" + (f", min_prob {tree.min_prob:g}" if tree.min_prob else "")
             + ("" if sampling.greedy else f" · sampling: temperature {sampling.temperature}, top_p {sampling.top_p}, "
                f"top_k {sampling.top_k}, seed {s.seed}, draft sampling "
-               f"{s.eagle.draft_sampling or 'q (auto: match)'} (outputs differ by draw: no identity "
+               f"{s.eagle.draft_sampling or each_own} (outputs differ by draw: no identity "
                f"check)")
             + (f" · {', '.join(static)}: static step, mode {s.static}, no lookup graft" if static else "")
             + (f" · {note}" if note else ""))

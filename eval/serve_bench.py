@@ -306,10 +306,9 @@ def main(argv=None) -> int:
             with httpx.Client(timeout=600) as http:
                 one_request(http, url, model, questions[0], 8)   # warm-up
             for clients in levels:
-                with httpx.Client(timeout=60) as http:
+                with httpx.Client(timeout=60) as http:   # auto's counters before and after the level
                     before = auto_choices(http, url)
-                row, results = level(url, model, questions, clients, args)
-                with httpx.Client(timeout=60) as http:
+                    row, results = level(url, model, questions, clients, args)
                     row["choices"] = choice_rows(before, auto_choices(http, url))
                 row["identical"] = None if args.temperature else sum(
                     r["text"] == cli_answers[r["question"]] for r in results

@@ -217,12 +217,47 @@ def test_a_batch_makes_each_node_cost_more_and_the_plans_smaller():
     assert control.node_cost(1) > 2 * Controller(cost, head=False).node_cost(1)
 
 
+def test_a_batch_step_costs_each_sequence_its_own_cache_and_commit():
+    """Each more sequence of a batch adds its `sequence` seconds and its cache's read at its context; a longer context
+    makes every row cost more: read linearly between the two measured contexts."""
+    cost = StepCost({1: 0.008, 8: 0.016}, verify_long={1: 0.009, 8: 0.020}, sequence=0.0005)
+    assert cost.step(8) == pytest.approx(0.016)
+    assert cost.step(8, context=cost_module.PREFIX + cost_module.LONG / 2) == pytest.approx(0.018)
+    assert cost.step(1, context=cost_module.PREFIX + 2 * cost_module.LONG) == pytest.approx(0.010)
+    assert cost.step(8, sequences=8) == pytest.approx(0.016 + 7 * 0.0005)
+    # 4 sequences of mean context PREFIX + LONG: each other one's cache read costs what one's did (0.001 more)
+    assert cost.step(4, context=cost_module.PREFIX + cost_module.LONG, sequences=4) == pytest.approx(
+        StepCost({1: 0.008, 8: 0.016}, verify_long={1: 0.009, 8: 0.020}).step(4, cost_module.PREFIX
+                                                                               + cost_module.LONG) + 3 * 0.0015)
+    flat = StepCost({1: 0.008, 8: 0.016})           # no long context measured: a context costs nothing more
+    assert flat.step(8, context=4000) == pytest.approx(0.016)
+
+
+def test_what_each_sequence_adds_makes_a_batched_lookup_chain_worth_it():
+    """The seconds a batch spends per sequence are fixed whatever the trees: the dearer they are, the more a chain's
+    tokens are worth against its nodes. Among mates, a chain priced as plain without that term is run with it, and
+    a sequence's predicted share includes its part of it."""
+    curve = {1: 0.008, 8: 0.015, 32: 0.039, 48: 0.080, 64: 0.120}
+    plans = {}
+    for sequence in (0.0, 0.004):
+        control = Controller(StepCost(dict(curve), sequence=sequence), head=False)
+        for _ in range(40):
+            control.lookup.add(3, 4, 0)
+        for _ in range(17):
+            control.lookup.add(3, 4, 2)
+        control.mates = Mates(count=7, rows=24.0, tokens=7.0)
+        plans[sequence] = control.choose(3, 4, 16)
+    assert plans[0.0].kind == "plain" and plans[0.004].kind == "lookup"
+    assert plans[0.004].seconds == pytest.approx(
+        StepCost(dict(curve)).step(25 + plans[0.004].lookup) / 8 + 7 * 0.004 / 8)
+
+
 def test_seat_gives_each_controller_the_others_running_figures():
     controllers = [Controller(fixed_cost(), head=True) for _ in range(3)]
     for i, c in enumerate(controllers):
-        c.rows, c.tokens, c.drafting = 1.0 + i, 1.5 * (i + 1), 0.001 * i
+        c.rows, c.tokens, c.drafting, c.context = 1.0 + i, 1.5 * (i + 1), 0.001 * i, 100.0 * (i + 1)
     seat(controllers)
-    assert controllers[0].mates == Mates(2, 2.0 + 3.0, 3.0 + 4.5, 0.001 + 0.002)
+    assert controllers[0].mates == Mates(2, 2.0 + 3.0, 3.0 + 4.5, 0.001 + 0.002, 200.0 + 300.0)
     assert controllers[2].mates.count == 2 and controllers[2].mates.rows == pytest.approx(1.0 + 2.0)
     seat(controllers[:1])
     assert controllers[0].mates is ALONE
@@ -270,7 +305,8 @@ def test_step_cost_interpolates_monotone():
 
 def test_a_chains_cost_is_timed_with_the_lm_head_rows_acceptance_projects(monkeypatch):
     """A chain's step is timed as acceptance runs it: on a grid lm_head every node's row in one product (the likely
-    path's projection, lm_head.NodeLogits), a single node's argmax alone."""
+    path's projection, lm_head.NodeLogits), a single node's argmax alone; a batch of one-node sequences, their roots
+    together (NodeLogits.together)."""
     from conftest import make_target
 
     from eagle_lite.targets.lm_head import LmHead
@@ -282,7 +318,24 @@ def test_a_chains_cost_is_timed_with_the_lm_head_rows_acceptance_projects(monkey
     monkeypatch.setattr(LmHead, "logits", lambda self, hidden: rows.append(hidden.shape[0]) or logits(self, hidden))
     with torch.inference_mode():
         cost_module.measure(target, rows=(1, 4, 8), repeats=1)
-    assert rows == [1, 4, 8]
+    assert rows == [1, 4, 8, cost_module.BATCH]    # then a batch's roots, in one product as a batch's step has them
+
+
+def test_measure_times_a_long_context_and_a_batch_of_sequences():
+    """Where the window holds PREFIX + LONG tokens the chains are timed there too, and a batch of one-node
+    sequences against one chain gives what each more sequence adds; both are cached with the rest."""
+    from conftest import make_target
+
+    target = make_target("llama", max_pos=1024)
+    with torch.inference_mode():
+        cost = cost_module.measure(target, rows=(1, 4, 8), repeats=2)
+    assert set(cost.verify_long) == {1, 4, 8} and all(cost.verify_long[n] >= cost.verify[n] for n in (1, 4, 8))
+    assert cost.sequence >= 0.0
+    again = StepCost(**{k: v for k, v in cost.as_dict().items() if k != "version"})
+    assert again.step(4, context=700, sequences=3) == pytest.approx(cost.step(4, context=700, sequences=3))
+    short = make_target("llama", max_pos=256)       # no room for the long context: none timed
+    with torch.inference_mode():
+        assert cost_module.measure(short, rows=(1, 4), repeats=1).verify_long == {}
 
 
 def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
 """The controller: each step, the proposal with the most expected tokens per second.
 
-A step that verifies n tree nodes after a draft of f head forwards costs `cost.step(n) + cost.draft(f)` (cost.py:
-this machine's figures) and returns 1 token (the target's own) plus each drafted node it accepts. The controller
-weighs three proposals:
+A step that verifies n tree nodes after a draft of f head forwards costs `cost.step(n, context) + cost.draft(f)`
+(cost.py: this machine's figures; the context is the sequence's tokens so far) and returns 1 token (the target's
+own) plus each drafted node it accepts. The controller weighs three proposals:
 
   plain    the root alone: one token, the cheapest step;
   lookup   prompt lookup's chain of its first L tokens: no draft cost;
@@ -27,8 +27,9 @@ model's, never a clock's: a seed reproduces a sampled answer.
 In a batch (a server's step over several requests) the target's one forward verifies every sequence's tree, so
 a node one sequence adds delays them all. `seat` gives each sequence's controller its batchmates (`Mates`: the rows,
 tokens and draft seconds the others are expected to add, from their running figures), and it then weighs the
-batch's step: a plan's speed is the batch's tokens over the step's seconds at the batch's rows, a node's cost the
-step's growth at those rows, and the rate it must beat the batch's (a sequence's share of a step is an equal part
+batch's step: a plan's speed is the batch's tokens over the step's seconds at the batch's rows, sequences and
+contexts (each sequence reads its own cache and is accepted and committed on its own), a node's cost the step's
+growth at those rows, and the rate it must beat the batch's (a sequence's share of a step is an equal part
 of the forward plus its own draft). As the batch grows, each node costs more and the trees shrink, down to plain
 steps: the server's tree size comes from this model, not from a second one. Alone, the mates are none.
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cost import StepCost
+from .cost import PREFIX, StepCost
 
 KINDS = ("plain", "lookup", "head")
 EXPLORE = 8          # steps the head sits out before it drafts again (more where it is further behind)
@@ -142,26 +143,28 @@ class ChainRate:
 @dataclass(frozen=True)
 class Mates:
     """What the other sequences of a batched step are expected to add to it (`seat`): how many they are, the tree
-    rows they verify, the tokens they return and their draft seconds."""
+    rows they verify, the tokens they return, their draft seconds and their contexts (tokens, summed)."""
 
     count: int = 0
     rows: float = 0.0
     tokens: float = 0.0
     draft: float = 0.0
+    context: float = 0.0
 
 
 ALONE = Mates()
 
 
 def seat(controllers: list[Controller]) -> None:
-    """Give each controller of a step's batch its mates: the others' running rows, tokens and draft seconds (one
-    alone, or none: nothing to do but forget any earlier batch)."""
+    """Give each controller of a step's batch its mates: the others' running rows, tokens and draft seconds and
+    their contexts (one alone, or none: nothing to do but forget any earlier batch)."""
     rows = sum(c.rows for c in controllers)
     tokens = sum(c.tokens for c in controllers)
     draft = sum(c.drafting for c in controllers)
+    context = sum(c.context for c in controllers)
     for c in controllers:
-        c.mates = Mates(len(controllers) - 1, rows - c.rows, tokens - c.tokens, draft - c.drafting) \
-            if len(controllers) > 1 else ALONE
+        c.mates = Mates(len(controllers) - 1, rows - c.rows, tokens - c.tokens, draft - c.drafting,
+                        context - c.context) if len(controllers) > 1 else ALONE
 
 
 @dataclass
@@ -202,6 +205,7 @@ class Controller:
         self.since_head = 0
         self.rows, self.drafting = 1.0, 0.0   # tree rows verified and draft seconds per step (running)
         self.mates = ALONE             # the rest of this step's batch (`seat`)
+        self.context = float(PREFIX)   # this sequence's tokens so far (its drafter sets it each step)
 
     @property
     def rate(self) -> float:
@@ -210,21 +214,26 @@ class Controller:
         shares of the steps, so this is about the batch's rate."""
         return self.tokens / self.seconds
 
+    def step(self, nodes: float) -> float:
+        """Seconds of the step's forward, acceptance and commit where this sequence verifies `nodes` (and its mates
+        theirs): at the batch's rows, sequences and mean context."""
+        m = self.mates
+        return self.cost.step(m.rows + nodes, (m.context + self.context) / (m.count + 1), m.count + 1)
+
     def node_cost(self, nodes: int) -> float:
         """Seconds one more verified node adds to a step where this sequence verifies `nodes` (and its mates theirs):
         the mean over the next NODE_SPAN (timing noise makes single steps of the measured curve uneven)."""
-        rows = self.mates.rows + nodes
-        return max(self.cost.step(rows + NODE_SPAN) - self.cost.step(rows), 0.0) / NODE_SPAN
+        return max(self.step(nodes + NODE_SPAN) - self.step(nodes), 0.0) / NODE_SPAN
 
     def share(self, nodes: float, draft: float = 0.0) -> float:
         """This sequence's seconds of a step where it verifies `nodes` after a draft of `draft` seconds: its draft
-        and its part of the forward over the batch's rows (alone: the whole step)."""
-        return draft + self.cost.step(self.mates.rows + nodes) / (self.mates.count + 1)
+        and its part of the step (alone: the whole step)."""
+        return draft + self.step(nodes) / (self.mates.count + 1)
 
     def speed(self, plan: Plan) -> float:
         """The expected tokens per second of the step (of the batch's, in a batch) where this sequence runs `plan`."""
         m = self.mates
-        return (m.tokens + plan.tokens) / (m.draft + plan.draft + self.cost.step(m.rows + plan.nodes))
+        return (m.tokens + plan.tokens) / (m.draft + plan.draft + self.step(plan.nodes))
 
     def chain_length(self, probs: list[float], nodes: int = 1) -> int:
         """How many of a chain's tokens (each accepted with `probs`, falling along it) are worth verifying after a

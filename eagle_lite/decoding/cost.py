@@ -1,11 +1,18 @@
 """What a step costs on this machine: the target's forward over a tree of n nodes (with the lm_head rows acceptance
-projects), and one forward of a draft head, measured once per host, device, target and head and cached. Decoding
-reads them and never changes them: method auto's choices then depend on no clock, so a seed reproduces a sampled
-answer.
+projects) after a context of c tokens, what each more sequence of a batch adds to it, and one forward of a draft
+head, measured once per host, device, target and head and cached. Decoding reads them and never changes them:
+method auto's choices then depend on no clock, so a seed reproduces a sampled answer.
 
     cost = step_cost(target, head_drafter)      # measured on first use here, then read from the cache
     cost.step(6)                                # seconds of a step that verifies 6 nodes (root included)
+    cost.step(6, context=500, sequences=3)      # ... 6 nodes of 3 sequences whose contexts average 500 tokens
     cost.draft(3)                               # seconds of 3 head forwards
+
+The forward is timed at two contexts (PREFIX and PREFIX + LONG tokens) and read linearly in between and beyond: a
+longer context makes every row's attention longer. A batch's sequences each read their own cache and are accepted
+and committed one by one: a step of s sequences costs s - 1 times `sequence` more than one sequence's step of
+the same rows (measured as a batch of BATCH one-node sequences against one chain of BATCH nodes), and each
+sequence's cache is read at its own context.
 
 The cache is a small JSON file under $EAGLE_LITE_CACHE (default ~/.cache/eagle_lite)/costs, named by a hash of what
 the figures depend on (the CPU model or GPU name, the torch threads, the target, its dtype and device, the head's
@@ -33,47 +40,51 @@ log = logging.getLogger("eagle_lite")
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)   # tree sizes measured (nodes, root included)
 PREFIX = 128            # context before the measured forwards
-VERSION = 5             # of the cache file's layout and what it measures (and the code it timed)
+LONG = 512              # the longer context they are timed after too: PREFIX + LONG tokens
+BATCH = 4               # sequences of the batch that times what one more sequence adds
+VERSION = 6             # of the cache file's layout and what it measures (and the code it timed)
 CATCH_UP_ROWS = 2       # the accepted tokens a catch-up forward is timed over (a step's own, typically)
 
 
 @dataclass
 class StepCost:
     """verify: {nodes: seconds} of a step that verifies a chain of that many nodes (the forward and the lm_head rows
-    acceptance projects), measured; head: seconds of one draft-head forward over one row (0.0: no head); catch_up:
-    of the head's first forward of a step, which also reads the target's features of the CATCH_UP_ROWS tokens
-    accepted (0.0: no head)."""
+    acceptance projects) after PREFIX tokens, measured; verify_long: the same after PREFIX + LONG tokens (empty:
+    not measured, a context costs nothing more); sequence: the seconds each more sequence of a batch adds, at
+    PREFIX; head: seconds of one draft-head forward over one row (0.0: no head); catch_up: of the head's first
+    forward of a step, which also reads the target's features of the CATCH_UP_ROWS tokens accepted (0.0: no head).
+    """
 
     verify: dict[int, float]
     head: float = 0.0
     catch_up: float = 0.0
     source: str = "measured"
+    verify_long: dict[int, float] = field(default_factory=dict)
+    sequence: float = 0.0
     _points: list[tuple[int, float]] = field(init=False, repr=False)
+    _long: list[tuple[int, float]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.verify:
             raise ValueError("a step cost needs at least one measured tree size")
         self.verify = {int(n): float(s) for n, s in sorted(self.verify.items())}
-        self._monotone()
+        self.verify_long = {int(n): max(float(s), self.verify.get(int(n), 0.0))
+                            for n, s in sorted(self.verify_long.items())}
+        self._points, self._long = _monotone(self.verify), _monotone(self.verify_long)
 
-    def _monotone(self) -> None:
-        """The points `step` reads: a larger tree never costs less than a smaller one (timing noise aside)."""
-        points, most = [], 0.0
-        for n, s in self.verify.items():
-            most = max(most, s)
-            points.append((n, most))
-        self._points = points
-
-    def step(self, nodes: int) -> float:
-        """Seconds of a step verifying `nodes` tree nodes: linear between measured sizes, and beyond the largest."""
-        points = self._points
-        if len(points) == 1:
-            return points[0][1] * max(nodes, 1) / points[0][0]
-        for (n0, s0), (n1, s1) in zip(points, points[1:]):
-            if nodes <= n1:
-                return s0 + (s1 - s0) * (max(nodes, n0) - n0) / (n1 - n0)
-        (n0, s0), (n1, s1) = points[-2], points[-1]
-        return s1 + (s1 - s0) * (nodes - n1) / (n1 - n0)
+    def step(self, nodes: float, context: float = PREFIX, sequences: int = 1) -> float:
+        """Seconds of a step verifying `nodes` tree nodes (linear between measured sizes, and beyond the largest) of
+        `sequences` sequences whose contexts average `context` tokens (linear between the two measured contexts,
+        and beyond)."""
+        at_prefix = _read(self._points, nodes)
+        slope = 0.0
+        if self._long:
+            slope = (_read(self._long, nodes) - at_prefix) / LONG
+            one = (_read(self._long, 1) - _read(self._points, 1)) / LONG   # one more sequence's cache, per token
+        seconds = at_prefix + slope * (context - PREFIX)
+        if sequences > 1:
+            seconds += (sequences - 1) * (self.sequence + (one if self._long else 0.0) * (context - PREFIX))
+        return max(seconds, 0.0)
 
     def draft(self, forwards: int) -> float:
         """Seconds of a head's draft of `forwards` forwards (the first one its catch-up); 0 for none."""
@@ -81,7 +92,28 @@ class StepCost:
 
     def as_dict(self) -> dict:
         return {"version": VERSION, "verify": {str(n): s for n, s in self.verify.items()}, "head": self.head,
-                "catch_up": self.catch_up}
+                "catch_up": self.catch_up, "verify_long": {str(n): s for n, s in self.verify_long.items()},
+                "sequence": self.sequence}
+
+
+def _monotone(verify: dict[int, float]) -> list[tuple[int, float]]:
+    """The points `StepCost.step` reads: a larger tree never costs less than a smaller one (timing noise aside)."""
+    points, most = [], 0.0
+    for n, s in verify.items():
+        most = max(most, s)
+        points.append((n, most))
+    return points
+
+
+def _read(points: list[tuple[int, float]], nodes: float) -> float:
+    """A measured curve at `nodes`: linear between its sizes, and beyond the largest."""
+    if len(points) == 1:
+        return points[0][1] * max(nodes, 1) / points[0][0]
+    for (n0, s0), (n1, s1) in zip(points, points[1:]):
+        if nodes <= n1:
+            return s0 + (s1 - s0) * (max(nodes, n0) - n0) / (n1 - n0)
+    (n0, s0), (n1, s1) = points[-2], points[-1]
+    return s1 + (s1 - s0) * (nodes - n1) / (n1 - n0)
 
 
 def cache_dir() -> Path:
@@ -113,7 +145,7 @@ def cache_key(target, head=None) -> str:
 
 def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
     """This machine's StepCost for `target` (and the EAGLE drafter `drafter`, whose head forwards it times; None:
-    no head): read from the cache, else measured (about a second for a small target on a CPU) and cached."""
+    no head): read from the cache, else measured (a few seconds for a small target on a CPU) and cached."""
     head = getattr(drafter, "head", None)
     path = cache_dir() / f"{cache_key(target, head)}.json"
     refresh = refresh or os.environ.get("EAGLE_LITE_REFRESH_COSTS", "0") == "1"
@@ -121,7 +153,8 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
         try:
             data = json.loads(path.read_text())
             if data.get("version") == VERSION:
-                return StepCost(data["verify"], data["head"], data["catch_up"], source=f"cached {path}")
+                return StepCost(data["verify"], data["head"], data["catch_up"], f"cached {path}",
+                                data["verify_long"], data["sequence"])
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("the step cost cache %s is unreadable: measuring again", path)
     cost = measure(target, drafter)
@@ -135,32 +168,63 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
 
 @torch.inference_mode()
 def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 5) -> StepCost:
-    """Time the target's forward over chains of `rows` nodes after a PREFIX-token context, each with the lm_head rows
-    acceptance projects (`NodeLogits` over the chain as its likely path: every node's row in one product where the
-    lm_head has grid codes, the root's argmax alone for one node), and the drafter's head forwards; the best of
-    `repeats` rounds, each round timing every size once (a moment of load elsewhere then spoils one round of all
-    sizes rather than every try of one)."""
+    """Time the target's forward over chains of `rows` nodes after a PREFIX-token context and after PREFIX + LONG
+    tokens (where the target's window holds them), each with the lm_head rows acceptance projects (`NodeLogits`
+    over the chain as its likely path: every node's row in one product where the lm_head has grid codes, the root's
+    argmax alone for one node) and the root's commit; a batch of BATCH one-node sequences, each on its own cache
+    (their roots projected together, committed one by one), against the chain of BATCH nodes; and the drafter's
+    head forwards. The best of `repeats` rounds, each round timing every size once (a moment of load elsewhere then
+    spoils one round of all sizes rather than every try of one)."""
     rows = tuple(n for n in rows if n + PREFIX < target.max_context) or (1,)
     prefix = min(PREFIX, target.max_context - max(rows) - 1)
-    vocab, dev = target.vocab_size, target.device
-    cache = target.new_cache(prefix + max(rows))
-    target.forward((torch.arange(prefix, device=dev) * 7919 + 11) % vocab, cache)
-    cache.commit(prefix)
-    verify = dict.fromkeys(rows, math.inf)
+    contexts = [prefix] + ([prefix + LONG] if prefix + LONG + max(rows) < target.max_context else [])
+    chains = {c: _filled(target, c, max(rows)) for c in contexts}
+    batch = [chains[prefix]] + [_filled(target, prefix, 1) for _ in range(BATCH - 1)] if BATCH in rows else []
+    times = {(c, n): math.inf for c in contexts for n in rows}
+    batch_time = math.inf
     for _ in range(repeats):
-        for n in rows:
-            tokens = (torch.arange(n, device=dev) * 31 + 5) % vocab
-            _sync(dev)
-            start = time.perf_counter()
-            ((hidden, _),) = target.verify([(tokens, cache, None, None)])
-            NodeLogits(target.lm, hidden, likely=list(range(n))).top_token(0)
-            _sync(dev)
-            verify[n] = min(verify[n], time.perf_counter() - start)
-            cache.truncate(prefix)
+        for c in contexts:
+            for n in rows:
+                times[c, n] = min(times[c, n], _timed(target, [(chains[c], n)]))
+        if batch:
+            batch_time = min(batch_time, _timed(target, [(cache, 1) for cache in batch]))
+    verify = {n: times[prefix, n] for n in rows}
+    verify_long = {n: times[contexts[-1], n] for n in rows} if len(contexts) > 1 else {}
+    sequence = max(batch_time - verify[BATCH], 0.0) / (BATCH - 1) if batch else 0.0
     head = catch_up = 0.0
     if getattr(drafter, "head", None) is not None:
         catch_up, head = _time_head(target, drafter, repeats)
-    return StepCost(verify, head, catch_up)
+    return StepCost(verify, head, catch_up, verify_long=verify_long, sequence=sequence)
+
+
+def _filled(target, context: int, rows: int):
+    """A cache holding `context` committed tokens, with room for `rows` more."""
+    cache = target.new_cache(context + rows)
+    target.forward((torch.arange(context, device=target.device) * 7919 + 11) % target.vocab_size, cache)
+    cache.commit(context)
+    return cache
+
+
+def _timed(target, blocks: list[tuple]) -> float:
+    """Seconds of one step over `blocks` [(cache, nodes)]: the forward over each block's chain of that many nodes,
+    the lm_head rows acceptance projects (each chain its likely path), and each root's commit; the caches are then
+    put back as they were."""
+    dev = target.device
+    lengths = [cache.length for cache, _ in blocks]
+    chains = [(torch.arange(n, device=dev) * 31 + 5) % target.vocab_size for _, n in blocks]
+    _sync(dev)
+    start = time.perf_counter()
+    outs = target.verify([(tokens, cache, None, None) for tokens, (cache, _) in zip(chains, blocks)])
+    projected = NodeLogits.together(target.lm, [(hidden, list(range(n))) for (hidden, _), (_, n) in zip(outs, blocks)])
+    root = torch.zeros(1, dtype=torch.long, device=dev)
+    for nodes, (cache, _) in zip(projected, blocks):
+        nodes.top_token(0)
+        cache.compact(root)
+    _sync(dev)
+    seconds = time.perf_counter() - start
+    for (cache, _), length in zip(blocks, lengths):
+        cache.truncate(length)
+    return seconds
 
 
 def _time_head(target, drafter, repeats: int) -> tuple[float, float]:

@@ -116,7 +116,9 @@ class AutoDrafter:
         return drafted
 
     def _learn(self, tokens: list[int]) -> None:
-        """Score the lookup chains and the last head tree against the tokens that followed them."""
+        """Score the lookup chains and the last head tree against the tokens that followed them; the controller's
+        context is now theirs."""
+        self.controller.context = float(len(tokens))
         waiting = []
         for pos, chain, match in self._lookups:
             after = tokens[pos:pos + len(chain)]

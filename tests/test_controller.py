@@ -294,6 +294,18 @@ def test_a_greedy_batch_is_seated_together_and_stays_exact(llama, monkeypatch):
         assert out[i] == reference_greedy(llama, PROMPTS[i], 24)
 
 
+def test_step_cost_read_from_its_cache_file_is_the_one_measured():
+    """A cache file's sizes are strings ("12" sorts before "2"): read back, the curve is the same, in size order."""
+    measured = StepCost({1: 0.006, 2: 0.007, 4: 0.0095, 12: 0.026, 16: 0.045}, 0.0006, 0.0007,
+                        verify_long={1: 0.0075, 2: 0.0084, 4: 0.0123, 12: 0.030, 16: 0.050}, sequence=0.0007)
+    data = json.loads(json.dumps(measured.as_dict()))
+    read = StepCost(data["verify"], data["head"], data["catch_up"], "cached",
+                    data["verify_long"], data["sequence"])
+    for nodes in (1, 2, 3, 4, 8, 12, 14, 20):
+        assert read.step(nodes, 300, 3) == pytest.approx(measured.step(nodes, 300, 3))
+    assert read.step(2) == pytest.approx(0.007)
+
+
 def test_step_cost_interpolates_monotone():
     cost = StepCost({1: 0.008, 4: 0.011, 8: 0.010, 16: 0.023})   # a noisy 8
     assert cost.step(1) == pytest.approx(0.008)

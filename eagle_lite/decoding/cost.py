@@ -67,9 +67,10 @@ class StepCost:
     def __post_init__(self) -> None:
         if not self.verify:
             raise ValueError("a step cost needs at least one measured tree size")
-        self.verify = {int(n): float(s) for n, s in sorted(self.verify.items())}
-        self.verify_long = {int(n): max(float(s), self.verify.get(int(n), 0.0))
-                            for n, s in sorted(self.verify_long.items())}
+        # sizes in numeric order (a cache file's keys are strings: "12" sorts before "2")
+        self.verify = dict(sorted((int(n), float(s)) for n, s in self.verify.items()))
+        self.verify_long = dict(sorted((int(n), max(float(s), self.verify.get(int(n), 0.0)))
+                                       for n, s in self.verify_long.items()))
         self._points, self._long = _monotone(self.verify), _monotone(self.verify_long)
 
     def step(self, nodes: float, context: float = PREFIX, sequences: int = 1) -> float:

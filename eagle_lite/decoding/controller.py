@@ -206,6 +206,7 @@ class Controller:
         self.rows, self.drafting = 1.0, 0.0   # tree rows verified and draft seconds per step (running)
         self.mates = ALONE             # the rest of this step's batch (`seat`)
         self.context = float(PREFIX)   # this sequence's tokens so far (its drafter sets it each step)
+        self._steps: dict[tuple, float] = {}   # cost.step's answers (`step`)
 
     @property
     def rate(self) -> float:
@@ -216,9 +217,15 @@ class Controller:
 
     def step(self, nodes: float) -> float:
         """Seconds of the step's forward, acceptance and commit where this sequence verifies `nodes` (and its mates
-        theirs): at the batch's rows, sequences and mean context."""
+        theirs): at the batch's rows, sequences and mean context (remembered for the step's many questions)."""
         m = self.mates
-        return self.cost.step(m.rows + nodes, (m.context + self.context) / (m.count + 1), m.count + 1)
+        key = (m.rows + nodes, (m.context + self.context) / (m.count + 1), m.count + 1)
+        seconds = self._steps.get(key)
+        if seconds is None:
+            if len(self._steps) > 256:
+                self._steps.clear()
+            seconds = self._steps[key] = self.cost.step(*key)
+        return seconds
 
     def node_cost(self, nodes: int) -> float:
         """Seconds one more verified node adds to a step where this sequence verifies `nodes` (and its mates theirs):

@@ -63,6 +63,7 @@ class StepCost:
     sequence: float = 0.0
     _points: list[tuple[int, float]] = field(init=False, repr=False)
     _long: list[tuple[int, float]] = field(init=False, repr=False)
+    _cache_read: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.verify:
@@ -72,19 +73,18 @@ class StepCost:
         self.verify_long = dict(sorted((int(n), max(float(s), self.verify.get(int(n), 0.0)))
                                        for n, s in self.verify_long.items()))
         self._points, self._long = _monotone(self.verify), _monotone(self.verify_long)
+        # what one more token of context adds to a one-node step: each more sequence's read of its own cache
+        self._cache_read = (read_curve(self._long, 1) - read_curve(self._points, 1)) / LONG if self._long else 0.0
 
     def step(self, nodes: float, context: float = PREFIX, sequences: int = 1) -> float:
         """Seconds of a step verifying `nodes` tree nodes (linear between measured sizes, and beyond the largest) of
         `sequences` sequences whose contexts average `context` tokens (linear between the two measured contexts,
         and beyond)."""
-        at_prefix = _read(self._points, nodes)
-        slope = 0.0
-        if self._long:
-            slope = (_read(self._long, nodes) - at_prefix) / LONG
-            one = (_read(self._long, 1) - _read(self._points, 1)) / LONG   # one more sequence's cache, per token
+        at_prefix = read_curve(self._points, nodes)
+        slope = (read_curve(self._long, nodes) - at_prefix) / LONG if self._long else 0.0
         seconds = at_prefix + slope * (context - PREFIX)
         if sequences > 1:
-            seconds += (sequences - 1) * (self.sequence + (one if self._long else 0.0) * (context - PREFIX))
+            seconds += (sequences - 1) * (self.sequence + self._cache_read * (context - PREFIX))
         return max(seconds, 0.0)
 
     def draft(self, forwards: int) -> float:
@@ -106,8 +106,9 @@ def _monotone(verify: dict[int, float]) -> list[tuple[int, float]]:
     return points
 
 
-def _read(points: list[tuple[int, float]], nodes: float) -> float:
-    """A measured curve at `nodes`: linear between its sizes, and beyond the largest."""
+def read_curve(points: list[tuple[int, float]], nodes: float) -> float:
+    """A measured curve [(size, seconds)] in size order at `nodes`: linear between its sizes, and beyond the largest
+    (one point: proportional to it)."""
     if len(points) == 1:
         return points[0][1] * max(nodes, 1) / points[0][0]
     for (n0, s0), (n1, s1) in zip(points, points[1:]):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 
+from ..decoding.cost import read_curve
+
 CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR_WEIGHT = 4.0   # observations a prior counts as
 EMA = 0.1            # weight of a new measurement in a running average
@@ -44,12 +46,7 @@ class CostModel:
 
     def verify_cost(self, rows: int) -> float:
         """Seconds of one forward over `rows` packed nodes (linear between measured points, beyond the last)."""
-        points = list(self.verify.items())
-        for (t0, s0), (t1, s1) in zip(points, points[1:]):
-            if rows <= t1:
-                return s0 + (s1 - s0) * max(0, rows - t0) / (t1 - t0)
-        (t0, s0), (t1, s1) = points[-2], points[-1]
-        return s1 + (s1 - s0) * (rows - t1) / (t1 - t0)
+        return read_curve(list(self.verify.items()), rows)
 
     def rate(self, batch: int, cap: int) -> float:
         tokens, nodes, draft = self.seen[cap]

@@ -2,6 +2,7 @@
 
     python -m eval.kinds --per-kind 60 --out kinds.jsonl             # every kind
     python -m eval.kinds --kinds qa --per-kind 60 --out qa.jsonl       # one kind's stream (eval.adapt)
+    python -m eval.kinds --kinds rag --per-kind 60 --later-turns --out rag.jsonl   # and later turns
 
 It prints how many questions each kind got from each tier: held-out chats, chats the shipped head did not train on,
 the rest.
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default: {','.join(KINDS)})")
     parser.add_argument("--out", type=Path, default=None, help="the question file to write (JSONL; default: none)")
     parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
+    parser.add_argument("--later-turns", action="store_true", help=(
+        "also take later user turns that stand alone (a kind's rules ask for its passage in the turn), after every "
+        "first turn of their tier: ShareGPT's first turns hold fewer than 60 summarization and rag prompts"))
     args = parser.parse_args(argv)
     with arguments():
         if args.per_kind < 0:
@@ -46,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         if not kinds or unknown:
             raise ValueError(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
     counts: dict[str, KindCounts] = {}
-    questions = sharegpt_kind_questions(args.per_kind, kinds, path=args.sharegpt, counts=counts)
+    questions = sharegpt_kind_questions(args.per_kind, kinds, path=args.sharegpt, counts=counts,
+                                       later_turns=args.later_turns)
     if args.out:
         write_text_atomic(args.out, question_lines(questions))
         print(f"{args.out}: {len(questions)} questions")

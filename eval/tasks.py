@@ -346,6 +346,7 @@ def sharegpt_kind_questions(
     path: str | Path | None = None,
     trained: Collection[str] | None = None,
     counts: dict[str, KindCounts] | None = None,
+    later_turns: bool = False,
 ) -> list[Question]:
     """Up to `per_kind` single-turn questions of each kind in `kinds`, category = the kind, question_id = the
     ShareGPT record's id, grouped by kind in the order of `kinds`, each kind in file order.
@@ -361,6 +362,11 @@ def sharegpt_kind_questions(
     file order; a candidate whose `opening_key` (first 150 normalised characters) is a chosen question's is
     skipped, so near-duplicates count once. `counts`, when given, is filled with a `KindCounts` per kind. `path`
     overrides the packaged ShareGPT file. Raises ValueError for an unknown kind.
+
+    later_turns: every later user turn of a chat (and every turn of a record that starts mid-chat) is a candidate
+    too, as a question of its own (question_id "<id>#<turn>"), after all the first turns of its tier: a kind's rules
+    ask for the text it works on in the turn itself (a summarization's passage, a rag's context), so such a turn
+    stands alone. Its tier is its chat's.
     """
     _check_limit(per_kind)
     kinds = list(dict.fromkeys(kinds))
@@ -369,34 +375,42 @@ def sharegpt_kind_questions(
         raise ValueError(f"unknown kind(s) {unknown}: choose from {', '.join(KINDS)}")
     trained = set(train_ids()[:SHIPPED_HEAD_PROMPTS] if trained is None else trained)
     groups = read_groups()
-    candidates: list[tuple[str, str, str, str]] = []     # (id, kind, prompt, opening key)
+    candidates: list[tuple[str, str, str, str, str]] = []     # (chat id, question id, kind, prompt, opening key)
+    later: list[tuple[str, str, str, str, str]] = []          # the same, of later turns (`later_turns`)
     trained_keys: set[str] = set()
     seen_ids: set[str] = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TruncatedDataWarning)
         for conversation in iter_conversations(path):
-            first = next((t.content for t in conversation.turns if t.role == "user"), None)
-            if first is None:
+            asked = [t.content for t in conversation.turns if t.role == "user"]
+            if not asked:
                 continue
-            prompt = clean_prompt(first)
+            prompt = clean_prompt(asked[0])
             key = opening_key(prompt)
             if conversation.id in trained:
                 trained_keys.add(key)
-            if not opening_record(conversation.id) or conversation.id in seen_ids or not usable_prompt(prompt):
+            opening = opening_record(conversation.id) and conversation.id not in seen_ids
+            if later_turns and conversation.id not in seen_ids:
+                for turn, text in enumerate(asked[1:] if opening else asked, start=1 if opening else 0):
+                    text = clean_prompt(text)
+                    kind = kind_of(text) if usable_prompt(text) else None
+                    if kind in kinds:
+                        later.append((conversation.id, f"{conversation.id}#{turn}", kind, text, opening_key(text)))
+            if not opening or not usable_prompt(prompt):
                 continue
             kind = kind_of(prompt)
             if kind in kinds:
                 seen_ids.add(conversation.id)
-                candidates.append((conversation.id, kind, prompt, key))
+                candidates.append((conversation.id, conversation.id, kind, prompt, key))
     by_tier: dict[tuple[str, str], list[tuple[str, Question]]] = {}
-    for conversation_id, kind, prompt, key in candidates:
+    for conversation_id, question_id, kind, prompt, key in candidates + later:
         if dedup_split_of(conversation_id, heldout_percent, groups) == "heldout":
             tier = "heldout"
         elif conversation_id in trained or key in trained_keys:
             tier = "trained"
         else:
             tier = "unseen"
-        by_tier.setdefault((kind, tier), []).append((key, Question(conversation_id, kind, [prompt])))
+        by_tier.setdefault((kind, tier), []).append((key, Question(question_id, kind, [prompt])))
     counts = counts if counts is not None else {}
     counts.clear()
     questions: list[Question] = []

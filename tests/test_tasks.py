@@ -269,3 +269,34 @@ def test_load_questions_runs_the_sharegpt_kinds_task(monkeypatch):
                                            {"name": "sharegpt_kinds", "kinds": ["rag"]}])
     assert calls == [(4, KINDS), (evaluation.SHAREGPT_KINDS_DEFAULT, ("rag",))]
     assert [q.category for q in questions] == ["qa", "qa"]
+
+
+def test_later_turns_stand_alone_after_the_first_turns(tmp_path):
+    """With later_turns a chat's later user turns of a kind are questions too ("<id>#<turn>", the record's turns
+    counted from its first user turn), after every first turn of their tier; a record that starts mid-chat gives
+    all its turns. Without it, only first turns."""
+    held = _ids("heldout", 2)
+    summarize = "Summarize the following text in two sentences:\n\n" + PASSAGE
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        {"id": held[0], "conversations": [{"from": "human", "value": "What is a ferry crossing?"},
+                                          {"from": "gpt", "value": "ok"},
+                                          {"from": "human", "value": summarize},
+                                          {"from": "gpt", "value": "ok"}]},
+        {"id": held[1], "conversations": [{"from": "human", "value": summarize.replace("two", "three")},
+                                          {"from": "gpt", "value": "ok"}]},
+        {"id": held[0].replace("_0", "_1"), "conversations": [
+            {"from": "human", "value": summarize.replace("two sentences", "one line")},
+            {"from": "gpt", "value": "ok"}]},
+    ]))
+    first = sharegpt_kind_questions(5, ["summarization"], heldout_percent=50, path=path, trained=set())
+    assert [q.question_id for q in first] == [held[1]]
+    counts = {}
+    both = sharegpt_kind_questions(5, ["summarization", "qa"], heldout_percent=50, path=path, trained=set(),
+                                   later_turns=True, counts=counts)
+    later_record = held[0].replace("_0", "_1")
+    assert [(q.question_id, q.category) for q in both] == [
+        (held[1], "summarization"), (f"{held[0]}#1", "summarization"), (f"{later_record}#0", "summarization"),
+        (held[0], "qa")]
+    assert both[1].turns == [summarize.strip()]      # cleaned as a first turn is
+    assert counts["summarization"].tiers["heldout"] == 3

@@ -393,12 +393,10 @@ def sharegpt_kind_questions(
             if later_turns and conversation.id not in seen_ids:
                 for turn, text in enumerate(asked[1:] if opening else asked, start=1 if opening else 0):
                     text = clean_prompt(text)
-                    kind = kind_of(text) if usable_prompt(text) else None
+                    kind = _question_kind(text)
                     if kind in kinds:
                         later.append((conversation.id, f"{conversation.id}#{turn}", kind, text, opening_key(text)))
-            if not opening or not usable_prompt(prompt):
-                continue
-            kind = kind_of(prompt)
+            kind = _question_kind(prompt) if opening else None
             if kind in kinds:
                 seen_ids.add(conversation.id)
                 candidates.append((conversation.id, conversation.id, kind, prompt, key))
@@ -427,6 +425,11 @@ def sharegpt_kind_questions(
                     questions.append(question)
                     counts[kind].tiers[tier] += 1
     return questions
+
+
+def _question_kind(prompt: str) -> str | None:
+    """The kind of a cleaned prompt that can be asked on its own (`usable_prompt`), else None."""
+    return kind_of(prompt) if usable_prompt(prompt) else None
 
 
 def question_lines(questions: Iterable[Question]) -> str:

@@ -139,7 +139,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the model, the method (every registered method's own), the draft tree and sampling: the CLI's
     (`python -m eagle_lite.generate`) and the server's (`python -m eagle_lite.serve`) alike."""
     p.add_argument("--target", default=None, help=TARGET_HELP)
-    p.add_argument("--method", default=registry.AUTO, choices=list(registry.METHODS),
+    p.add_argument("--method", default=registry.DEFAULT, choices=list(registry.METHODS),
                    help="; ".join(f"{name}: {m.summary}" for name, m in registry.METHODS.items())
                         + "; auto with a --tree-* flag runs eagle on that tree")
     add_method_flags(p)
@@ -250,8 +250,8 @@ def check_flags(args: argparse.Namespace) -> None:
             from .atomic import check_folder_writable
 
             check_folder_writable(getattr(args, flag))
-    if getattr(args, "adapt", None) and args.method not in (registry.AUTO, "eagle"):
-        raise ValueError(f"--adapt trains a draft head: use --method auto or eagle, not {args.method}")
+    if getattr(args, "adapt", None) and args.method not in (registry.DEFAULT, registry.AUTO, "eagle"):
+        raise ValueError(f"--adapt trains a draft head: use --method default, auto or eagle, not {args.method}")
     if args.static is not None:
         if args.temperature > 0:
             raise ValueError("--static decodes greedily: drop --temperature (or --static)")

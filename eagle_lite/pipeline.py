@@ -138,13 +138,14 @@ class Pipeline:
             yield rest
 
 
-def load(target: str | None = None, method: str = "auto", options=None, draft: str | None = None,
+def load(target: str | None = None, method: str = registry.DEFAULT, options=None, draft: str | None = None,
          dtype: str = "float32", device: str = "cpu", attention: str = "auto", static: str | None = None,
          record: str | None = None, adapt: str | None = None) -> Pipeline:
     """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
-    method: one of `drafters.NAMES`; "auto" (the default) chooses each step between a plain step, prompt lookup and
-    the draft head shipped for the target (or the one `draft` names) from this machine's costs (drafters/auto.py).
+    method: one of `drafters.NAMES`; "default" runs eagle with the draft head shipped for the target (or the one
+    `draft` names), or prompt lookup where no head ships; "auto" chooses each step between a plain step, prompt lookup
+    and the head from this machine's costs (drafters/auto.py).
     options: that method's options dataclass (`drafters.EagleOptions` for auto, eagle and staged, `LookupOptions`,
     `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
@@ -178,7 +179,7 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
-    if static is not None and method == registry.AUTO:
+    if static is not None and method in (registry.AUTO, registry.DEFAULT):
         method = "eagle"   # the fixed-shape step runs one tree: eagle's
     registry.check(method, options)              # before the (slow) target load
     if static is not None:
@@ -205,7 +206,7 @@ def load(target: str | None = None, method: str = "auto", options=None, draft: s
     return pipeline
 
 
-def engine_for(target: Target, method: str | Drafter | None = registry.AUTO, options=None) -> Engine:
+def engine_for(target: Target, method: str | Drafter | None = registry.DEFAULT, options=None) -> Engine:
     """The engine that decodes `target` with method `method`'s drafter (its `options`; "auto" resolved), with a drafter
     already built, or with none (None: each request brings its own, as the server's do). The one place an `Engine` is
     assembled: the pipeline, the server, custom_generate and eval all come here."""
@@ -222,7 +223,7 @@ def static_engine_for(target: Target, head=None, mode: str = "auto", **options) 
     return StaticEngine(target, head, mode=mode, **options)
 
 
-def for_target(target: Target, method: str = registry.AUTO, options=None) -> Pipeline:
+def for_target(target: Target, method: str = registry.DEFAULT, options=None) -> Pipeline:
     """The drafter of `method` (its `options`; "auto" resolved) for a loaded target, with its tree: the one place
     a drafter and its tree are made for a target (`load`, the server, training's answers)."""
     method, options = registry.resolve(method, target, options)
@@ -236,5 +237,5 @@ def check_static(method: str, mode: str) -> None:
 
     if mode not in MODES:
         raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
-    if method not in (registry.AUTO, "eagle", "vanilla"):
+    if method not in (registry.AUTO, registry.DEFAULT, "eagle", "vanilla"):
         raise ValueError(f"the static step runs methods eagle and vanilla, not '{method}'")

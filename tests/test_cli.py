@@ -35,10 +35,12 @@ def test_one_shot_json_eagle_equals_vanilla(tiny_model_dir, capsys):
     assert eagle["token_ids"] == vanilla["token_ids"] and eagle["text"] == vanilla["text"]
     assert vanilla["target_forwards"] == vanilla["new_tokens"] and vanilla["accept_length_mean"] == 1.0
     assert 1 <= eagle["new_tokens"] <= 24 and eagle["method"] == "eagle"
-    auto = run_json(capsys, *common, "--draft", "random")        # the default method
+    default = run_json(capsys, *common, "--draft", "random")     # the default method: eagle, a head being given
+    assert default["method"] == "eagle" and default["token_ids"] == vanilla["token_ids"]
+    auto = run_json(capsys, *common, "--method", "auto", "--draft", "random")
     assert auto["method"] == "auto" and auto["token_ids"] == vanilla["token_ids"]
     assert sum(c["steps"] for c in auto["choices"].values()) == auto["target_forwards"] - 1
-    pinned = run_json(capsys, *common, "--draft", "random", "--tree-depth", "2")   # a tree given: eagle runs it
+    pinned = run_json(capsys, *common, "--method", "auto", "--draft", "random", "--tree-depth", "2")   # eagle runs it
     assert pinned["method"] == "eagle" and pinned["token_ids"] == vanilla["token_ids"] and "choices" not in pinned
 
 
@@ -208,8 +210,10 @@ def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one
 def test_a_target_without_a_head_drafts_by_prompt_lookup_by_default(tiny_model_dir, caplog):
     from eagle_lite import load
 
-    lm = load(str(tiny_model_dir))                      # no head ships for it
-    assert lm.method == "auto" and lm.engine.drafter.head is None and "prompt lookup" in caplog.text
+    lm = load(str(tiny_model_dir))                      # no head ships for it: the default is lookup
+    assert lm.method == "lookup" and "the default method is lookup" in caplog.text
+    auto = load(str(tiny_model_dir), method="auto")     # auto chooses between lookup and plain steps
+    assert auto.method == "auto" and auto.engine.drafter.head is None and "prompt lookup" in caplog.text
     prompt = "abcabcabcabc"                             # repeats: lookup drafts from the prompt
     vanilla = load(str(tiny_model_dir), method="vanilla")
     cfg = vanilla.config(max_new_tokens=24, stop_at_eos=False)

@@ -35,6 +35,23 @@ def test_auto_loads_the_head_given_or_shipped_and_runs_without_one(monkeypatch):
     assert name == "auto" and options.head is not None
 
 
+def test_the_default_is_eagle_with_a_head_and_lookup_without_one(monkeypatch):
+    from eagle_lite.options import add_model_flags
+
+    target = make_target("llama")
+    monkeypatch.setattr("eagle_lite.heads.checkpoint.default_head_path", lambda name: None)
+    name, options = registry.resolve(registry.DEFAULT, target)
+    assert name == "lookup" and isinstance(options, registry.LookupOptions)
+    name, options = registry.resolve(registry.DEFAULT, target, registry.EagleOptions(draft="random"))
+    assert name == "eagle" and options.head is not None
+    assert isinstance(registry.build(registry.DEFAULT, target, registry.EagleOptions(draft="random")), LookupGraft)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    assert parser.parse_args([]).method == registry.DEFAULT == "default"   # the CLI's and the server's default
+
+
 def test_options_are_checked_before_a_model_loads():
     with pytest.raises(ValueError, match="needs --draft-model"):
         registry.check("draft_model")

@@ -10,6 +10,7 @@ from .medusa import MedusaDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .registry import (
                        AUTO,
+                       DEFAULT,
                        METHODS,
                        NAMES,
                        DraftModelOptions,
@@ -26,6 +27,7 @@ from .registry import (
 )
 
 __all__ = ["DraftInput", "Drafter", "NoDrafter", "EagleDrafter", "PromptLookupDrafter", "LookupGraft",
-           "DraftModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "LookaheadDrafter", "AUTO", "METHODS", "NAMES",
+           "DraftModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "LookaheadDrafter", "AUTO", "DEFAULT",
+           "METHODS", "NAMES",
            "build", "check", "resolve", "load_eagle_head", "EagleOptions", "LookupOptions", "DraftModelOptions",
            "LayerSkipOptions", "MedusaOptions", "LookaheadOptions", "VanillaOptions"]

@@ -241,6 +241,10 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
+    "default": Method(EagleOptions, lambda target, o: METHODS["eagle"].build(target, o),
+                      "eagle where a draft head ships for the target (or --draft names one), else lookup: on held-out "
+                      "questions the faster of the fixed methods, greedy and sampled (docs/benchmarks.md)",
+                      _check_eagle),
     "auto": Method(EagleOptions, _auto, "each step the fastest proposal by this machine's costs and the request's "
                    "acceptance so far: a plain step, prompt lookup, or the draft head's tree with lookup grafted on "
                    "(decoding/controller.py); lookup and plain steps where no head ships", _check_eagle),
@@ -259,10 +263,11 @@ METHODS: dict[str, Method] = {
     "vanilla": Method(VanillaOptions, lambda target, o: NoDrafter(), "one target forward per token"),
 }
 NAMES = tuple(METHODS)
-AUTO = "auto"   # the controller's choice each step (drafters/auto.py): the default method
+AUTO = "auto"   # the controller's choice each step (drafters/auto.py)
+DEFAULT = "default"   # the CLI's, the Python API's and the server's method: eagle with a head, else lookup
 
 
-HEAD_METHODS = ("auto", "eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
+HEAD_METHODS = ("default", "auto", "eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
 
 
 def options_for(name: str, options: Any = None) -> Any:
@@ -285,11 +290,18 @@ def check(name: str, options: Any = None) -> None:
 
 def resolve(name: str, target, options: Any = None) -> tuple[str, Any]:
     """(method, options) with the head "auto" runs loaded into its options (None where no head ships for `target`:
-    auto then chooses between prompt lookup and plain steps)."""
-    if name != AUTO:
+    auto then chooses between prompt lookup and plain steps); "default" resolved to eagle with its head, or to lookup
+    where no head ships."""
+    if name not in (AUTO, DEFAULT):
         return name, options_for(name, options)
     eagle = options if isinstance(options, EagleOptions) else EagleOptions()
     head = eagle.head if eagle.head is not None else load_eagle_head(target, eagle.draft)
+    if name == DEFAULT:
+        if head is None:
+            log.warning("no draft head ships for target '%s': the default method is lookup (training-free); train a "
+                        "head with `python -m trainers.train` and pass it with --draft", target.name)
+            return "lookup", LookupOptions()
+        return "eagle", replace(eagle, head=head)
     if head is None:
         log.warning("no draft head ships for target '%s': method auto drafts by prompt lookup (training-free); "
                     "train a head with `python -m trainers.train` and pass it with --draft", target.name)

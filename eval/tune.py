@@ -42,7 +42,15 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
-from eagle_lite.options import TARGET_HELP, add_device_flags, add_method_flags, options_of, quiet_libraries, target_of
+from eagle_lite.options import (
+    add_device_flags,
+    add_flag,
+    add_method_flag,
+    add_method_flags,
+    options_of,
+    quiet_libraries,
+    target_of,
+)
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -64,7 +72,6 @@ from .tuning import (
     medusa_candidates,
     skip_per_category,
     tree_grid,
-    tree_spec,
     tune,
 )
 
@@ -96,16 +103,14 @@ def task_names(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", required=True, choices=tunable(),
-                   help="the method to tune; not tuned: " + "; ".join(f"{m}: {why}" for m, why in UNTUNED.items()))
-    p.add_argument("--task", default="humaneval", type=task_names,
-                   help="built-in prompt sets, comma-separated: humaneval, sharegpt, sharegpt_kinds")
-    p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
-    p.add_argument("--limit", type=int, default=3, help="questions used per task (per category with --questions)")
-    p.add_argument("--skip", type=int, default=0,
-                   help="skip the first N questions of each task first (e.g. 3: prompts the benchmark does not use)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--target", default=None, help=TARGET_HELP)
+    add_method_flag(p, tunable(), required=True,
+                    note="not tuned: " + "; ".join(f"{m}: {why}" for m, why in UNTUNED.items()))
+    add_flag(p, "tasks", "--task", dest="task", default="humaneval", type=task_names, metavar="TASKS")
+    add_flag(p, "questions", note="instead of --tasks")
+    add_flag(p, "limit", default=3)
+    add_flag(p, "skip", note="e.g. 3: the prompts left are those the benchmark does not use")
+    add_flag(p, "max-new-tokens", default=64)
+    add_flag(p, "target")
     add_device_flags(p, attention=False)   # --save-tree records the tree for --device's kind of device
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
@@ -126,9 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--min-probs", type=floats, default=[],
                    help="eagle: TreeConfig.min_prob values (verify only nodes this likely under the "
                         "draft), each tried beside 0 (off)")
-    g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
-                   help="eagle: these trees instead of the grid, each "
-                        "depth,top_k,total_tokens[,lookup[,min_prob]]")
+    add_flag(g, "trees", note="eagle: these trees instead of the grid")
     g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
     g.add_argument("--lookahead-windows", type=counts, default=[1, 2, 4], help="lookahead: window widths W")
     g.add_argument("--lookahead-ngrams", type=ints, default=[2, 3], help="lookahead: n-gram lengths N (>= 2)")

@@ -1,7 +1,7 @@
 """The tuning runner every tree-searching entry point shares (`eval.tune`, `eval.ceiling`, `eval.profile_step`,
 `eval.step_cost`): candidate settings of a drafting method (chains, EAGLE trees, Medusa sizes, lookahead grids),
 decoded side by side through the runner of `eval.evaluation` (`tune`), the best one and how to select it, and the
-parsers of the grid flags (`ints`, `counts`, `floats`, `tree_spec`).
+parsers of the grid flags (`ints`, `counts`, `floats`; --trees is `options.tree_spec`).
 """
 from __future__ import annotations
 
@@ -199,13 +199,6 @@ def ints(text: str) -> list[int]:
 def counts(text: str) -> list[int]:
     """Comma-separated integers >= 0, e.g. 0,2,4."""
     return whole_numbers(text, 0, "0,2,4")
-
-
-def tree_spec(text: str) -> TreeConfig:
-    try:
-        return TreeConfig.from_spec(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def floats(text: str, one: bool = False) -> list[float]:

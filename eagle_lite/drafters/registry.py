@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config import DRAFT_SAMPLING, DRAFT_VOCAB, option
 from ..decoding.drafter import Drafter, NoDrafter
+from ..flags import DRAFT_HELP
 
 log = logging.getLogger("eagle_lite")
 
@@ -41,8 +42,7 @@ class EagleOptions:
     for heads that score through the target's lm_head (DraftHead.over_full_vocabulary): costlier per draft row,
     and it accepts more in wide trees (docs/training.md)."""
 
-    draft: str | None = option("auto", "draft", "draft head: 'auto' (shipped for the target), 'random' (untrained, "
-                               "exact but slow), or a folder")
+    draft: str | None = option("auto", "draft", DRAFT_HELP)   # the eval tools' --draft too (flags.SHARED)
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True

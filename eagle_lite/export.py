@@ -146,6 +146,8 @@ def serving_flags(tree: dict) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .options import add_flag
+
     p = argparse.ArgumentParser(prog="python -m eagle_lite.export",
                                 description="Write a draft head in the layout official EAGLE, SpecForge, vLLM and "
                                             "SGLang load (see docs/deploy.md for the serving commands).",
@@ -155,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "leave out to export the target (--target) as a Hugging Face folder")
     p.add_argument("--format", default=None, choices=FORMATS, help="the layout to write (required with a head)")
     p.add_argument("--out", required=True, help="the folder to write (created; its head files are replaced)")
-    p.add_argument("--target", default=None,
-                   help="the target (as --target of eagle_lite.generate); default: the one the head records")
+    add_flag(p, "target", note="here the default is the target the head records")
     p.add_argument("--engine", default="all", choices=("all", *ENGINES, *EAGLE3_ENGINES),
                    help="the engine the folder is for. eagle: vllm writes the layout that carries an fc bias "
                         "exactly in vLLM; all: one folder for every engine, refused if any would draft worse "

@@ -20,7 +20,7 @@ import sys
 
 from .cli import STOPPED, TERMINATED, Terminated, arguments, entry_point, one_line
 from .config import GenerationConfig
-from .options import add_model_flags, add_static_flag, check_flags, load_from_flags, quiet_libraries
+from .options import add_flag, add_model_flags, add_static_flag, check_flags, load_from_flags, quiet_libraries
 
 CHAT_HELP = ("commands: /reset (new conversation)  /stats (totals so far; with method auto, its choices; with --adapt, "
              "what the head learned)  /reset-head (with --adapt: back to the head it started from)  /quit (or "
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_static_flag(p)
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
-    p.add_argument("--verbose", action="store_true", help="show loading logs and progress bars")
+    add_flag(p, "verbose")
     return p
 
 

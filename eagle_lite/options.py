@@ -13,6 +13,9 @@ is the flag `--exit-layer` of every entry point and the key `exit_layer` of ever
   config_keys()                     them all as config keys, null (eval.sweep's config takes them from here)
   add_model_flags / load_from_flags the CLI's and the server's flags -> `load()` -> the GenerationConfig
   add_device_flags, add_sampling_flags, add_tree_flags   its parts, which the eval tools declare their flags with
+  add_flag(parser, "target")        a flag more than one entry point takes (eagle_lite/flags.py's `SHARED`: --target,
+                                    --draft, --threads, --max-new-tokens, --questions, --trees, ...)
+  add_method_flag(parser, methods)  --method over those registered methods, each with its registry summary
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .cli import arguments
@@ -35,11 +39,13 @@ from .config import (
     resolve_tree,
 )
 from .drafters import registry
+from .flags import SHARED, add_flag, tree_spec
 from .threads import check_threads, set_threads
 
 __all__ = ["Flag", "option", "method_flags", "add_method_flags", "option_values", "options_of", "every_options",
-           "config_keys", "add_model_flags", "add_sampling_flags", "add_tree_flags", "add_device_flags", "tree_flags",
-           "generation_config", "check_flags", "load_from_flags", "note_default_tree", "quiet_libraries", "target_of"]
+           "config_keys", "SHARED", "add_flag", "add_method_flag", "tree_spec", "add_model_flags",
+           "add_sampling_flags", "add_tree_flags", "add_device_flags", "tree_flags", "generation_config", "check_flags",
+           "load_from_flags", "note_default_tree", "quiet_libraries", "target_of"]
 
 
 class Declared(NamedTuple):
@@ -128,22 +134,24 @@ def every_options(values: Mapping | None = None) -> dict[str, Any]:
     return {name: options_of(name, values) for name in registry.METHODS}
 
 
+def add_method_flag(p, methods=None, note: str | None = None, **changes) -> argparse.Action:
+    """--method over `methods` (None: every registered one; default: the registry's default method where it is among
+    them, else auto where it is), each named with its registry summary."""
+    names = list(registry.METHODS) if methods is None else list(methods)
+    text = "; ".join(f"{name}: {registry.METHODS[name].summary}" for name in names) + (f"; {note}" if note else "")
+    default = next((name for name in (registry.DEFAULT, registry.AUTO) if name in names), None)
+    kwargs = {"default": default, "choices": names, **changes}
+    return p.add_argument("--method", help=text, **kwargs)
+
+
 # -- the CLI's and the server's flags ---------------------------------------------------------------------------
-TARGET_HELP = ("target model: 'smollm2' (embedded default), a .gguf file, a local folder or a hub id; any transformers "
-               "causal LM whose cached tree forward matches its own (checked at load); with --draft HEAD, the target "
-               "the head was trained for")
-ATTENTION = ["auto", "sdpa", "gqa", "flex", "lse_merge", "flash"]
-
-
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the model, the method (every registered method's own), the draft tree and sampling: the CLI's
     (`python -m eagle_lite.generate`) and the server's (`python -m eagle_lite.serve`) alike."""
-    p.add_argument("--target", default=None, help=TARGET_HELP)
-    p.add_argument("--method", default=registry.DEFAULT, choices=list(registry.METHODS),
-                   help="; ".join(f"{name}: {m.summary}" for name, m in registry.METHODS.items())
-                        + "; auto with a --tree-* flag runs eagle on that tree")
+    add_flag(p, "target")
+    add_method_flag(p, note="auto with a --tree-* flag runs eagle on that tree")
     add_method_flags(p)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
+    add_flag(p, "max-new-tokens")
     p.add_argument("--record", default=None, metavar="DIR",
                    help="record every completed answer as token ids in DIR, to train a head on this traffic "
                         "(python -m trainers.train data=recorded data.distill.start_from=DIR); off by default")
@@ -155,13 +163,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_device_flags(p)
 
 
-def add_sampling_flags(g, seed: int | None = None, seed_help: str = "seed for sampling (reproducible outputs)") -> None:
+def add_sampling_flags(g, seed: int | None = None, seed_note: str | None = None) -> None:
     """--temperature, --top-p, --top-k and --seed (default `seed`): `SamplingConfig`'s fields and the draws' seed."""
-    sampling = SamplingConfig()
-    g.add_argument("--temperature", type=float, default=sampling.temperature)
-    g.add_argument("--top-p", type=float, default=sampling.top_p)
-    g.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off")
-    g.add_argument("--seed", type=int, default=seed, help=seed_help)
+    for name in ("temperature", "top-p", "top-k"):
+        add_flag(g, name)
+    add_flag(g, "seed", default=seed, note=seed_note)
 
 
 def add_tree_flags(p: argparse.ArgumentParser) -> None:
@@ -185,14 +191,8 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
 def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None:
     """--dtype, --device, --threads and (attention=True) --attention: where and how the target runs (every tool that
     loads one)."""
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights dtype")
-    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda, ...)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads, >= 1 (default: one per core). Use 1 when other jobs share the cores: "
-                        "threads that wait for a busy core stall every step")
-    if attention:
-        p.add_argument("--attention", default="auto", choices=ATTENTION,
-                       help="tree-verification attention backend (see docs/attention.md); auto picks the fastest here")
+    for name in ("dtype", "device", "threads", *(("attention",) if attention else ())):
+        add_flag(p, name)
 
 
 def add_static_flag(p, what: str = "greedy decoding through") -> None:
@@ -209,8 +209,6 @@ def target_of(target: str | None, draft=None) -> str | None:
     """--target as given; without it, the target the head `draft` (a folder) was trained for, where that target
     loads here (`targets.loading.resolves`), said in one line on stderr; else None (the default target). Every tool
     that takes --draft starts here."""
-    from pathlib import Path
-
     from .heads.checkpoint import recorded_target
     from .targets.loading import resolves
 

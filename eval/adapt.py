@@ -29,7 +29,7 @@ from eagle_lite.config import resolve_tree
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.traffic import MAX_TOKENS
 from eagle_lite.heads.learner import MOVES, LearnConfig
-from eagle_lite.options import add_tree_flags, tree_flags
+from eagle_lite.options import add_flag, add_method_flag, add_tree_flags, tree_flags
 from eagle_lite.threads import check_threads, set_threads
 
 from .evaluation import load_questions
@@ -40,17 +40,16 @@ FIFTHS = 5
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.adapt", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2)")
-    p.add_argument("--questions", help="a questions file (.jsonl: question_id, category, turns)")
-    p.add_argument("--tasks", default="", help="comma-separated eval tasks instead of or beside --questions "
-                   "(e.g. sharegpt, humaneval)")
-    p.add_argument("--per-task", type=int, default=None, help="the first N questions of each kind")
+    add_flag(p, "target")
+    add_flag(p, "questions")
+    add_flag(p, "tasks", note="instead of or beside --questions")
+    add_flag(p, "per-task")
     p.add_argument("--stream", choices=["kind", "mixed"], default="kind",
                    help="kind: a stream per kind, each from the head given; mixed: one stream over every question")
-    p.add_argument("--method", choices=["auto", "eagle"], default="auto", help="the method both heads draft in")
-    p.add_argument("--draft", default=registry.AUTO, help="the head to start from (default: the shipped one)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_method_flag(p, [registry.AUTO, "eagle"], note="the method both heads draft in")
+    add_flag(p, "draft", note="the head to start from")
+    add_flag(p, "max-new-tokens")
+    add_flag(p, "threads")
     p.add_argument("--moves", choices=MOVES, default=LearnConfig.moves, help="what the learner updates")
     p.add_argument("--rank", type=int, default=LearnConfig.rank, help="of each linear's change, with --moves lowrank")
     p.add_argument("--lr", type=float, default=LearnConfig.lr)

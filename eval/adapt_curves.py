@@ -22,6 +22,7 @@ from pathlib import Path
 from eagle_lite.cli import entry_point
 from eagle_lite.decoding.capture import Capture, Captured
 from eagle_lite.heads.learner import LearnConfig
+from eagle_lite.options import add_flag
 from eagle_lite.threads import check_threads, set_threads
 
 from .evaluation import load_questions
@@ -32,13 +33,13 @@ FIELDS = ("input_ids", "loss_mask", "hidden", "taps")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.adapt_curves", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2)")
-    p.add_argument("--draft", default="auto", help="the head to start from (default: the shipped one)")
-    p.add_argument("--questions", help="a questions file (.jsonl)")
-    p.add_argument("--tasks", default="", help="comma-separated eval tasks (e.g. humaneval, sharegpt)")
-    p.add_argument("--per-task", type=int, default=None, help="the first N questions of each kind")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--threads", type=int, default=None)
+    add_flag(p, "target")
+    add_flag(p, "draft", note="the head to start from")
+    add_flag(p, "questions")
+    add_flag(p, "tasks")
+    add_flag(p, "per-task")
+    add_flag(p, "max-new-tokens")
+    add_flag(p, "threads")
     p.add_argument("--records", help="a .safetensors file of the captured answers: read where it exists, else written")
     p.add_argument("--settings", nargs="+", default=["{}"], help="learner settings, one JSON object each")
     args = p.parse_args(argv)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.options import (
-    TARGET_HELP,
     add_device_flags,
+    add_flag,
     add_method_flags,
     add_sampling_flags,
     add_tree_flags,
@@ -49,21 +49,18 @@ def default_methods() -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help=TARGET_HELP)
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated; the first is the baseline (default: {','.join(ALL_METHODS)}, "
-                        f"plus llama_cpp when llama-cpp-python is installed)")
-    p.add_argument("--tasks", default="sharegpt,humaneval",
-                   help="built-in tasks: sharegpt,humaneval,sharegpt_kinds (ShareGPT first prompts by kind: "
-                        "eval.tasks.sharegpt_kind_questions, --per-task of each kind)")
-    p.add_argument("--questions", type=Path, help="an MT-bench / Spec-Bench JSONL question file (adds its categories)")
-    p.add_argument("--per-task", type=int, default=3, help="questions per task (and per category of --questions)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_flag(p, "target")
+    add_flag(p, "methods", note=f"the first is the baseline (default: {','.join(ALL_METHODS)}, plus llama_cpp when "
+                                f"llama-cpp-python is installed)")
+    add_flag(p, "tasks", default="sharegpt,humaneval")
+    add_flag(p, "questions", type=Path, note="adds its categories")
+    add_flag(p, "per-task", default=3)
+    add_flag(p, "max-new-tokens", default=128)
     add_tree_flags(p)
     add_device_flags(p)
     add_sampling_flags(p.add_argument_group("sampling (temperature 0: greedy, every output checked against the "
                                             "baseline's; > 0: sampled, speed only)"),
-                       seed=0, seed_help="sampling: the seed every method draws with on each prompt")
+                       seed=0, seed_note="every method draws with it on each prompt")
     add_static_flags(p)
     g = p.add_argument_group("the methods' own options (eagle_q, eagle_match and eagle_full_vocab: eagle with one "
                              "draft sampling rule or the whole vocabulary; hf_assisted: --draft-model's LM)")

@@ -32,7 +32,7 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
 from eagle_lite.drafters import registry
-from eagle_lite.options import TARGET_HELP, add_device_flags
+from eagle_lite.options import add_device_flags, add_flag
 from eagle_lite.pipeline import engine_for
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
@@ -40,7 +40,7 @@ from eagle_lite.tree import DraftTree
 
 from .methods import Method, Run, engine_method
 from .runner import Record
-from .tuning import Candidate, check_counts, floats, skip_per_category, tree_label, tree_spec, tune, with_tree
+from .tuning import Candidate, check_counts, floats, skip_per_category, tree_label, tune, with_tree
 
 BASELINE = "vanilla"
 TASKS = ("sharegpt", "humaneval")   # built-in prompt sets --questions may name
@@ -205,15 +205,14 @@ def rates(text: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.ceiling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--questions", default="eval/questions/heldout12.jsonl",
-                   help="an MT-bench / Spec-Bench JSONL file, or a built-in task: sharegpt, humaneval")
-    p.add_argument("--limit", type=int, default=2, help="questions per category")
-    p.add_argument("--skip", type=int, default=0, help="skip the first N questions of each category first")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--target", default=None, help=TARGET_HELP)
-    p.add_argument("--draft", default="auto", help="the head: 'auto' (shipped), 'random' or a head folder")
-    p.add_argument("--trees", nargs="+", type=tree_spec, default=[TreeConfig(1, 1, 1, lookup=4)], metavar="SPEC",
-                   help="chains, each depth,1,depth[,lookup] (default: 1,1,1,4)")
+    add_flag(p, "questions", default="eval/questions/heldout12.jsonl", note="or a built-in task: sharegpt, humaneval")
+    add_flag(p, "limit", default=2)
+    add_flag(p, "skip")
+    add_flag(p, "max-new-tokens", default=128)
+    add_flag(p, "target")
+    add_flag(p, "draft")
+    add_flag(p, "trees", default=[TreeConfig(1, 1, 1, lookup=4)],
+             note="here chains, each depth,1,depth[,lookup] (default: 1,1,1,4)")
     p.add_argument("--rates", type=rates, default=[0.7, 0.8, 0.9, 1.0],
                    help="the oracle's accuracies per token, each in [0, 1]")
     add_device_flags(p, attention=False)

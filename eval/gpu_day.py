@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.flags import add_flag
 from trainers import device_bundle
 from trainers.targets import run_name
 
@@ -756,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     pk = sub.add_parser("pack", parents=[planning],
                         help="download the bundle and cut it into .carry/1, .carry/2, ... (one per call)")
     pk.add_argument("--out", type=Path, default=ROOT / ".carry", help="folder of the parts (git-ignored)")
-    pk.add_argument("--wheels", type=Path, default=ROOT / ".carry-wheels", help="where the downloads go")
+    add_flag(pk, "wheels", default=ROOT / ".carry-wheels")
     pk.add_argument("--parallel-from", metavar="DIR",
                     help=f"the parallel head parallel_fit continues, carried in the bundle (default {PARALLEL_HEAD} "
                          f"where it holds a head; none: start from the shipped head)")
@@ -770,9 +771,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated steps not to run (e.g. those an earlier GPU day measured)")
     r.add_argument("--eagle3", default=EAGLE3_HEAD, help=f"the EAGLE-3 head's folder (default {EAGLE3_HEAD})")
     r.add_argument("--dry-run", action="store_true", help="on the CPU with --target and --draft, tiny sizes")
-    r.add_argument("--target", help="dry run: a tiny target folder")
-    r.add_argument("--draft", help="dry run: a head folder made for it")
-    r.add_argument("--questions", help="dry run: a question file of prompts that fit the tiny target's context")
+    add_flag(r, "target", note="--dry-run: a tiny target folder")
+    add_flag(r, "draft", default=None, note="--dry-run: a head folder made for --target")
+    add_flag(r, "questions", note="--dry-run: prompts that fit the tiny target's context")
     rp = sub.add_parser("report", help="print what the calls returned: step times and tables")
     rp.add_argument("folder", type=Path)
     rp.add_argument("--keep", type=Path, nargs="?", const=ROOT / PARALLEL_HEAD, metavar="TO",

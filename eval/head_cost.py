@@ -27,7 +27,7 @@ import torch
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.kernels import few_rows_product, running_fused
-from eagle_lite.options import quiet_libraries, target_of
+from eagle_lite.options import add_flag, quiet_libraries, target_of
 from eagle_lite.threads import check_threads, set_threads
 
 from .op_count import OpCounter
@@ -122,11 +122,11 @@ def chain_cost(drafter: EagleDrafter, k: int, rows: int = 3, reps: int = 100) ->
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.head_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None)
-    p.add_argument("--draft", nargs="+", default=["auto"], help="head folders ('auto': the shipped head)")
+    add_flag(p, "target")
+    add_flag(p, "draft", nargs="+", default=["auto"], note="one or more, each timed (default: auto)")
     p.add_argument("--rows", type=int, default=3, help="rows of the head forward (about the accepted length)")
-    p.add_argument("--reps", type=int, default=300)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
+    add_flag(p, "reps", default=300)
+    add_flag(p, "threads")
     p.add_argument("--plain", action="store_true", help="the heads' fp32 weights instead of rounded codes")
     p.add_argument("--chain", default=None,
                    help="comma-separated chain lengths K: also time each head's whole draft of K tokens")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eagle_lite.atomic import write_text_atomic
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.flags import add_flag
 from eval.tasks import KINDS, KindCounts, question_lines, sharegpt_kind_questions
 
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-kind", type=int, default=60, help="questions per kind (default 60)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated (default: {','.join(KINDS)})")
     parser.add_argument("--out", type=Path, default=None, help="the question file to write (JSONL; default: none)")
-    parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
+    add_flag(parser, "sharegpt")
     parser.add_argument("--later-turns", action="store_true", help=(
         "also take later user turns that stand alone (a kind's rules ask for its passage in the turn), after every "
         "first turn of their tier: ShareGPT's first turns hold fewer than 60 summarization and rag prompts"))

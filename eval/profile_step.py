@@ -26,7 +26,7 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine, add_choices
 from eagle_lite.drafters import registry
-from eagle_lite.options import TARGET_HELP, add_device_flags, add_static_flag
+from eagle_lite.options import add_device_flags, add_flag, add_static_flag
 from eagle_lite.pipeline import engine_for, static_engine_for
 from eagle_lite.targets.loading import load_target
 from eagle_lite.text.chat_format import chat_ids
@@ -34,7 +34,7 @@ from eagle_lite.threads import check_threads, set_threads
 
 from .evaluation import head_for
 from .tasks import load_question_file
-from .tuning import tree_label, tree_spec
+from .tuning import tree_label
 
 PROMPT = "Explain how a hash map works, with an example in Python."
 
@@ -72,16 +72,15 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.profile_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help=TARGET_HELP)
-    p.add_argument("--draft", default="auto", help="'auto', 'random' or a head folder")
-    p.add_argument("--trees", nargs="*", type=tree_spec, default=[TreeConfig(3, 8, 8), TreeConfig(5, 8, 24)],
-                   help="depth,top_k,total_tokens[,lookup[,min_prob]] ...")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_flag(p, "target")
+    add_flag(p, "draft")
+    add_flag(p, "trees", nargs="*", default=[TreeConfig(3, 8, 8), TreeConfig(5, 8, 24)],
+             note="default: 3,8,8 5,8,24")
+    add_flag(p, "max-new-tokens", default=128)
     p.add_argument("--prompt", default=PROMPT, help="the one prompt profiled (unless --questions)")
-    p.add_argument("--questions", default=None,
-                   help="an MT-bench / Spec-Bench JSONL file: profile the first turn of its questions instead")
-    p.add_argument("--limit", type=int, default=1, help="--questions: questions per category")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (seed 0); 0: greedy")
+    add_flag(p, "questions", note="profile the first turn of its questions instead of --prompt")
+    add_flag(p, "limit", default=1, note="with --questions")
+    add_flag(p, "temperature", note="draws with seed 0")
     add_device_flags(p, attention=False)
     add_static_flag(p, "also profile, beside the engine's rows,")
     return run(p.parse_args(argv))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from eagle_lite.atomic import check_writable, write_text_atomic
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.options import add_flag
 from eagle_lite.threads import set_threads
 
 QUESTIONS = Path(__file__).parent / "questions" / "heldout12.jsonl"
@@ -42,18 +43,17 @@ QUESTIONS = Path(__file__).parent / "questions" / "heldout12.jsonl"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=None, help="as the CLI's --target (default: the embedded SmolLM2)")
-    p.add_argument("--methods", default="vanilla,lookup,eagle,auto")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample every request at this temperature; 0: greedy")
+    add_flag(p, "target")
+    add_flag(p, "methods", default="vanilla,lookup,eagle,auto")
+    add_flag(p, "temperature", note="every request samples at it")
     p.add_argument("--clients", default="1,2,4,8", help="concurrency levels")
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least one per client)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seconds", type=float, default=120.0, help="a level starts no request after this long")
-    p.add_argument("--questions", type=Path, default=QUESTIONS, help="first turns of this MT-bench-style file")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the server and the CLI run")
-    p.add_argument("--batch-threads", type=int, default=None,
-                   help="the server's --batch-threads: threads for steps of 4 or more sequences (default: --threads)")
-    p.add_argument("--max-batch", type=int, default=8)
+    add_flag(p, "questions", type=Path, default=QUESTIONS, note="the requests are their first turns")
+    add_flag(p, "threads", default=2, note="the server's and the CLI run's")
+    add_flag(p, "batch-threads")
+    add_flag(p, "max-batch")
     p.add_argument("--json", type=Path, default=None, help="also write every figure here")
     return p.parse_args(argv)
 

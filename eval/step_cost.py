@@ -43,10 +43,11 @@ from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
+from eagle_lite.options import add_flag
 from eagle_lite.pipeline import static_engine_for
 from eagle_lite.threads import check_threads, set_threads
 
-from .tuning import ints, tree_spec
+from .tuning import ints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,21 +237,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--targets", default=None, help="comma-separated: smollm2, llama1b, tiny, or load_target specs "
                                                    "(default: smollm2,llama1b; --tiny: tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny random models, few repetitions: a quick check on a CPU")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: bfloat16 on CUDA, float32 elsewhere")
-    p.add_argument("--attention", default="auto", help="the target's backend (the static step runs gqa or sdpa)")
+    add_flag(p, "device")
+    add_flag(p, "dtype", default=None, note="unset: bfloat16 on CUDA, float32 elsewhere")
+    add_flag(p, "attention", note="the static step runs gqa or sdpa")
     p.add_argument("--sizes", type=ints, default=[b for b in BUCKETS if b in (1, 2, 4, 8, 16, 32, 64, 128)],
                    help="tree sizes (nodes, root included); 1 = plain decoding's one-token step")
     p.add_argument("--prefix", type=int, default=None, help="prompt tokens before the tree (default 512; --tiny 32)")
     p.add_argument("--modes", default=None, help="comma-separated static step modes (default: eager,cuda-graph on "
                                                  "CUDA, eager elsewhere)")
-    p.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
-                   help="draft steps to time, depth,top_k,total_tokens[,lookup[,min_prob]] (default: the head's tree)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per cell (default 20; --tiny 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_flag(p, "trees", note="the draft steps timed (default: the head's tree)")
+    add_flag(p, "reps", note="of each cell (default 20; --tiny 3)")
+    add_flag(p, "threads")
     p.add_argument("--out", type=Path, help="also write the numbers as JSON here")
-    p.add_argument("--draft", default="auto", help="the head of a real target: auto (the shipped one) or a folder")
+    add_flag(p, "draft", note="the head of a real target")
     p.add_argument("--count-ops", action="store_true", help="count the device operations the steps launch "
                                                              "(eagerly, on the CPU) instead of timing them")
     p.add_argument("--count-prompts", type=int, default=3, help="--count-ops: held-out prompts (default 3)")

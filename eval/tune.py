@@ -19,12 +19,13 @@ and the benchmark take it as their default tree.
 `--static [MODE]` sweeps eagle's tree grid through the fixed-shape static step (`static_step.StaticEngine`, CUDA
 graphs on CUDA: the default path there, whose costs differ from the engine's), against plain decoding through the
 same step as the baseline; that step has no prompt-lookup graft, so lookup lengths are ignored.
---method takes every registered method (drafters/registry.py) this has a grid for (its help names those it does not
-tune, and why); the method flags are those the methods' options declare (--draft, --exit-layer, --draft-model,
---medusa, ...), but the ones a grid sets instead (--medusa-choices: --nodes; lookahead's: its grid flags).
-Chain drafters (options with `num_tokens`: lookup, draft_model, layer_skip, ...) sweep a fixed K (adaptive off)
-plus their default adaptive K; eagle sweeps the tree grid (combinations TreeConfig rejects are skipped); medusa
-sweeps tree sizes (`sized_choices`); lookahead sweeps its window x n-gram x candidates grid.
+--method takes every registered method whose registry entry declares a grid (`Method.tune`, drafters/registry.py;
+its help names those that declare none, and why), and the grid flags are its axes (`registry.Axis`): a new method
+is tuned by its registry entry alone. The method flags are those the methods' options declare (--draft,
+--exit-layer, --draft-model, --medusa, ...), but the ones a grid sets instead (--medusa-choices: --nodes;
+lookahead's: its grid flags). Chain drafters (lookup, draft_model, layer_skip) sweep a fixed K (adaptive off) plus
+their default adaptive K; eagle sweeps the tree grid (combinations TreeConfig rejects are skipped); medusa sweeps
+tree sizes (`sized_choices`); lookahead sweeps its window x n-gram x candidates grid.
 """
 from __future__ import annotations
 
@@ -39,10 +40,18 @@ from dataclasses import replace
 import torch
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.config import TreeConfig
+from eagle_lite.config import OPTION, TreeConfig
 from eagle_lite.decoding.static_tree import bucket_for
 from eagle_lite.drafters import registry
-from eagle_lite.options import TARGET_HELP, add_device_flags, add_method_flags, options_of, quiet_libraries, target_of
+from eagle_lite.options import (
+    add_device_flags,
+    add_flag,
+    add_method_flag,
+    add_method_flags,
+    options_of,
+    quiet_libraries,
+    target_of,
+)
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -57,32 +66,51 @@ from .tuning import (
     counts,
     eagle_candidates,
     floats,
+    grid_candidates,
     how_to_select,
     ints,
-    lookahead_candidates,
     markdown,
     medusa_candidates,
     skip_per_category,
     tree_grid,
-    tree_spec,
     tune,
 )
 
 log = logging.getLogger("eagle_lite")
-# the registered methods eval.tune does not tune, and why
-UNTUNED = {"vanilla": "the baseline every candidate is timed against",
-           "staged": "it drafts eagle's tree with the same head: tune that with --method eagle",
-           "auto": "its controller chooses each step's proposal (eval.profile_step shows its choices); tune the "
-                   "head's tree it grows from with --method eagle"}
-GRIDS = ("eagle", "medusa", "lookahead")   # the methods with a grid of their own; the rest sweep K (`num_tokens`)
-SWEPT = ("medusa_choices", "lookahead_window", "lookahead_ngram", "lookahead_candidates")   # set by the grid flags
 
 
 def tunable() -> list[str]:
-    """The registered methods eval.tune sweeps: those with a grid here, and the chain drafters (options with
-    `num_tokens`), but `UNTUNED`."""
-    return [name for name, m in registry.METHODS.items() if name not in UNTUNED
-            and (name in GRIDS or "num_tokens" in {f.name for f in dataclasses.fields(m.options)})]
+    """The registered methods eval.tune sweeps: those whose registry entry declares a grid (`registry.Tuning`)."""
+    return [name for name, m in registry.METHODS.items() if isinstance(m.tune, registry.Tuning)]
+
+
+def untuned() -> dict[str, str]:
+    """The registered methods eval.tune does not sweep, and why (their registry entries say)."""
+    return {name: m.tune for name, m in registry.METHODS.items() if not isinstance(m.tune, registry.Tuning)}
+
+
+def grid_axes(methods: list[str]) -> dict[str, tuple[registry.Axis, list[str]]]:
+    """Grid flag -> (its axis, the methods that sweep it), over `methods`' registry entries."""
+    axes: dict[str, tuple[registry.Axis, list[str]]] = {}
+    for name in methods:
+        for axis in registry.METHODS[name].tune.axes:
+            axes.setdefault(axis.flag, (axis, []))[1].append(name)
+    return axes
+
+
+def swept_keys(methods: list[str]) -> set[str]:
+    """The method flags (option keys) a grid sets instead: its axes' fields that are options of the method."""
+    keys = set()
+    for name in methods:
+        flags = {f.name: f.metadata[OPTION].key for f in dataclasses.fields(registry.METHODS[name].options)
+                 if OPTION in f.metadata}
+        keys |= {flags[axis.field] for axis in registry.METHODS[name].tune.axes if axis.field in flags}
+    return keys
+
+
+def axis_values(args: argparse.Namespace, method: str) -> dict[str, list]:
+    """`method`'s axes as given (its grid flags): options or TreeConfig field -> values."""
+    return {axis.field: getattr(args, axis.flag.replace("-", "_")) for axis in registry.METHODS[method].tune.axes}
 
 
 def task_names(text: str) -> list[str]:
@@ -96,43 +124,30 @@ def task_names(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", required=True, choices=tunable(),
-                   help="the method to tune; not tuned: " + "; ".join(f"{m}: {why}" for m, why in UNTUNED.items()))
-    p.add_argument("--task", default="humaneval", type=task_names,
-                   help="built-in prompt sets, comma-separated: humaneval, sharegpt, sharegpt_kinds")
-    p.add_argument("--questions", default=None, help="an MT-bench / Spec-Bench JSONL file instead of --task")
-    p.add_argument("--limit", type=int, default=3, help="questions used per task (per category with --questions)")
-    p.add_argument("--skip", type=int, default=0,
-                   help="skip the first N questions of each task first (e.g. 3: prompts the benchmark does not use)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--target", default=None, help=TARGET_HELP)
+    add_method_flag(p, tunable(), required=True,
+                    note="not tuned: " + "; ".join(f"{m}: {why}" for m, why in untuned().items()))
+    add_flag(p, "tasks", "--task", dest="task", default="humaneval", type=task_names, metavar="TASKS")
+    add_flag(p, "questions", note="instead of --tasks")
+    add_flag(p, "limit", default=3)
+    add_flag(p, "skip", note="e.g. 3: the prompts left are those the benchmark does not use")
+    add_flag(p, "max-new-tokens", default=64)
+    add_flag(p, "target")
     add_device_flags(p, attention=False)   # --save-tree records the tree for --device's kind of device
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
     g = p.add_argument_group("drafts")
-    add_method_flags(g, tunable(), skip=SWEPT)
+    add_method_flags(g, tunable(), skip=swept_keys(tunable()))
     g.add_argument("--save-tree", action="store_true",
                    help="eagle: write the best tree into the head folder's config.json as its "
                         "recommended tree for --device's kind (\"tree\" on a CPU, \"tree_cuda\" on CUDA); "
                         "with --static it keeps the lookup length of the tree the head recommends there now (0 if "
                         "none), which the engine's eagle grafts and the static step ignores")
-    g = p.add_argument_group("grids")
-    g.add_argument("--num-tokens", type=ints, default=[1, 2, 3, 4, 6, 8], help="chain drafters: K values")
-    g.add_argument("--depths", type=ints, default=[3, 5], help="eagle: tree depths")
-    g.add_argument("--top-ks", type=ints, default=[4, 8], help="eagle: tree top_k values")
-    g.add_argument("--totals", type=ints, default=[12, 24, 48], help="eagle: tree total_tokens values")
-    g.add_argument("--lookups", type=ints, default=[],
-                   help="eagle: prompt-lookup lengths to graft onto the tree, each tried beside 0 (off); "
-                        "--static ignores them (no graft in the static step)")
-    g.add_argument("--min-probs", type=floats, default=[],
-                   help="eagle: TreeConfig.min_prob values (verify only nodes this likely under the "
-                        "draft), each tried beside 0 (off)")
-    g.add_argument("--trees", nargs="+", type=tree_spec, default=None, metavar="SPEC",
-                   help="eagle: these trees instead of the grid, each "
-                        "depth,top_k,total_tokens[,lookup[,min_prob]]")
-    g.add_argument("--nodes", type=ints, default=[4, 8, 12, 16, 24], help="medusa: tree sizes (drafted nodes)")
-    g.add_argument("--lookahead-windows", type=counts, default=[1, 2, 4], help="lookahead: window widths W")
-    g.add_argument("--lookahead-ngrams", type=ints, default=[2, 3], help="lookahead: n-gram lengths N (>= 2)")
-    g.add_argument("--lookahead-candidates", type=counts, default=[2], help="lookahead: pool n-grams verified G")
+    g = p.add_argument_group("grids (each method's axes, from its registry entry)")
+    for flag, (axis, names) in grid_axes(tunable()).items():
+        kind = floats if axis.kind is float else counts if axis.least < 1 else ints
+        shown = f" (default: {','.join(map(str, axis.values))})" if axis.values else ""
+        g.add_argument(f"--{flag}", type=kind, default=list(axis.values), metavar="LIST",
+                       help=f"{'/'.join(names)}: {axis.help}, comma-separated{shown}")
+    add_flag(g, "trees", note="eagle: these trees instead of the grid")
     g = p.add_argument_group("eagle through the fixed-shape step (baseline: plain decoding through it)")
     add_static_flags(g, "eagle: tune its tree for")
     return p.parse_args(argv)
@@ -151,7 +166,9 @@ def check_args(args: argparse.Namespace) -> None:
         if args.static is not None and args.method != "eagle":
             raise ValueError(f"--static tunes eagle's tree through the fixed-shape step: use --method eagle (not "
                              f"{args.method})")
-        trees = args.trees or (tree_grid(args.depths, args.top_ks, args.totals) if args.method == "eagle" else [])
+        sweep, values = registry.METHODS[args.method].tune.sweep, axis_values(args, args.method)
+        trees = args.trees or (tree_grid(values["depth"], values["top_k"], values["total_tokens"])
+                               if sweep == "tree" else [])
         if args.static is not None:
             for tree in trees:
                 bucket_for(1 + tree.total_tokens)   # the static step's largest verify bucket bounds the tree
@@ -160,12 +177,12 @@ def check_args(args: argparse.Namespace) -> None:
                                  f"--static eager / compile")
             if args.static_max_len < 1:
                 raise ValueError(f"--static-max-len must be >= 1, got {args.static_max_len}")
-    if args.method == "lookahead":   # its grid flags are lists of sizes
-        for window, ngram, count in itertools.product(args.lookahead_windows, args.lookahead_ngrams,
-                                                      args.lookahead_candidates):
-            registry.check("lookahead", registry.LookaheadOptions(window, ngram, count))
+    options = options_of(args.method, args)
+    if sweep == "grid":   # every combination of its axes' values
+        for combo in itertools.product(*values.values()):
+            registry.check(args.method, replace(options, **dict(zip(values, combo))))
         return
-    registry.check(args.method, options_of(args.method, args))
+    registry.check(args.method, options)
 
 
 def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate]:
@@ -173,31 +190,34 @@ def build_candidates(args: argparse.Namespace, target: Target) -> list[Candidate
     from eagle_lite.heads.medusa import MedusaHeads
     from eagle_lite.targets.loading import load_target
 
+    """The candidates of the sweep --method's registry entry names (`registry.Tuning`), over its axes' values."""
     options = options_of(args.method, args)   # checked by check_args: medusa has its heads, draft_model its model
-    if args.method == "eagle":
+    sweep, values = registry.METHODS[args.method].tune.sweep, axis_values(args, args.method)
+    if sweep == "tree":   # an EAGLE head's trees; lookup lengths and min_probs each tried beside 0 (off)
         head, _ = head_for(target, args.draft)
         static = args.static is not None
-        if static and (args.lookups or any(tree.lookup for tree in args.trees or ())):
+        if static and (values["lookup"] or any(tree.lookup for tree in args.trees or ())):
             log.warning("--static: the static step drafts without the prompt-lookup graft: lookup lengths "
                         "(--lookups, --trees) are ignored")
-        return eagle_candidates(target, head, args.depths, args.top_ks, args.totals,
-                                (0,) if static else tuple(dict.fromkeys([0, *args.lookups])),
-                                tuple(dict.fromkeys([0.0, *args.min_probs])), args.trees,
+        return eagle_candidates(target, head, values["depth"], values["top_k"], values["total_tokens"],
+                                (0,) if static else tuple(dict.fromkeys([0, *values["lookup"]])),
+                                tuple(dict.fromkeys([0.0, *values["min_prob"]])), args.trees,
                                 static=args.static,
                                 static_max_len=args.static_max_len, options=options)
-    if args.method == "medusa":
+    if sweep == "sizes":   # Medusa trees of each size
         if options.heads == "random":
             torch.manual_seed(0)
             heads = MedusaHeads.for_target(target)
         else:
             heads = load_medusa(options.heads, target)
-        return medusa_candidates(target, heads, args.nodes)
-    if args.method == "lookahead":
-        return lookahead_candidates(target, args.lookahead_windows, args.lookahead_ngrams, args.lookahead_candidates)
-    if args.method == "draft_model":   # loaded once, for every candidate
+        return medusa_candidates(target, heads, values["choices"])
+    if sweep == "grid":
+        return grid_candidates(args.method, target, values, options)
+    if getattr(options, "model", None) is not None and getattr(options, "draft_target", "") is None:
+        # a draft model, loaded once for every candidate
         options = replace(options, draft_target=load_target(options.model, dtype=getattr(torch, args.dtype),
                                                             device=args.device))
-    return chain_candidates(args.method, target, args.num_tokens, options)
+    return chain_candidates(args.method, target, values["num_tokens"], options)
 
 
 @entry_point

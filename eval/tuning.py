@@ -1,7 +1,8 @@
 """The tuning runner every tree-searching entry point shares (`eval.tune`, `eval.ceiling`, `eval.profile_step`,
-`eval.step_cost`): candidate settings of a drafting method (chains, EAGLE trees, Medusa sizes, lookahead grids),
+`eval.step_cost`): candidate settings of a drafting method, one builder per sweep its registry entry names
+(`registry.Tuning`: chains, EAGLE trees, Medusa sizes, grids of option fields such as lookahead's),
 decoded side by side through the runner of `eval.evaluation` (`tune`), the best one and how to select it, and the
-parsers of the grid flags (`ints`, `counts`, `floats`, `tree_spec`).
+parsers of the grid flags (`ints`, `counts`, `floats`; --trees is `options.tree_spec`).
 """
 from __future__ import annotations
 
@@ -113,15 +114,19 @@ def medusa_candidates(target: Target, heads, sizes: list[int]) -> list[Candidate
     return out
 
 
-def lookahead_candidates(target: Target, windows: list[int], ngrams: list[int],
-                         candidates: list[int]) -> list[Candidate]:
-    """Every (window, ngram, candidates) of the grid, each with its own LookaheadDrafter."""
+def grid_candidates(method: str, target: Target, values: dict[str, list], base=None) -> list[Candidate]:
+    """Every combination of `values` (an options field of `method` -> its values; a "grid" sweep), each with its own
+    drafter over `base` (the method's other options; None: its defaults), named by the axes' labels ('lookahead W=2
+    N=3 G=2'). A combination the registry's check refuses is a ValueError."""
+    labels = {axis.field: axis.label for axis in registry.METHODS[method].tune.axes}
+    base = registry.options_for(method, base)
     out = []
-    for window, ngram, count in itertools.product(windows, ngrams, candidates):
-        options = registry.LookaheadOptions(window, ngram, count)
-        registry.check("lookahead", options)
-        out.append(Candidate(f"lookahead W={window} N={ngram} G={count}", dataclasses.asdict(options),
-                             lambda o=options: engine_method(engine_for(target, "lookahead", o))))
+    for combo in itertools.product(*values.values()):
+        setting = dict(zip(values, combo))
+        options = replace(base, **setting)
+        registry.check(method, options)
+        out.append(Candidate(f"{method} " + " ".join(f"{labels[k]}={v}" for k, v in setting.items()), setting,
+                             lambda o=options: engine_method(engine_for(target, method, o))))
     return out
 
 
@@ -156,7 +161,7 @@ def best(rows: list[dict], baseline: str = BASELINE) -> dict | None:
 def how_to_select(method: str, setting: dict, static: str | None = None) -> str:
     """The flags that pick `setting` (eagle's tree flags, with static: that static step mode; else the flags its
     options declare), or, where no flag sets it (a chain's K), the options the Python API takes."""
-    if method == "eagle":
+    if registry.METHODS[method].tune == registry.TREE:   # the --tree-* flags set it
         lookup = f" --static {static}" if static else f" --tree-lookup {setting.get('lookup', 0)}"
         return (f"--tree-depth {setting['depth']} --tree-top-k {setting['top_k']} "
                 f"--tree-total-tokens {setting['total_tokens']}"
@@ -199,13 +204,6 @@ def ints(text: str) -> list[int]:
 def counts(text: str) -> list[int]:
     """Comma-separated integers >= 0, e.g. 0,2,4."""
     return whole_numbers(text, 0, "0,2,4")
-
-
-def tree_spec(text: str) -> TreeConfig:
-    try:
-        return TreeConfig.from_spec(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def floats(text: str, one: bool = False) -> list[float]:

@@ -344,10 +344,11 @@ def test_benchmark_and_tune_take_its_flags(capsys, monkeypatch):
 def test_tune_runs_its_grid(tiny_model_dir):
     from eagle_lite.targets.loading import load_target
     from eval.tasks import Question
-    from eval.tune import best, lookahead_candidates, tune
+    from eval.tune import best, tune
+    from eval.tuning import grid_candidates
 
     target = load_target(str(tiny_model_dir))
-    candidates = lookahead_candidates(target, [1, 2], [3], [2])
+    candidates = grid_candidates("lookahead", target, {"window": [1, 2], "ngram": [3], "candidates": [2]})
     assert [c.label for c in candidates] == ["lookahead W=1 N=3 G=2", "lookahead W=2 N=3 G=2"]
     rows = tune(target, [Question("1", "chat", ["hello hello hello"])], candidates, max_new_tokens=8, warmup=False)
     assert {r["method"] for r in rows} == {"vanilla", *(c.label for c in candidates)}

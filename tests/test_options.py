@@ -1,7 +1,7 @@
 """A drafter with a flag is one module plus one registry line: the flag its options dataclass declares is a flag of
 the CLI, the server and the eval tools, and a key of eval's and training's configs, and its value reaches the
-drafter's options through each of them (eagle_lite/options.py); a chain drafter (options with num_tokens) is a method
-eval.tune tunes."""
+drafter's options through each of them (eagle_lite/options.py); the grid its registry entry declares (`Method.tune`) is
+what eval.tune sweeps."""
 from __future__ import annotations
 
 import json
@@ -130,19 +130,20 @@ def test_tune_takes_the_registrys_methods_and_a_chain_drafters_flag(monkeypatch,
     from eval import tune
 
     assert tune.tunable() == ["eagle", "lookup", "lookahead", "draft_model", "layer_skip", "medusa"]
-    for untuned in tune.UNTUNED:        # in the registry, refused, with the reason in --method's help
+    for untuned in tune.untuned():      # in the registry, refused, with the reason in --method's help
         assert untuned in registry.METHODS
         with pytest.raises(SystemExit):
             tune.parse_args(["--method", untuned])
     with pytest.raises(SystemExit):
         tune.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert all(f"{name}: {why}" in help_text for name, why in tune.UNTUNED.items())
+    assert all(f"{name}: {why}" in help_text for name, why in tune.untuned().items())
     assert "--medusa PATH --method medusa: heads saved by" in help_text     # the flag MedusaOptions declares
     assert "--medusa-choices JSON" not in help_text and "--lookahead-window W" not in help_text   # grids set them
-    monkeypatch.setitem(registry.METHODS, "toy", registry.Method(ToyOptions, build_toy, "no num_tokens: no grid"))
+    monkeypatch.setitem(registry.METHODS, "toy", registry.Method(ToyOptions, build_toy, "no grid declared"))
     assert "toy" not in tune.tunable()
-    monkeypatch.setitem(registry.METHODS, "chain", registry.Method(ChainOptions, build_chain, "a toy chain"))
+    monkeypatch.setitem(registry.METHODS, "chain", registry.Method(ChainOptions, build_chain, "a toy chain",
+                                                                   tune=registry.CHAIN))
     assert tune.tunable()[-1] == "chain"
     BUILT.clear()
     qfile = tmp_path / "questions.jsonl"
@@ -154,6 +155,28 @@ def test_tune_takes_the_registrys_methods_and_a_chain_drafters_flag(monkeypatch,
                                                    if line.startswith("| ")}
     assert set(BUILT) == {(5, 2), (5, 4)}                                # the flag reached every candidate
     assert "options=ChainOptions(num_tokens=" in out
+
+
+def test_tune_reads_a_methods_grid_from_its_registry_entry(monkeypatch, tiny_model_dir, tmp_path, capsys):
+    from eval import tune
+
+    grid = registry.Tuning("grid", (registry.Axis("toy-widths", "width", (5, 6), "toy widths", "w"),))
+    monkeypatch.setitem(registry.METHODS, "toy", registry.Method(ToyOptions, build_toy, "a toy", tune=grid))
+    assert "toy" in tune.tunable() and "toy" not in tune.untuned()
+    assert tune.parse_args(["--method", "toy"]).toy_widths == [5, 6]          # the entry's values are the default
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--toy-widths LIST toy: toy widths, comma-separated (default: 5,6)" in help_text
+    assert "--toy-width K" not in help_text                                   # the grid sets the option instead
+    BUILT.clear()
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text(json.dumps({"question_id": "a", "category": "chat", "turns": ["abcabcabc"]}) + "\n")
+    assert tune.main(["--method", "toy", "--toy-widths", "3,4", "--target", str(tiny_model_dir), "--questions",
+                      str(qfile), "--max-new-tokens", "6", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    assert {"toy w=3", "toy w=4"} <= {line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")}
+    assert set(BUILT) == {3, 4} and "--toy-width" in out.splitlines()[-1]   # each candidate, and how to select it
 
 
 def test_training_takes_it_as_the_distill_method(toy, tmp_path):

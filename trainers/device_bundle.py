@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.flags import add_flag
 
 # Carried for the device's Python (3.12, x86-64); their versions are the ones installed here, which the tests ran.
 PACKAGES = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf", "datasets", "dill", "multiprocess",
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="verb", required=True)
     pack = sub.add_parser("pack", help="download the wheels and split them into .carry/1, .carry/2, ...")
     pack.add_argument("--out", type=Path, default=Path(".carry"), help="folder of the parts (git-ignored)")
-    pack.add_argument("--wheels", type=Path, default=Path(".carry-wheels"), help="where the downloads go")
+    add_flag(pack, "wheels")
     pack.add_argument("--call-mib", type=int, default=CALL_BYTES >> 20, help="MiB of parts a call carries")
     j = sub.add_parser("join", help="on the device: put the parts back together and check them")
     j.add_argument("parts", type=Path)

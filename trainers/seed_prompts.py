@@ -39,6 +39,7 @@ from pathlib import Path
 
 from eagle_lite.atomic import write_text_atomic
 from eagle_lite.cli import entry_point
+from eagle_lite.flags import add_flag
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "prompts" / "seed_kinds.jsonl"
 KINDS = ("qa", "translation", "summarization", "rag", "math", "extraction", "roleplay")
@@ -925,8 +926,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"1: {', '.join(KINDS)} (seed_kinds.jsonl); 2: {', '.join(KINDS2)} (seed_kinds2.jsonl)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where to write (default: {DEFAULT_OUT} or, for --set 2, {DEFAULT_OUT2})")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
+    add_flag(parser, "seed", default=0, note="here the draw of the prompts")
+    add_flag(parser, "sharegpt")
     args = parser.parse_args(argv)
     items = build(args.seed, args.sharegpt) if args.set == 1 else build2(args.seed)
     kinds = KINDS if args.set == 1 else KINDS2

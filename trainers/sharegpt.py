@@ -39,6 +39,7 @@ from typing import Literal
 
 from eagle_lite.atomic import write_atomic
 from eagle_lite.cli import entry_point
+from eagle_lite.flags import add_flag
 
 DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -509,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         "like a training record, with validation held out by id and by deduplicated group"))
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where to write (default: {TRAIN_IDS} or {GROUPS})")
-    parser.add_argument("--sharegpt", type=Path, default=None, help="a ShareGPT JSON file (default: the package's)")
-    parser.add_argument("--val-percent", type=float, default=5.0, help="leak: the validation share")
+    add_flag(parser, "sharegpt")
+    add_flag(parser, "val-percent", note="the leak command's")
     parser.add_argument("--limit", type=int, default=None, help="leak: the first records only (default: all)")
     parser.add_argument("--all", action="store_true",
                         help="leak: every record of the file, the package's held-out split too (default: training's)")

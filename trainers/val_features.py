@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
+from eagle_lite.flags import add_flag
 from eagle_lite.threads import check_threads
 
 from .distill import read_records
@@ -39,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("distill", nargs="+", help="distill folders (committed data/distill/... or a run's)")
     parser.add_argument("out", help="the feature cache folder to write")
-    parser.add_argument("--val-percent", type=float, default=5.0, help="data.loader.val_percent of the heads")
+    add_flag(parser, "val-percent", note="as the heads were trained with")
     parser.add_argument("--taps", default="1,14,26", help="decoder layers to store for EAGLE-3 heads ('' for none)")
-    parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1")
+    add_flag(parser, "target", default="smollm2")
+    add_flag(parser, "threads")
     parser.add_argument("--max-len", type=int, default=1024)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

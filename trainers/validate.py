@@ -24,7 +24,7 @@ from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.heads.objective import ObjectiveConfig
-from eagle_lite.options import quiet_libraries, target_of
+from eagle_lite.options import add_flag, quiet_libraries, target_of
 from eagle_lite.threads import check_threads
 
 from .datamodule import DraftDataModule, LoaderConfig
@@ -96,14 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("heads", nargs="+", help="exported head folders (config.json + model.safetensors)")
     parser.add_argument("--features", nargs="+", required=True,
                         help="feature cache folders of the heads' target (trainers.features), read as one")
-    parser.add_argument("--target", default=None,
-                        help="the target: alias, .gguf file, folder or hub id (default: the one the first head was "
-                             "trained for, where it loads here; else smollm2)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: one per core)")
+    add_flag(parser, "target", note="unset: the one the first head was trained for, where it loads here; else smollm2")
+    add_flag(parser, "device")
+    add_flag(parser, "threads")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
-    parser.add_argument("--val-percent", type=float, default=LoaderConfig.val_percent,
-                        help="the held-out share the caches were trained with (data.loader.val_percent)")
+    add_flag(parser, "val-percent", default=LoaderConfig.val_percent, note="as the heads were trained with")
     parser.add_argument("--val-depth", type=int, default=ObjectiveConfig.val_depth,
                         help="unrolled steps for accept_len_est")
     parser.add_argument("--split", default=LoaderConfig.split,

@@ -7,7 +7,7 @@ drafter here, and "auto" is resolved here alone.
 A new method is one module in drafters/ (its drafter, its options dataclass and a function building the one from the
 other) plus one `Method` line in `METHODS`. An options field declared with `config.option` is a flag of every entry
 point and a key of every config (eagle_lite/options.py); `check` validates what can be checked before the (slow)
-target load.
+target load; `tune` is the grid `python -m eval.tune` sweeps for it (`Tuning`), or why it sweeps none.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config import DRAFT_SAMPLING, DRAFT_VOCAB, option
 from ..decoding.drafter import Drafter, NoDrafter
+from ..flags import DRAFT_HELP
 
 log = logging.getLogger("eagle_lite")
 
@@ -41,8 +42,7 @@ class EagleOptions:
     for heads that score through the target's lm_head (DraftHead.over_full_vocabulary): costlier per draft row,
     and it accepts more in wide trees (docs/training.md)."""
 
-    draft: str | None = option("auto", "draft", "draft head: 'auto' (shipped for the target), 'random' (untrained, "
-                               "exact but slow), or a folder")
+    draft: str | None = option("auto", "draft", DRAFT_HELP)   # the eval tools' --draft too (flags.SHARED)
     head: Any = None
     round_head: bool = True
     copy_mode: bool = True
@@ -233,11 +233,50 @@ def _check_medusa(o: MedusaOptions) -> None:
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One axis of a method's tuning grid: eval.tune's flag `--{flag}` lists its values (default `values`, each
+    >= `least`; `kind` float: probabilities), each set as `field` of the method's options (a "tree" sweep: of its
+    TreeConfig) and shown as `{label}={value}` in the table."""
+
+    flag: str
+    field: str
+    values: tuple
+    help: str
+    label: str
+    least: int = 1
+    kind: type = int
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How `python -m eval.tune` sweeps a method (eval/tuning.py builds the candidates of each `sweep`): "chain", a
+    fixed num_tokens K per value (adaptive off) and then the method's adaptive default; "grid", every combination of
+    the axes' option fields; "tree", the draft trees of an EAGLE head (TreeConfig fields; the static step too);
+    "sizes", Medusa trees of each size."""
+
+    sweep: str
+    axes: tuple[Axis, ...] = ()
+
+
+CHAIN = Tuning("chain", (Axis("num-tokens", "num_tokens", (1, 2, 3, 4, 6, 8), "chain lengths K, each fixed (adaptive "
+                              "off), and the method's adaptive default beside them", "K"),))
+TREE = Tuning("tree", (
+    Axis("depths", "depth", (3, 5), "tree depths", "d"),
+    Axis("top-ks", "top_k", (4, 8), "tree top_k values", "k"),
+    Axis("totals", "total_tokens", (12, 24, 48), "tree total_tokens values", "n"),
+    Axis("lookups", "lookup", (), "prompt-lookup lengths to graft onto the tree, each tried beside 0 (off); --static "
+         "ignores them (no graft in the static step)", "lookup"),
+    Axis("min-probs", "min_prob", (), "TreeConfig.min_prob values (verify only nodes this likely under the draft), "
+         "each tried beside 0 (off)", "min_prob", least=0, kind=float)))
+
+
+@dataclass(frozen=True)
 class Method:
     options: type
     build: Callable[[Any, Any], Drafter]
     summary: str
     check: Callable[[Any], None] = lambda options: None
+    tune: Tuning | str = "no tuning grid in its registry entry"   # a str: why eval.tune does not tune it
 
 
 METHODS: dict[str, Method] = {
@@ -247,20 +286,30 @@ METHODS: dict[str, Method] = {
                       _check_eagle),
     "auto": Method(EagleOptions, _auto, "each step the fastest proposal by this machine's costs and the request's "
                    "acceptance so far: a plain step, prompt lookup, or the draft head's tree with lookup grafted on "
-                   "(decoding/controller.py); lookup and plain steps where no head ships", _check_eagle),
+                   "(decoding/controller.py); lookup and plain steps where no head ships", _check_eagle,
+                   "its controller chooses each step's proposal (eval.profile_step shows its choices); tune the head's "
+                   "tree it grows from with --method eagle"),
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
-                    _check_eagle),
+                    _check_eagle, TREE),
     "staged": Method(EagleOptions, _staged, "eagle whose head reads the prompt-lookup chain in its own forward and "
-                     "grafts the part it agrees with plus its next token", _check_eagle),
-    "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)"),
+                     "grafts the part it agrees with plus its next token", _check_eagle,
+                     "it drafts eagle's tree with the same head: tune that with --method eagle"),
+    "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)", tune=CHAIN),
     "lookahead": Method(LookaheadOptions, _lookahead, "lookahead decoding: Jacobi window + n-gram pool (training-free)",
-                        _check_lookahead),
+                        _check_lookahead, Tuning("grid", (
+                            Axis("lookahead-windows", "window", (1, 2, 4), "window widths W", "W", least=0),
+                            Axis("lookahead-ngrams", "ngram", (2, 3), "n-gram lengths N (>= 2)", "N"),
+                            Axis("lookahead-candidates", "candidates", (2,), "pool n-grams verified G", "G",
+                                 least=0)))),
     "draft_model": Method(DraftModelOptions, _draft_model, "a smaller LM drafts a chain (--draft-model)",
-                          _check_draft_model),
+                          _check_draft_model, CHAIN),
     "layer_skip": Method(LayerSkipOptions, _layer_skip,
-                         "the target's first --exit-layer layers draft (no extra weights)"),
-    "medusa": Method(MedusaOptions, _medusa, "Medusa heads' static tree (--medusa)", _check_medusa),
-    "vanilla": Method(VanillaOptions, lambda target, o: NoDrafter(), "one target forward per token"),
+                         "the target's first --exit-layer layers draft (no extra weights)", tune=CHAIN),
+    "medusa": Method(MedusaOptions, _medusa, "Medusa heads' static tree (--medusa)", _check_medusa,
+                     Tuning("sizes", (Axis("nodes", "choices", (4, 8, 12, 16, 24), "tree sizes (drafted nodes)",
+                                           "nodes"),))),
+    "vanilla": Method(VanillaOptions, lambda target, o: NoDrafter(), "one target forward per token",
+                      tune="the baseline every candidate is timed against"),
 }
 NAMES = tuple(METHODS)
 AUTO = "auto"   # the controller's choice each step (drafters/auto.py)

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from ..cli import arguments, entry_point
-from ..options import add_model_flags, check_flags, load_from_flags, quiet_libraries
+from ..options import add_flag, add_model_flags, check_flags, load_from_flags, quiet_libraries
 from ..threads import check_threads
 from .scheduler import Limits
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     s.add_argument("--model-id", default=None, help="the model name clients send (default: --target as given, "
                                                     "'smollm2' without it)")
-    s.add_argument("--max-batch", type=int, default=limits.max_batch, help="sequences decoded together")
+    add_flag(s, "max-batch", default=limits.max_batch)
     s.add_argument("--max-queue", type=int, default=limits.max_queue,
                    help="requests waiting for a place in the batch; past it: 429")
     s.add_argument("--max-prompt-tokens", type=int, default=limits.max_prompt_tokens, help="longer prompts: 413")
@@ -49,9 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "template's system turn, an earlier turn): those tokens are not read again; 0: none")
     s.add_argument("--drain-seconds", type=float, default=limits.drain_seconds,
                    help="how long SIGTERM waits for running requests before it stops them")
-    s.add_argument("--batch-threads", type=int, default=None,
-                   help="torch CPU threads for steps of 4 or more sequences (default: --threads)")
-    p.add_argument("--verbose", action="store_true", help="show loading logs and every request")
+    add_flag(s, "batch-threads")
+    add_flag(p, "verbose", note="and every request")
     p.set_defaults(static=None)
     return p
 

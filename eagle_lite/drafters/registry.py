@@ -283,7 +283,7 @@ METHODS: dict[str, Method] = {
     "default": Method(EagleOptions, lambda target, o: METHODS["eagle"].build(target, o),
                       "eagle where a draft head ships for the target (or --draft names one), else lookup: on held-out "
                       "questions the faster of the fixed methods, greedy and sampled (docs/benchmarks.md)",
-                      _check_eagle),
+                      _check_eagle, "it runs eagle or lookup: tune those"),
     "auto": Method(EagleOptions, _auto, "each step the fastest proposal by this machine's costs and the request's "
                    "acceptance so far: a plain step, prompt lookup, or the draft head's tree with lookup grafted on "
                    "(decoding/controller.py); lookup and plain steps where no head ships", _check_eagle,

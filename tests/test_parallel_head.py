@@ -14,8 +14,8 @@ from eagle_lite.drafters import eagle as eagle_module
 from eagle_lite.heads.checkpoint import load_native_head as load_head
 from eagle_lite.heads.checkpoint import save_head
 from eagle_lite.heads.draft import DraftHead
-from eagle_lite.heads.objective import Pairs, unroll
 from eagle_lite.tree import attention_mask
+from trainers.objective import Pairs, unroll
 
 V = Q.shape[0]
 DEEP = {}

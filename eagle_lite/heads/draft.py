@@ -27,7 +27,7 @@ Parallel drafting (`parallel=K`, P-EAGLE, arXiv 2602.01469): the head drafts K t
 root's row (f_t, x_{t+1}) come K-1 mask rows at the next positions, each reading two learned vectors instead of a
 feature and a token embedding (`mask_hidden`, as wide as the head's feature input, and `mask_embed`); row j
 predicts the token j places further on, seeing the real pairs and the mask rows before it. Trained with the same
-losses at each row (heads/objective.py `unroll`); drafted by `drafters.eagle` from the K distributions.
+losses at each row (trainers/objective.py `unroll`); drafted by `drafters.eagle` from the K distributions.
 """
 from __future__ import annotations
 

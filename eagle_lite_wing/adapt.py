@@ -121,12 +121,12 @@ class Adapter:
     # -- serving --------------------------------------------------------------------------------------
     def _serve(self, head) -> None:
         """Make `head` (a copy: the drafter accelerates it in place) the one the pipeline drafts with."""
-        from eagle_lite.drafters.eagle import EagleDrafter
+        from eagle_lite.drafters.registry import eagle_drafter
 
         _, old = serving_eagle(self.pipeline.engine.drafter)
         head = head.to(old.lm_weight.device).eval()
         head.tree = old.recommended_tree
-        drafter = EagleDrafter(self.pipeline.target, head, draft_sampling=old.draft_sampling)
+        drafter = eagle_drafter(self.pipeline.target, head, draft_sampling=old.draft_sampling)
         if self.holder is None:
             self.pipeline.engine.drafter = drafter
         else:

@@ -56,10 +56,11 @@ def test_heads_hold_modules_and_checkpoints_only():
 
 def test_the_wing_holds_the_unproven_each_with_its_measured_status():
     wing = ROOT / "eagle_lite_wing"
-    for name in ("adapt.py", "learner.py", "capture.py", "traffic.py"):
+    for name in ("adapt.py", "learner.py", "capture.py", "traffic.py", "parallel.py"):
         doc = ast.get_docstring(ast.parse((wing / name).read_text()))
         assert re.search(r"\d\.\d+", doc) and ("Status" in doc or "status" in doc), name
     assert not list(CORE.rglob("traffic.py")) and not list(CORE.rglob("capture.py"))
+    assert "mask_rows" not in (CORE / "drafters" / "eagle.py").read_text()   # the parallel head drafts in the wing
     assert "lowrank" not in (wing / "learner.py").read_text()   # measured a loss everywhere: removed
     assert "low-rank" in (ROOT / "docs" / "adapt.md").read_text()   # with the record of what was measured
     assert not (CORE / "serve" / "cost.py").exists()   # one chooser: decoding/controller.py

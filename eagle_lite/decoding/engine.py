@@ -9,6 +9,8 @@ alone. The path of a token:
               projects only the nodes that walk reads (lm_head.NodeLogits; greedy: their certified argmax),
               and the tree's probes, whose outputs the drafter reads back (`observe`: lookahead's window).
   5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
+The engine knows drafters (drafter.py) and observers (observer.py: `Engine.observers` see each prefill, accepted step
+and finished answer), nothing else: what a drafter plans travels with its tree and comes back to it (`observe`).
 """
 from __future__ import annotations
 

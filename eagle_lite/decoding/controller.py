@@ -104,7 +104,7 @@ class ChainRate:
 
     MAX_M = 5
     COPY = MAX_M + 1
-    STORED = COPY + 1     # a chain copied from an earlier answer (drafters/traffic.py), not from the context
+    STORED = COPY + 1     # a chain copied from an earlier answer (PromptLookupDrafter.store), not the context
     PRIOR = 2.0
 
     def __init__(self) -> None:

@@ -144,8 +144,6 @@ class Sequence:
     observers: tuple[Observer, ...] = ()   # `Engine.observers` when it began
     notes: dict = field(default_factory=dict)   # what each observer keeps of it, by observer
 
-    __hash__ = object.__hash__         # an observer may key its own records by sequence
-
     @property
     def done(self) -> bool:
         return bool(self.stats.stop_reason)

@@ -51,8 +51,8 @@ def stats_line(stats) -> str:
 
 
 def choices_line(choices: dict[str, list[float]]) -> str:
-    """Method auto's steps by its controller's choice (`GenerationStats.choices`): share, tokens a step, and the
-    step time predicted against measured."""
+    """Method auto's steps by its controller's choice (drafters/auto.py `Choices.rows`): share, tokens a step, and
+    the step time predicted against measured."""
     steps = sum(row[0] for row in choices.values()) or 1
     return "[auto's choices: " + ", ".join(
         f"{kind} {100 * n / steps:.0f}% ({tokens / n:.2f} tokens, {1e3 * predicted / n:.1f} ms predicted, "
@@ -77,8 +77,10 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
         stats.stop_reason = "interrupted"
         status = TERMINATED if isinstance(err, Terminated) else STOPPED
     if args.json:
+        watched = getattr(lm, "statistics", None)   # method auto: its controller's choices (drafters/auto.py)
         print(json.dumps({"text": lm.decode(ids), "token_ids": ids, "method": lm.method,
-                          "static": getattr(lm, "static", None), "target": lm.target.name, **stats.as_dict()}))
+                          "static": getattr(lm, "static", None), "target": lm.target.name, **stats.as_dict(),
+                          **({"choices": watched.as_dict()} if watched is not None and watched.rows else {})}))
     else:
         print()
     if stats.stop_reason == "interrupted":
@@ -111,7 +113,7 @@ def read_turn(adapter=None) -> str:
 
 
 def chat(lm, cfg: GenerationConfig) -> None:
-    from .decoding.engine import GenerationStats, add_choices
+    from .decoding.engine import GenerationStats
     from .kv_cache import ContextOverflowError
 
     static = f" (static step, mode {lm.static})" if getattr(lm, "static", None) else ""
@@ -120,7 +122,7 @@ def chat(lm, cfg: GenerationConfig) -> None:
         sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []
     totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "forwards": 0}
-    choices: dict[str, list[float]] = {}   # method auto: its controller's choices over the session
+    watched = getattr(lm, "statistics", None)   # method auto: its controller's choices over the session
     adapter = getattr(lm, "adapter", None)   # --adapt: the head learning from this chat
     while True:
         try:
@@ -145,8 +147,8 @@ def chat(lm, cfg: GenerationConfig) -> None:
             rate = totals["tokens"] / totals["seconds"] if totals["seconds"] else 0.0
             print(f"[{totals['answers']} answers, {totals['tokens']} tokens, {rate:.1f} tokens/s, "
                   f"{totals['forwards']} target forwards]", file=sys.stderr)
-            if choices:
-                print(choices_line(choices), file=sys.stderr)
+            if watched is not None and watched.rows:
+                print(choices_line(watched.snapshot()), file=sys.stderr)
             if adapter is not None:
                 adapter.round(steps=0)   # the answers so far taken in (and judged, where enough came)
                 print(adapter.stats_line(), file=sys.stderr)
@@ -186,7 +188,6 @@ def chat(lm, cfg: GenerationConfig) -> None:
         totals["tokens"] += stats.new_tokens
         totals["seconds"] += stats.seconds
         totals["forwards"] += stats.target_forwards
-        add_choices(choices, stats.choices)
         print(stats_line(stats), file=sys.stderr)
 
 

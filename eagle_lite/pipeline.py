@@ -43,8 +43,13 @@ class Pipeline:
         self.target, self.method, self.options = target, method, options
         self.static: str | None = None   # the static step's mode where `engine` is one (`load(static=...)`)
         self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
-        self.adapter = None    # heads.adapt.Adapter: the head learns from the answers it serves (--adapt)
+        self.adapter = None    # eagle_lite_wing.adapt.Adapter: the head learns from the answers it serves (--adapt)
         self.engine = engine if engine is not None else engine_for(target, drafter)
+        # the drafter's observer of its steps (method auto: its choices, drafters/auto.py `Choices`); None: none
+        make = getattr(drafter, "statistics", None) if engine is None else None
+        self.statistics = make() if make is not None else None
+        if self.statistics is not None:
+            self.engine.observers.append(self.statistics)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
         source = drafter if engine is None else engine
         self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None), device=str(target.device))
@@ -154,12 +159,12 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     and vanilla, a mode of theirs (`Pipeline.static`). None: the engine.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
-    adapt: a folder where the head learns from the answers it serves (heads/adapt.py: `pipeline.adapter.round()`
-    between answers, as the chat and the server do); a folder holding an adapted head resumes from it. Methods auto
-    and eagle.
+    adapt: a folder where the head learns from the answers it serves (eagle_lite_wing/adapt.py, unproven: at most
+    +0.5% accepted per step on the weak kinds; `pipeline.adapter.round()` between answers, as the chat and the
+    server do); a folder holding an adapted head resumes from it. Methods auto and eagle.
     """
     if adapt is not None:
-        from .heads.adapt import adapted_draft
+        from eagle_lite_wing.adapt import adapted_draft
 
         if static is not None:
             raise ValueError("--adapt runs on the engine, not the static step: drop --static")
@@ -200,7 +205,7 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
 
         pipeline.recorder = Recorder(record, tgt)
     if adapt is not None:
-        from .heads.adapt import attach
+        from eagle_lite_wing.adapt import attach
 
         attach(pipeline, adapt, start_draft)
     return pipeline

@@ -4,7 +4,7 @@
     python -m eval.adapt --tasks sharegpt_kinds --per-task 60 --stream kind --out runs/adapt
 
 Each question's turns are answered twice, greedily and interleaved: by the frozen head, then by the adapting one
-(heads/adapt.py), whose learner then runs its round (timed apart: the learner's seconds, never in tokens/s).
+(eagle_lite_wing/adapt.py), whose learner then runs its round (timed apart: the learner's seconds, never in tokens/s).
 `--stream kind` (default) gives every kind its own stream, in file order, each starting from the head given;
 `--stream mixed` runs one stream over every question in file order. Printed per kind and per fifth of its stream:
 tokens/s and accepted tokens per step of both heads, and whether every output was identical; then an overall row of
@@ -27,10 +27,10 @@ from pathlib import Path
 from eagle_lite.cli import entry_point
 from eagle_lite.config import resolve_tree
 from eagle_lite.drafters import registry
-from eagle_lite.drafters.traffic import MAX_TOKENS
-from eagle_lite.heads.learner import MOVES, LearnConfig
 from eagle_lite.options import add_flag, add_method_flag, add_tree_flags, tree_flags
 from eagle_lite.threads import check_threads, set_threads
+from eagle_lite_wing.learner import MOVES, LearnConfig
+from eagle_lite_wing.traffic import MAX_TOKENS
 
 from .evaluation import load_questions
 
@@ -51,7 +51,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_flag(p, "max-new-tokens")
     add_flag(p, "threads")
     p.add_argument("--moves", choices=MOVES, default=LearnConfig.moves, help="what the learner updates")
-    p.add_argument("--rank", type=int, default=LearnConfig.rank, help="of each linear's change, with --moves lowrank")
     p.add_argument("--lr", type=float, default=LearnConfig.lr)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps each answer buys")
     p.add_argument("--judge-tokens", type=int, default=256, help="answer tokens between two judgements of the guard")
@@ -63,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train on the prompts' positions too, not only the answers' (LearnConfig.prompts)")
     p.add_argument("--traffic-tokens", type=int, default=0,
                    help=f"answer tokens the adapting side's lookup store keeps, to copy from across questions "
-                        f"(drafters/traffic.py, e.g. {MAX_TOKENS}; 0, the default: none, the head alone adapts)")
+                        f"(eagle_lite_wing/traffic.py, e.g. {MAX_TOKENS}; 0, the default: none, the head alone adapts)")
     p.add_argument("--out", help="a folder for adapt.json and the adapted heads")
     add_tree_flags(p)
     args = p.parse_args(argv)
@@ -74,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-new-tokens and --per-task must be >= 1, --steps and --traffic-tokens >= 0")
     check_threads(args.threads)
     try:   # refused before anything is loaded
-        args.learn = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts, rank=args.rank)
+        args.learn = LearnConfig(moves=args.moves, lr=args.lr, replay=args.replay, prompts=args.prompts)
     except ValueError as err:
         p.error(str(err))
     return args
@@ -113,8 +112,8 @@ def answer(pipeline, question, max_new_tokens: int, tree: dict | None = None) ->
 
 def run_stream(target, args, name: str, questions: list, heads_dir: Path) -> list[dict]:
     """One stream: the frozen and the adapting pipeline answer each question in turn; rows per question."""
-    from eagle_lite.heads.adapt import attach
     from eagle_lite.pipeline import for_target
+    from eagle_lite_wing.adapt import attach
 
     options = registry.EagleOptions(draft=args.draft)
     frozen = for_target(target, args.method, options)
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     identical = sum(r["identical"] for r in rows) / len(rows)
     answered = sum(t["tokens"] for r in rows for t in r["adapted"])
     tree = ", ".join(f"{k} {v}" for k, v in tree_flags(args).items() if v is not None) or "the head's"
-    moves = f"{args.moves} (rank {args.rank})" if args.moves == "lowrank" else args.moves
+    moves = args.moves
     print(f"eval.adapt · {target.name} · method {args.method} · tree {tree} · stream {args.stream} · moves {moves} · "
           f"lr {args.lr} · {args.steps} steps/answer · lookup store {args.traffic_tokens} tokens · "
           f"replay {args.replay} · {len(rows)} questions · {args.max_new_tokens} new tokens · "

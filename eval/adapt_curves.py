@@ -3,9 +3,9 @@
     python -m eval.adapt_curves --tasks humaneval --per-task 80 --threads 2 --records runs/he.safetensors \\
         --settings '{}' '{"moves": "layer"}' '{"replay": 0}'
 
-The questions are answered once (greedy, with the engine's capture on, heads/adapt.py's data); `--records FILE`
+The questions are answered once (greedy, with the capture on: eagle_lite_wing/adapt.py's data); `--records FILE`
 keeps those answers' captured features (safetensors) so a later run replays them without answering again. Each
-setting (JSON: heads/learner.py's LearnConfig fields, plus the Adapter's "steps" per answer, "judge_tokens" and
+setting (JSON: the wing's learner.py LearnConfig fields, plus the Adapter's "steps" per answer, "judge_tokens" and
 "confidence") then replays the stream through an Adapter, the guard included: each answer is scored before it is
 learned from (tokens per step of a greedy chain of LearnConfig.depth head tokens, `Learner.accepted`) by the frozen
 head and by the head serving at that point. Printed per setting and fifth of the stream: both, their ratio, and the
@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 
 from eagle_lite.cli import entry_point
-from eagle_lite.decoding.capture import Capture, Captured
-from eagle_lite.heads.learner import LearnConfig
 from eagle_lite.options import add_flag
 from eagle_lite.threads import check_threads, set_threads
+from eagle_lite_wing.capture import Capture, Captured
+from eagle_lite_wing.learner import LearnConfig
 
 from .evaluation import load_questions
 
@@ -70,13 +70,13 @@ def settings(text: str) -> tuple[LearnConfig, dict]:
 def answer(lm, questions, max_new_tokens: int) -> list[Captured]:
     """Every question's first turn answered with the capture on; the captured answers in order."""
     capture = Capture(max_tokens=1 << 40)
-    lm.engine.capture = capture
+    lm.engine.observers.append(capture)
     records = []
     for i, q in enumerate(questions):
         lm.generate([{"role": "user", "content": q.turns[0]}], lm.config(max_new_tokens=max_new_tokens))
         records += capture.take()
         print(f"  answered {i + 1}/{len(questions)}", file=sys.stderr, flush=True)
-    lm.engine.capture = None
+    lm.engine.observers.remove(capture)
     return records
 
 
@@ -106,7 +106,7 @@ def load_records(path: str) -> list[Captured]:
 def curve(lm, draft: str, records: list[Captured], cfg: LearnConfig, keywords: dict) -> tuple[list, float]:
     """[(frozen, serving)] accepted per step on each answer before it is learned from; the learner's seconds."""
     from eagle_lite.drafters.registry import load_eagle_head
-    from eagle_lite.heads.adapt import attach
+    from eagle_lite_wing.adapt import attach
 
     with tempfile.TemporaryDirectory() as folder:
         adapter = attach(lm, folder, draft, cfg=cfg, **keywords)

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         chains = [int(k) for k in args.chain.split(",")] if args.chain else []
         if any(k < 1 for k in chains):
             raise ValueError(f"--chain takes chain lengths >= 1, got {args.chain}")
-    from eagle_lite.drafters.registry import load_eagle_head
+    from eagle_lite.drafters.registry import eagle_drafter, load_eagle_head
     from eagle_lite.targets.loading import load_target
 
     quiet_libraries(False)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     target = load_target(target_of(args.target, args.draft[0]))   # the first head's target
     costs, chain_costs = {}, {}
     for draft in args.draft:
-        drafter = EagleDrafter(target, load_eagle_head(target, draft), round_head=not args.plain)
+        drafter = eagle_drafter(target, load_eagle_head(target, draft), round_head=not args.plain)
         costs[draft] = head_cost(drafter, args.rows, args.reps)
         chain_costs[draft] = {k: chain_cost(drafter, k, args.rows, max(10, args.reps // 3)) for k in chains}
         fused = "layer as one op" if running_fused(drafter.head.layer) is not None else "layer in torch"

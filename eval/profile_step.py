@@ -24,7 +24,7 @@ import torch
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
-from eagle_lite.decoding.engine import Engine, add_choices
+from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
 from eagle_lite.options import add_device_flags, add_flag, add_static_flag
 from eagle_lite.pipeline import engine_for, static_engine_for
@@ -46,9 +46,13 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
     [steps, tokens, predicted seconds, measured seconds] summed."""
     sums = {name: dict.fromkeys(("draft", "verify", "accept", "prefill", "seconds", "tokens", "steps"), 0.0)
             for name, _, _ in runs}
-    choices: dict[str, dict[str, list[float]]] = {name: {} for name, _, _ in runs}
-    for _, engine, cfg in runs:
+    watched = {}   # method auto: the observer of its controller's choices (drafters/auto.py `Choices`)
+    for name, engine, cfg in runs:
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
+        make = getattr(getattr(engine, "drafter", None), "statistics", None)
+        if make is not None:
+            watched[name] = make()
+            engine.observers.append(watched[name])
     for ids in prompts:
         for name, engine, cfg in runs:
             engine.reset()
@@ -57,14 +61,14 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
                                ("prefill", s.prefill_seconds), ("seconds", s.seconds), ("tokens", s.new_tokens),
                                ("steps", len(s.accept_lengths))):
                 total[key] += value
-            add_choices(choices[name], s.choices)
     rows = {}
     for name, t in sums.items():
         steps = max(t["steps"], 1)
         rows[name] = {"draft": 1000 * t["draft"] / steps, "verify": 1000 * t["verify"] / steps,
                       "accept": 1000 * t["accept"] / steps, "tokens_per_step": (t["tokens"] - len(prompts)) / steps,
                       "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
-                      "prefill": 1000 * t["prefill"] / len(prompts), "choices": choices[name]}
+                      "prefill": 1000 * t["prefill"] / len(prompts),
+                      "choices": watched[name].snapshot() if name in watched else {}}
     return rows
 
 

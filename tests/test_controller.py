@@ -17,7 +17,7 @@ from eagle_lite.decoding.controller import ALONE, EXPLORE, Calibration, ChainRat
 from eagle_lite.decoding.cost import StepCost, step_cost
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import EagleOptions, build
-from eagle_lite.drafters.auto import AutoDrafter, auto_tree
+from eagle_lite.drafters.auto import AutoDrafter, Choices, auto_tree
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.heads.draft import DraftHead
 
@@ -63,9 +63,11 @@ def test_auto_greedy_output_is_the_targets(llama, with_head):
     drafter = auto(llama, head)
     engine = Engine(llama, drafter)
     for prompt in PROMPTS:
+        watched = drafter.statistics()
+        engine.observers[:] = [watched]
         out = engine.generate(prompt, cfg)
         assert out.token_ids == reference_greedy(llama, prompt, 40), prompt
-        assert sum(row[0] for row in out.stats.choices.values()) == len(out.stats.accept_lengths)
+        assert sum(row[0] for row in watched.rows.values()) == len(out.stats.accept_lengths)
 
 
 @pytest.mark.parametrize("with_head", [True, False])
@@ -383,8 +385,10 @@ def test_auto_is_the_default_method_and_runs_lookup_without_a_head(llama, caplog
 def test_stats_show_the_split_by_choice(llama):
     torch.manual_seed(0)
     engine = Engine(llama, auto(llama, DraftHead.for_target(llama)))
+    watched = Choices()     # the observer the pipeline attaches for method auto (AutoDrafter.statistics)
+    engine.observers.append(watched)
     out = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=30, tree=auto_tree(TREE), stop_at_eos=False))
-    choices = out.stats.as_dict()["choices"]
+    choices = watched.as_dict()
     assert set(choices) <= {"plain", "lookup", "head"}
     assert sum(c["steps"] for c in choices.values()) == len(out.stats.accept_lengths)
     assert all(c["predicted_ms"] > 0 and c["measured_ms"] > 0 for c in choices.values())

@@ -23,11 +23,12 @@ def test_a_parallel_heads_chain_is_one_forward_where_a_sequential_heads_is_k():
     a token; a parallel head's stays one forward (K-1 more rows, a few more ops for the rows' logits)."""
     from eagle_lite.drafters.eagle import EagleDrafter
     from eagle_lite.heads.draft import DraftHead
+    from eagle_lite_wing.parallel import ParallelDrafter
     from eval.head_cost import chain_cost
 
     target = make_target("llama")
     sequential = EagleDrafter(target, DraftHead.for_target(target))
-    parallel = EagleDrafter(target, DraftHead.for_target(target, parallel=4))
+    parallel = ParallelDrafter(target, DraftHead.for_target(target, parallel=4))
     seq = {k: chain_cost(sequential, k, rows=3, reps=3) for k in (1, 2, 4)}
     par = {k: chain_cost(parallel, k, rows=3, reps=3) for k in (1, 2, 4)}
     assert all(ms > 0 for ms, _ in [*seq.values(), *par.values()])

@@ -21,8 +21,8 @@ from eagle_lite.formats import load_head, load_medusa  # noqa: E402
 from eagle_lite.heads.checkpoint import HeadMismatchError, save_head  # noqa: E402
 from eagle_lite.heads.draft import DraftHead  # noqa: E402
 from eagle_lite.heads.medusa import MedusaHeads, save_medusa  # noqa: E402
-from eagle_lite.heads.objective import collate  # noqa: E402
 from trainers.medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective  # noqa: E402
+from trainers.objective import collate  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lite.heads.objective import ObjectiveConfig, Pairs, target_distribution, token_loss
+from trainers.objective import ObjectiveConfig, Pairs, target_distribution, token_loss
 
 
 def pairs_of(target: torch.Tensor) -> Pairs:

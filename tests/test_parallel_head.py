@@ -14,8 +14,9 @@ from eagle_lite.drafters import eagle as eagle_module
 from eagle_lite.heads.checkpoint import load_native_head as load_head
 from eagle_lite.heads.checkpoint import save_head
 from eagle_lite.heads.draft import DraftHead
-from eagle_lite.heads.objective import Pairs, unroll
 from eagle_lite.tree import attention_mask
+from eagle_lite_wing.parallel import rows_by_depth
+from trainers.objective import Pairs, unroll
 
 V = Q.shape[0]
 DEEP = {}
@@ -101,7 +102,7 @@ def per_depth_tree(root: int, shape: TreeConfig, sampling: SamplingConfig, g: to
     """The sampled tree a parallel head drafts: depth d's children from one distribution, whatever the parent
     (here Q's rows root, root+1, ... as the head's rows)."""
     logits = torch.stack([Q[(root + d) % V] for d in range(max(shape.depth, 1))]).log()
-    return eagle_module.grow_tree(root, logits[:1], eagle_module._rows_by_depth(logits), shape, sampling, g, None, V)
+    return eagle_module.grow_tree(root, logits[:1], rows_by_depth(logits), shape, sampling, g, None, V)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())

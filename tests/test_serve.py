@@ -86,8 +86,8 @@ class Server:
 
             self.pipeline.recorder = Recorder(record, target)
         if adapt is not None:    # --adapt: what load(adapt=...) sets; requests then draft with the head serving
-            from eagle_lite.heads.adapt import Adapter
-            from eagle_lite.heads.learner import LearnConfig
+            from eagle_lite_wing.adapt import Adapter
+            from eagle_lite_wing.learner import LearnConfig
 
             torch.manual_seed(0)
             start = DraftHead.for_target(target)

@@ -18,7 +18,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
 from eagle_lite.drafters import DraftInput
-from eagle_lite.drafters.eagle import EagleDrafter
+from eagle_lite.drafters.registry import eagle_drafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
 
@@ -124,7 +124,7 @@ def first_trees(target, head, tree_cfg: TreeConfig, prompt: list[int]) -> tuple[
         engine._prepare(64, tree_cfg)
         first = engine._prefill(prompt)
         engine.draft_step()
-        drafter = EagleDrafter(target, head, round_head=False)
+        drafter = eagle_drafter(target, head, round_head=False)   # a parallel head: the wing's
         drafter.reset(64)
         _, hidden = target.forward(torch.tensor(prompt), target.new_cache(64))
         return engine._state.tree, drafter.propose(DraftInput(prompt + [first], hidden), tree_cfg)

@@ -1,4 +1,4 @@
-"""Prompt lookup across requests (drafters/traffic.py): the store of answers served, the lookups that copy from it,
+"""Prompt lookup across requests (eagle_lite_wing/traffic.py): the store of answers served, the lookups copying it,
 and that output stays the target's own."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import registry
 from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
-from eagle_lite.drafters.traffic import TrafficStore
 from eagle_lite.heads.draft import DraftHead
+from eagle_lite_wing.traffic import TrafficStore
 
 
 def prompts(n: int, seed: int = 0, length: int = 12) -> list[list[int]]:
@@ -48,9 +48,10 @@ def test_lookup_takes_the_stores_match_only_where_it_is_longer():
     lookup = PromptLookupDrafter(max_ngram=5, min_ngram=1)
     context = [7, 1, 2, 4, 5, 6, 7]
     assert lookup.match_length(context, 3) == (1, 1, [1, 2, 4])       # the context alone: (7) at its start
-    assert lookup.match_length(context, 3, store) == (4, 0, [8, 9])   # the store holds (4, 5, 6, 7)
-    assert lookup.match_length([5, 6, 7], 3, store) == (0, 0, [])      # 3 tokens: too short to copy from another answer
-    assert lookup.match_length([1, 2, 1, 2], 2, store) == (2, 2, [1, 2])   # the context's longer match stays
+    lookup.store = store
+    assert lookup.match_length(context, 3) == (4, 0, [8, 9])          # the store holds (4, 5, 6, 7)
+    assert lookup.match_length([5, 6, 7], 3) == (0, 0, [])             # 3 tokens: too short to copy from another answer
+    assert lookup.match_length([1, 2, 1, 2], 2) == (2, 2, [1, 2])      # the context's longer match stays
 
 
 @pytest.mark.parametrize("method", ["lookup", "eagle", "auto"])
@@ -60,16 +61,17 @@ def test_greedy_output_is_the_targets_with_a_store_and_a_repeat_takes_fewer_step
     engine = Engine(llama, registry.build(method, llama, options))
     tree = TreeConfig(1, 1, 1, 8) if method != "lookup" else TreeConfig()
     cfg = GenerationConfig(max_new_tokens=40, tree=tree, stop_at_eos=False)
-    engine.traffic = TrafficStore()
+    store = TrafficStore()
+    engine.observers.append(store)
     steps = []
     for prompt in prompts(3) + prompts(1):             # the last prompt is the first again
         engine.reset()
         out = engine.generate(prompt, cfg)
         assert out.token_ids == reference_greedy(llama, prompt, 40)
         steps.append(out.stats.target_forwards)
-    assert len(engine.traffic) == 4
+    assert len(store) == 4
     assert steps[-1] < steps[0]                        # its answer, looked up from the first
-    engine.traffic = None
+    engine.observers.remove(store)                     # a finished answer's drafter lets go of the store
     engine.reset()
     assert engine.generate(prompts(1)[0], cfg).stats.target_forwards == steps[0]
 
@@ -81,7 +83,8 @@ def test_sampled_output_does_not_depend_on_the_store(llama):
     prompt = prompts(1)[0]
     cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0), seed=3, stop_at_eos=False)
     plain = engine.generate(prompt, cfg).token_ids
-    engine.traffic = TrafficStore()
-    engine.traffic.add(plain)
+    store = TrafficStore()
+    store.add(plain)
+    engine.observers.append(store)
     engine.reset()
     assert engine.generate(prompt, cfg).token_ids == plain

@@ -19,7 +19,10 @@ from omegaconf import OmegaConf  # noqa: E402
 from eagle_lite.formats import load_head  # noqa: E402
 from eagle_lite.heads.checkpoint import HeadMismatchError, read_head_config  # noqa: E402
 from eagle_lite.heads.draft import DraftHead  # noqa: E402
-from eagle_lite.heads.objective import (  # noqa: E402
+from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
+from trainers.datamodule import LoaderConfig, joint_index  # noqa: E402
+from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
+from trainers.objective import (  # noqa: E402
     ObjectiveConfig,
     agreement,
     collate,  # noqa: E402
@@ -29,9 +32,6 @@ from eagle_lite.heads.objective import (  # noqa: E402
     objective,
     unroll,
 )
-from eagle_lite.kv_cache import StaticKVCache  # noqa: E402
-from trainers.datamodule import LoaderConfig, joint_index  # noqa: E402
-from trainers.features import FeatureCache, FeatureConfig, cache_features  # noqa: E402
 from trainers.targets import TargetConfig, tiny_target  # noqa: E402
 from trainers.vocab import build_d2t, count_tokens  # noqa: E402
 
@@ -202,11 +202,11 @@ def test_copy_weight_scales_the_loss_of_lookup_copyable_tokens(target):
 
 # -- configs and the CLI ----------------------------------------------------------------------------
 def test_every_experiment_debug_and_trainer_config_composes():
-    from eagle_lite.heads.objective import ObjectiveConfig
     from trainers.datamodule import LoaderConfig
     from trainers.distill import DistillConfig
     from trainers.medusa_objective import MedusaObjectiveConfig
     from trainers.module import OptimConfig
+    from trainers.objective import ObjectiveConfig
     from trainers.train import _typed
 
     experiments = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -426,8 +426,8 @@ def test_an_eagle31_fine_tune_trains_exports_and_decodes_exactly(tmp_path):
 
 def test_an_eagle3_head_refuses_a_feature_regression_loss():
     from eagle_lite.heads.draft import DraftHead
-    from eagle_lite.heads.objective import ObjectiveConfig
     from trainers.module import DraftLightningModule
+    from trainers.objective import ObjectiveConfig
 
     target = tiny_target(TargetConfig(name="tiny8", kind="tiny", num_layers=8))
     head = DraftHead.for_target(target, feature_layers=(1, 3, 4), design="eagle3")

@@ -37,9 +37,8 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from eagle_lite.heads.objective import collate
-
 from .features import FeatureCache, FeatureCacheMismatch
+from .objective import collate
 from .sharegpt import SPLITS, heldout_mask
 
 log = logging.getLogger("trainers.datamodule")

@@ -86,9 +86,9 @@ def _fit_row(cfg, target, taps: tuple[int, ...], length: int) -> float | None:
     import warnings
 
     from eagle_lite.heads.draft import DraftHead
-    from eagle_lite.heads.objective import ObjectiveConfig
 
     from .module import DraftLightningModule, OptimConfig
+    from .objective import ObjectiveConfig
 
     if cfg.draft.get("kind", "eagle") == "medusa":
         return None

@@ -15,10 +15,10 @@ import torch
 from torchmetrics.aggregation import SumMetric
 
 from eagle_lite.heads.medusa import MedusaHeads
-from eagle_lite.heads.objective import add_noise
 
 from .medusa_objective import MedusaObjectiveConfig, medusa_agreement, medusa_objective
 from .module import DraftLightningModule, OptimConfig, add_val_batch, val_epoch_metrics
+from .objective import add_noise
 
 
 class MedusaLightningModule(L.LightningModule):

@@ -21,7 +21,8 @@ import torch
 from torchmetrics.aggregation import SumMetric
 
 from eagle_lite.heads.draft import DraftHead
-from eagle_lite.heads.objective import (
+
+from .objective import (
     ObjectiveConfig,
     agreement,
     head_loss,

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_lite.heads.objective import collate
-
 from .features import loss_mask_of, target_features
+from .objective import collate
 
 
 class RecordCache:

@@ -251,8 +251,7 @@ def build_module(cfg: DictConfig, target, data, taps: tuple[int, ...] = ()):
         return MedusaLightningModule(heads, target.lm_head.weight, _typed(MedusaObjectiveConfig, cfg.draft.objective),
                                      _typed(OptimConfig, cfg.draft.optim))
 
-    from eagle_lite.heads.objective import ObjectiveConfig
-
+    from .objective import ObjectiveConfig
     from .vocab import build_d2t, count_tokens, special_ids
 
     init_from = cfg.draft.get("init_from")
@@ -366,7 +365,7 @@ def sample_pairs(target, data, taps: bool = False):
     """The first training batch's pairs (`objective.make_pairs`; taps: the tapped layers as the head's input) and
     the rows to sample them by: the weighted ones, else every pair inside a sequence. What a layout change measures
     the head's inputs on (`served_layout`, `normed_taps_layout`)."""
-    from eagle_lite.heads.objective import make_pairs
+    from .objective import make_pairs
 
     batch = next(iter(data.train_dataloader()))
     if isinstance(batch, list):   # online features: the target computes them now
@@ -571,7 +570,7 @@ def check_draft_settings(cfg: DictConfig) -> None:
         from .medusa_module import MedusaObjectiveConfig
         _typed(MedusaObjectiveConfig, cfg.draft.objective)
     else:
-        from eagle_lite.heads.objective import ObjectiveConfig
+        from .objective import ObjectiveConfig
         _typed(ObjectiveConfig, cfg.draft.objective)
         if cfg.draft.get("revocab") and not cfg.draft.get("init_from"):
             raise ValueError(REVOCAB_NEEDS_INIT)

@@ -23,13 +23,13 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.heads.objective import ObjectiveConfig
 from eagle_lite.options import add_flag, quiet_libraries, target_of
 from eagle_lite.threads import check_threads
 
 from .datamodule import DraftDataModule, LoaderConfig
 from .features import FeatureCache, FeatureCacheMismatch, check_fingerprint
 from .module import DraftLightningModule
+from .objective import ObjectiveConfig
 
 METRICS = ("val/top1", "val/top1_novel", "val/top3", "val/accept_len_est", "val/loss")
 

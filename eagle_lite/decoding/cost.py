@@ -17,7 +17,7 @@ sequence's cache is read at its own context.
 The cache is a small JSON file under $EAGLE_LITE_CACHE (default ~/.cache/eagle_lite)/costs, named by a hash of what
 the figures depend on (the CPU model or GPU name, the torch threads, the target, its dtype and device, the head's
 shape); `step_cost(..., refresh=True)` (or EAGLE_LITE_REFRESH_COSTS=1) measures again. The controller
-(controller.py) and the server's batch cost (serve/cost.py) read the same figures.
+(controller.py: method auto's plans, and the tree caps of a server's batch) reads them.
 """
 from __future__ import annotations
 

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ..config import SamplingConfig, TreeConfig
 from ..tree import DraftTree
-
-if TYPE_CHECKING:
-    from ..drafters.traffic import TrafficStore
 
 
 @dataclass
@@ -25,14 +22,12 @@ class DraftInput:
       `feature_layers` (EAGLE-3 heads) the outputs of those decoder layers instead, [m, len * H].
     sampling, generator: how the target samples; a drafter that samples its tokens from q_draft
       (rather than choosing them deterministically) uses them and returns q_draft with the tree.
-    traffic: the engine's store of answers served (`Engine.traffic`), or None.
     """
 
     tokens: list[int]
     hidden: torch.Tensor
     sampling: SamplingConfig = SamplingConfig()
     generator: torch.Generator | None = None
-    traffic: TrafficStore | None = None   # earlier answers a lookup may copy from (drafters/traffic.py; None: none)
 
     @property
     def root(self) -> int:
@@ -42,9 +37,12 @@ class DraftInput:
 class Drafter(Protocol):
     """A drafter may also name `feature_layers`, the target's decoder layers it reads (EAGLE-3 heads): the engine
     then passes their outputs as `DraftInput.hidden` (`Target.forward`'s taps) instead of the last hidden state.
-    It may also define `observe(tree, nodes)`: called after each acceptance with the tree it proposed and the
+    It may also define `observe(tree, nodes, path)`: called after each acceptance with the tree it proposed, the
     target's logits of its nodes (`lm_head.NodeLogits`: `nodes.top_token(i)`, `nodes[i]`), the rows of
-    `tree.probes` already projected; lookahead reads its Jacobi window's next tokens there.
+    `tree.probes` already projected, and the accepted path (root first); lookahead reads its Jacobi window's next
+    tokens there, method auto what its plan (`tree.plan`, which the engine never reads) returned.
+    Its class may define `seat(drafters, configs)`: told each step's batch (the drafters of that class and their
+    sequences' GenerationConfigs) before any of them proposes (method auto: its controllers weigh the batch).
     It may also define `proposal(inp, tree)`: `propose` as a generator of the forwards it needs (`Proposal`), so that
     several sequences' drafters can propose together (`propose_together`: EAGLE heads, drafters/eagle.py)."""
 

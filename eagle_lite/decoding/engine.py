@@ -9,6 +9,8 @@ alone. The path of a token:
               projects only the nodes that walk reads (lm_head.NodeLogits; greedy: their certified argmax),
               and the tree's probes, whose outputs the drafter reads back (`observe`: lookahead's window).
   5. commit:  the accepted nodes' KV entries move next to the prefix (kv_cache.py); the bonus is the next root.
+The engine knows drafters (drafter.py) and observers (observer.py: `Engine.observers` see each prefill, accepted step
+and finished answer), nothing else: what a drafter plans travels with its tree and comes back to it (`observe`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,12 +28,8 @@ from ..targets.lm_head import NodeLogits
 from ..targets.model import Target
 from ..tree import DraftTree
 from .accept import accept, sample, target_probs
-from .capture import Capture, Rows
-from .controller import ALONE, seat
 from .drafter import Drafter, DraftInput, NoDrafter, propose_together
-
-if TYPE_CHECKING:
-    from ..drafters.traffic import TrafficStore
+from .observer import Observer, Step
 
 
 @dataclass
@@ -46,12 +43,8 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0        # target forward over the tree (hidden states)
     accept_seconds: float = 0.0        # lm_head rows the acceptance walk reads, acceptance, cache commit
-    capture_seconds: float = 0.0       # keeping the accepted rows for a head that adapts (`Engine.capture`)
     seconds: float = 0.0               # wall time, prefill included
     stop_reason: str = ""              # "eos" | "length" | "context"; "interrupted" where a caller stopped it
-    # method auto: per choice of the controller (controller.KINDS), [steps, tokens, predicted tokens, predicted s,
-    # measured s, of which the draft predicted, measured] summed
-    choices: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,35 +62,7 @@ class GenerationStats:
             "prefill_seconds": round(self.prefill_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4), "accept_seconds": round(self.accept_seconds, 4),
             "stop_reason": self.stop_reason,
-            **({"capture_seconds": round(self.capture_seconds, 4)} if self.capture_seconds else {}),
-            **({"choices": self.choices_dict()} if self.choices else {}),
         }
-
-    def choose(self, kind: str, tokens: int, predicted_tokens: float, predicted: float, measured: float,
-               predicted_draft: float = 0.0, measured_draft: float = 0.0) -> None:
-        """Count a step of the controller's choice `kind` (method auto): the tokens it emitted and the seconds it
-        took (draft, verify, acceptance), and of them the draft's, against the controller's prediction of each."""
-        row = self.choices.setdefault(kind, [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
-        for i, value in enumerate((1, tokens, predicted_tokens, predicted, measured, predicted_draft, measured_draft)):
-            row[i] += value
-
-    def choices_dict(self) -> dict:
-        """Per choice: steps, and tokens per step, step time and draft time (ms) as predicted and as measured."""
-        return {kind: {"steps": int(steps), "tokens_per_step": round(tokens / steps, 3),
-                       "predicted_tokens_per_step": round(expected / steps, 3),
-                       "predicted_ms": round(1e3 * predicted / steps, 3),
-                       "measured_ms": round(1e3 * measured / steps, 3),
-                       "predicted_draft_ms": round(1e3 * pdraft / steps, 3),
-                       "measured_draft_ms": round(1e3 * mdraft / steps, 3)}
-                for kind, (steps, tokens, expected, predicted, measured, pdraft, mdraft)
-                in sorted(self.choices.items())}
-
-
-def add_choices(total: dict[str, list[float]], choices: dict[str, list[float]]) -> None:
-    """Add one call's `GenerationStats.choices` into `total` (a chat session's, a profile's), row by row."""
-    for kind, row in choices.items():
-        kept = total.setdefault(kind, [0.0] * len(row))
-        kept[:] = [a + b for a, b in zip(kept, row)]
 
 
 @dataclass
@@ -176,12 +141,18 @@ class Sequence:
     eos: set[int]
     generator: torch.Generator | None  # its own sampling stream: a batch-mate never moves it
     start: float                       # perf_counter at its prefill
-    rows: Rows | None = None           # the target's outputs kept for `Engine.capture` (None: not captured)
-    traffic: TrafficStore | None = None   # `Engine.traffic` when it began: its answer joins it when done
+    observers: tuple[Observer, ...] = ()   # `Engine.observers` when it began
+    notes: dict = field(default_factory=dict)   # what each observer keeps of it, by observer
 
     @property
     def done(self) -> bool:
         return bool(self.stats.stop_reason)
+
+    @property
+    def answer(self) -> list[int]:
+        """The tokens emitted so far (a token a last step verified past a stop is not one of them)."""
+        start = self.stats.prompt_tokens
+        return self.tokens[start:start + self.stats.new_tokens]
 
     def emit(self, new: list[int]) -> list[int]:
         return emit_tokens(new, self.stats, self.eos, self.budget, self.cfg.max_new_tokens, self.start)
@@ -203,12 +174,7 @@ class Engine:
         self._cache: StaticKVCache | None = None
         self._cached_tokens: list[int] = []   # what the committed cache slots hold
         self.last_verify: tuple[int, float] = (0, 0.0)   # (tree nodes, seconds) of the last step's target forward
-        # method auto: (choice, tokens, predicted s, measured s) of each sequence of the last step that had a plan
-        self.last_plans: list[tuple[str, int, float, float]] = []
-        # where each finished answer's target outputs go for a head that adapts (decoding/capture.py); None: nowhere
-        self.capture: Capture | None = None
-        # the answers served, for lookups across requests (drafters/traffic.py; `--adapt` sets one); None: none
-        self.traffic: TrafficStore | None = None
+        self.observers: list[Observer] = []   # called with each sequence's prefill, steps and end (observer.py)
 
     def _cache_for(self, prompt_ids: list[int], max_len: int) -> tuple[StaticKVCache, int]:
         """A cache for this call and how many leading prompt tokens it already holds."""
@@ -314,11 +280,10 @@ class Engine:
             rows = NodeLogits.together(target.lm, [(last[i][None], [0]) for i in greedy])
             firsts = {i: nodes.top_token(0) for i, nodes in zip(greedy, rows)}
         begun = []
-        for i, ((s, stats, budget, cache, generator), (hidden, features)) in enumerate(zip(ready, outs)):
-            rows = self._capture_prefill(s.prompt_ids, cache.length, hidden, features, stats)
+        for i, ((s, stats, budget, cache, generator), (hidden, read)) in enumerate(zip(ready, outs)):
+            read_from = cache.length
             cache.commit(len(s.prompt_ids) - cache.length)
-            if s.before is not None:
-                features = torch.cat([s.before, features])
+            features = read if s.before is None else torch.cat([s.before, read])
             if i in firsts:
                 first = firsts[i]
             elif s.cfg.sampling.greedy:
@@ -330,30 +295,13 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - start
             eos = target.eos_token_ids if s.cfg.stop_at_eos else set()
             seq = Sequence(s.drafter, cache, s.cfg, stats, list(s.prompt_ids) + [first], features, budget, eos,
-                           generator, start, rows, self.traffic)
+                           generator, start, tuple(self.observers))
             begun.append((seq, seq.emit([first])))
+            for observer in seq.observers:
+                observer.on_start(seq, hidden, read, read_from)
+                if seq.done:
+                    observer.on_finish(seq)
         return begun
-
-    def _capture_prefill(self, prompt_ids: list[int], read_from: int, hidden: torch.Tensor, features: torch.Tensor,
-                         stats: GenerationStats) -> Rows | None:
-        """A new sequence's captured rows (`capture`), starting with its prefill's outputs; None where not captured."""
-        if self.capture is None:
-            return None
-        t0 = time.perf_counter()
-        rows = self.capture.rows_for(len(prompt_ids), read_from)
-        cut = rows.start - read_from
-        rows.add(hidden[cut:], None if features is hidden else features[cut:])
-        stats.capture_seconds += time.perf_counter() - t0
-        return rows
-
-    def _capture_step(self, seq: Sequence, hidden: torch.Tensor, features: torch.Tensor, path: list[int]) -> None:
-        """Keep a step's accepted rows; a finished sequence goes to `capture` whole."""
-        t0 = time.perf_counter()
-        seq.rows.add(hidden[path], None if features is hidden else features[path])
-        if seq.done:
-            self.capture.finish(seq.rows, seq.tokens, seq.stats.new_tokens)
-            seq.rows = None
-        seq.stats.capture_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], caps: list[int | None] | None = None) -> list[list[int]]:
@@ -384,16 +332,16 @@ class Engine:
         paths = [tree.likely_path() for tree in drafted]
         projected = NodeLogits.together(target.lm, [(hidden, likely) for (hidden, _), likely in zip(outs, paths)])
         shared = (time.perf_counter() - t3) / len(seqs)
-        emitted, self.last_plans = [], []
+        emitted = []
         for seq, tree, (hidden, features), likely, nodes, before in zip(seqs, drafted, outs, paths, projected,
                                                                         drafted_before):
             t3 = time.perf_counter() - shared
             if tree.probes:
                 nodes.prefetch(tree.probes + likely)   # with the rows the drafter reads back: one product
             path, bonus = accept(tree, nodes, seq.cfg.sampling, seq.generator)
-            observe = getattr(seq.drafter, "observe", None)   # drafters that learn from each verify (lookahead)
+            observe = getattr(seq.drafter, "observe", None)   # drafters that learn from each verify (lookahead, auto)
             if observe is not None:
-                observe(tree, nodes)   # the target's outputs at the nodes it verified (e.g. a Jacobi window)
+                observe(tree, nodes, path)   # the target's outputs at the nodes it verified (e.g. a Jacobi window)
             seq.cache.compact(torch.tensor(path, device=target.device))
             seq.features = features[path]  # the accepted nodes' features feed the drafter next round
             new = tree.tokens[path[1:]].tolist() + [bonus]
@@ -405,17 +353,14 @@ class Engine:
             out = seq.emit(new)
             stats.accept_lengths.append(len(out))
             emitted.append(out)
-            if seq.done and seq.traffic is not None:
-                seq.traffic.add(seq.tokens[stats.prompt_tokens:stats.prompt_tokens + stats.new_tokens])
-            if seq.rows is not None and self.capture is not None:
-                self._capture_step(seq, hidden, features, path)
-            if tree.plan is not None:   # method auto: the controller learns what the step returned
+            if seq.observers:
                 draft = stats.draft_seconds - before
-                step = (t2 - t1) / len(seqs) + time.perf_counter() - t3
-                tree.plan.done(len(tree), len(new))
-                stats.choose(tree.plan.kind, len(out), tree.plan.tokens, tree.plan.seconds, draft + step,
-                             tree.plan.draft, draft)
-                self.last_plans.append((tree.plan.kind, len(out), tree.plan.seconds, draft + step))
+                step = Step(tree, path, out, hidden, features, draft,
+                            draft + (t2 - t1) / len(seqs) + time.perf_counter() - t3)
+                for observer in seq.observers:
+                    observer.on_step(seq, step)
+                    if seq.done:
+                        observer.on_finish(seq)
         return emitted
 
 
@@ -449,16 +394,15 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
     and they share its time. Each tree is the one its drafter proposes alone (to the rounding of the packed
     forwards' sums).
 
-    Drafters with a controller (method auto) are seated together first (`controller.seat`): each one's choice
-    weighs the batch's step, which is what sizes their trees (their caps are None). A sampled sequence with a seed
-    whose drafter's proposals move its draws (`moves_samples`: a head's q rule) plans as if alone, so that its
-    answer does not depend on its batch."""
+    A drafter class with `seat` (method auto) is told of the step's batch first (`seat(drafters, configs)`: its
+    controllers weigh the batch's step, which is what sizes their trees; their caps are None)."""
     t0 = time.perf_counter()
-    controlled = [(seq, seq.drafter.controller) for seq in seqs if hasattr(seq.drafter, "controller")]
-    seat([c for _, c in controlled])
-    for seq, c in controlled:
-        if not seq.cfg.sampling.greedy and seq.cfg.seed is not None and getattr(seq.drafter, "moves_samples", True):
-            c.mates = ALONE
+    seated: dict[type, list[Sequence]] = {}
+    for seq in seqs:
+        if hasattr(type(seq.drafter), "seat"):
+            seated.setdefault(type(seq.drafter), []).append(seq)
+    for kind, batch in seated.items():
+        kind.seat([seq.drafter for seq in batch], [seq.cfg for seq in batch])
     plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
     together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))
                 if not isinstance(plan, DraftTree) and seq.cfg.sampling.greedy and hasattr(seq.drafter, "proposal")]
@@ -481,7 +425,7 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
 def _plan(seq: Sequence, cap: int | None) -> DraftTree | tuple[DraftInput, TreeConfig]:
     """What `draft_all` asks the sequence's drafter: (its input, the tree config cut to `cap`), or the root alone
     where the drafter sits a plain step out."""
-    inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator, seq.traffic)
+    inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator)
     sit_out = getattr(seq.drafter, "sit_out", None)
     if cap is not None and cap <= 1 and sit_out is not None:
         sit_out(inp)

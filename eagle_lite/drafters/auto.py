@@ -5,19 +5,24 @@ request's acceptance so far.
 The tree given (`TreeConfig`) is the largest the head may draft (depth, top_k, total_tokens) and the most lookup
 tokens grafted onto it (`lookup`); its min_prob is the controller's, set each step. Lookup alone proposes up to
 COPY_MAX tokens. Without a head (no head ships for the target) the choice is between plain steps and lookup.
+
+Each step's plan travels with its tree (`DraftTree.plan`, which the engine never reads) and comes back in `observe`;
+`Choices` (an observer the pipeline attaches: `AutoDrafter.statistics`) sums the steps by the plan's kind.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import torch
 
-from ..config import TreeConfig, default_tree
-from ..decoding.controller import ChainRate, Controller
+from ..config import GenerationConfig, TreeConfig, default_tree
+from ..decoding.controller import ALONE, ChainRate, Controller, seat
 from ..decoding.cost import StepCost, step_cost
 from ..decoding.drafter import DraftInput, Proposal, propose_together
 from ..decoding.engine import shared_start
+from ..decoding.observer import Observer, Step
 from ..tree import DraftTree, graft_chain
 from .lookup_graft import COPY_MAX
 from .prompt_lookup import PromptLookupDrafter
@@ -34,11 +39,47 @@ def auto_tree(tree: TreeConfig) -> TreeConfig:
     return TreeConfig(depth, tree.top_k, total, max(tree.lookup, AUTO_LOOKUP), 0.0)
 
 
+class Choices(Observer):
+    """Method auto's steps by its controller's choice (controller.KINDS): per choice, [steps, tokens, predicted
+    tokens, predicted s, measured s, of which the draft predicted, measured] summed over every sequence watched
+    (`rows`). The CLI's stats, the server's /metrics and eval.profile_step read them. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def on_step(self, seq, step: Step) -> None:
+        plan = getattr(step.tree, "plan", None)
+        if plan is None:
+            return
+        with self._lock:
+            row = self.rows.setdefault(plan.kind, [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
+            for i, value in enumerate((1, len(step.tokens), plan.tokens, plan.seconds, step.seconds, plan.draft,
+                                       step.draft_seconds)):
+                row[i] += value
+
+    def snapshot(self) -> dict[str, list[float]]:
+        with self._lock:
+            return {kind: list(row) for kind, row in self.rows.items()}
+
+    def as_dict(self) -> dict:
+        """Per choice: steps, and tokens per step, step time and draft time (ms) as predicted and as measured."""
+        return {kind: {"steps": int(steps), "tokens_per_step": round(tokens / steps, 3),
+                       "predicted_tokens_per_step": round(expected / steps, 3),
+                       "predicted_ms": round(1e3 * predicted / steps, 3),
+                       "measured_ms": round(1e3 * measured / steps, 3),
+                       "predicted_draft_ms": round(1e3 * pdraft / steps, 3),
+                       "measured_draft_ms": round(1e3 * mdraft / steps, 3)}
+                for kind, (steps, tokens, expected, predicted, measured, pdraft, mdraft)
+                in sorted(self.snapshot().items())}
+
+
 class AutoDrafter:
     """inner: an EagleDrafter (None: lookup and plain steps only); cost: this machine's step costs (None: measured
     or read from the cache, `cost.step_cost`). Per-sequence state: the controller and what it waits to learn."""
 
     name = "auto"
+    statistics = Choices   # the observer of its steps the pipeline attaches to its engine
 
     def __init__(self, target, inner=None, cost: StepCost | None = None) -> None:
         self.target, self.inner = target, inner
@@ -91,7 +132,7 @@ class AutoDrafter:
         """`propose` step by step (decoding.drafter.Proposal): the head's forwards, where the plan drafts with it."""
         self._learn(inp.tokens)
         most = max(COPY_MAX, tree.lookup)   # a cap (a server's batch) cuts the chain (`engine._cut`)
-        m, start, chain = self.lookup.match_length(inp.tokens, most, inp.traffic)
+        m, start, chain = self.lookup.match_length(inp.tokens, most)
         match = ChainRate.key(m, self._copying, stored=bool(chain) and start == 0)   # start 0: an earlier answer
         if chain:
             self._lookups.append((len(inp.tokens), chain, match))
@@ -114,6 +155,21 @@ class AutoDrafter:
             drafted = graft_chain(grown, chain[:plan.lookup])
         drafted.plan = plan
         return drafted
+
+    @classmethod
+    def seat(cls, drafters: list[AutoDrafter], configs: list[GenerationConfig]) -> None:
+        """Seat a step's batch (controller.seat): each controller weighs the batch's step. A sampled sequence with a
+        seed whose proposals move its draws (`moves_samples`: a head's q rule) plans as if alone, so that its answer
+        does not depend on its batch."""
+        seat([d.controller for d in drafters])
+        for d, cfg in zip(drafters, configs):
+            if not cfg.sampling.greedy and cfg.seed is not None and d.moves_samples:
+                d.controller.mates = ALONE
+
+    def observe(self, tree: DraftTree, nodes, path: list[int]) -> None:
+        """What the step of `tree`'s plan verified and returned: the controller's running figures follow it."""
+        if tree.plan is not None:
+            tree.plan.done(len(tree), len(path))
 
     def _learn(self, tokens: list[int]) -> None:
         """Score the lookup chains and the last head tree against the tokens that followed them; the controller's

@@ -1,10 +1,7 @@
 """EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it
 (optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`). A prompt-lookup path is
-grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle.
-
-A parallel head (`DraftHead.parallel` = K) drafts in its catch-up forward alone: K-1 mask rows follow the root's
-row, and the tree grows from their K distributions (depth d's children from row d's, whatever their parent), to
-at most K deep. The rules below hold as they are: a node's distribution is the row it was drawn from.
+grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle. A parallel
+head (`DraftHead.parallel`) drafts through eagle_lite_wing/parallel.py instead, a drafter of its own.
 
 Sampling (temperature > 0) has two rules, `draft_sampling`:
 - "match": the tree is the head's top-k, as in greedy decoding, and acceptance draws the target's token and
@@ -67,7 +64,6 @@ class EagleDrafter:
         self.lm_grid = target.lm_grid if shared else draft_vocab_grid(self.lm_weight, round_to_grid=own)
         self.keep_features = False                 # keep the target's features by position (for `probe`)
         self.recommended_tree = head.tree          # the tree its checkpoint recommends for this device, if any
-        self.parallel = head.parallel              # K > 1: the whole draft in one forward (module docstring)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -134,43 +130,39 @@ class EagleDrafter:
         to propose."""
         return propose_together([self.proposal(inp, tree, probe)])[0]
 
-    def proposal(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None,
-                 first_min_prob: float | None = None) -> Proposal:
-        """`propose` step by step (decoding.drafter.Proposal): it yields each head forward it needs as a `HeadCall`,
-        so that drafters of several sequences sharing a head run each forward once for all of them.
-        first_min_prob: a top-1 chain's floor for its first token (its forward is run anyway), below tree.min_prob."""
+    def _caught_up(self, inp: DraftInput) -> tuple[DraftInput, int, int]:
+        """(inp with the features of the steps it sat out before its own, the m features it brings, the n real
+        pairs already in the draft cache)."""
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
             self._queued = []
-        cache, embed = self.cache, self.target.embed_tokens
-        dev = inp.hidden.device
-        # 1. Catch up on the real features: pair (f_t, x_{t+1}) sits at x_t's position t.
-        m = inp.hidden.shape[0]
-        n = cache.length                                     # real pairs already in the draft cache
+        m, n = inp.hidden.shape[0], self.cache.length
         if n + m + 1 != len(inp.tokens):
             raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived "
                                f"with {m} new features")
         if self.keep_features:
             self._keep(n, inp.hidden)
+        return inp, m, n
+
+    def proposal(self, inp: DraftInput, tree: TreeConfig, probe: tuple[int, list[int]] | None = None,
+                 first_min_prob: float | None = None) -> Proposal:
+        """`propose` step by step (decoding.drafter.Proposal): it yields each head forward it needs as a `HeadCall`,
+        so that drafters of several sequences sharing a head run each forward once for all of them.
+        first_min_prob: a top-1 chain's floor for its first token (its forward is run anyway), below tree.min_prob."""
+        inp, m, n = self._caught_up(inp)
+        cache, embed = self.cache, self.target.embed_tokens
+        dev = inp.hidden.device
+        # 1. Catch up on the real features: pair (f_t, x_{t+1}) sits at x_t's position t.
         features, next_tokens = inp.hidden, inp.tokens[-m:]
-        start, chain = probe if probe is not None and self.keep_features and not self.parallel else (0, [])
+        start, chain = probe if probe is not None and self.keep_features else (0, [])
         if chain:    # pair (f_{start-1+j}, chain[j]) at the root's position + j
             features = torch.cat([features, self._features[start - 1:start - 1 + len(chain)]])
             next_tokens = next_tokens + chain
         embeds = embed(torch.tensor(next_tokens, device=dev))
-        masks = min(tree.depth, self.parallel) - 1 if self.parallel else 0
-        if masks > 0:    # the parallel head's mask rows after the root's: the whole draft in this forward
-            mask_hidden, mask_embeds = self.head.mask_rows(masks, embeds.dtype)
-            features, embeds = torch.cat([features, mask_hidden.to(features.dtype)]), torch.cat([embeds, mask_embeds])
-        t = m + len(chain) + masks
+        t = m + len(chain)
         h, logits = yield HeadCall(self, features, embeds, torch.arange(n, n + t, device=dev),
                                    torch.ones(t, t, dtype=torch.bool, device=dev).tril_(), m - 1)
         cache.commit(m)                                      # the chain's slots are overwritten by the tree's
-        if self.parallel:
-            try:
-                return self._parallel_tree(inp, tree, logits)
-            finally:
-                cache.truncate(n + m)
         # h, logits: the root's, then (probe) each chain token's (the rows before only wrote keys and values)
         self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
         h, root_logits = h[:1], logits[:1]
@@ -200,21 +192,6 @@ class EagleDrafter:
             return grown.value
         finally:
             cache.truncate(n)                                # drop the tree nodes; the real pairs stay
-
-
-    def _parallel_tree(self, inp: DraftInput, tree: TreeConfig, logits: torch.Tensor) -> DraftTree:
-        """The tree from a parallel forward's logits [D, V_draft] (the root's row, then the mask rows'): depth d's
-        children drawn or ranked from row d, whatever their parent."""
-        grown = tree.capped(logits.shape[0])
-        sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
-        return grow_tree(inp.root, logits[:1], _rows_by_depth(logits), grown, sampling, inp.generator,
-                         self.head.d2t, self.target.vocab_size)
-
-
-def _rows_by_depth(logits: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`grow_tree`'s expand over per-depth logits [D, V]: the n-th expansion answers row n for every parent."""
-    depth = iter(range(1, logits.shape[0]))
-    return lambda parent_row, tokens: logits[next(depth)].expand(parent_row.numel(), -1)
 
 
 @dataclass

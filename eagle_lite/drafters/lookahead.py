@@ -141,7 +141,7 @@ class LookaheadDrafter:
         return DraftTree(torch.tensor(tokens, device=inp.hidden.device), parents, probes=rows[-1] if rows else [],
                          likely=likely)
 
-    def observe(self, tree: DraftTree, nodes) -> None:
+    def observe(self, tree: DraftTree, nodes, path: list[int] | None = None) -> None:
         """The target's greedy tokens at the top level continue the window's columns (see the module's doc)."""
         if not tree.probes:
             return

@@ -97,7 +97,7 @@ class LookupGraft:
             # each whole acceptance of a chain verified alone doubles the next one, up to copy_cap
             grow = 2 * len(self._graft[1]) if len(self._graft[1]) > tree.lookup else 0
             cap = copy_cap(len(inp.tokens))
-            chain = self.lookup.lookup(inp.tokens, min(cap, max(tree.total_tokens + tree.lookup, grow)), inp.traffic)
+            chain = self.lookup.lookup(inp.tokens, min(cap, max(tree.total_tokens + tree.lookup, grow)))
             if chain:
                 self.inner.sit_out(inp)
                 self._graft = (len(inp.tokens), chain)
@@ -106,7 +106,7 @@ class LookupGraft:
         if self.staged:
             return (yield from self._proposal_staged(inp, tree))
         drafted = yield from self._inner(inp, tree)
-        chain = self.lookup.lookup(inp.tokens, tree.lookup, inp.traffic)
+        chain = self.lookup.lookup(inp.tokens, tree.lookup)
         self._graft = (len(inp.tokens), chain)
         return graft_chain(drafted, chain)
 

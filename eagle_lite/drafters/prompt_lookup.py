@@ -1,9 +1,9 @@
 """Prompt lookup (n-gram) drafting: propose what followed the latest earlier occurrence of the last n-gram.
 
 Training-free and nearly free to run; it shines where the answer repeats the context (code edits,
-summaries, quoting). With no match the tree is the root alone: a plain decoding step, no loss. Given the engine's
-store of earlier answers (`DraftInput.traffic`, drafters/traffic.py), it also copies from them where they match
-longer.
+summaries, quoting). With no match the tree is the root alone: a plain decoding step, no loss. Given a `store`
+of other text (anything with `continuation(tokens, min_ngram, k)`: eagle_lite_wing's store of the answers served
+sets one), it also copies from it where it matches longer.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from ..config import TreeConfig
 from ..decoding.drafter import DraftInput
 from ..tree import DraftTree
-from .traffic import TrafficStore
 
 
 class AdaptiveLength:
@@ -72,6 +71,7 @@ class PromptLookupDrafter:
         self.length = AdaptiveLength(num_tokens, high=num_tokens if not adaptive else max(num_tokens, 16))
         self.adaptive = adaptive
         self.index = NgramIndex(min_ngram, max_ngram)
+        self.store = None   # other text to copy from (module docstring); None: the context alone
 
     def reset(self, max_len: int, keep: int = 0) -> int:
         self.length.proposed = 0
@@ -80,21 +80,20 @@ class PromptLookupDrafter:
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         return 1 + self.length.high
 
-    def lookup(self, tokens: list[int], k: int, traffic: TrafficStore | None = None) -> list[int]:
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the most recent earlier match of the longest suffix n-gram (in the
-        context, or in `traffic`'s earlier answers where they hold a longer one)."""
-        return self.match_length(tokens, k, traffic)[2]
+        context, or in `store` where it holds a longer one)."""
+        return self.match_length(tokens, k)[2]
 
     def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(where the continuation starts in `tokens`, the continuation): `lookup` with the place it copies from
         (tokens[start - 1] is the earlier occurrence of the last token). (0, []) where nothing matches."""
         return self.match_length(tokens, k)[1:]
 
-    def match_length(self, tokens: list[int], k: int, traffic: TrafficStore | None = None
-                     ) -> tuple[int, int, list[int]]:
+    def match_length(self, tokens: list[int], k: int) -> tuple[int, int, list[int]]:
         """`match` with the length of the n-gram matched first: (n, start, continuation); (0, 0, []) for none.
-        traffic: earlier answers (drafters/traffic.py), whose match is taken where its n-gram is longer than the
-        context's and as long as the store copies (start is then 0: it copies from no place of `tokens`)."""
+        A match in `store` is taken where its n-gram is longer than the context's and as long as the store copies
+        (start is then 0: it copies from no place of `tokens`)."""
         self.index.update(tokens)
         n_tok = len(tokens)
         found = 0, 0, []
@@ -103,8 +102,8 @@ class PromptLookupDrafter:
             if start is not None:
                 found = n, start + n, tokens[start + n:start + n + k]
                 break
-        if traffic is not None and found[0] < self.max_ngram:
-            n, chain = traffic.continuation(tokens, max(self.min_ngram, found[0] + 1), k)
+        if self.store is not None and found[0] < self.max_ngram:
+            n, chain = self.store.continuation(tokens, max(self.min_ngram, found[0] + 1), k)
             if chain:
                 return n, 0, chain
         return found
@@ -115,6 +114,6 @@ class PromptLookupDrafter:
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         if self.adaptive:
             self.length.update(inp.hidden.shape[0] - 1)   # features arrive for the root + accepted tokens
-        guess = self.lookup(inp.tokens, self.length.k, inp.traffic)
+        guess = self.lookup(inp.tokens, self.length.k)
         self.length.proposed = len(guess)
         return DraftTree.chain(torch.tensor([inp.root] + guess, device=inp.hidden.device))

@@ -118,24 +118,34 @@ class VanillaOptions:
     """Plain decoding: nothing to set."""
 
 
-def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
+def eagle_drafter(target, head, **options) -> Drafter:
+    """The drafter of an EAGLE head (drafters/eagle.py's options); a parallel head's is eagle_lite_wing's, which
+    only such a head brings in (unproven: eagle_lite_wing/parallel.py)."""
+    if head.parallel:
+        from eagle_lite_wing.parallel import ParallelDrafter
+
+        return ParallelDrafter(target, head, **options)
     from .eagle import EagleDrafter
+
+    return EagleDrafter(target, head, **options)
+
+
+def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
     from .lookup_graft import LookupGraft
 
-    drafter = EagleDrafter(target, eagle_head(target, o), round_head=o.round_head,
-                           draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["eagle"])
+    drafter = eagle_drafter(target, eagle_head(target, o), round_head=o.round_head,
+                            draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["eagle"])
     return LookupGraft(drafter, copy_mode=o.copy_mode, staged=staged)
 
 
 def _auto(target, o: EagleOptions) -> Drafter:
     from .auto import AutoDrafter
-    from .eagle import EagleDrafter
 
     head = o.head if o.head is not None else load_eagle_head(target, o.draft)
     if head is not None:
         head = head.over_full_vocabulary() if o.draft_vocab == "full" else head
-        head = EagleDrafter(target, head, round_head=o.round_head,
-                            draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["auto"])
+        head = eagle_drafter(target, head, round_head=o.round_head,
+                             draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["auto"])
     return AutoDrafter(target, head)
 
 

@@ -27,7 +27,9 @@ Parallel drafting (`parallel=K`, P-EAGLE, arXiv 2602.01469): the head drafts K t
 root's row (f_t, x_{t+1}) come K-1 mask rows at the next positions, each reading two learned vectors instead of a
 feature and a token embedding (`mask_hidden`, as wide as the head's feature input, and `mask_embed`); row j
 predicts the token j places further on, seeing the real pairs and the mask rows before it. Trained with the same
-losses at each row (heads/objective.py `unroll`); drafted by `drafters.eagle` from the K distributions.
+losses at each row (trainers/objective.py `unroll`); drafted by eagle_lite_wing/parallel.py from the K
+distributions. Unproven here (1.71 accepted a step against the sequential head's 2.50): the head keeps the two
+vectors so that such a folder (its own, or a published P-EAGLE one) loads, exports and runs.
 """
 from __future__ import annotations
 

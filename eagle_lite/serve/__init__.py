@@ -8,9 +8,9 @@ speculative decoding across concurrent requests.
 Requests join a running batch between steps and leave it when they finish (scheduler.py); each step drafts a
 tree per sequence and the target verifies all of them in one forward (`Engine.step`, `Target.verify`), each tree
 over its own KV cache, so every request gets what it would get alone (greedy: the CLI's answer). The trees shrink
-as the batch grows, down to plain decoding: a fixed method's by a cost model measured at start (cost.py), method
-auto's by its controllers, which weigh the batch's step (decoding/controller.py). docs/serve.md is the
-manual: endpoints, limits, errors, metrics.
+as the batch grows, down to plain decoding, from this machine's step costs (decoding/cost.py): a fixed method's
+caps (decoding/controller.py `Caps`), method auto's trees by its controllers, which weigh the batch's step
+(decoding/controller.py). docs/serve.md is the manual: endpoints, limits, errors, metrics.
 
 FastAPI (on uvicorn) rather than LitServe: LitServe batches requests into one `predict` call per batch and runs
 its own workers, whereas here the batch is the engine's own state, which requests join and leave between
@@ -20,10 +20,10 @@ what FastAPI gives (with its error handlers and streaming responses) and nothing
 from __future__ import annotations
 
 from ..config import TreeConfig
-from ..decoding.cost import step_cost
+from ..decoding.controller import Caps
+from ..decoding.cost import StepCost, step_cost
 from ..pipeline import Pipeline, engine_for
 from .app import Service, create_app
-from .cost import CostModel
 from .metrics import Metrics
 from .scheduler import Limits, Refused, Scheduler
 
@@ -35,8 +35,8 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
                   default_seed: int | None = None, verify_seconds: dict | None = None,
                   threads: tuple[int, int] | None = None, tree: TreeConfig | None = None) -> Service:
     """The server's state around a loaded pipeline; `start()` its scheduler before serving.
-    verify_seconds: the forward cost table of cost.py (None: this machine's, decoding/cost.py: cached, else measured
-    now, about a second). threads: torch
+    verify_seconds: {nodes: seconds} of a step (decoding/cost.py `StepCost.verify`; None: this machine's, cached,
+    else measured now, about a second). threads: torch
     threads for small and for large batches (scheduler.BUSY_BATCH; None: as they are). tree: every request's draft
     tree (None: the pipeline's)."""
     adapter = pipeline.adapter
@@ -46,12 +46,14 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     tree = tree or pipeline.tree
     probe = make_drafter()
     tree_nodes = probe.max_tree_nodes(tree)
-    cost = CostModel(verify_seconds or step_cost(pipeline.target, getattr(probe, "inner", None)).verify, tree_nodes)
-    metrics = Metrics(pipeline.method)
+    cost = StepCost(verify_seconds) if verify_seconds else step_cost(pipeline.target, getattr(probe, "inner", None))
     engine = engine_for(pipeline.target, None)   # each sequence of a batch brings its own drafter
-    if adapter is not None:
-        engine.capture = adapter.capture
-    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, cost, on_step=metrics.step, threads=threads,
+    make = getattr(probe, "statistics", None)    # method auto: the observer of its controllers' choices
+    watched = make() if make is not None else None
+    engine.observers += ([watched] if watched is not None else []) + (adapter.observers() if adapter else [])
+    metrics = Metrics(pipeline.method, watched)
+    scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, Caps(cost, tree_nodes), on_step=metrics.step,
+                          threads=threads,
                           recorder=pipeline.recorder, adapter=adapter)
     return Service(pipeline, scheduler, metrics, model_id, tree, default_max_tokens, default_temperature,
                    default_seed)

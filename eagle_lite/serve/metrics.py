@@ -4,8 +4,8 @@ Requests by endpoint and status, prompt and generated tokens, the queue length a
 reserved against its budget, and per method the speculative-decoding figures vLLM exports: sequence verify steps
 (`num_drafts`), tree nodes verified (`num_draft_tokens`, the roots included) and tokens emitted by them
 (`num_emitted_tokens`, the bonus tokens included); their ratio is the accepted tokens per target forward. With
-method auto, its controller's choices (decoding/controller.py): sequence steps, tokens, and step seconds predicted
-and measured, per choice.
+method auto, its controller's choices (decoding/controller.py, summed by drafters/auto.py's `Choices` observer):
+sequence steps, tokens, and step seconds predicted and measured, per choice.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections import defaultdict
 
 
 class Metrics:
-    def __init__(self, method: str) -> None:
-        self.method = method
+    def __init__(self, method: str, choices=None) -> None:
+        self.method, self.watched = method, choices   # method auto: the engine's drafters/auto.py `Choices`
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.prompt_tokens = 0
@@ -26,7 +26,6 @@ class Metrics:
         self.draft_tokens = 0          # tree nodes verified
         self.emitted_tokens = 0        # tokens those steps emitted
         self.last_batch = 0
-        self.choices: dict[str, list[float]] = {}   # auto: choice -> [steps, tokens, predicted s, measured s]
 
     def request(self, endpoint: str, status: int, prompt_tokens: int = 0, generated: int = 0,
                 cached: int = 0) -> None:
@@ -36,24 +35,14 @@ class Metrics:
             self.cached_tokens += cached
             self.generation_tokens += generated
 
-    def step(self, batch: int, cap: int, rows: int, emitted: list[int], plans: list | None = None) -> None:
-        """A batched step: its sequences, tree cap, nodes verified, tokens each emitted, and method auto's plans."""
-        if plans:
-            self.choose(plans)
+    def step(self, batch: int, cap: int, rows: int, emitted: list[int]) -> None:
+        """A batched step: its sequences, tree cap, nodes verified, tokens each emitted."""
         with self._lock:
             self.steps += 1
             self.drafts += batch
             self.draft_tokens += rows
             self.emitted_tokens += sum(emitted)
             self.last_batch = batch
-
-    def choose(self, plans: list[tuple[str, int, float, float]]) -> None:
-        """Method auto's choices of a step: (choice, tokens emitted, step seconds predicted, measured) a sequence."""
-        with self._lock:
-            for kind, *values in plans:
-                row = self.choices.setdefault(kind, [0, 0, 0.0, 0.0])
-                for i, value in enumerate((1, *values)):
-                    row[i] += value
 
     def render(self, scheduler) -> str:
         m = f'method="{self.method}"'
@@ -88,15 +77,15 @@ class Metrics:
                 ("spec_decode_accepted_per_forward", "gauge", "Mean tokens a sequence gets per target forward.", m,
                  round(rate, 4)),
             ]
-            for choice, values in sorted(self.choices.items()):
+            choices = self.watched.snapshot() if self.watched is not None else {}
+            for choice, (steps, tokens, _, predicted, measured, *_) in sorted(choices.items()):
                 c = f'{m},choice="{choice}"'
-                series += [("auto_steps_total", "counter", "Sequence steps by the controller's choice.", c,
-                            values[0]),
-                           ("auto_tokens_total", "counter", "Tokens those steps emitted.", c, values[1]),
+                series += [("auto_steps_total", "counter", "Sequence steps by the controller's choice.", c, steps),
+                           ("auto_tokens_total", "counter", "Tokens those steps emitted.", c, tokens),
                            ("auto_predicted_seconds_total", "counter", "Step seconds the controller predicted.", c,
-                            round(values[2], 6)),
+                            round(predicted, 6)),
                            ("auto_measured_seconds_total", "counter", "Step seconds measured (draft, verify, accept).",
-                            c, round(values[3], 6))]
+                            c, round(measured, 6))]
         adapter = getattr(scheduler, "adapter", None)
         if adapter is not None:   # --adapt: the head learning from this traffic
             last = adapter.history[-1] if adapter.history else (0, 0.0, 0.0, False)

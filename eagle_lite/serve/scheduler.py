@@ -4,10 +4,10 @@ One worker thread owns the engine. Each turn it admits waiting requests while th
 together by `Engine.begin_all`, each with a drafter of its own from a pool; a long prompt a part a turn), drops the
 ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch:
 every sequence drafts its tree, the target verifies all of them in one forward, every sequence accepts its own
-path. The tree cap of the step
-comes from the cost model (cost.py); method auto's controllers need none: they weigh the batch's step themselves
-(decoding/controller.py, `seat`). Events go back to each request's `sink` (called on this thread; the HTTP
-layer hands them to its event loop): ("tokens", ids), ("done", stats), ("error", message).
+path. The tree cap of the step comes from the step costs (decoding/controller.py `Caps`); method auto's
+controllers need none: they weigh the batch's step themselves (decoding/controller.py, `seat`). Events go back to
+each request's `sink` (called on this thread; the HTTP layer hands them to its event loop): ("tokens", ids),
+("done", stats), ("error", message).
 
 A finished request's KV cache and drafter are kept (the last `Limits.prefix_cache` of them): a later prompt that
 starts with the same tokens (a chat template's system turn, the earlier turns of a conversation) is prefilled on
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig, check_finite, check_whole
+from ..decoding.controller import Caps
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, reusable, shared_start, token_budget
 from ..kv_cache import ContextOverflowError, StaticKVCache
 from ..threads import set_threads
-from .cost import CostModel
 
 log = logging.getLogger("eagle_lite.serve")
 
@@ -136,15 +136,16 @@ def failed(err: Exception) -> tuple:
 
 class Scheduler:
     def __init__(self, engine: Engine, make_drafter: Callable[[], Drafter], limits: Limits, tree_nodes: int,
-                 cost: CostModel, on_step: Callable[[int, int, int, list[int], list], None] | None = None,
+                 cost: Caps, on_step: Callable[[int, int, int, list[int]], None] | None = None,
                  threads: tuple[int, int] | None = None, recorder=None, adapter=None) -> None:
         """make_drafter: a fresh drafter (weights shared, state its own); tree_nodes: the most nodes one tree has.
-        on_step(batch, cap, rows, emitted per sequence, auto's plans): called after each step (metrics). threads:
+        cost: the tree caps of a fixed method's steps. on_step(batch, cap, rows, emitted per sequence): called after
+        each step (metrics). threads:
         torch CPU threads for steps of fewer than BUSY_BATCH sequences and for larger ones (None: left as they are).
         recorder: where each finished answer is recorded (`text.record.Recorder`; None: nowhere, the default)."""
         self.engine, self.limits, self.cost, self.on_step = engine, limits, cost, on_step
         self.recorder = recorder
-        self.adapter = adapter   # heads.adapt.Adapter (--adapt): its learner runs a step at a time while idle
+        self.adapter = adapter   # eagle_lite_wing.adapt.Adapter (--adapt): its learner runs a step at a time while idle
         self.threads = threads
         self.make_drafter = make_drafter
         self.pool = [make_drafter() for _ in range(limits.max_batch)]   # more are made while kept sequences hold some
@@ -400,19 +401,19 @@ class Scheduler:
         seqs = [seq for _, seq in self.running]
         if self.threads is not None:
             set_threads(self.threads[len(seqs) >= BUSY_BATCH])
-        # method auto's controllers size their own trees from the batch's rows (decoding/controller.py `seat`);
-        # a fixed method's tree is capped by the cost model
-        controlled = all(hasattr(seq.drafter, "controller") for seq in seqs)
+        # drafters that are told the batch (`seat`: method auto's controllers) size their own trees from its rows;
+        # a fixed method's tree is capped from the step costs
+        controlled = all(hasattr(type(seq.drafter), "seat") for seq in seqs)
         cap = None if controlled else self.cost.choose(len(seqs))
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))
-        rows, seconds = self.engine.last_verify
+        rows, _ = self.engine.last_verify
         self.last_cap = cap or 0
         if not controlled:
-            self.cost.observe(cap, rows, seconds, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
-                                                   for out, seq, before in zip(outs, seqs, drafting)])
+            self.cost.observe(cap, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
+                                    for out, seq, before in zip(outs, seqs, drafting)])
         if self.on_step is not None:
-            self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs], self.engine.last_plans)
+            self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs])
         kept = []
         for (job, seq), out in zip(self.running, outs):
             job.sink(("tokens", out))

@@ -1,19 +1,24 @@
 """`--adapt DIR`: the serving head keeps learning from the traffic it serves, guarded, and persisted in DIR.
 
-The path: the engine keeps what its verify forwards computed for every answer (decoding/capture.py); between answers
+Status (measured, docs/adapt.md): at most +0.5% accepted per step on the weak kinds, at 77-115 ms of CPU per
+answered token, about ten times what decoding the token costs; the lookup store 0.96-0.97x. Off by default: only
+`--adapt DIR` (the CLI, the server, `load(adapt=...)`) turns it on.
+
+The path: an observer of the engine keeps what its verify forwards computed for every answer (capture.py); between
+answers
 `Adapter.round` judges and trains:
 1. **Guard (champion and challenger).** The answers captured since the last judgement are traffic neither head has
    trained on. Once they hold `judge_tokens` answer tokens, the serving head (champion) and the learner's head
-   (challenger) are scored on them root for root (heads/learner.py `lengths`: the chain a greedy chain of head
+   (challenger) are scored on them root for root (learner.py `lengths`: the chain a greedy chain of head
    tokens gets at each answer position), and `verdict` reads the paired differences: a challenger that accepts
    more by at least `confidence` standard errors replaces the serving head; one that accepts less by as much is
    dropped (the learner restarts from the champion). Either way the answers join the learner's pool. Where the
    difference is within the noise, the answers stay held out and the next judgement scores both heads on them
    and the next `judge_tokens` together, up to `max_judge_tokens`; past that they join the pool and training
    goes on with no verdict.
-2. **Learner.** `steps` optimizer steps of the training loss on the pool, mixed with replay (heads/learner.py).
-3. **Lookup from traffic** (opt-in: `traffic_tokens` > 0). The engine keeps every finished answer in a store
-   (drafters/traffic.py, the newest `traffic_tokens`) that prompt lookup copies from across requests, where an
+2. **Learner.** `steps` optimizer steps of the training loss on the pool, mixed with replay (learner.py).
+3. **Lookup from traffic** (opt-in: `traffic_tokens` > 0). Another observer keeps every finished answer in a store
+   (traffic.py, the newest `traffic_tokens`) that prompt lookup copies from across requests, where an
    earlier answer matches a longer n-gram than the request's own context.
 
 Output stays exact whichever head serves: a head only proposes, and the target's acceptance decides.
@@ -35,21 +40,22 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import check_folder_writable, write_text_atomic
-from ..decoding.capture import Capture, Captured
-from ..drafters.traffic import TrafficStore
-from .checkpoint import read_config, save_head
+from eagle_lite.atomic import check_folder_writable, write_text_atomic
+from eagle_lite.heads.checkpoint import read_config, save_head
+
+from .capture import Capture, Captured
 from .learner import LearnConfig, Learner, Replay, objective_of
+from .traffic import TrafficStore
 
 log = logging.getLogger(__name__)
 
 CARRIED = ("tree", "tree_cuda", "tree_command", "training")   # config keys a head folder passes on to DIR
-DEFAULT_REPLAY = Path(__file__).resolve().parents[2] / "data" / "distill"
+DEFAULT_REPLAY = Path(__file__).resolve().parents[1] / "data" / "distill"
 
 
 def serving_eagle(drafter):
     """(the object holding the EAGLE drafter, the drafter): method auto's `inner`, eagle's graft's `inner`."""
-    from ..drafters.eagle import EagleDrafter
+    from eagle_lite.drafters.eagle import EagleDrafter
 
     inner = getattr(drafter, "inner", None)
     if isinstance(inner, EagleDrafter):
@@ -103,10 +109,9 @@ class Adapter:
             if replay is not None and cfg.replay > 0 else None
         self.learner = Learner(pipeline.target, copy.deepcopy(self.champion), objective, cfg, replays, seed)
         self.capture = Capture(max_tokens=cfg.pool_tokens)
-        pipeline.engine.capture = self.capture
         self.traffic_tokens = traffic_tokens
         self.traffic = TrafficStore(traffic_tokens) if traffic_tokens else None
-        pipeline.engine.traffic = self.traffic
+        self.watch(pipeline.engine)
         pipeline.adapter = self
         self.pending: list[Captured] = []
         self.judged_tokens = 0   # answer tokens of `pending` at its last judgement (one within the noise keeps them)
@@ -116,12 +121,12 @@ class Adapter:
     # -- serving --------------------------------------------------------------------------------------
     def _serve(self, head) -> None:
         """Make `head` (a copy: the drafter accelerates it in place) the one the pipeline drafts with."""
-        from ..drafters.eagle import EagleDrafter
+        from eagle_lite.drafters.registry import eagle_drafter
 
         _, old = serving_eagle(self.pipeline.engine.drafter)
         head = head.to(old.lm_weight.device).eval()
         head.tree = old.recommended_tree
-        drafter = EagleDrafter(self.pipeline.target, head, draft_sampling=old.draft_sampling)
+        drafter = eagle_drafter(self.pipeline.target, head, draft_sampling=old.draft_sampling)
         if self.holder is None:
             self.pipeline.engine.drafter = drafter
         else:
@@ -130,11 +135,19 @@ class Adapter:
                 self.holder.head = head
         self.pipeline.engine.reset()
 
+    def observers(self) -> list:
+        """The observers an engine serving this head needs: the capture, and the lookup store where there is one."""
+        return [self.capture] + ([self.traffic] if self.traffic is not None else [])
+
+    def watch(self, engine) -> None:
+        """Make `engine`'s observers this adapter's (any earlier capture or store of it replaced)."""
+        engine.observers[:] = [o for o in engine.observers if not isinstance(o, (Capture, TrafficStore))] + \
+            self.observers()
+
     def bind(self, pipeline) -> None:
         """Adapt the head `pipeline` serves from now on (`Pipeline.pinned`: eagle's pipeline over the same head)."""
         self.pipeline, (self.holder, _) = pipeline, serving_eagle(pipeline.engine.drafter)
-        pipeline.engine.capture = self.capture
-        pipeline.engine.traffic = self.traffic
+        self.watch(pipeline.engine)
         pipeline.adapter = self
 
     def reset(self) -> None:
@@ -143,7 +156,7 @@ class Adapter:
         self.champion = copy.deepcopy(self.start_head).float().eval()
         if self.traffic is not None:
             self.traffic = TrafficStore(self.traffic_tokens)
-            self.pipeline.engine.traffic = self.traffic
+            self.watch(self.pipeline.engine)
         self._restart()
         self._serve(copy.deepcopy(self.champion))
 
@@ -264,8 +277,8 @@ def attach(pipeline, folder: str | Path, draft: str | None = None, **settings) -
     folder; None or "auto": the one shipped for the target; "random"), loaded afresh as a trainable copy; the
     folder's head, where it holds one, is the champion the pipeline already serves. Replay: the shipped head's
     training answers where the source tree holds them."""
-    from ..drafters.registry import AUTO, load_eagle_head
-    from .checkpoint import default_head_path
+    from eagle_lite.drafters.registry import AUTO, load_eagle_head
+    from eagle_lite.heads.checkpoint import default_head_path
 
     target = pipeline.target
     serving_eagle(pipeline.engine.drafter)          # a method with a head, before anything is loaded

@@ -1,16 +1,17 @@
-"""The learner of `--adapt`: fine-tunes a copy of the serving head on the answers it served (decoding/capture.py).
+"""The learner of `--adapt`: fine-tunes a copy of the serving head on the answers it served (capture.py).
 
-It minimises the training loss itself (heads/objective.py `head_loss`, the objective the head was trained with, read
+Status (measured, docs/adapt.md): at most +0.5% accepted per step on the weak kinds, at 77-115 ms of CPU per
+answered token, about ten times what decoding the token costs. Off unless `--adapt` is given.
+
+It minimises the training loss itself (trainers/objective.py `head_loss`, the objective the head was trained with, read
 from its folder's train_config.yaml), on batches of captured answers mixed with a replay share of the head's own
 training data (a distill folder of answers as token ids, whose features the target computes a few records at a
 time, once each), so that it does not forget the kinds it knows while it learns the ones it serves. What moves
-(`LearnConfig.moves`): the whole head ("all"); its fc and decoder layer with the norm and lm_head frozen
-("layer"); or a low-rank change of each of those linears, `W + B A` with A and B of `LearnConfig.rank` and B
-starting at zero, all else frozen ("lowrank", LoRA's update through torch's own parametrizations). The head it
-hands over (`Learner.weights`) is always an ordinary one: the low-rank change is multiplied in.
+(`LearnConfig.moves`): the whole head ("all"), or its fc and decoder layer with the norm and lm_head frozen
+("layer").
 
 `lengths` scores a head on records it has not trained on: the chain length a greedy chain of `depth` head tokens
-gets at each answer position (objective.py `chain_lengths`), which the guard (heads/adapt.py) compares root for
+gets at each answer position (objective.py `chain_lengths`), which the guard (adapt.py) compares root for
 root between two heads; `accepted` is their mean.
 """
 from __future__ import annotations
@@ -24,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.nn.utils import parametrize
 
-from ..decoding.capture import Captured
-from .objective import ObjectiveConfig, chain_lengths, collate, head_loss
+from trainers.objective import ObjectiveConfig, chain_lengths, collate, head_loss
 
-MOVES = ("all", "layer", "lowrank")
+from .capture import Captured
+
+MOVES = ("all", "layer")
 
 
 @dataclass(frozen=True)
@@ -44,33 +44,13 @@ class LearnConfig:
     pool_tokens: int = 65536    # captured tokens the learner keeps to train on (the newest)
     depth: int = 4              # chain depth the guard scores heads at
     prompts: bool = False       # train on a captured record's prompt positions too (the target's distribution there)
-    rank: int = 8               # of each linear's change, where moves is "lowrank"
 
     def __post_init__(self) -> None:
         if self.moves not in MOVES:
             raise ValueError(f"adapt moves must be one of {', '.join(MOVES)}, got {self.moves!r}")
-        if self.lr <= 0 or self.batch_tokens < 1 or self.window < 8 or not 0 <= self.replay < 1 or self.rank < 1:
+        if self.lr <= 0 or self.batch_tokens < 1 or self.window < 8 or not 0 <= self.replay < 1:
             raise ValueError(f"adapt settings out of range: lr {self.lr}, batch_tokens {self.batch_tokens}, "
-                             f"window {self.window}, replay {self.replay}, rank {self.rank}")
-
-
-class LowRank(nn.Module):
-    """A parametrization of a linear's weight W [out, in]: W + B A, A [rank, in] small and random, B [out, rank]
-    zero (so the head starts unchanged)."""
-
-    def __init__(self, weight: torch.Tensor, rank: int, generator: torch.Generator) -> None:
-        super().__init__()
-        out_features, in_features = weight.shape
-        a = torch.randn(rank, in_features, generator=generator) / in_features ** 0.5
-        self.a = nn.Parameter(a.to(weight))
-        self.b = nn.Parameter(weight.new_zeros(out_features, rank))
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + self.b @ self.a
-
-    def restart(self) -> None:
-        with torch.no_grad():
-            self.b.zero_()
+                             f"window {self.window}, replay {self.replay}")
 
 
 def objective_of(head, folder: str | Path | None) -> ObjectiveConfig:
@@ -150,19 +130,9 @@ class Learner:
         self.full_weight = lm
         self.embed_weight = target.embed_tokens.weight.detach().float()
         self.draft_weight = lm if head.d2t is None else lm[head.d2t.to(lm.device)]
-        self.low_rank: list[LowRank] = []
-        if cfg.moves == "lowrank":   # a change of each linear but the lm_head trains, nothing else
-            gen = torch.Generator().manual_seed(seed)
-            for module in list(head.modules()):
-                if isinstance(module, nn.Linear) and module is not head.lm_head:
-                    change = LowRank(module.weight.detach(), cfg.rank, gen)
-                    parametrize.register_parametrization(module, "weight", change)
-                    self.low_rank.append(change)
-            self.params = [p for change in self.low_rank for p in change.parameters()]
-        else:
-            frozen = (head.norm, head.lm_head) if cfg.moves == "layer" else ()
-            frozen_ids = {id(p) for m in frozen if m is not None for p in m.parameters()}
-            self.params = [p for p in head.parameters() if id(p) not in frozen_ids]
+        frozen = (head.norm, head.lm_head) if cfg.moves == "layer" else ()
+        frozen_ids = {id(p) for m in frozen if m is not None for p in m.parameters()}
+        self.params = [p for p in head.parameters() if id(p) not in frozen_ids]
         trained = {id(p) for p in self.params}
         for p in head.parameters():
             p.requires_grad_(id(p) in trained)
@@ -174,30 +144,12 @@ class Learner:
         self.seconds = 0.0        # time spent training (replay features included)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The trained head's state dict as an ordinary head's (a low-rank change multiplied into its weights)."""
-        if not self.low_rank:
-            return self.head.state_dict()
-        out = {k: v for k, v in self.head.state_dict().items() if ".parametrizations." not in k}
-        for name, module in self.head.named_modules():
-            if parametrize.is_parametrized(module, "weight"):
-                out[f"{name}.weight"] = module.weight.detach().clone()   # W + B A
-        return out
+        """The trained head's state dict."""
+        return self.head.state_dict()
 
     def restart(self, state: dict[str, torch.Tensor]) -> None:
-        """Train again from an ordinary head's `state` (the champion): its weights, no change yet, no momentum."""
-        if not self.low_rank:
-            self.head.load_state_dict(state)
-        else:
-            with torch.no_grad():
-                for key, value in state.items():
-                    module_name, _, leaf = key.rpartition(".")
-                    module = self.head.get_submodule(module_name) if module_name else self.head
-                    if leaf == "weight" and parametrize.is_parametrized(module, "weight"):
-                        module.parametrizations.weight.original.copy_(value)
-                    else:
-                        getattr(module, leaf).copy_(value)
-            for change in self.low_rank:
-                change.restart()
+        """Train again from the head `state` (the champion): its weights, no momentum."""
+        self.head.load_state_dict(state)
         self.optimizer.state.clear()
 
     def add(self, records: list[Captured]) -> None:

@@ -1,23 +1,36 @@
 """A store of the answers served, for prompt lookup across requests: what followed an n-gram in an earlier answer.
 
+Status: measured 0.96-0.97x against the same method without it on this project's targets (docs/adapt.md); off
+unless asked (`Adapter(traffic_tokens=N)`, `eval.adapt --traffic-tokens N`).
+
 Prompt lookup copies from the request's own context. Answers of one kind of traffic repeat one another too (code's
 idioms, a support bot's phrasing): the store keeps the latest answers as token ids (at most `max_tokens`, the
 oldest dropped first) with the latest place of every n-gram of `min_ngram` (MIN_NGRAM) to `max_ngram` tokens, and
 a lookup drafter that finds a longer match here than in its context proposes what followed it (shorter matches
-across answers are mostly wrong: MIN_NGRAM). It changes what is proposed, never what is accepted. `--adapt` turns
-it on where asked (heads/adapt.py, `traffic_tokens`): like the adapted head, it learns from every request served.
+across answers are mostly wrong: MIN_NGRAM). It changes what is proposed, never what is accepted.
+
+It is an observer of the engine (eagle_lite.decoding.observer): each sequence's prompt lookup (the drafter's own,
+or its `lookup`: eagle's graft, auto) copies from it while the sequence runs, and its answer joins it when done.
 
     store = TrafficStore()
-    store.add(answer_ids)                         # a finished answer
+    engine.observers.append(store)                # every answer the engine finishes joins it
+    store.add(answer_ids)                         # or one given directly
     n, chain = store.continuation(tokens, 5, 8)   # the longest n-gram (>= 5 here) ending `tokens`, what followed it
 """
 from __future__ import annotations
+
+from eagle_lite.decoding.observer import Observer
 
 MAX_TOKENS = 65536   # answer tokens kept
 MIN_NGRAM = 4        # the shortest match a lookup copies from another answer: shorter ones are mostly wrong there
 
 
-class TrafficStore:
+def _lookups(drafter) -> list:
+    """The prompt lookups `drafter` copies with: itself, or its `lookup` (eagle's graft, auto)."""
+    return [d for d in (drafter, getattr(drafter, "lookup", None)) if hasattr(d, "store")]
+
+
+class TrafficStore(Observer):
     def __init__(self, max_tokens: int = MAX_TOKENS, min_ngram: int = MIN_NGRAM, max_ngram: int = 5) -> None:
         if max_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"a traffic store keeps >= 1 token and n-grams of 1 <= min <= max, got {max_tokens}, "
@@ -32,6 +45,15 @@ class TrafficStore:
 
     def __len__(self) -> int:
         return len(self.answers)
+
+    def on_start(self, seq, hidden, features, read_from: int) -> None:
+        for lookup in _lookups(seq.drafter):
+            lookup.store = self
+
+    def on_finish(self, seq) -> None:
+        self.add(seq.answer)
+        for lookup in _lookups(seq.drafter):
+            lookup.store = None
 
     def add(self, answer: list[int]) -> None:
         """Keep a finished answer (token ids). Past `max_tokens` kept, the oldest go down to three quarters of it

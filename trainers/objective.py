@@ -332,7 +332,7 @@ def head_loss(head, batch: dict, embed_weight: torch.Tensor, draft_weight: torch
               per_rank: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """The training loss of `head` on a batch (`collate`'s layout): noised inputs, cfg.ttt_steps unrolled, then
     `objective`. embed_weight: the target's token embeddings; draft_weight: its lm_head rows over the draft
-    vocabulary. What training (trainers/module.py) and online adaptation (heads/learner.py) both minimise."""
+    vocabulary. What training (trainers/module.py) and online adaptation (eagle_lite_wing/learner.py) both minimise."""
     pairs = make_pairs(batch, embed_weight, taps=bool(head.feature_layers))
     preds = unroll(head, pairs, cfg.ttt_steps, inputs=add_noise(pairs.hidden, cfg))
     novel = novel_pairs(batch) if cfg.copy_weight != 1.0 else None

@@ -1,8 +1,11 @@
 """What the verify forwards already computed, kept for a head that learns from the traffic it serves (`--adapt`).
 
-The engine hands each finished answer's target outputs here (`Engine.capture`): for every token the target read,
+Status: part of online adaptation (adapt.py), which measured at most +0.5% accepted per step on the weak kinds at
+77-115 ms of CPU per answered token (docs/adapt.md); off unless `--adapt` is given.
+
+An observer of the engine (eagle_lite.decoding.observer, `Engine.observers`): for every token the target read,
 its last hidden state and the features the head reads (an EAGLE-3 head's taps, else the hidden state again, not
-stored twice), exactly what the head's training batches hold (heads/objective.py `collate`). Nothing is computed for
+stored twice), exactly what the head's training batches hold (trainers/objective.py `collate`). Nothing is computed for
 it: the rows are those of the prefill and of the accepted paths, stored in bfloat16 as the feature caches store them.
 
 A record is one answer: up to `context` tokens of its prompt (what the head attends to before the answer), then the
@@ -12,10 +15,13 @@ answer. The buffer keeps the newest records up to `max_tokens` tokens; older one
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from eagle_lite.decoding.observer import Observer, Step
 
 
 @dataclass
@@ -52,9 +58,9 @@ class Rows:
             self.features.append(features.to(torch.bfloat16))
 
 
-class Capture:
+class Capture(Observer):
     """The bounded buffer of captured answers (module docstring). Thread-safe: a server's worker adds while a
-    learner takes."""
+    learner takes. `seconds`: the time spent keeping rows."""
 
     def __init__(self, max_tokens: int = 32768, context: int = 256) -> None:
         if max_tokens < 1 or context < 0:
@@ -63,11 +69,29 @@ class Capture:
         self._records: deque[Captured] = deque()
         self._tokens = 0
         self._lock = threading.Lock()
+        self.seconds = 0.0
 
-    def rows_for(self, prompt_tokens: int, read_from: int) -> Rows:
-        """Rows of a new sequence whose prefill reads its tokens read_from.. (earlier ones were in the cache): they
-        start at the last `context` prompt tokens (`Rows.start`), so the prefill's outputs are kept from there."""
-        return Rows(max(read_from, prompt_tokens - self.context), prompt_tokens)
+    def on_start(self, seq, hidden: torch.Tensor, features: torch.Tensor, read_from: int) -> None:
+        """A new sequence's rows start at its last `context` prompt tokens (`Rows.start`): the prefill's outputs are
+        kept from there."""
+        t0 = time.perf_counter()
+        prompt = seq.stats.prompt_tokens
+        rows = seq.notes[self] = Rows(max(read_from, prompt - self.context), prompt)
+        cut = rows.start - read_from
+        rows.add(hidden[cut:], None if features is hidden else features[cut:])
+        self.seconds += time.perf_counter() - t0
+
+    def on_step(self, seq, step: Step) -> None:
+        rows = seq.notes.get(self)
+        if rows is not None:
+            t0 = time.perf_counter()
+            rows.add(step.hidden[step.path], None if step.features is step.hidden else step.features[step.path])
+            self.seconds += time.perf_counter() - t0
+
+    def on_finish(self, seq) -> None:
+        rows = seq.notes.pop(self, None)
+        if rows is not None:
+            self.finish(rows, seq.tokens, seq.stats.new_tokens)
 
     def finish(self, rows: Rows, tokens: list[int], answer_tokens: int) -> None:
         """Store a finished sequence: `tokens` all it holds, the first `answer_tokens` after the prompt its answer."""
@@ -78,6 +102,8 @@ class Capture:
         first = len(tokens) - 1 - hidden.shape[0]         # the rows cover every token but the last (the next root)
         begin = rows.prompt_tokens - first                # the answer's first row
         n = min(hidden.shape[0], begin + answer_tokens)   # not the tokens a last step verified past the answer
+        if n <= begin:
+            return
         hidden, taps = hidden[:n], taps[:n] if taps is not None else None
         ids = torch.tensor(tokens[first:first + n], dtype=torch.long)
         mask = torch.zeros(n, dtype=torch.bool)

@@ -1,0 +1,14 @@
+"""eagle_lite's wing: features without a measured gain on this project's targets, kept apart from the core package.
+
+Each enters through the core's own seams (an observer of the engine, eagle_lite.decoding.observer; a drafter), is
+off by default, and says its measured status in its docstring (docs/adapt.md has the figures):
+
+- adapt.py, learner.py, capture.py: online adaptation (`--adapt DIR`): at most +0.5% accepted per step on the weak
+  kinds, at 77-115 ms of CPU per answered token.
+- traffic.py: a store of the answers served that prompt lookup copies from across requests: 0.96-0.97x.
+- parallel.py: the parallel head's drafter (P-EAGLE, K tokens a head forward): 1.71 accepted a step against the
+  sequential head's 2.50; 1.29x against 1.56x on the GPU. Only a head saved with `parallel` brings it in.
+
+The training objective the learner minimises is trainers' (trainers/objective.py), so the wing runs from a source
+tree.
+"""

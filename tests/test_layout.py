@@ -1,0 +1,66 @@
+"""The core's shape: the engine knows drafters and observers, nothing else; nothing trains inside the runtime; the
+unproven features live in eagle_lite_wing, each saying its measured status."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "eagle_lite"
+
+
+def imported(path: Path) -> set[str]:
+    """The modules `path` imports, relative imports resolved against its package (`from . import x` counts as
+    the package's module x)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            out.add(module)
+            out.update(f"{module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def test_the_engine_imports_no_drafter_head_controller_capture_or_store():
+    names = imported(CORE / "decoding" / "engine.py")
+    forbidden = [n for n in names if n.startswith(("eagle_lite.drafters", "eagle_lite.heads", "eagle_lite_wing"))
+                 or n.split(".")[-1] in ("controller", "capture", "traffic", "cost")]
+    assert not forbidden, forbidden
+    assert "eagle_lite.decoding.observer" in names and "eagle_lite.decoding.drafter" in names
+
+
+def test_the_import_check_sees_relative_imports():
+    names = imported(CORE / "drafters" / "auto.py")
+    assert "eagle_lite.decoding.controller" in names and "eagle_lite.drafters.prompt_lookup" in names
+
+
+@pytest.mark.parametrize("folder", ["heads", "decoding", "drafters"])
+def test_nothing_in_the_runtime_trains(folder):
+    for path in (CORE / folder).rglob("*.py"):
+        text = path.read_text()
+        assert "torch.optim" not in text and "from torch import optim" not in text, path
+        assert not any(n.startswith("trainers") for n in imported(path)), path
+
+
+def test_heads_hold_modules_and_checkpoints_only():
+    assert not (CORE / "heads" / "objective.py").exists() and (ROOT / "trainers" / "objective.py").is_file()
+    assert not any((CORE / "heads" / name).exists() for name in ("learner.py", "adapt.py"))
+
+
+def test_the_wing_holds_the_unproven_each_with_its_measured_status():
+    wing = ROOT / "eagle_lite_wing"
+    for name in ("adapt.py", "learner.py", "capture.py", "traffic.py", "parallel.py"):
+        doc = ast.get_docstring(ast.parse((wing / name).read_text()))
+        assert re.search(r"\d\.\d+", doc) and ("Status" in doc or "status" in doc), name
+    assert not list(CORE.rglob("traffic.py")) and not list(CORE.rglob("capture.py"))
+    assert "mask_rows" not in (CORE / "drafters" / "eagle.py").read_text()   # the parallel head drafts in the wing
+    assert "lowrank" not in (wing / "learner.py").read_text()   # measured a loss everywhere: removed
+    assert "low-rank" in (ROOT / "docs" / "adapt.md").read_text()   # with the record of what was measured
+    assert not (CORE / "serve" / "cost.py").exists()   # one chooser: decoding/controller.py

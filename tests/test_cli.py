@@ -49,11 +49,11 @@ def test_static_step_answers_as_the_engine_does(tiny_model_dir, capsys):
     vanilla = run_json(capsys, *common, "--method", "vanilla")
     for method in ("vanilla", "eagle"):
         out = run_json(capsys, *common, "--method", method, "--draft", "random", "--static")
-        assert out["token_ids"] == vanilla["token_ids"] and (out["method"], out["static"]) == (method, "auto")
+        assert out["token_ids"] == vanilla["token_ids"] and (out["method"], out["static"]) == (method, "eager")
     assert vanilla["static"] is None
     sampled = [*common, "--method", "eagle", "--draft", "random", "--static", "--temperature", "0.7", "--seed", "0"]
     out = run_json(capsys, *sampled)
-    assert out["static"] == "auto" and out["token_ids"] == run_json(capsys, *sampled)["token_ids"]   # seeded
+    assert out["static"] == "eager" and out["token_ids"] == run_json(capsys, *sampled)["token_ids"]   # seeded
     assert run_json(capsys, *common, "--method", "vanilla", "--static", "off")["static"] is None
     assert main([*common, "--static", "--method", "lookup"]) == 2
     assert "runs methods eagle and vanilla" in capsys.readouterr().err

@@ -144,24 +144,6 @@ def reusable(cached: list[int], prompt_ids: list[int]) -> int:
     return max(0, min(shared_start(cached, prompt_ids) - 1, len(prompt_ids) - 1))
 
 
-def emit_tokens(new: list[int], stats: GenerationStats, eos: set[int], budget: int, max_new_tokens: int,
-                start: float) -> list[int]:
-    """`new` cut exactly where the target alone would stop (at EOS or the token budget); `stats` counts them and the
-    wall time since `start`, and records why it stopped."""
-    out = []
-    for tok in new:
-        out.append(tok)
-        if tok in eos:
-            stats.stop_reason = "eos"
-            break
-        if stats.new_tokens + len(out) == budget:
-            stats.stop_reason = "length" if budget == max_new_tokens else "context"
-            break
-    stats.new_tokens += len(out)
-    stats.seconds = time.perf_counter() - start
-    return out
-
-
 @dataclass
 class Sequence:
     """One sequence being decoded: its own KV cache and drafter, the tokens so far, and what its next step reads.
@@ -185,7 +167,20 @@ class Sequence:
         return bool(self.stats.stop_reason)
 
     def emit(self, new: list[int]) -> list[int]:
-        return emit_tokens(new, self.stats, self.eos, self.budget, self.cfg.max_new_tokens, self.start)
+        """`new` cut exactly where the target alone would stop (at EOS or the token budget); the stats count them and
+        the wall time since `start`, and record why it stopped."""
+        out, stats = [], self.stats
+        for tok in new:
+            out.append(tok)
+            if tok in self.eos:
+                stats.stop_reason = "eos"
+                break
+            if stats.new_tokens + len(out) == self.budget:
+                stats.stop_reason = "length" if self.budget == self.cfg.max_new_tokens else "context"
+                break
+        stats.new_tokens += len(out)
+        stats.seconds = time.perf_counter() - self.start
+        return out
 
     def advance(self, new: list[int]) -> list[int]:
         """Count one verify forward whose accepted tokens (the bonus last) are `new`: what of them is emitted."""

@@ -202,7 +202,7 @@ def add_static_flag(p, what: str = "decoding through", off: bool = False) -> Non
     p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
                    choices=(*STATIC_MODES, "off") if off else STATIC_MODES,
                    help=f"{what} the fixed-shape step (methods eagle, without the lookup graft, and vanilla): MODE "
-                        f"auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, reduce-overhead, cuda-graph"
+                        f"auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, cuda-graph"
                         + ("; off: never (unset: auto on CUDA for vanilla and eagle with a sequential head)" if off
                            else "") + " (docs/gpu.md)")
 

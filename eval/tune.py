@@ -155,7 +155,7 @@ def check_args(args: argparse.Namespace) -> None:
         if args.static is not None:
             for tree in trees:
                 bucket_for(1 + tree.total_tokens)   # the static step's largest verify bucket bounds the tree
-            if args.static in ("cuda-graph", "reduce-overhead") and not args.device.startswith("cuda"):
+            if args.static == "cuda-graph" and not args.device.startswith("cuda"):
                 raise ValueError(f"--static {args.static} captures CUDA graphs: use --device cuda, or "
                                  f"--static eager / compile")
             if args.static_max_len < 1:

@@ -42,7 +42,7 @@ What of the engine drafter's tree building stays apart, because it reads the dev
 `StaticStep` is a step backend of the engine (engine.py `Engine.backend`): the engine's loop prefills through
 it, stops and counts. The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left out. On
 CUDA the draft step and each bucket's verify step are captured in CUDA graphs (`mode="cuda-graph"`), or compiled
-(`mode="compile"` or `"reduce-overhead"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md has the
+(`mode="compile"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md has the
 design and the GPU commands.
 """
 from __future__ import annotations
@@ -185,8 +185,9 @@ class StaticStep:
     `step` for each step's tokens; its loop chooses the first token, stops, and counts.
 
     mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
-    by default); "reduce-overhead" (`torch.compile` with its CUDA graphs; plain decoding only); "cuda-graph" (each
-    step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto": "cuda-graph" on CUDA, else "eager".
+    by default); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto":
+    "cuda-graph" on CUDA, else "eager". (torch.compile's own CUDA graphs, mode reduce-overhead, replayed the draft
+    step wrongly on an H100 and were dropped.)
     max_len: the cache slots to allocate up front (more are allocated when a call needs them, in blocks of
     `SLOT_BLOCK`: each growth recaptures or recompiles the steps; every step attends over all slots, so a benchmark
     sets it once, to about its longest call).
@@ -203,11 +204,7 @@ class StaticStep:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
             mode = "cuda-graph" if target.device.type == "cuda" else "eager"
-        if mode == "reduce-overhead" and head is not None:
-            # torch.compile's CUDA graphs replayed the draft step wrongly on an H100 (tests/test_static_step.py)
-            raise ValueError("static step mode 'reduce-overhead' does not draft exactly with a head; use "
-                             "'cuda-graph' (the default on CUDA) or 'compile'")
-        if mode in ("cuda-graph", "reduce-overhead") and target.device.type != "cuda":
+        if mode == "cuda-graph" and target.device.type != "cuda":
             raise ValueError(f"static step mode {mode!r} captures CUDA graphs; target '{target.name}' is on "
                              f"{target.device} (use 'eager' or 'compile')")
         self.target, self.head, self.mode, self.profile = target, head, mode, profile
@@ -261,7 +258,7 @@ class StaticStep:
             if current not in [KEYS[b] for b in STATIC_BACKENDS]:
                 model.set_attn_implementation(select_attention("gqa" if _has_gqa() else "sdpa", model))
                 stack.callback(model.set_attn_implementation, current)
-            if self.mode in ("compile", "reduce-overhead"):
+            if self.mode == "compile":
                 stack.enter_context(stock(model))
                 if self.head is not None:
                     stack.enter_context(stock(self.head))
@@ -522,13 +519,11 @@ class StaticStep:
             fn = self.draft_step if kind == "draft" else self.verify_step
             if self.mode == "eager":
                 run = fn
-            elif self.mode in ("compile", "reduce-overhead"):
+            elif self.mode == "compile":
                 # one compiled graph per bucket and tree setting, all of the same two methods: room for many
                 config = torch._dynamo.config
                 config.recompile_limit = max(getattr(config, "recompile_limit", 8), 64)
-                run = torch.compile(fn, fullgraph=True, dynamic=False,
-                                    **({"backend": self.compile_backend} if self.mode == "compile"
-                                       else {"mode": "reduce-overhead"}))
+                run = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.compile_backend)
             else:
                 try:
                     run = self._capture(fn)
@@ -592,12 +587,6 @@ class StaticStep:
             self._verify_consts = VerifyConstants.build(bucket, depth, self._cache.slots, dev)
             if self.head is not None:
                 self._draft_consts = draft_constants(tree, bucket, self._draft_cache.slots, dev)
-        if not self._steps and self.mode == "reduce-overhead":   # what the steps change in place stays put
-            for t in [*self._state.small(), self._cache.kv,
-                      *([self._lm_weight, self._draft_cache.kv] if self.head is not None else []),
-                      *(t for consts in (self._draft_consts, self._verify_consts) if consts is not None
-                        for t in vars(consts).values() if isinstance(t, torch.Tensor))]:
-                torch._dynamo.mark_static_address(t)
 
     def _prefill(self, prompt_ids: list[int], choose: Callable[[torch.Tensor], int] | None = None) -> int:
         """The prompt through the target (and the draft head), eagerly; returns the first new token, `choose` of the
@@ -667,8 +656,6 @@ class StaticStep:
         if self._generator is not None:
             u = self._state.uniforms
             torch.rand(u.shape, generator=self._generator, dtype=u.dtype, device=u.device, out=u)
-        if self.mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
         if draft is not None:
             draft()
         between()

@@ -75,7 +75,8 @@ class Pipeline:
         """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree
         the caller pins: the controller chooses none."""
         options = replace(options or registry.EagleOptions(), head=self.engine.drafter.head)
-        pipeline = for_target(self.target, "eagle", options)
+        # a head that adapts is the drafter's, which the fixed-shape step would not follow
+        pipeline = for_target(self.target, "eagle", options, "off" if self.adapter is not None else None)
         pipeline.recorder = self.recorder
         if self.adapter is not None:   # the head adapts on in the pinned pipeline
             self.adapter.bind(pipeline)

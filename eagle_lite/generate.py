@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "model's plain layout, unless --raw); bytes that are not UTF-8 become U+FFFD "
                                     "and NUL characters are dropped, here and in a chat")
     add_model_flags(p)
-    add_static_flag(p)
+    add_static_flag(p, off=True)
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     add_flag(p, "verbose")

@@ -195,14 +195,16 @@ def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None
         add_flag(p, name)
 
 
-def add_static_flag(p, what: str = "greedy decoding through") -> None:
+def add_static_flag(p, what: str = "decoding through", off: bool = False) -> None:
     """--static [MODE]: methods eagle (without the lookup graft) and vanilla through the fixed-shape step
     (decoding/static_step.py), a mode of theirs rather than other methods (the CLI, eval.benchmark, eval.tune,
-    eval.profile_step)."""
-    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE", choices=STATIC_MODES,
+    eval.profile_step). off: MODE off too, the CLI's, which runs the step unasked where it is the faster exact one."""
+    p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
+                   choices=(*STATIC_MODES, "off") if off else STATIC_MODES,
                    help=f"{what} the fixed-shape step (methods eagle, without the lookup graft, and vanilla): MODE "
-                        f"auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, reduce-overhead, cuda-graph "
-                        f"(docs/gpu.md)")
+                        f"auto = CUDA graphs on CUDA, eager on a CPU; or eager, compile, cuda-graph"
+                        + ("; off: never (unset: auto on CUDA for vanilla and eagle with a sequential head)" if off
+                           else "") + " (docs/gpu.md)")
 
 
 def target_of(target: str | None, draft=None) -> str | None:
@@ -251,8 +253,6 @@ def check_flags(args: argparse.Namespace) -> None:
     if getattr(args, "adapt", None) and args.method not in (registry.DEFAULT, registry.AUTO, "eagle"):
         raise ValueError(f"--adapt trains a draft head: use --method default, auto or eagle, not {args.method}")
     if args.static is not None:
-        if args.temperature > 0:
-            raise ValueError("--static decodes greedily: drop --temperature (or --static)")
         from .pipeline import check_static
 
         check_static(args.method, args.static)

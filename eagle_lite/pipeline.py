@@ -8,9 +8,9 @@
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,8 +23,7 @@ from .targets.model import Target
 from .text.chat_format import chat_ids, clean_text
 from .text.detokenize import Detokenizer
 
-if TYPE_CHECKING:
-    from .decoding.static_step import StaticEngine
+log = logging.getLogger("eagle_lite")
 
 
 @dataclass
@@ -36,25 +35,29 @@ class Output:
 
 class Pipeline:
     """A target with one drafter (`drafters.build`; `for_target` makes both); `generate`/`stream` take text or chat
-    messages. engine: what generates instead of `Engine(target, drafter)` (the static step: `StaticEngine`).
-    options: the method's options the drafter was built with (None: its defaults)."""
+    messages. options: the method's options the drafter was built with (None: its defaults). static: the engine's
+    step backend (`step_backend`: None, the fixed-shape step where it is the faster exact one; "off"; a mode)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None, method: str, engine=None, options=None) -> None:
+    def __init__(self, target: Target, drafter: Drafter | None, method: str, options=None,
+                 static: str | None = None) -> None:
         self.target, self.method, self.options = target, method, options
-        self.static: str | None = None   # the static step's mode where `engine` is one (`load(static=...)`)
         self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
         self.adapter = None    # eagle_lite_wing.adapt.Adapter: the head learns from the answers it serves (--adapt)
-        self.engine = engine if engine is not None else engine_for(target, drafter)
+        self.engine = Engine(target, drafter, step_backend(target, drafter, static))
         # the drafter's observer of its steps (method auto: its choices, drafters/auto.py `Choices`); None: none
-        make = getattr(drafter, "statistics", None) if engine is None else None
+        make = getattr(drafter, "statistics", None)
         self.statistics = make() if make is not None else None
         if self.statistics is not None:
             self.engine.observers.append(self.statistics)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
-        source = drafter if engine is None else engine
-        self.tree: TreeConfig = resolve_tree(getattr(source, "recommended_tree", None), device=str(target.device))
+        self.tree: TreeConfig = resolve_tree(getattr(drafter, "recommended_tree", None), device=str(target.device))
         # a tree drafter (an EAGLE head) whose head recommends no tree here: the device's default stands in
-        self.tree_unrecommended = hasattr(source, "recommended_tree") and source.recommended_tree is None
+        self.tree_unrecommended = hasattr(drafter, "recommended_tree") and drafter.recommended_tree is None
+
+    @property
+    def static(self) -> str | None:
+        """The fixed-shape step's mode where it runs the steps (`step_backend`); None: the engine's tree step."""
+        return self.engine.backend.mode if self.engine.backend is not None else None
 
     def drafter_factory(self, options=None) -> Callable[[], Drafter]:
         """A function making fresh drafters of this method (one per sequence of a batch: a drafter keeps
@@ -77,7 +80,8 @@ class Pipeline:
         """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree
         the caller pins: the controller chooses none."""
         options = replace(options or registry.EagleOptions(), head=self.engine.drafter.head)
-        pipeline = for_target(self.target, "eagle", options)
+        # a head that adapts is the drafter's, which the fixed-shape step would not follow
+        pipeline = for_target(self.target, "eagle", options, "off" if self.adapter is not None else None)
         pipeline.recorder = self.recorder
         if self.adapter is not None:   # the head adapts on in the pinned pipeline
             self.adapter.bind(pipeline)
@@ -154,9 +158,10 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     options: that method's options dataclass (`drafters.EagleOptions` for auto, eagle and staged, `LookupOptions`,
     `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
-    static: decode greedily through the fixed-shape step (static_step.py) in this mode ("auto": CUDA graphs on CUDA,
-    eager on a CPU; see `static_step.MODES`); methods eagle (without the prompt-lookup graft; auto runs it there)
-    and vanilla, a mode of theirs (`Pipeline.static`). None: the engine.
+    static: the fixed-shape step (static_step.py) runs the steps in this mode ("auto": CUDA graphs on CUDA, eager on a
+    CPU; see `static_step.MODES`), greedy or sampled; methods eagle (without the prompt-lookup graft; auto runs it
+    there) and vanilla (`Pipeline.static`). None: it does where it is the faster exact step (CUDA; vanilla, eagle
+    with a sequential head), else the engine's tree step; "off": never.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
     adapt: a folder where the head learns from the answers it serves (eagle_lite_wing/adapt.py, unproven: at most
@@ -166,8 +171,9 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     if adapt is not None:
         from eagle_lite_wing.adapt import adapted_draft
 
-        if static is not None:
+        if static not in (None, "off"):
             raise ValueError("--adapt runs on the engine, not the static step: drop --static")
+        static = "off"   # the head it learns is the drafter's
         eagle_options = isinstance(options, registry.EagleOptions)
         start_draft = options.draft if eagle_options else draft
         resumed = adapted_draft(adapt, None)
@@ -184,22 +190,13 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
-    if static is not None and method in (registry.AUTO, registry.DEFAULT):
+    if static not in (None, "off") and method in (registry.AUTO, registry.DEFAULT):
         method = "eagle"   # the fixed-shape step runs one tree: eagle's
     registry.check(method, options)              # before the (slow) target load
     if static is not None:
         check_static(method, static)
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
-    method, options = registry.resolve(method, tgt, options)
-    if static is not None:
-        from .drafters.registry import eagle_head
-
-        check_static(method, static)
-        head = eagle_head(tgt, options) if method == "eagle" else None
-        pipeline = Pipeline(tgt, None, method, static_engine_for(tgt, head, static))
-        pipeline.static = static
-    else:
-        pipeline = for_target(tgt, method, options)
+    pipeline = for_target(tgt, method, options, static)
     if record is not None:
         from .text.record import Recorder
 
@@ -213,34 +210,61 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
 
 def engine_for(target: Target, method: str | Drafter | None = registry.DEFAULT, options=None) -> Engine:
     """The engine that decodes `target` with method `method`'s drafter (its `options`; "auto" resolved), with a drafter
-    already built, or with none (None: each request brings its own, as the server's do). The one place an `Engine` is
-    assembled: the pipeline, the server, custom_generate and eval all come here."""
+    already built, or with none (None: each request brings its own, as the server's do), on the tree step. The
+    server, custom_generate and eval come here; the pipeline adds its step backend (`step_backend`)."""
     drafter = registry.build(method, target, options) if isinstance(method, str) else method
     return Engine(target, drafter)
 
 
-def static_engine_for(target: Target, head=None, mode: str = "auto", **options) -> StaticEngine:
-    """The fixed-shape step's engine (decoding/static_step.py) for `target`: plain decoding (head None) or greedy
-    EAGLE with `head`, its steps run in `mode` (`static_step.MODES`); options: StaticEngine's others (max_len,
-    profile, compile_backend, lookahead, fused). The one place a `StaticEngine` is assembled: `load` and eval."""
-    from .decoding.static_step import StaticEngine
+def static_engine_for(target: Target, head=None, mode: str = "auto", **options) -> Engine:
+    """An engine whose steps the fixed-shape step runs (decoding/static_step.py) for `target`: plain decoding (head
+    None) or EAGLE with `head`, in `mode` (`static_step.MODES`); options: StaticStep's others (max_len, profile,
+    compile_backend, lookahead, fused). Eval's static methods come here."""
+    from .decoding.static_step import StaticStep
 
-    return StaticEngine(target, head, mode=mode, **options)
+    return Engine(target, None, StaticStep(target, head, mode=mode, **options))
 
 
-def for_target(target: Target, method: str = registry.DEFAULT, options=None) -> Pipeline:
-    """The drafter of `method` (its `options`; "auto" resolved) for a loaded target, with its tree: the one place
-    a drafter and its tree are made for a target (`load`, the server, training's answers)."""
+def step_backend(target: Target, drafter: Drafter | None, static: str | None = None):
+    """The fixed-shape step (decoding/static_step.py) that runs `drafter`'s steps, or None (the engine's tree step).
+    static: a mode of `static_step.MODES` (forced: methods vanilla and eagle, the lookup graft left out); "off":
+    none; None: chosen where it is the faster exact step, a CUDA target with plain decoding or an EAGLE head that
+    drafts in sequence (where the target cannot run it, the tree step, said in the log)."""
+    from .decoding.static_step import StaticStep
+
+    name = getattr(drafter, "name", "vanilla")
+    head = drafter.head if name == "eagle" else None
+    if static is None:
+        if target.device.type != "cuda" or name not in ("vanilla", "eagle") or (head is not None and head.parallel):
+            return None
+        try:
+            return StaticStep(target, head)
+        except ValueError as err:
+            log.info("the engine's tree step runs: %s", err)
+            return None
+    if static == "off":
+        return None
+    if name not in ("vanilla", "eagle"):
+        raise ValueError(f"the static step runs methods eagle and vanilla, not '{name}'")
+    return StaticStep(target, head, mode=static)
+
+
+def for_target(target: Target, method: str = registry.DEFAULT, options=None, static: str | None = None) -> Pipeline:
+    """The drafter of `method` (its `options`; "auto" resolved) for a loaded target, with its tree and its step
+    backend (`static`: `step_backend`'s): the one place a drafter and its tree are made for a target (`load`, the
+    server, training's answers)."""
     method, options = registry.resolve(method, target, options)
-    return Pipeline(target, registry.METHODS[method].build(target, options), method, options=options)
+    return Pipeline(target, registry.METHODS[method].build(target, options), method, options=options, static=static)
 
 
 def check_static(method: str, mode: str) -> None:
     """Refuse what the static step cannot run: a method other than eagle and vanilla (`load` runs auto as eagle
-    there), an unknown mode."""
+    there), an unknown mode ("off": any method, the engine's tree step)."""
     from .decoding.static_step import MODES
 
+    if mode == "off":
+        return
     if mode not in MODES:
-        raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
+        raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}, off")
     if method not in (registry.AUTO, registry.DEFAULT, "eagle", "vanilla"):
         raise ValueError(f"the static step runs methods eagle and vanilla, not '{method}'")

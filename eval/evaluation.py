@@ -132,11 +132,9 @@ def check_settings(s: EvalSettings) -> None:
     if s.attention not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {s.attention!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if s.static is not None:
-        if s.static not in MODES:
+        if s.static not in MODES:   # "off" is the CLI's: here, no --static
             raise ValueError(f"unknown static step mode {s.static!r}: choose one of {', '.join(MODES)}")
         check_static(s.methods, s.static)
-        if s.temperature > 0:
-            raise ValueError(f"--static {s.static} decodes greedily: drop it or set temperature 0")
     TreeConfig.check_overrides(s.tree)
     GenerationConfig(max_new_tokens=s.max_new_tokens, seed=s.seed,
                      sampling=SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k))
@@ -244,7 +242,7 @@ def write_outputs(out_dir: Path, records, rows, baseline: str, header: str) -> s
     return text
 
 
-def add_static_flags(p, what: str = "greedy decoding through") -> None:
+def add_static_flags(p, what: str = "decoding through") -> None:
     """--static [MODE] (eagle_lite/options.py, the CLI's own) and --static-max-len: vanilla and eagle through the
     fixed-shape step (eval.benchmark and eval.tune)."""
     add_static_flag(p, what)

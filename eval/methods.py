@@ -135,7 +135,7 @@ def engine_method(engine: Engine) -> Method:
 
 
 def static_method(target: Target, head=None, mode: str = "auto", max_len: int | None = None) -> Method:
-    """The fixed-shape step (static_step.StaticEngine): plain decoding (head None) or EAGLE with `head`."""
+    """The engine on the fixed-shape step (static_step.StaticStep): plain decoding (head None) or EAGLE with `head`."""
     return engine_method(static_engine_for(target, head, mode, max_len=max_len))
 
 

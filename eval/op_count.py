@@ -79,23 +79,23 @@ class OpCounter(TorchDispatchMode):
         return run
 
     @contextlib.contextmanager
-    def regions(self, engine) -> Iterator[None]:
-        """Count a StaticEngine's ops by region: "target layer" (the target's decoder layers, fused or the
+    def regions(self, step) -> Iterator[None]:
+        """Count a StaticStep's ops by region: "target layer" (the target's decoder layers, fused or the
         model's own), "head" (the draft head's forwards), "other" (everything else)."""
         from eagle_lite.decoding.static_stack import StaticLayer
 
         handles = []
-        for layer in engine.target.decoder.layers:
+        for layer in step.target.decoder.layers:
             handles.append(layer.register_forward_pre_hook(lambda *_: setattr(self, "region", "target layer")))
             handles.append(layer.register_forward_hook(lambda *_: setattr(self, "region", "other")))
         call = StaticLayer.__call__
         StaticLayer.__call__ = self.wrap(call, "target layer")
-        engine._head = self.wrap(type(engine)._head.__get__(engine), "head")
+        step._head = self.wrap(type(step)._head.__get__(step), "head")
         try:
             yield
         finally:
             StaticLayer.__call__ = call
-            del engine._head
+            del step._head
             for h in handles:
                 h.remove()
 
@@ -185,13 +185,14 @@ class StepOps:
 
 
 def count_generation(engine, prompts: list[list[int]], cfg) -> StepOps:
-    """Run `engine` (a StaticEngine in mode eager) over `prompts`, counting what its draft and verify steps launch,
-    through the models' own modules (`stock`: the code CUDA runs, not the CPU speed-ups)."""
+    """Run `engine` (an Engine whose backend is the static step in mode eager) over `prompts`, counting what its draft
+    and verify steps launch, through the models' own modules (`stock`: the code CUDA runs, not the CPU speed-ups)."""
     from eagle_lite.kernels.accelerate import stock
 
-    if engine.mode != "eager":
-        raise ValueError(f"op counts run the steps eagerly (mode {engine.mode!r} given)")
-    target, head = engine.target, engine.head
+    step = engine.backend
+    if step.mode != "eager":
+        raise ValueError(f"op counts run the steps eagerly (mode {step.mode!r} given)")
+    target, head = step.target, step.head
     counter = OpCounter()
     ops = StepOps("eagle_graph" if head is not None else "vanilla_graph", layers=target.config.num_hidden_layers)
 
@@ -204,27 +205,27 @@ def count_generation(engine, prompts: list[list[int]], cfg) -> StepOps:
             ops.syncs += counter.syncs - syncs
             if kind == "verify":       # what the step emitted, before the caller trims it to the budget
                 ops.steps += 1
-                ops.tokens += int(engine._state.readback[0])
+                ops.tokens += int(step._state.readback[0])
         return run
 
-    engine.draft_step = counted(type(engine).draft_step.__get__(engine), "draft")
-    engine.verify_step = counted(type(engine).verify_step.__get__(engine), "verify")
-    engine._steps.clear()
+    step.draft_step = counted(type(step).draft_step.__get__(step), "draft")
+    step.verify_step = counted(type(step).verify_step.__get__(step), "verify")
+    step._steps.clear()
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(stock(target.model))
             if head is not None:
                 stack.enter_context(stock(head))
-            stack.enter_context(counter.regions(engine))
+            stack.enter_context(counter.regions(step))
             for prompt in prompts:
                 engine.generate(prompt, cfg)
     finally:
-        del engine.draft_step, engine.verify_step
-        engine._steps.clear()
+        del step.draft_step, step.verify_step
+        step._steps.clear()
     ops.regions, ops.by_op = counter.launches, counter.by_op
     if head is not None:
-        ops.depth = engine._tree_cfg.depth
-        ops.verify_nodes = engine._state.tree.tokens.numel()
+        ops.depth = step._tree_cfg.depth
+        ops.verify_nodes = step._state.tree.tokens.numel()
     return ops
 
 

@@ -41,7 +41,6 @@ import torch
 from eagle_lite.atomic import check_writable, write_text_atomic
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
-from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
 from eagle_lite.options import add_flag
 from eagle_lite.pipeline import static_engine_for
@@ -121,7 +120,7 @@ def random_tree(nodes: int, depth: int, vocab: int, seed: int) -> tuple[list[int
     return torch.randint(vocab, (nodes,), generator=g).tolist(), parents
 
 
-def snapshot(engine: StaticEngine):
+def snapshot(engine):
     saved = [t.clone() for t in engine._state.small()]
 
     def restore() -> None:
@@ -137,7 +136,7 @@ def tree_of_size(nodes: int) -> TreeConfig:
     return TreeConfig(depth=depth, top_k=10, total_tokens=max(1, nodes - 1))
 
 
-def verify_ms(engine: StaticEngine, prompt: list[int], nodes: int, reps: int) -> float:
+def verify_ms(engine, prompt: list[int], nodes: int, reps: int) -> float:
     """The verify step over a random tree of `nodes` nodes (plain decoding's step for 1), after `prompt`."""
     target = engine.target
     tree = tree_of_size(nodes)
@@ -153,7 +152,7 @@ def verify_ms(engine: StaticEngine, prompt: list[int], nodes: int, reps: int) ->
     return median_ms(run, restore, reps, target.device)
 
 
-def draft_ms(engine: StaticEngine, prompt: list[int], tree: TreeConfig, reps: int) -> float:
+def draft_ms(engine, prompt: list[int], tree: TreeConfig, reps: int) -> float:
     engine._tree_cfg = tree
     engine._prepare(len(prompt) + bucket_for(1 + tree.total_tokens) + tree.depth + 2, tree)
     engine._prefill(prompt)
@@ -170,9 +169,8 @@ def measure(target, head, args) -> dict:
     trees = args.trees or [head_tree(head)]
     with torch.inference_mode():
         for mode in args.modes:
-            plain = static_engine_for(target, None, mode)
-            eagle = static_engine_for(target, head, mode)
-            with plain._running(), eagle._running():
+            plain, eagle = (static_engine_for(target, h, mode).backend for h in (None, head))
+            with plain.running(), eagle.running():
                 out["verify"][mode] = {n: verify_ms(plain if n == 1 else eagle, prompt, n, args.reps)
                                        for n in args.sizes}
                 out["draft"][mode] = {tree_label(t): draft_ms(eagle, prompt, t, args.reps) for t in trees}

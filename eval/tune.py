@@ -16,7 +16,7 @@ vanilla decoding). The table gives tokens/s, the speedup over vanilla and the me
 the best setting whose output is identical to vanilla's is printed last, with how to select it;
 `--save-tree` records eagle's best tree in the head folder's config.json, where the CLI, the Python API
 and the benchmark take it as their default tree.
-`--static [MODE]` sweeps eagle's tree grid through the fixed-shape static step (`static_step.StaticEngine`, CUDA
+`--static [MODE]` sweeps eagle's tree grid through the fixed-shape static step (`static_step.StaticStep`, CUDA
 graphs on CUDA: the default path there, whose costs differ from the engine's), against plain decoding through the
 same step as the baseline; that step has no prompt-lookup graft, so lookup lengths are ignored.
 --method takes every registered method whose registry entry declares a grid (`Method.tune`, drafters/registry.py;
@@ -172,7 +172,7 @@ def check_args(args: argparse.Namespace) -> None:
         if args.static is not None:
             for tree in trees:
                 bucket_for(1 + tree.total_tokens)   # the static step's largest verify bucket bounds the tree
-            if args.static in ("cuda-graph", "reduce-overhead") and not args.device.startswith("cuda"):
+            if args.static == "cuda-graph" and not args.device.startswith("cuda"):
                 raise ValueError(f"--static {args.static} captures CUDA graphs: use --device cuda, or "
                                  f"--static eager / compile")
             if args.static_max_len < 1:

@@ -61,7 +61,7 @@ def test_engines_are_assembled_by_the_pipeline_only():
     made = sorted(str(f.relative_to(ROOT)) for folder in ("eagle_lite", "trainers", "eval")
                   for f in (ROOT / folder).rglob("*.py")
                   if any(isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in
-                         ("Engine", "StaticEngine") for node in ast.walk(ast.parse(f.read_text()))))
+                         ("Engine", "StaticStep") for node in ast.walk(ast.parse(f.read_text()))))
     assert made == ["eagle_lite/pipeline.py"]
 
 

@@ -45,16 +45,18 @@ def test_one_shot_json_eagle_equals_vanilla(tiny_model_dir, capsys):
 
 
 def test_static_step_answers_as_the_engine_does(tiny_model_dir, capsys):
-    """--static: the fixed-shape step (eager on a CPU) gives the engine's greedy answer; what it cannot run is
-    refused before the model loads."""
+    """--static: the fixed-shape step (eager on a CPU) gives the engine's greedy answer, and samples (seeded: the same
+    answer twice); what it cannot run is refused before the model loads."""
     common = ["--target", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "20"]
     vanilla = run_json(capsys, *common, "--method", "vanilla")
     for method in ("vanilla", "eagle"):
         out = run_json(capsys, *common, "--method", method, "--draft", "random", "--static")
-        assert out["token_ids"] == vanilla["token_ids"] and (out["method"], out["static"]) == (method, "auto")
+        assert out["token_ids"] == vanilla["token_ids"] and (out["method"], out["static"]) == (method, "eager")
     assert vanilla["static"] is None
-    assert main([*common, "--static", "--temperature", "0.5"]) == 2
-    assert "--static decodes greedily" in capsys.readouterr().err
+    sampled = [*common, "--method", "eagle", "--draft", "random", "--static", "--temperature", "0.7", "--seed", "0"]
+    out = run_json(capsys, *sampled)
+    assert out["static"] == "eager" and out["token_ids"] == run_json(capsys, *sampled)["token_ids"]   # seeded
+    assert run_json(capsys, *common, "--method", "vanilla", "--static", "off")["static"] is None
     assert main([*common, "--static", "--method", "lookup"]) == 2
     assert "runs methods eagle and vanilla" in capsys.readouterr().err
     assert main([*common, "--static", "cuda-graph", "--method", "vanilla"]) == 1     # a CPU target

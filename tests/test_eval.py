@@ -108,7 +108,7 @@ def test_a_sampled_benchmark_runs_every_method_with_the_seed_and_checks_no_ident
 
 def test_a_benchmark_runs_vanilla_and_eagle_through_the_static_step(tiny_model_dir, tmp_path, capsys):
     """--static: vanilla and eagle through the fixed-shape step (eager on a CPU), transformers' generate() beside
-    them as it is; the engine's other methods are refused in one line."""
+    them as it is, greedy and sampled; the engine's other methods are refused in one line."""
     from eval import benchmark
 
     args = ["--target", str(tiny_model_dir), "--methods", "hf_generate,vanilla,eagle",
@@ -120,6 +120,8 @@ def test_a_benchmark_runs_vanilla_and_eagle_through_the_static_step(tiny_model_d
     assert "vanilla, eagle: static step, mode auto" in out and "attention sdpa" in out
     rows = [line for line in out.splitlines() if line.startswith("| overall |")]
     assert len(rows) == 3 and all("| 100% |" in line for line in rows), rows
+    assert benchmark.main([*args[:2], *args[4:], "--methods", "vanilla,eagle", "--static", "--temperature", "0.7"]) == 0
+    assert "sampling: temperature 0.7" in capsys.readouterr().out
     assert benchmark.main([*args[:2], "--methods", "vanilla,lookup", *args[4:], "--static", "eager"]) == 1
     err = capsys.readouterr().err
     assert "--static eager runs methods vanilla and eagle" in err and "['lookup']" in err
@@ -376,7 +378,6 @@ def no_target_load(monkeypatch):
     ("benchmark", ["--methods", "vanilla,draft_model"], "needs --draft-model SPEC", 1),
     ("benchmark", ["--threads", "0"], "--threads must be a whole number >= 1", 2),
     ("benchmark", ["--tree-depth", "0"], "tree depth must be >= 1", 1),
-    ("benchmark", ["--methods", "vanilla,eagle", "--static", "--temperature", "0.7"], "decodes greedily", 1),
     ("benchmark", ["--methods", "vanilla,eagle", "--static", "--draft", "{nowhere}"], "no draft head at", 1),
     ("benchmark", ["--methods", "vanilla,lookup", "--static"], "run on the engine only", 1),
     ("tune", ["--method", "lookup", "--questions", "{empty}"], "holds no questions", 1),

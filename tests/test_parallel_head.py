@@ -143,10 +143,10 @@ def test_parallel_takes_two_or_more_tokens(llama):
                          ids=["chain", "tree", "deeper than K, min_prob", "a chain longer than K"])
 @pytest.mark.parametrize("design", ["eagle", "eagle3"])
 def test_the_static_step_drafts_with_a_parallel_head_and_stays_exact(llama, tree, design):
-    from eagle_lite.decoding.static_step import StaticEngine
+    from eagle_lite.pipeline import static_engine_for
 
     target = target_for(design, llama)
-    static = StaticEngine(target, parallel_head(target, 4, design))
+    static = static_engine_for(target, parallel_head(target, 4, design))
     cfg = GenerationConfig(max_new_tokens=30, tree=tree, stop_at_eos=False)
     for prompt in ([5, 6, 5, 6, 5, 6, 5], list(range(20, 60))):
         result = static.generate(prompt, cfg)

@@ -8,8 +8,8 @@ import torch
 from conftest import make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.decoding.static_step import StaticEngine
 from eagle_lite.heads.draft import DraftHead
+from eagle_lite.pipeline import static_engine_for
 from eval.op_count import HostSyncError, OpCounter, SyncGuard, count_generation
 
 TREE = TreeConfig(depth=4, top_k=4, total_tokens=15)
@@ -28,7 +28,7 @@ def tiny():
 
 def counts(target, head, tokens: int = 10):
     cfg = GenerationConfig(max_new_tokens=tokens, stop_at_eos=False, tree=TREE)
-    return count_generation(StaticEngine(target, head, mode="eager"), [list(range(3, 20))], cfg)
+    return count_generation(static_engine_for(target, head, mode="eager"), [list(range(3, 20))], cfg)
 
 
 def eagle_head(target):
@@ -71,12 +71,13 @@ def test_the_sync_guard_refuses_every_host_read(read):
 def test_a_step_never_reads_the_device(tiny, with_head):
     """The draft and verify steps, eagerly, under a guard that raises on any host read: the step's only read is
     the read-back the engine makes after it (on CUDA the gpu test runs them under CUDA's sync debug mode)."""
-    engine = StaticEngine(tiny, eagle_head(tiny) if with_head else None, mode="eager")
+    static = static_engine_for(tiny, eagle_head(tiny) if with_head else None, mode="eager")
     prompt = list(range(3, 12))
     cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False, tree=TREE)
-    engine.generate(prompt, cfg)
+    static.generate(prompt, cfg)
+    engine = static.backend
     steps = [engine.draft_step, engine.verify_step] if with_head else [engine.verify_step]
-    with torch.inference_mode(), engine._running():
+    with torch.inference_mode(), engine.running():
         for _ in range(3):
             with SyncGuard():
                 for step in steps:
@@ -87,9 +88,9 @@ def test_the_fused_layers_are_taken_and_emit_what_the_models_layers_emit(tiny):
     """The fused layers (static_stack.py) run the tiny Llama and its head; the model's own layers give the same
     tokens with more launches."""
     head = eagle_head(tiny)
-    fused, own = StaticEngine(tiny, head), StaticEngine(tiny, head, fused=False)
-    assert fused._stack is not None and fused._head_layer is not None
-    assert own._stack is None and own._head_layer is None
+    fused, own = static_engine_for(tiny, head), static_engine_for(tiny, head, fused=False)
+    assert fused.backend._stack is not None and fused.backend._head_layer is not None
+    assert own.backend._stack is None and own.backend._head_layer is None
     prompt = list(range(5, 30))
     cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TREE)
     assert fused.generate(prompt, cfg).token_ids == own.generate(prompt, cfg).token_ids == \
@@ -104,8 +105,9 @@ def test_an_eagle3_head_runs_fused_and_exact():
     target = make_target("llama", layers=4)
     torch.manual_seed(0)
     head = DraftHead.for_target(target, feature_layers=(0, 1, 2), design="eagle3")
-    fused, own = StaticEngine(target, head), StaticEngine(target, head, fused=False)
-    assert fused._head_layer is not None and fused._head_layer[0].eagle3 and own._head_layer is None
+    fused, own = static_engine_for(target, head), static_engine_for(target, head, fused=False)
+    assert fused.backend._head_layer is not None and fused.backend._head_layer[0].eagle3 and \
+        own.backend._head_layer is None
     prompt = list(range(5, 25))
     cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False, tree=TREE)
     assert fused.generate(prompt, cfg).token_ids == own.generate(prompt, cfg).token_ids == \

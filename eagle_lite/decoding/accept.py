@@ -71,6 +71,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return token
 
 
+def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`sample` of each row of `probs` [R, V] at its own uniform draw in [0, 1) (`uniforms` [R]), in tensor ops (no
+    read from the device: the fixed-shape step's, static_step.py) -> [R] long."""
+    cdf = probs.double().cumsum(-1)                                          # R V
+    token = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    cols = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, cols, 0).amax(-1)     # where u is rounded onto the total: the last possible token
+    return torch.minimum(token, last)
+
+
 def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
     """logits: node i's logits at `logits[i]` (an [N, V] tensor, or `target.NodeLogits`, which finds the
     argmax of only the nodes the walk reads). Returns (accepted node indices from the root, bonus token)."""

@@ -14,11 +14,13 @@ and finished answer), nothing else: what a drafter plans travels with its tree a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -108,35 +110,17 @@ def reusable(cached: list[int], prompt_ids: list[int]) -> int:
     return max(0, min(shared_start(cached, prompt_ids) - 1, len(prompt_ids) - 1))
 
 
-def emit_tokens(new: list[int], stats: GenerationStats, eos: set[int], budget: int, max_new_tokens: int,
-                start: float) -> list[int]:
-    """`new` cut exactly where the target alone would stop (at EOS or the token budget); `stats` counts them and the
-    wall time since `start`, and records why it stopped."""
-    out = []
-    for tok in new:
-        out.append(tok)
-        if tok in eos:
-            stats.stop_reason = "eos"
-            break
-        if stats.new_tokens + len(out) == budget:
-            stats.stop_reason = "length" if budget == max_new_tokens else "context"
-            break
-    stats.new_tokens += len(out)
-    stats.seconds = time.perf_counter() - start
-    return out
-
-
 @dataclass
 class Sequence:
     """One sequence being decoded: its own KV cache and drafter, the tokens so far, and what its next step reads.
     `Engine.begin` makes one (prefilling its prompt); `Engine.step` advances any number of them together."""
 
     drafter: Drafter
-    cache: StaticKVCache
+    cache: StaticKVCache | None        # None: the step backend keeps the sequence's caches (`Engine.backend`)
     cfg: GenerationConfig
     stats: GenerationStats
     tokens: list[int]                  # prompt + generated; the last is the next tree's root, not in the cache yet
-    features: torch.Tensor             # [m, H'] the target's features of the tokens committed by the last forward
+    features: torch.Tensor | None      # [m, H'] the target's features of the tokens committed by the last forward
     budget: int                        # new tokens it may get (`token_budget`)
     eos: set[int]
     generator: torch.Generator | None  # its own sampling stream: a batch-mate never moves it
@@ -155,7 +139,40 @@ class Sequence:
         return self.tokens[start:start + self.stats.new_tokens]
 
     def emit(self, new: list[int]) -> list[int]:
-        return emit_tokens(new, self.stats, self.eos, self.budget, self.cfg.max_new_tokens, self.start)
+        """`new` cut exactly where the target alone would stop (at EOS or the token budget); the stats count them and
+        the wall time since `start`, and record why it stopped."""
+        out, stats = [], self.stats
+        for tok in new:
+            out.append(tok)
+            if tok in self.eos:
+                stats.stop_reason = "eos"
+                break
+            if stats.new_tokens + len(out) == self.budget:
+                stats.stop_reason = "length" if self.budget == self.cfg.max_new_tokens else "context"
+                break
+        stats.new_tokens += len(out)
+        stats.seconds = time.perf_counter() - self.start
+        return out
+
+    def advance(self, new: list[int]) -> list[int]:
+        """Count one verify forward whose accepted tokens (the bonus last) are `new`: what of them is emitted."""
+        self.tokens += new
+        self.stats.target_forwards += 1
+        out = self.emit(new)
+        self.stats.accept_lengths.append(len(out))
+        return out
+
+
+class StepBackend(Protocol):
+    """What runs a sequence's steps in place of the engine's tree step (`Engine.backend`), on caches of its own: the
+    fixed-shape step (static_step.StaticStep). The engine's loop chooses the first token, stops and counts."""
+
+    def running(self) -> contextlib.AbstractContextManager: ...   # around a whole call
+
+    def prefill(self, prompt_ids: list[int], cfg: GenerationConfig, budget: int, generator: torch.Generator | None,
+                choose) -> int: ...   # reads the prompt; returns choose(the last prompt token's final hidden state)
+
+    def step(self, seq: Sequence) -> list[int]: ...   # one draft + verify: the accepted tokens, the bonus last
 
 
 class Engine:
@@ -168,9 +185,11 @@ class Engine:
     changing batch (eagle_lite.serve) is this one, with more sequences in the list.
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None) -> None:
+    def __init__(self, target: Target, drafter: Drafter | None = None, backend: StepBackend | None = None) -> None:
         self.target = target
         self.drafter = drafter or NoDrafter()
+        # what runs `stream`'s steps on caches of its own (the fixed-shape step); None: the tree step (`step`)
+        self.backend = backend
         self._cache: StaticKVCache | None = None
         self._cached_tokens: list[int] = []   # what the committed cache slots hold
         self.last_verify: tuple[int, float] = (0, 0.0)   # (tree nodes, seconds) of the last step's target forward
@@ -212,16 +231,39 @@ class Engine:
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
                stats: GenerationStats | None = None) -> Iterator[list[int]]:
-        """Yield the new tokens of each step; `stats` (if given) is filled in as it goes."""
-        cache, keep = self._cache_for(prompt_ids, self.slots(prompt_ids, cfg))
-        seq, first = self.begin(prompt_ids, cfg, stats=stats, cache=cache, keep=keep)
-        self._cached_tokens = seq.tokens[:cache.length]
-        yield first
-        while not seq.done:
-            self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
-            (out,) = self.step([seq])
-            self._cached_tokens = seq.tokens[:cache.length]
-            yield out
+        """Yield the new tokens of each step; `stats` (if given) is filled in as it goes. The steps are the tree
+        step's (`step`), or the step backend's where the engine has one."""
+        backend = self.backend
+        with backend.running() if backend is not None else contextlib.nullcontext():
+            if backend is None:
+                cache, keep = self._cache_for(prompt_ids, self.slots(prompt_ids, cfg))
+                seq, first = self.begin(prompt_ids, cfg, stats=stats, cache=cache, keep=keep)
+            else:
+                seq, first = self._begin_on(backend, prompt_ids, cfg, stats)
+            self._cached_tokens = seq.tokens[:seq.cache.length] if seq.cache is not None else []
+            yield first
+            while not seq.done:
+                self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
+                out = self.step([seq])[0] if backend is None else seq.advance(backend.step(seq))
+                self._cached_tokens = seq.tokens[:seq.cache.length] if seq.cache is not None else []
+                yield out
+
+    def _begin_on(self, backend: StepBackend, prompt_ids: list[int], cfg: GenerationConfig,
+                  stats: GenerationStats | None) -> tuple[Sequence, list[int]]:
+        """`begin` on a step backend, which reads the prompt into caches of its own; the first token is chosen as
+        `begin` chooses it."""
+        stats = stats if stats is not None else GenerationStats()
+        budget = token_budget(prompt_ids, self.target, cfg.max_new_tokens)
+        generator = _generator(cfg, self.target.device)
+        stats.prompt_tokens, stats.reused_prompt_tokens = len(prompt_ids), 0
+        start = time.perf_counter()
+        first = backend.prefill(prompt_ids, cfg, budget, generator,
+                                lambda last: first_token(self.target, last, cfg, generator))
+        stats.target_forwards = 1
+        stats.prefill_seconds = time.perf_counter() - start
+        eos = self.target.eos_token_ids if cfg.stop_at_eos else set()
+        seq = Sequence(self.drafter, None, cfg, stats, [*prompt_ids, first], None, budget, eos, generator, start)
+        return seq, seq.emit([first])
 
     @torch.inference_mode()
     def begin(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
@@ -263,10 +305,7 @@ class Engine:
             cache, keep = s.cache, s.keep
             if cache is None:
                 cache, keep = self.fresh_cache(s.prompt_ids, s.cfg, s.drafter), 0
-            generator = None
-            if not s.cfg.sampling.greedy:
-                generator = torch.Generator(device=target.device)
-                generator.manual_seed(s.cfg.seed if s.cfg.seed is not None else int(torch.seed()))
+            generator = _generator(s.cfg, target.device)
             stats.prompt_tokens, stats.reused_prompt_tokens = len(s.prompt_ids), keep
             ready.append((s, stats, budget, cache, generator))
         start = time.perf_counter()
@@ -284,13 +323,7 @@ class Engine:
             read_from = cache.length
             cache.commit(len(s.prompt_ids) - cache.length)
             features = read if s.before is None else torch.cat([s.before, read])
-            if i in firsts:
-                first = firsts[i]
-            elif s.cfg.sampling.greedy:
-                first = target.top_token(last[i])
-            else:
-                logits = target.logits(last[i][None])  # 1 V
-                first = sample(target_probs(logits[0], s.cfg.sampling), generator)
+            first = firsts[i] if i in firsts else first_token(target, last[i], s.cfg, generator)
             stats.target_forwards = 1
             stats.prefill_seconds = time.perf_counter() - start
             eos = target.eos_token_ids if s.cfg.stop_at_eos else set()
@@ -345,13 +378,10 @@ class Engine:
             seq.cache.compact(torch.tensor(path, device=target.device))
             seq.features = features[path]  # the accepted nodes' features feed the drafter next round
             new = tree.tokens[path[1:]].tolist() + [bonus]
-            seq.tokens += new
             stats = seq.stats
-            stats.target_forwards += 1
             stats.verify_seconds += t2 - t1
             stats.accept_seconds += time.perf_counter() - t3
-            out = seq.emit(new)
-            stats.accept_lengths.append(len(out))
+            out = seq.advance(new)
             emitted.append(out)
             if seq.observers:
                 draft = stats.draft_seconds - before
@@ -441,6 +471,23 @@ def _cut(tree: DraftTree, cap: int | None) -> DraftTree:
     if cap is not None and len(tree) > cap and tree.q_draft is None and not tree.probes:
         tree = tree.truncated(max(cap, 1))
     return tree
+
+
+def _generator(cfg: GenerationConfig, device) -> torch.Generator | None:
+    """A sampled sequence's own random stream (seeded by `cfg.seed`, else at random); None for greedy decoding."""
+    if cfg.sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed()))
+    return generator
+
+
+def first_token(target: Target, last: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None) -> int:
+    """The first new token after the prompt, from the last prompt token's final hidden state [H]: the target's argmax,
+    or a draw from its sampling distribution."""
+    if cfg.sampling.greedy:
+        return target.top_token(last)
+    return sample(target_probs(target.logits(last[None])[0], cfg.sampling), generator)
 
 
 def _taps(drafter: Drafter) -> tuple[int, ...]:

@@ -16,15 +16,17 @@ tensor op:
   (tree.py: `top_children`, `Growth`, `rerank`), then the ancestor mask by `depth` gathers and the tree padded to a
   bucket size (`BUCKETS`) with masked-out nodes that can never be accepted. A tree's shapes depend only on
   (top_k, depth, total_tokens), so each bucket has one verify graph.
-- acceptance (`accept_greedy`): node i matches when its token is the target's argmax at its parent; a node is
-  accepted when all its ancestors match; the deepest accepted node ends the path, and its argmax is the bonus.
-  That is the target's greedy output, token for token, as accept.py's walk is.
+- acceptance (`accept_greedy`): node i matches when its token is the target's next token at its parent; a node is
+  accepted when all its ancestors match; the deepest accepted node ends the path, and its next token is the bonus.
+  Greedy, the next token is the argmax: the target's greedy output, token for token, as accept.py's walk is.
+  Sampled, it is a draw from the target's distribution at each node, one uniform per tree level (a walk visits one
+  node a level): accept.py's rule for deterministic children, so the output is distributed as the target's.
 - commit: the accepted path's keys/values move next to the prefix by one gather and one `index_copy_` of a fixed
   D + 1 slots (D: the tree's depth); slots past the accepted length are beyond the new length, and overwritten.
 
 What crosses to the host per step: `readback` ([1 + D + 1] integers: the accepted length, then the new tokens),
 which the caller needs anyway to print, stop at EOS and count the budget; on CUDA by an asynchronous copy read
-while the next step already runs (`StaticEngine._ahead`). The prompt's prefill runs eagerly (its length varies);
+while the next step already runs (`StaticStep._ahead`). The prompt's prefill runs eagerly (its length varies);
 so does the draft head's read of the prompt.
 
 What of the engine drafter's tree building stays apart, because it reads the device or sizes tensors by the data:
@@ -37,11 +39,11 @@ What of the engine drafter's tree building stays apart, because it reads the dev
   grown as any other top-k tree.
 - the tree itself: the drafter's `DraftTree` is built on the host; here `StaticTree`'s buffers are written in place.
 
-`StaticEngine` runs it with the engine's interface (`generate`, `stream`). Greedy only: sampling stays with the
-engine (a clear error here). The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left
-out. On CUDA the draft step and each bucket's verify step are captured in CUDA graphs (`mode="cuda-graph"`), or
-compiled (`mode="compile"` or `"reduce-overhead"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md
-has the design and the GPU commands.
+`StaticStep` is a step backend of the engine (engine.py `Engine.backend`): the engine's loop prefills through
+it, stops and counts. The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left out. On
+CUDA the draft step and each bucket's verify step are captured in CUDA graphs (`mode="cuda-graph"`), or compiled
+(`mode="compile"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md has the
+design and the GPU commands.
 """
 from __future__ import annotations
 
@@ -53,13 +55,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import STATIC_MODES, GenerationConfig, TreeConfig
+from ..config import STATIC_MODES, GenerationConfig, SamplingConfig, TreeConfig
 from ..kernels.accelerate import stock
 from ..kernels.attention import KEYS, resolve_backend, select_attention
 from ..kv_cache import cache_keyword
 from ..tree import Growth, candidate_parents, log_floor, rerank, top_children
+from .accept import sample_rows, target_probs
 from .device_kv_cache import DeviceKVCache, slot_mask
-from .engine import GenerationResult, GenerationStats, emit_tokens, token_budget
+from .engine import GenerationStats
 from .static_stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
 from .static_tree import StaticTree, accept_greedy, bucket_for
 
@@ -160,6 +163,7 @@ class StepState:
     readback: torch.Tensor   # [D + 2] long: the tokens the last step emitted (n), then those tokens, bonus last
     feats: torch.Tensor | None   # [D + 1, F]: target features of the emitted tokens' predecessors (the draft reads)
     tree: StaticTree
+    uniforms: torch.Tensor   # [D + 1] float64: sampling's draw at each tree level, drawn before each step
 
     @property
     def n(self) -> torch.Tensor:
@@ -172,15 +176,18 @@ class StepState:
     def small(self) -> list[torch.Tensor]:
         """Every buffer but the caches (what a step may change besides the slots past the committed length)."""
         return [self.length, self.root, self.readback, *([self.feats] if self.feats is not None else []),
-                *(getattr(self.tree, f.name) for f in fields(self.tree))]
+                *(getattr(self.tree, f.name) for f in fields(self.tree)), self.uniforms]
 
 
-class StaticEngine:
-    """Greedy generation through the fixed-shape step: plain decoding (head None) or EAGLE with `head`.
+class StaticStep:
+    """The fixed-shape step as the Engine's step backend (`Engine(target, drafter, backend=StaticStep(...))`): plain
+    decoding (head None) or EAGLE with `head`, greedy or sampled. The engine prefills through `prefill`, then asks
+    `step` for each step's tokens; its loop chooses the first token, stops, and counts.
 
     mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
-    by default); "reduce-overhead" (`torch.compile` with its CUDA graphs; plain decoding only); "cuda-graph" (each
-    step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto": "cuda-graph" on CUDA, else "eager".
+    by default); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto":
+    "cuda-graph" on CUDA, else "eager". (torch.compile's own CUDA graphs, mode reduce-overhead, replayed the draft
+    step wrongly on an H100 and were dropped.)
     max_len: the cache slots to allocate up front (more are allocated when a call needs them, in blocks of
     `SLOT_BLOCK`: each growth recaptures or recompiles the steps; every step attends over all slots, so a benchmark
     sets it once, to about its longest call).
@@ -197,11 +204,7 @@ class StaticEngine:
             raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "auto":
             mode = "cuda-graph" if target.device.type == "cuda" else "eager"
-        if mode == "reduce-overhead" and head is not None:
-            # torch.compile's CUDA graphs replayed the draft step wrongly on an H100 (tests/test_static_step.py)
-            raise ValueError("static step mode 'reduce-overhead' does not draft exactly with a head; use "
-                             "'cuda-graph' (the default on CUDA) or 'compile'")
-        if mode in ("cuda-graph", "reduce-overhead") and target.device.type != "cuda":
+        if mode == "cuda-graph" and target.device.type != "cuda":
             raise ValueError(f"static step mode {mode!r} captures CUDA graphs; target '{target.name}' is on "
                              f"{target.device} (use 'eager' or 'compile')")
         self.target, self.head, self.mode, self.profile = target, head, mode, profile
@@ -211,19 +214,19 @@ class StaticEngine:
         self.taps = tuple(getattr(head, "feature_layers", ())) if head is not None else ()
         if self.taps:
             target.check_taps(self.taps)
-        self.drafter_name = "eagle" if head is not None else "vanilla"
-        self.recommended_tree = getattr(head, "tree", None)
         self._lm_weight = None if head is None else head.output_weight(target.lm_head.weight).detach().contiguous()
         self._fixed_len = max_len
         self._cache: DeviceKVCache | None = None
         self._draft_cache: DeviceKVCache | None = None
         self._state: StepState | None = None
-        self._shape: tuple = ()            # (bucket, depth, top_k, total_tokens, min_prob) the state was built for
+        self._shape: tuple = ()            # (bucket, depth, top_k, total_tokens, min_prob, sampling) of the state
         self._steps: dict = {}             # (kind, shape) -> the callable that runs that step
         self._pool = None                  # the CUDA graphs' shared memory pool
         self._draft_consts: DraftConstants | None = None
         self._verify_consts: VerifyConstants | None = None
         self._warned_lookup = False
+        self._sampling, self._generator = SamplingConfig(), None   # the call's (`prefill`)
+        self._reads: Iterator[list[int]] | None = None             # each step's read-back (`step`)
         # the target's layers in fewer ops (static_stack.py), where it runs them as the model does; else the model
         self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
         if self._stack is not None:
@@ -243,7 +246,7 @@ class StaticEngine:
 
     # -- the model calls --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
+    def running(self) -> Iterator[None]:
         """Run a block as the steps need the models: attention through an SDPA backend (`STATIC_BACKENDS`: the
         target's own if it is one, else gqa), and, where the steps are compiled, the modules' own forwards (the
         CPU speed-ups of kernels/ are native ops and packed weights that torch.compile does not trace)."""
@@ -255,7 +258,7 @@ class StaticEngine:
             if current not in [KEYS[b] for b in STATIC_BACKENDS]:
                 model.set_attn_implementation(select_attention("gqa" if _has_gqa() else "sdpa", model))
                 stack.callback(model.set_attn_implementation, current)
-            if self.mode in ("compile", "reduce-overhead"):
+            if self.mode == "compile":
                 stack.enter_context(stock(model))
                 if self.head is not None:
                     stack.enter_context(stock(self.head))
@@ -269,7 +272,7 @@ class StaticEngine:
         sibling = (ids[4:5] + 1) % target.vocab_size
         saved, problem = self._cache, None
         try:
-            with torch.inference_mode(), self._running():
+            with torch.inference_mode(), self.running():
                 want = torch.stack([target.model(input_ids=ids[None]).logits[0, 4],
                                     target.model(input_ids=torch.cat([ids[:4], sibling])[None]).logits[0, -1]])
                 self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
@@ -305,7 +308,7 @@ class StaticEngine:
                   four + torch.arange(2, device=dev))]
         saved, stack, outs = self._cache, self._stack, []
         try:
-            with torch.inference_mode(), self._running(), stock(target.model):   # the model as transformers built it
+            with torch.inference_mode(), self.running(), stock(target.model):   # the model as transformers built it
                 for use in (stack, None):
                     self._stack = use
                     self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
@@ -336,7 +339,7 @@ class StaticEngine:
                   three + torch.arange(2, device=dev))]
         saved, fused, outs = self._draft_cache, self._head_layer, []
         try:
-            with torch.inference_mode(), self._running(), stock(self.head):
+            with torch.inference_mode(), self.running(), stock(self.head):
                 for use in (fused, None):
                     self._head_layer = use
                     self._draft_cache = DeviceKVCache(1, *cache_shape(self.head.config)[1:], 16, self._lm_weight.dtype,
@@ -369,11 +372,16 @@ class StaticEngine:
             return hidden, hidden
         return hidden, torch.cat([out.hidden_states[i + 1][0] for i in self.taps], dim=-1)
 
-    def _top(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's greedy token after each final hidden state [T, H] -> [T] long."""
+    def _next(self, hidden: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """The target's next token after each final hidden state [T, H] of nodes at `depths` [T] -> [T] long: its
+        argmax, or sampling, its draw at the uniform of the node's level (`accept.sample_rows`). A walk down the tree
+        visits one node a level, so the nodes it visits draw independently, as accept.py's walk draws."""
         logits = self.target.lm_head(hidden)
         finish = self.target.lm.finish
-        return (logits if finish is None else finish(logits)).argmax(dim=-1)
+        logits = logits if finish is None else finish(logits)
+        if self._sampling.greedy:
+            return logits.argmax(dim=-1)
+        return sample_rows(target_probs(logits, self._sampling), self._state.uniforms[depths])
 
     def _head(self, feats: torch.Tensor, tokens: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor,
               slots: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -472,13 +480,15 @@ class StaticEngine:
         return self._head_layer[1](like, positions)
 
     def verify_step(self) -> None:
-        """Verify `state.tree` in one target forward, accept its longest greedy path, commit it; `readback` then
-        holds the accepted length and the new tokens (past them, what it holds is not read)."""
+        """Verify `state.tree` in one target forward, accept its longest path whose every node carries the target's
+        next token at its parent (`accept_greedy` over `_next`'s tokens: the argmax, or sampling, a draw: accept.py's
+        rule for deterministic children), commit it; `readback` then holds the accepted length and the new tokens
+        (past them, what it holds is not read)."""
         s, c = self._state, self._verify_consts
         if s.tree.tokens.numel() == 1:                                     # plain decoding: the root alone
             hidden, _ = self._target_forward(s.root, s.length.view(1), (c.cols <= s.length).view(1, 1, 1, -1),
                                              s.length.view(1))
-            s.readback[1:].copy_(self._top(hidden))
+            s.readback[1:].copy_(self._next(hidden, c.levels))   # levels: [0], the root's
             s.root.copy_(s.readback[1:])
             s.length.add_(1)
             return
@@ -487,14 +497,14 @@ class StaticEngine:
         slots = s.length + c.tree_rows
         hidden, feats = self._target_forward(tokens, s.length + tree.depths,
                                              slot_mask(s.length, tree.ancestors, c.cols, slots), slots)
-        top = self._top(hidden)                                            # B
+        top = self._next(hidden, tree.depths)                             # B: each node's next token
         path, n, bonus = accept_greedy(StaticTree(tokens, tree.parents, tree.depths, tree.ancestors, tree.valid),
                                        top, c.levels.numel() - 1, c.is_root, c.levels)
         # commit: the path's entries next to the prefix (slots past length + n are overwritten by the next step)
         self._cache.move(s.length + path, slots[:c.levels.numel()])
         if s.feats is not None:
             torch.index_select(feats, 0, path, out=s.feats)
-        # the target's argmax at each path node is the next token: the path's own tokens after the root, then the
+        # the target's token at each path node is the next token: the path's own tokens after the root, then the
         # bonus (entries past n are not read)
         torch.index_select(top, 0, path, out=s.readback[1:])
         s.readback[:1].copy_(n.view(1))
@@ -509,13 +519,11 @@ class StaticEngine:
             fn = self.draft_step if kind == "draft" else self.verify_step
             if self.mode == "eager":
                 run = fn
-            elif self.mode in ("compile", "reduce-overhead"):
+            elif self.mode == "compile":
                 # one compiled graph per bucket and tree setting, all of the same two methods: room for many
                 config = torch._dynamo.config
                 config.recompile_limit = max(getattr(config, "recompile_limit", 8), 64)
-                run = torch.compile(fn, fullgraph=True, dynamic=False,
-                                    **({"backend": self.compile_backend} if self.mode == "compile"
-                                       else {"mode": "reduce-overhead"}))
+                run = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.compile_backend)
             else:
                 try:
                     run = self._capture(fn)
@@ -543,9 +551,9 @@ class StaticEngine:
             fn()
         return graph.replay
 
-    def _prepare(self, need: int, tree: TreeConfig) -> None:
-        """Caches of at least `need` slots and step buffers for `tree`; rebuilt (and graphs recaptured) only
-        when either changes."""
+    def _prepare(self, need: int, tree: TreeConfig, sampling: SamplingConfig = SamplingConfig()) -> None:
+        """Caches of at least `need` slots and step buffers for `tree` and `sampling`; rebuilt (and graphs
+        recaptured) only when one of them changes."""
         target, dev = self.target, self.target.device
         depth = tree.depth if self.head is not None else 0
         width = tree.top_k * max(tree.depth - 1, 0) if self.head is not None else 0
@@ -562,7 +570,8 @@ class StaticEngine:
                                               self._lm_weight.dtype, dev)
             self._steps.clear()
         bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
-        shape = (bucket, depth, tree.top_k, tree.total_tokens, tree.min_prob)
+        shape = (bucket, depth, tree.top_k, tree.total_tokens, tree.min_prob, sampling)
+        self._sampling = sampling
         if shape != self._shape or self._state is None:
             features = len(self.taps) * target.hidden_size if self.taps else target.hidden_size
             self._state = StepState(
@@ -570,22 +579,18 @@ class StaticEngine:
                 root=torch.zeros(1, dtype=torch.long, device=dev),
                 readback=torch.zeros(depth + 2, dtype=torch.long, device=dev),
                 feats=None if self.head is None else torch.zeros(depth + 1, features, dtype=target.dtype, device=dev),
-                tree=StaticTree.empty(bucket, dev))
+                tree=StaticTree.empty(bucket, dev),
+                uniforms=torch.zeros(depth + 1, dtype=torch.float64, device=dev))
             self._shape = shape
             self._steps.clear()
         if not self._steps or self._verify_consts is None:                # the graphs read them where they lie
             self._verify_consts = VerifyConstants.build(bucket, depth, self._cache.slots, dev)
             if self.head is not None:
                 self._draft_consts = draft_constants(tree, bucket, self._draft_cache.slots, dev)
-        if not self._steps and self.mode == "reduce-overhead":   # what the steps change in place stays put
-            for t in [*self._state.small(), self._cache.kv,
-                      *([self._lm_weight, self._draft_cache.kv] if self.head is not None else []),
-                      *(t for consts in (self._draft_consts, self._verify_consts) if consts is not None
-                        for t in vars(consts).values() if isinstance(t, torch.Tensor))]:
-                torch._dynamo.mark_static_address(t)
 
-    def _prefill(self, prompt_ids: list[int]) -> int:
-        """The prompt through the target (and the draft head), eagerly; returns the first new token."""
+    def _prefill(self, prompt_ids: list[int], choose: Callable[[torch.Tensor], int] | None = None) -> int:
+        """The prompt through the target (and the draft head), eagerly; returns the first new token, `choose` of the
+        last prompt token's final hidden state [H] (None: the target's argmax)."""
         s, dev = self._state, self.target.device
         p = len(prompt_ids)
         ids = torch.tensor(prompt_ids, device=dev)
@@ -593,114 +598,87 @@ class StaticEngine:
         zero = torch.zeros((), dtype=torch.long, device=dev)
         causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril_()
         hidden, feats = self._target_forward(ids, ar, slot_mask(zero, causal, self._cache.slots), ar)
-        first = self._top(hidden[-1:])                                     # 1
+        first = (choose or self.target.top_token)(hidden[-1])
         if self.head is not None and p > 1:                                # pairs (f_t, x_{t+1}) for t < p - 1
             self._head(feats[:-1], ids[1:], ar[:-1], slot_mask(zero, causal[:-1, :-1], self._draft_cache.slots),
                        ar[:-1])
         s.length.fill_(p)
-        s.root.copy_(first)
+        s.root.fill_(first)
         s.readback.zero_()
-        s.readback[0] = 1
-        s.readback[1] = first[0]
+        s.readback[0] = 1                                                  # what the draft reads: the first token
+        s.readback[1] = first
         if s.feats is not None:                                            # f_{p-1}: the draft reads it next step
             s.feats.zero_()
             s.feats[0] = feats[-1]
-        return int(first[0])
+        return first
 
-    # -- the engine's interface -------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Nothing is kept between calls (every call reads its whole prompt)."""
-
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig()) -> GenerationResult:
-        stats = GenerationStats()
-        tokens = [t for step in self.stream(prompt_ids, cfg, stats) for t in step]
-        return GenerationResult(tokens, stats)
-
+    # -- the engine's backend -------------------------------------------------------------------------
     def _tree(self, cfg: GenerationConfig) -> TreeConfig:
         tree = cfg.tree
         if self.head is not None and tree.lookup:
             if not self._warned_lookup:
-                log.warning("the static step drafts without the prompt-lookup graft: tree lookup=%d is ignored",
-                            tree.lookup)
+                log.info("the static step drafts without the prompt-lookup graft: tree lookup=%d is ignored",
+                         tree.lookup)
                 self._warned_lookup = True
             tree = TreeConfig(tree.depth, tree.top_k, tree.total_tokens, 0, tree.min_prob)
         if self.head is not None and self.head.parallel:
             tree = tree.capped(self.head.parallel)
         return tree
 
-    @torch.inference_mode()
-    def stream(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
-               stats: GenerationStats | None = None) -> Iterator[list[int]]:
-        stats = stats if stats is not None else GenerationStats()
-        target = self.target
-        if not cfg.sampling.greedy:
-            raise ValueError("the static step decodes greedily (temperature 0); sampling runs on the engine "
-                             "(drop --static)")
-        n_prompt = len(prompt_ids)
-        budget = token_budget(prompt_ids, target, cfg.max_new_tokens)
+    def prefill(self, prompt_ids: list[int], cfg: GenerationConfig, budget: int, generator: torch.Generator | None,
+                choose: Callable[[torch.Tensor], int]) -> int:
+        """Read the prompt into this step's own caches (sized for `budget` new tokens and `cfg`'s tree) and return
+        the first token, `choose` of the last prompt token's final hidden state; the steps after it (`step`) decode
+        with `cfg`'s tree and sampling, drawing from `generator`. Run inside `running()`."""
         tree = self._tree(cfg)
         bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
         depth = tree.depth if self.head is not None else 0
-        self._tree_cfg = tree
+        self._tree_cfg, self._generator = tree, generator
         # the budget, the last step's tree, and on CUDA one more step queued ahead (`_ahead`)
-        self._prepare(n_prompt + budget + 2 * (bucket + depth + 1), tree)
-        eos = target.eos_token_ids if cfg.stop_at_eos else set()
-        stats.prompt_tokens = n_prompt
-        start = time.perf_counter()
+        self._prepare(len(prompt_ids) + budget + 2 * (bucket + depth + 1), tree, cfg.sampling)
+        self._reads = None
+        return self._prefill(prompt_ids, choose)
 
-        def emit(new: list[int]) -> list[int]:
-            return emit_tokens(new, stats, eos, budget, cfg.max_new_tokens, start)
-
-        with self._running():
-            start = time.perf_counter()        # the backend switch above is the benchmark's, not the method's
-            first = self._prefill(prompt_ids)
-            stats.target_forwards = 1
-            stats.prefill_seconds = time.perf_counter() - start
-            yield emit([first])
-            if stats.stop_reason:
-                return
+    def step(self, seq) -> list[int]:
+        """One draft and verify on the device: the tokens it emits (those of the accepted path, the bonus last).
+        `seq.stats` gets the draft and verify times where `profile` is set."""
+        if self._reads is None:
             draft = self._runner("draft") if self.head is not None else None
             verify = self._runner("verify")
-            ahead = self.lookahead and not self.profile
-            for back in (self._ahead(draft, verify) if ahead else self._in_turn(draft, verify, stats)):
-                stats.target_forwards += 1
-                out = emit(back[1:1 + back[0]])
-                stats.accept_lengths.append(len(out))
-                yield out
-                if stats.stop_reason:
-                    break
+            self._reads = self._ahead(draft, verify) if self.lookahead and not self.profile else \
+                self._in_turn(draft, verify, seq.stats)
+        back = next(self._reads)
+        return back[1:1 + back[0]]
 
-    def _launch(self, draft, verify) -> None:
-        if self.mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
+    def _launch(self, draft, verify, between: Callable[[], None] = lambda: None) -> None:
+        """Queue one step: its uniforms drawn (sampling), then the draft, `between` (a sync to time them), the
+        verify."""
+        if self._generator is not None:
+            u = self._state.uniforms
+            torch.rand(u.shape, generator=self._generator, dtype=u.dtype, device=u.device, out=u)
         if draft is not None:
             draft()
+        between()
         verify()
 
     def _in_turn(self, draft, verify, stats: GenerationStats) -> Iterator[list[int]]:
         """Each step's read-back, read before the next step starts (a CPU; or timing the parts: `profile`)."""
-        sync = torch.cuda.synchronize if self.target.device.type == "cuda" else (lambda: None)
+        sync = torch.cuda.synchronize if self.profile and self.target.device.type == "cuda" else (lambda: None)
+        t: list[float] = []
         while True:
-            t0 = time.perf_counter()
-            if self.mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            if draft is not None:
-                draft()
-            if self.profile:
-                sync()
-            t1 = time.perf_counter()
-            verify()
+            t[:] = [time.perf_counter()]
+            self._launch(draft, verify, lambda: t.append(sync() or time.perf_counter()))
             back = self._state.readback.tolist()                          # the step's one read from the device
             if self.profile:
-                stats.draft_seconds += t1 - t0
-                stats.verify_seconds += time.perf_counter() - t1
+                stats.draft_seconds += t[1] - t[0]
+                stats.verify_seconds += time.perf_counter() - t[1]
             yield back
 
     def _ahead(self, draft, verify) -> Iterator[list[int]]:
         """Each step's read-back on CUDA, with the next step already queued behind it: its [n, tokens] go to pinned
         host memory by an asynchronous copy, and the host reads them while the device runs the next step, so the
         device never waits for the host. The step queued after the last one read is wasted (its cache slots are
-        past the budget; `stream` reserves them)."""
+        past the budget; `prefill` reserves them)."""
         cuda = self.target.device.type == "cuda"    # elsewhere the same order, run synchronously (tests)
         host = [torch.empty(self._state.readback.numel(), dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         done = [torch.cuda.Event() if cuda else None for _ in range(2)]
@@ -719,6 +697,7 @@ class StaticEngine:
                 done[slot].synchronize()
             yield host[slot].tolist()
             slot = 1 - slot
+
 
 def _has_gqa() -> bool:
     try:

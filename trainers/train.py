@@ -195,7 +195,7 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
     returned manifest then sums their sequences and tokens. ranks: the processes sharing the stages (`trainers.ranks`).
     """
     from .datamodule import DraftDataModule, LoaderConfig
-    from .distill import DistillConfig, distill, read_records
+    from .distill import DistillConfig, distill
     from .features import FeatureConfig, cache_features
     from .online import OnlineFeatures, RecordCache
 
@@ -208,12 +208,13 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
         t0 = time.perf_counter()
         distill(target, _typed(DistillConfig, source.settings), source.distill, progress=cfg.progress, ranks=ranks)
         t1 = time.perf_counter()
+        answers = checked_records(cfg, target, source)
         if features.mode == "online":   # the fit computes the features: nothing to cache
-            records.append(RecordCache(list(read_records(source.distill)), features.max_len, source.features, taps))
+            records.append(RecordCache(answers, features.max_len, source.features, taps))
             manifests.append({"total_sequences": len(records[-1].ids),
                               "total_tokens": sum(len(t) for t in records[-1].tokens)})
         else:
-            manifests.append(cache_features(target, list(read_records(source.distill)), source.features, features,
+            manifests.append(cache_features(target, answers, source.features, features,
                                             progress=cfg.progress, ranks=ranks))
         seconds["seconds_distill"] = round(seconds["seconds_distill"] + t1 - t0, 1)
         seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
@@ -224,6 +225,22 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
     data.online_features = OnlineFeatures(target, loader.max_len, loader.pack, taps) if records else None
     data.setup("fit")
     return seconds, manifest, data
+
+
+def checked_records(cfg: DictConfig, target, source: DataSource) -> list[dict]:
+    """A source's answered records after the data check (trainers/answer_check.py): degenerate answers the target
+    wrote are dropped, and too many of them stop the run; `data.max_degenerate` (null: no check) sets how many."""
+    from .answer_check import CHECKED_SOURCES, check_answers
+    from .distill import read_records
+
+    records = list(read_records(source.distill))
+    if source.settings["source"] not in CHECKED_SOURCES:
+        return records
+    eos = set(target.eos_token_ids)
+    tokenizer = target.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return check_answers(records, tokenizer, eos, cfg.data.get("max_degenerate"), str(source.distill))
 
 
 REVOCAB_NEEDS_INIT = ("draft.revocab re-chooses the draft vocabulary of the head draft.init_from names: set "

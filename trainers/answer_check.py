@@ -17,8 +17,8 @@ log = logging.getLogger("trainers.train")
 # answers served to users, which are what they are)
 CHECKED_SOURCES = ("sharegpt", "prompts")
 MIN_LOOP_TOKENS = 16    # an answer shorter than this is never called a loop (a short reply may repeat a word)
-LOOP_SHARE = 0.5        # a pattern repeated back to back over at least this share of an answer makes it a loop
-MAX_PERIOD = 16         # the longest pattern looked for, in tokens
+NGRAM = 3               # a loop repeats its 3-grams: "1. Learn the basics.\n2. Learn the basics.\n3. ..." too
+LOOP_SHARE = 0.5        # an answer whose 3-grams repeat earlier ones at least this often is a loop
 
 
 class DegenerateData(ValueError):
@@ -34,15 +34,14 @@ def degenerate(answer: list[int], eos: set[int] = frozenset()) -> str | None:
         return "one token repeated"
     if len(ids) < MIN_LOOP_TOKENS:
         return None
-    best, period = 0, 0
-    for p in range(1, min(MAX_PERIOD, len(ids) // 3) + 1):
-        run = 0
-        for i in range(p, len(ids)):
-            run = run + 1 if ids[i] == ids[i - p] else 0
-            if run + p > best and run >= 2 * p:   # at least three copies of the pattern back to back
-                best, period = run + p, p
-    if best >= LOOP_SHARE * len(ids):
-        return f"a {period}-token pattern repeated over {best} of {len(ids)} tokens"
+    seen, repeats = set(), 0
+    for i in range(len(ids) - NGRAM + 1):
+        gram = tuple(ids[i:i + NGRAM])
+        repeats += gram in seen
+        seen.add(gram)
+    share = repeats / (len(ids) - NGRAM + 1)
+    if share >= LOOP_SHARE:
+        return f"a repetition loop ({share:.0%} of its {NGRAM}-grams repeat earlier ones)"
     return None
 
 

@@ -36,7 +36,7 @@ def test_each_kind_of_degenerate_answer_is_named_and_real_answers_pass():
     assert degenerate([7] * 30, {EOS}) == "one token repeated"
     assert "repetition loop" in degenerate(loop(), {EOS})
     assert "repetition loop" in degenerate([5, 6, 7] * 20 + [EOS], {EOS})
-    numbered = [t for k in range(1, 9) for t in (100 + k, 5, 6, 7, 8, 9, 10, 11)]   # "1. Learn the basics.\n2. Learn ..."
+    numbered = [t for k in range(1, 9) for t in (100 + k, 5, 6, 7, 8, 9, 10, 11)]  # "1. Learn the basics.\n2. ..."
     assert "repetition loop" in degenerate(numbered + [EOS], {EOS})
     assert degenerate(prose(0), {EOS}) is None
     assert degenerate([42, EOS], {EOS}) is None                      # "Yes." is a fine answer

@@ -73,9 +73,10 @@ def check_answers(records: list[dict], tokenizer, eos: set[int], max_share: floa
     if share > max_share:
         raise DegenerateData(
             f"data check: {len(bad)} of {len(records)} answers in {where} ({share:.0%}, over data.max_degenerate="
-            f"{max_share:g}) are degenerate (e.g. {record['id']}: {why}: {example}): the target is not being prompted "
-            f"as it expects; try its raw layout (check `python -m eagle_lite.generate --raw` against the default), a "
-            f"chat template (a model folder with chat_template.jinja as target=), or another prompt source "
+            f"{max_share:g}) are degenerate (e.g. {record['id']}: {why}: {example}): the target is not prompted as it "
+            f"expects, or loops when greedy; try sampled answers (data.distill.do_sample=true "
+            f"data.distill.temperature=0.8), its raw layout (compare `python -m eagle_lite.generate --raw`), a chat "
+            f"template (a model folder with chat_template.jinja as target=), or another prompt source "
             f"(data.distill.source=prompts data.distill.prompts=FILE); delete {where} before rerunning")
     log.warning("data check: %d of %d answers in %s (%.1f%%) are degenerate and left out (e.g. %s: %s: %s)",
                 len(bad), len(records), where, 100 * share, record["id"], why, example)

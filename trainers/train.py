@@ -46,7 +46,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_lite.atomic import write_text_atomic
-from eagle_lite.cli import hydra_entry
+from eagle_lite.cli import hydra_entry, one_line
 from eagle_lite.config import check_whole
 
 from .ranks import Ranks, current, join
@@ -637,10 +637,12 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
 
     from .estimate import announce
     from .features import describe_bytes
+    from .loggers import one_copy_of_lightning_lines
     from .report import folder_bytes, plot_training_curve, write_train_log
     from .run_folder import mark_finished
     from .targets import TargetConfig, build_target
 
+    one_copy_of_lightning_lines()
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     settings = _typed(TargetConfig, cfg.target)
@@ -706,9 +708,30 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
         write_train_log(export, summary, epochs)
         plot_training_curve(export / "training_curve.png", epochs, summary.get("best_epoch"))
         log.info("exported the head to %s", export)
+        if estimated:
+            summary["decode_step_s"] = estimated["probe"]["decode_step_s"]
         if not cfg.trainer.get("fast_dev_run"):
+            summary["tune"] = tuned_tree(cfg, summary["head_kind"], export, target.device.type)
             mark_finished(cfg, summary)
     return {**summary, "export": str(export), "epochs_log": epochs}
+
+
+def tuned_tree(cfg: DictConfig, head_kind: str, export: Path, device: str) -> dict | None:
+    """The new head's CPU tree, tuned and saved in its config.json (trainers/tree_tune.py), or what to run for it:
+    None where there is nothing to tune (a tiny in-process target, a Medusa head, a GPU run, tune_tree=false)."""
+    from .tree_tune import command, tune_tree
+
+    if cfg.target.kind != "pretrained" or head_kind == "medusa" or device != "cpu":
+        return None
+    threads = cfg.target.get("threads")
+    if not cfg.get("tune_tree", True):
+        return {"command": command(str(export), cfg.target.spec, threads), "tree": None}
+    log.info("tuning the head's CPU tree on a few held-out prompts (tune_tree=false skips it)")
+    try:
+        return tune_tree(cfg.target.spec, export, threads)
+    except Exception as err:   # noqa: BLE001 - the head is exported; the summary names the command to run instead
+        log.warning("the tree tune failed (%s); the summary names its command", one_line(err))
+        return {"command": command(str(export), cfg.target.spec, threads), "tree": None, "error": one_line(err)}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -36,6 +36,25 @@ def seconds_for(token_s: float) -> float:
     return 2 * turns * (1 + len(TREES)) * MAX_NEW_TOKENS * token_s
 
 
+def fitting_questions(target, pool: int = 8) -> list:
+    """PER_TASK first-turn questions of each of TASKS whose prompt and answer fit the target's context (the first of
+    `pool` that do); ValueError where none does."""
+    import dataclasses
+
+    from eval.evaluation import load_questions
+    from eval.runner import conversation_prompts
+
+    chosen = []
+    for name in TASKS:
+        fits = [dataclasses.replace(q, turns=q.turns[:1]) for q in load_questions([{"name": name, "limit": pool}])]
+        fits = [q for q in fits if len(conversation_prompts(target, q, [])) + MAX_NEW_TOKENS <= target.max_context]
+        chosen += fits[:PER_TASK]
+    if not chosen:
+        raise ValueError(f"no {' or '.join(TASKS)} prompt fits target '{target.name}''s context of "
+                         f"{target.max_context} tokens with {MAX_NEW_TOKENS} new ones")
+    return chosen
+
+
 def tune_tree(spec: str, head: Path, threads: int | None = None) -> dict:
     """Tune `head`'s CPU tree on target `spec` and save the fastest exact one in its config.json. Returns the tree,
     its and vanilla's tokens/s, the seconds it took and the command; raises what loading or decoding raised."""
@@ -43,13 +62,12 @@ def tune_tree(spec: str, head: Path, threads: int | None = None) -> dict:
     from eagle_lite.drafters import registry
     from eagle_lite.heads.checkpoint import recommend_tree
     from eagle_lite.targets.loading import load_target
-    from eval.evaluation import load_questions
     from eval.tuning import BASELINE, best, eagle_candidates, tune
 
     start = time.perf_counter()
     target = load_target(spec)   # as generate loads it: the tree-verification backend and the few-row speed-ups
     drafted = registry.load_eagle_head(target, str(head))
-    questions = load_questions([{"name": name, "limit": PER_TASK} for name in TASKS])
+    questions = fitting_questions(target)
     trees = [TreeConfig.from_spec(t) for t in TREES]
     rows = tune(target, questions, eagle_candidates(target, drafted, [], [], [], trees=trees), MAX_NEW_TOKENS)
     vanilla = next(r for r in rows if r["method"] == BASELINE)

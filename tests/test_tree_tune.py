@@ -24,3 +24,17 @@ def test_a_trained_head_gets_its_own_cpu_tree_with_the_command_that_tunes_it(tmp
     assert ",".join(str(config["tree"][k]) for k in ("depth", "top_k", "total_tokens", "lookup")) in TREES
     assert config["tree_command"].startswith("python -m eval.tune --method eagle") and "--save-tree" in \
         config["tree_command"]
+
+
+def test_the_gemma_head_ships_small_and_is_found_by_the_gguf_name():
+    """`--target gemma-3-270m-q4_k_m.gguf --draft auto` finds the shipped head by the file's stem."""
+    from eagle_lite.heads.checkpoint import HEADS_DIR, default_head_path, recommended_tree
+
+    head = default_head_path("gemma-3-270m-q4_k_m")
+    assert head == HEADS_DIR / "gemma-3-270m-q4_k_m"
+    config = json.loads((head / "config.json").read_text())
+    assert config["target"]["name"] == "gemma-3-270m-q4_k_m" and config["target"]["vocab_size"] == 262144
+    assert config["dtype"] == "bfloat16" and config["draft_vocab_size"] == 8192
+    assert (head / "model.safetensors").stat().st_size < 16 * 2**20
+    assert recommended_tree(config, head, "cpu") is not None   # the tree the run tuned for it
+    assert (head / "README.md").is_file()

@@ -1,10 +1,11 @@
 """The end of a training run: a short tune of the new head's CPU tree, saved in its config.json.
 
 A head trained for a new model has no tree of its own; eagle then runs the CPU's default tree, tuned for another
-head and another model. So the run decodes a few held-out prompts (one ShareGPT, one HumanEval) with a few small
-trees and vanilla, interleaved as `eval.tune` does (every output checked against vanilla's), and records the
-fastest exact tree as the head's CPU tree, with the `eval.tune` command that tunes it further. The same figures say
-how fast the target decodes here, which sizes the benchmark the run prints (`next_steps`).
+head and another model. So the run decodes a few held-out prompts (one ShareGPT, one HumanEval, after the ones a
+default benchmark takes) with a few small trees and vanilla, interleaved as `eval.tune` does (every output checked
+against vanilla's), and records the fastest exact tree as the head's CPU tree, with the `eval.tune` command that
+tunes it further. The same figures say how fast the target decodes here, which sizes the benchmark the run prints
+(`next_steps`).
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ log = logging.getLogger("trainers.train")
 TREES = ("1,1,1,4", "2,1,2,4", "3,1,3,4")   # depth,top_k,total_tokens,lookup: small trees, as a CPU affords
 TASKS = ("sharegpt", "humaneval")
 PER_TASK = 1
+SKIP = 3           # eval.benchmark's default --per-task takes the first three of each task: the tune takes later ones
 MAX_NEW_TOKENS = 64
 
 
 def command(head: str, spec: str | None, threads: int | None) -> str:
     """The `eval.tune` command this tune runs (and a longer one would extend: more --limit, more --trees)."""
-    args = ["python", "-m", "eval.tune", "--method", "eagle", "--task", ",".join(TASKS), "--limit", str(PER_TASK),
+    args = ["python", "-m", "eval.tune", "--method", "eagle", "--task", ",".join(TASKS), "--skip", str(SKIP),
+            "--limit", str(PER_TASK),
             "--max-new-tokens", str(MAX_NEW_TOKENS), *(["--threads", str(threads)] if threads else []),
             "--trees", *TREES, "--draft", head, *(["--target", spec] if spec and spec != "smollm2" else []),
             "--save-tree"]
@@ -38,7 +41,7 @@ def seconds_for(token_s: float) -> float:
 
 def fitting_questions(target, pool: int = 8) -> list:
     """PER_TASK first-turn questions of each of TASKS whose prompt and answer fit the target's context (the first of
-    `pool` that do); ValueError where none does."""
+    `pool` after the SKIP a benchmark takes); ValueError where none does."""
     import dataclasses
 
     from eval.evaluation import load_questions
@@ -46,7 +49,8 @@ def fitting_questions(target, pool: int = 8) -> list:
 
     chosen = []
     for name in TASKS:
-        fits = [dataclasses.replace(q, turns=q.turns[:1]) for q in load_questions([{"name": name, "limit": pool}])]
+        taken = load_questions([{"name": name, "limit": SKIP + pool}])[SKIP:]
+        fits = [dataclasses.replace(q, turns=q.turns[:1]) for q in taken]
         fits = [q for q in fits if len(conversation_prompts(target, q, [])) + MAX_NEW_TOKENS <= target.max_context]
         chosen += fits[:PER_TASK]
     if not chosen:

@@ -20,7 +20,7 @@ from .decoding.engine import Engine, GenerationStats
 from .drafters import registry
 from .targets.loading import load_target
 from .targets.model import Target
-from .text.chat_format import chat_ids, clean_text
+from .text.chat_format import chat_ids, text_ids
 from .text.detokenize import Detokenizer
 
 log = logging.getLogger("eagle_lite")
@@ -104,7 +104,7 @@ class Pipeline:
             return chat_ids(tok, messages)
         if not isinstance(prompt, str):
             raise ValueError("chat_template=False takes the prompt as text, not as messages")
-        return tok.encode(clean_text(prompt))
+        return text_ids(tok, prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.target.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -279,13 +279,15 @@ def level(url: str, model: str, questions: list[str], clients: int, args) -> tup
 def main(argv=None) -> int:
     import httpx
 
+    from eagle_lite.serve.protocol import served_model_id
+
     args = parse_args(argv)
     with arguments():
         methods, levels = check_args(args)
         if args.json:
             check_writable(args.json, "--json")   # before the runs whose figures it holds
     questions = prompts(args.questions)
-    model = args.target or "smollm2"
+    model = served_model_id(args.target or "smollm2")   # the name the server answers to
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(sys.argv),
               "methods": {}}
     lines = ["| method | clients | requests | tokens/s | vs 1 client | vs CLI | TTFT p50 / p95 s | "

@@ -184,6 +184,40 @@ def test_the_summary_warns_of_a_small_validation_split_and_names_the_next_comman
     assert "a tiny random target lives only inside training" in closing(result, None)
 
 
+def test_the_summary_sizes_the_benchmark_to_minutes_and_names_the_tree_and_a_matching_request(tmp_path):
+    from trainers.next_steps import BENCH_BUDGET_S, benchmark_size, closing, commands
+
+    assert benchmark_size(None)[:2] == (2, 256)
+    assert benchmark_size(1 / 150)[:2] == (2, 256)              # a fast target: the full benchmark fits
+    per_task, tokens, seconds = benchmark_size(1 / 20)          # Gemma 3 270M here: fewer prompts and tokens
+    assert (per_task, tokens) == (1, 256) and seconds <= BENCH_BUDGET_S
+    assert benchmark_size(1 / 10)[:2] == (1, 128)
+    result = {"export": str(tmp_path / "head"), "global_step": 20, "epochs": 4, "seconds": 12.0,
+              "head_kind": "eagle", "tune": {"tree": {"depth": 2, "top_k": 1, "total_tokens": 2, "lookup": 4,
+                                                      "min_prob": 0.0},
+                                             "tokens_per_s": 30.0, "speedup": 1.5, "vanilla_tokens_per_s": 20.0,
+                                             "seconds": 70.0, "command": "python -m eval.tune --save-tree"}}
+    text = closing(result, "/models/gemma-3-270m-q4_k_m.gguf")
+    assert "tree: tuned in 70 s" in text and "depth 2" in text and "1.50x vanilla" in text
+    assert "--per-task 1 --max-new-tokens 256" in text and "about 8 min here" in text
+    request = dict(commands(result, "/models/gemma-3-270m-q4_k_m.gguf"))["request"]
+    body = json.loads(shlex.split(request)[shlex.split(request).index("-d") + 1])
+    assert body["model"] == "gemma-3-270m-q4_k_m"
+    untuned = {**result, "tune": {"tree": None, "command": "python -m eval.tune --save-tree", "error": "boom"},
+               "decode_step_s": 0.05}
+    line = next(x for x in closing(untuned, "smollm2").splitlines() if x.startswith("tree:"))
+    assert "the tune failed (boom)" in line and "about 51 s here" in line and "python -m eval.tune" in line
+
+
+def test_the_server_answers_to_a_short_name_of_its_target():
+    from eagle_lite.serve.protocol import served_model_id
+
+    assert served_model_id("/root/.cache/x/gemma-3-270m-q4_k_m.gguf") == "gemma-3-270m-q4_k_m"
+    assert served_model_id("./models/my-qwen") == "my-qwen"
+    assert served_model_id("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert served_model_id("smollm2") == "smollm2"
+
+
 # -- the head's own target --------------------------------------------------------------------------------------------
 def test_tools_default_to_the_target_a_head_was_trained_for(tmp_path, tiny_model_dir, capsys):
     from eagle_lite.heads.checkpoint import HeadMismatchError, check_target, recorded_target, save_head
@@ -310,7 +344,8 @@ def test_own_model_folder_to_a_served_head_with_the_readme_command(tmp_path):
     # the README's command, on this folder, with the sizes a test affords
     train = run([sys.executable, "-m", "trainers.train", f"target={model}", "data=quick", f"paths.root={runs}",
                  "data.distill.limit=24", "data.distill.max_new_tokens=24", "data.distill.max_prompt_tokens=400",
-                 "data.loader.val_percent=25", "trainer.max_epochs=2", "progress=false"])
+                 "data.loader.val_percent=25", "trainer.max_epochs=2", "progress=false",
+                 "data.max_degenerate=null"])   # a random model's answers loop: the data check would stop the run
     assert train.returncode == 0, train.stderr[-3000:]
     assert "no draft head ships" not in train.stderr and "does not exist" not in train.stderr
     head = runs / "train" / "my-llama" / "quick" / "default" / "head"
@@ -320,7 +355,9 @@ def test_own_model_folder_to_a_served_head_with_the_readme_command(tmp_path):
     assert out.index("estimate on this machine") < out.index(f"head: {head}")
     assert "warning: validation held out" in out   # 24 prompts: a split too small to mean anything, and said so
     steps = next_commands(out)
-    assert set(steps) == {"chat", "benchmark", "serve", "export"}
+    assert set(steps) == {"chat", "benchmark", "serve", "request", "export"}
+    assert "tree: tuned in" in out   # the run ends with its own CPU tree, saved in the head
+    assert json.loads((head / "config.json").read_text())["tree"]["lookup"] == 4
 
     # chat, as printed (the target comes from the command; the answer is the target's own)
     chat = run(python(steps["chat"]), input="Hi there\n/quit\n")
@@ -347,9 +384,9 @@ def test_own_model_folder_to_a_served_head_with_the_readme_command(tmp_path):
         url = f"http://127.0.0.1:{port}"
         wait_healthy(server, url)
         models = httpx.get(url + "/v1/models").json()["data"]
-        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": models[0]["id"], "messages": [{"role": "user", "content": "Tell me about the sea."}],
-            "max_tokens": 48})
+        printed = json.loads(steps["request"][steps["request"].index("-d") + 1])   # the request the run printed
+        assert models[0]["id"] == printed["model"] == "my-llama"
+        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={**printed, "max_tokens": 48})
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"]
     finally:

@@ -403,7 +403,7 @@ def test_sigterm_drains_and_exits_0(tiny_model_dir):
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url)
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"model": str(tiny_model_dir), "prompt": "hi", "max_tokens": 150,
+                          json={"model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 150,
                                 "stream": True}) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))

@@ -157,6 +157,24 @@ def _available(settings) -> int | None:
     return None
 
 
+def fitting_share(settings, target, sample: int = 256) -> float:
+    """The share of a source's chosen prompts (up to `sample` of them, from the first) within max_prompt_tokens, in
+    the target's own layout (the distill stage skips the others)."""
+    from .distill import DistillConfig, _Chat, choose_conversations
+
+    settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else dict(settings)
+    try:
+        cfg = DistillConfig(**{**settings, "limit": min(int(settings["limit"]), sample)})
+        chosen = choose_conversations(cfg)
+    except (OSError, ValueError) as err:   # the distill stage says what is wrong with the prompts; this is advice
+        log.debug("estimate: prompts not read (%s)", err)
+        return 1.0
+    if not chosen:
+        return 1.0
+    fits = sum(_Chat(c).next_prompt(0, target.tokenizer, cfg.max_prompt_tokens) is not None for c in chosen)
+    return fits / len(chosen)
+
+
 def _cached(folder: Path) -> tuple[int, bool]:
     """(tokens a feature cache holds, whether it is complete)."""
     try:
@@ -169,7 +187,7 @@ def _cached(folder: Path) -> tuple[int, bool]:
 def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> list[Stage]:
     """The stages' time and disk for the run `cfg` over `sources` (`train.data_sources`), from `measured`."""
     max_len = int(cfg.data.features.max_len)
-    answers = new_tokens = tokens = tokens_left = sequences = 0
+    answers = new_tokens = tokens = tokens_left = sequences = skipped_all = 0
     distill_s = 0.0
     for source in sources:
         s = source.settings
@@ -189,6 +207,11 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
             generated = turns * int(s["max_new_tokens"])
             per_item = min(prompt * turns + generated, max_len)
         left = max(limit - answered, 0)
+        if left and generated and s["source"] in ("sharegpt", "prompts") and target.tokenizer is not None:
+            share = fitting_share(s, target)   # prompts over max_prompt_tokens are skipped, not answered
+            skipped = left - round(left * share)
+            left, limit = left - skipped, limit - skipped
+            skipped_all += skipped
         answers += left if generated else 0
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s
@@ -214,7 +237,8 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
             setup = [Stage("kernels", KERNEL_BUILD_S, 0, "the native CPU kernels' build, once per machine")]
     return setup + [
         Stage("distill", distill_s, new_tokens * DISTILL_BYTES_PER_TOKEN,
-              f"{answers} answers of up to {new_tokens // max(answers, 1)} new tokens" if answers
+              f"{answers} answers of up to {new_tokens // max(answers, 1)} new tokens"
+              + (f" ({skipped_all} prompts over max_prompt_tokens skipped)" if skipped_all else "") if answers
               else "nothing to answer"),
         Stage("features", tokens_left * measured.forward_token_s,
               estimate_bytes(tokens_left, target.hidden_size, len(taps)),

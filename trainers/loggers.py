@@ -3,6 +3,7 @@ checked before any stage runs so that a logger that cannot work is refused in on
 from __future__ import annotations
 
 import importlib.util
+import logging
 import socket
 
 import hydra
@@ -52,3 +53,17 @@ def build_logger(cfg: DictConfig):
     if str(node._target_).endswith("WandbLogger") and node.get("offline") is None:
         settings["offline"] = not reachable(WANDB_HOST)   # no network: log offline, sync later
     return hydra.utils.instantiate(node, **settings)
+
+
+def one_copy_of_lightning_lines() -> None:
+    """Lightning's package logger ("lightning") prints on a console handler of its own and passes each line on to
+    the root logger too, which Hydra prints as well: where the root has a handler, Lightning's own goes, so each
+    line prints once (in Hydra's format, and into the run's log file)."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True

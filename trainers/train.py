@@ -46,7 +46,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_lite.atomic import write_text_atomic
-from eagle_lite.cli import hydra_entry
+from eagle_lite.cli import hydra_entry, one_line
 from eagle_lite.config import check_whole
 
 from .ranks import Ranks, current, join
@@ -195,7 +195,7 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
     returned manifest then sums their sequences and tokens. ranks: the processes sharing the stages (`trainers.ranks`).
     """
     from .datamodule import DraftDataModule, LoaderConfig
-    from .distill import DistillConfig, distill, read_records
+    from .distill import DistillConfig, distill
     from .features import FeatureConfig, cache_features
     from .online import OnlineFeatures, RecordCache
 
@@ -208,12 +208,13 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
         t0 = time.perf_counter()
         distill(target, _typed(DistillConfig, source.settings), source.distill, progress=cfg.progress, ranks=ranks)
         t1 = time.perf_counter()
+        answers = checked_records(cfg, target, source)
         if features.mode == "online":   # the fit computes the features: nothing to cache
-            records.append(RecordCache(list(read_records(source.distill)), features.max_len, source.features, taps))
+            records.append(RecordCache(answers, features.max_len, source.features, taps))
             manifests.append({"total_sequences": len(records[-1].ids),
                               "total_tokens": sum(len(t) for t in records[-1].tokens)})
         else:
-            manifests.append(cache_features(target, list(read_records(source.distill)), source.features, features,
+            manifests.append(cache_features(target, answers, source.features, features,
                                             progress=cfg.progress, ranks=ranks))
         seconds["seconds_distill"] = round(seconds["seconds_distill"] + t1 - t0, 1)
         seconds["seconds_features"] = round(seconds["seconds_features"] + time.perf_counter() - t1, 1)
@@ -224,6 +225,22 @@ def prepare_data(cfg: DictConfig, target, sources: list[DataSource], taps: tuple
     data.online_features = OnlineFeatures(target, loader.max_len, loader.pack, taps) if records else None
     data.setup("fit")
     return seconds, manifest, data
+
+
+def checked_records(cfg: DictConfig, target, source: DataSource) -> list[dict]:
+    """A source's answered records after the data check (trainers/answer_check.py): degenerate answers the target
+    wrote are dropped, and too many of them stop the run; `data.max_degenerate` (null: no check) sets how many."""
+    from .answer_check import CHECKED_SOURCES, check_answers
+    from .distill import read_records
+
+    records = list(read_records(source.distill))
+    if source.settings["source"] not in CHECKED_SOURCES:
+        return records
+    eos = set(target.eos_token_ids)
+    tokenizer = target.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return check_answers(records, tokenizer, eos, cfg.data.get("max_degenerate"), str(source.distill))
 
 
 REVOCAB_NEEDS_INIT = ("draft.revocab re-chooses the draft vocabulary of the head draft.init_from names: set "
@@ -619,10 +636,12 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
 
     from .estimate import announce
     from .features import describe_bytes
+    from .loggers import one_copy_of_lightning_lines
     from .report import folder_bytes, plot_training_curve, write_train_log
     from .run_folder import mark_finished
     from .targets import TargetConfig, build_target
 
+    one_copy_of_lightning_lines()
     start = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     settings = _typed(TargetConfig, cfg.target)
@@ -688,9 +707,30 @@ def run_stages(cfg: DictConfig, stop_after: str | None, ranks: Ranks = Ranks()) 
         write_train_log(export, summary, epochs)
         plot_training_curve(export / "training_curve.png", epochs, summary.get("best_epoch"))
         log.info("exported the head to %s", export)
+        if estimated:
+            summary["decode_step_s"] = estimated["probe"]["decode_step_s"]
         if not cfg.trainer.get("fast_dev_run"):
+            summary["tune"] = tuned_tree(cfg, summary["head_kind"], export, target.device.type)
             mark_finished(cfg, summary)
     return {**summary, "export": str(export), "epochs_log": epochs}
+
+
+def tuned_tree(cfg: DictConfig, head_kind: str, export: Path, device: str) -> dict | None:
+    """The new head's CPU tree, tuned and saved in its config.json (trainers/tree_tune.py), or what to run for it:
+    None where there is nothing to tune (a tiny in-process target, a Medusa head, a GPU run, tune_tree=false)."""
+    from .tree_tune import command, tune_tree
+
+    if cfg.target.kind != "pretrained" or head_kind == "medusa" or device != "cpu":
+        return None
+    threads = cfg.target.get("threads")
+    if not cfg.get("tune_tree", True):
+        return {"command": command(str(export), cfg.target.spec, threads), "tree": None}
+    log.info("tuning the head's CPU tree on a few held-out prompts (tune_tree=false skips it)")
+    try:
+        return tune_tree(cfg.target.spec, export, threads)
+    except Exception as err:   # noqa: BLE001 - the head is exported; the summary names the command to run instead
+        log.warning("the tree tune failed (%s); the summary names its command", one_line(err))
+        return {"command": command(str(export), cfg.target.spec, threads), "tree": None, "error": one_line(err)}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -70,10 +70,14 @@ def engine_view(head, engine: str, vllm_layout: bool = False) -> View:
 def reference_sequences(target, prompts=PROMPTS, new_tokens: int = 40) -> list[tuple[torch.Tensor, int]]:
     """(prompt + the target's greedy continuation, prompt length) per prompt, chat-formatted when the tokenizer
     has a template."""
+    from tqdm.auto import tqdm
+
     from ..text.chat_format import chat_ids
 
     seqs = []
-    for text in prompts:
+    # the slow part of an export (the target answers each prompt with transformers' generate): a bar on a terminal
+    for text in tqdm(prompts, desc="the target's answers to compare the head with", unit="prompt", leave=False,
+                     disable=None):
         if target.tokenizer is not None:
             ids = chat_ids(target.tokenizer, [{"role": "user", "content": text}])
         else:

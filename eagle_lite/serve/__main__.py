@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "default max_tokens, --temperature the default temperature)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-    s.add_argument("--model-id", default=None, help="the model name clients send (default: --target as given, "
-                                                    "'smollm2' without it)")
+    s.add_argument("--model-id", default=None, help="the model name clients send (default: the target's short "
+                                                    "name: a .gguf file's or folder's name, a hub id, an alias)")
     add_flag(s, "max-batch", default=limits.max_batch)
     s.add_argument("--max-queue", type=int, default=limits.max_queue,
                    help="requests waiting for a place in the batch; past it: 429")
@@ -84,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from . import build_service, create_app
+        from .protocol import served_model_id
 
         lm, cfg = load_from_flags(args)
         threads = torch.get_num_threads()   # --threads, else torch's default (one per core)
-        service = build_service(lm, args.model_id or args.target or "smollm2", limits,
+        model_id = args.model_id or served_model_id(args.target or lm.target.name)
+        service = build_service(lm, model_id, limits,
                                 default_max_tokens=args.max_new_tokens, default_temperature=args.temperature,
                                 default_seed=args.seed, threads=(threads, args.batch_threads or threads),
                                 tree=cfg.tree)

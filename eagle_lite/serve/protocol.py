@@ -122,6 +122,20 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad("prompt", "must be a string or a list of token ids (one prompt per request)")
 
 
+def served_model_id(spec: str) -> str:
+    """The model name a server answers to by default: a short name for the target `spec` (what clients type in
+    "model"): an alias as it is, a `.gguf` file or a local folder by its name (`gemma-3-270m-q4_k_m`, `my-qwen`),
+    a hub id as it is (`HuggingFaceTB/SmolLM2-135M-Instruct`)."""
+    from pathlib import Path
+
+    path = Path(spec)
+    if spec.endswith(".gguf"):
+        return path.stem
+    if spec.startswith(("/", "./", "../", "~")) or path.is_dir():
+        return path.resolve().name if spec in (".", "..") else path.name
+    return spec
+
+
 def parse(body: dict, model_id: str, chat: bool, default_max_tokens: int, default_temperature: float) -> Params:
     """Read a chat (`chat`) or completions request; Refused(400) names the first bad field."""
     model = body.get("model")

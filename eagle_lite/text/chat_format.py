@@ -5,6 +5,12 @@ then laid out as plain text, each followed by a blank line, and an assistant tur
 token, so the same conversations can prompt it (generate, eval) and train a draft head for it (distillation,
 features), with the target's answer being its continuation of the text so far.
 
+Ids are built as the model's own tokenizer builds them. A chat template writes its own start token (transformers
+then adds none). The plain layout and plain text (`text_ids`, `--raw`) start with the tokens the tokenizer adds in
+front of a text (its BOS policy: a GGUF file's `tokenizer.ggml.add_bos_token`, a hub tokenizer's `add_bos_token` or
+post-processor; `special_affixes`): Gemma without its BOS writes junk. A policy EOS is left off a prompt, which the
+model continues; the plain layout closes each assistant turn with the EOS token itself.
+
 Every text is made valid before the tokenizer sees it (`clean_text`): bytes that were not UTF-8 become U+FFFD
 and NUL characters are dropped, so no input a person can type or pipe in stops a tokenizer.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 import re
 
 PLAIN_TEMPLATE = (
+    "{%- if bos_prefix -%}{{ bos_prefix }}{%- endif -%}"
     "{%- for m in messages -%}"
     "{{ m['content'] }}{% if m['role'] == 'assistant' and eos_token %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}"
     "{%- endfor -%}"
@@ -43,16 +50,40 @@ def clean_messages(messages: list[dict]) -> list[dict]:
     return [{**m, "content": clean_text(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
 
 
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The special token ids the tokenizer adds before and after a text (its BOS / EOS policy), read from what it
+    does rather than from flags, so a hub tokenizer's post-processor and a GGUF file's `add_bos_token` /
+    `add_eos_token` (carried into the converted tokenizer) count alike."""
+    probe = "a"
+    plain = tokenizer(probe, add_special_tokens=False).input_ids
+    full = tokenizer(probe).input_ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return list(full[:start]), list(full[start + len(plain):])
+    return [], []
+
+
 def _template(tokenizer) -> dict:
-    """apply_chat_template's template argument: none where the tokenizer has its own (transformers then picks
-    it, or its "default" one among several), PLAIN_TEMPLATE where it has none."""
-    return {} if getattr(tokenizer, "chat_template", None) else {"chat_template": PLAIN_TEMPLATE}
+    """apply_chat_template's template arguments: none where the tokenizer has its own (transformers then picks
+    it, or its "default" one among several; it writes its own start token), PLAIN_TEMPLATE where it has none,
+    starting with the tokens the tokenizer puts in front of a text."""
+    if getattr(tokenizer, "chat_template", None):
+        return {}
+    prefix = special_affixes(tokenizer)[0]
+    return {"chat_template": PLAIN_TEMPLATE, "bos_prefix": tokenizer.decode(prefix) if prefix else ""}
 
 
 def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The text of `messages` (ready for the assistant's next turn with add_generation_prompt)."""
     return tokenizer.apply_chat_template(clean_messages(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **_template(tokenizer))
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The ids of plain `text` as a prompt (`--raw`): the tokenizer's own prefix (its BOS) and the text's tokens,
+    without a policy EOS after them (the model continues the text)."""
+    prefix = special_affixes(tokenizer)[0]
+    return prefix + tokenizer(clean_text(text), add_special_tokens=False).input_ids
 
 
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -1,0 +1,90 @@
+"""The data check between distill and features: are the target's own answers text worth learning?
+
+A model prompted in a layout it was not trained for (a start token missing, the wrong template) answers with junk:
+nothing at all, one token over and over, or a short phrase repeated to the end ("It is it it it ...",
+"<h2><h2>..."). A head trained on such answers learns to predict repetition, and its acceptance then measures
+nothing. So every answered record is looked at before features are built: a degenerate answer is counted and
+dropped, one is shown, and when they are more than `data.max_degenerate` of the answers the run stops with one line
+saying what to try instead.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("trainers.train")
+
+# Sources whose answers the target wrote (the others are ShareGPT's replies, random ids for tiny targets, or
+# answers served to users, which are what they are)
+CHECKED_SOURCES = ("sharegpt", "prompts")
+MIN_LOOP_TOKENS = 16    # an answer shorter than this is never called a loop (a short reply may repeat a word)
+NGRAM = 3               # a loop repeats its 3-grams: "1. Learn the basics.\n2. Learn the basics.\n3. ..." too
+LOOP_SHARE = 0.5        # an answer whose 3-grams repeat earlier ones at least this often is a loop
+
+
+class DegenerateData(ValueError):
+    """Too many degenerate answers: the run stops (one line, no traceback)."""
+
+
+def degenerate(answer: list[int], eos: set[int] = frozenset()) -> str | None:
+    """Why `answer` (a target-written span, its closing EOS allowed) is not text worth learning, or None."""
+    ids = answer[:-1] if answer and answer[-1] in eos else answer
+    if not ids or all(t in eos for t in ids):
+        return "empty"
+    if len(ids) >= 4 and len(set(ids)) == 1:
+        return "one token repeated"
+    if len(ids) < MIN_LOOP_TOKENS:
+        return None
+    seen, repeats = set(), 0
+    for i in range(len(ids) - NGRAM + 1):
+        gram = tuple(ids[i:i + NGRAM])
+        repeats += gram in seen
+        seen.add(gram)
+    share = repeats / (len(ids) - NGRAM + 1)
+    if share >= LOOP_SHARE:
+        return f"a repetition loop ({share:.0%} of its {NGRAM}-grams repeat earlier ones)"
+    return None
+
+
+def record_reason(record: dict, eos: set[int]) -> str | None:
+    """Why a record's answers are degenerate (the first span that is), or None."""
+    ids = record["input_ids"]
+    for start, end in record["spans"]:
+        why = degenerate(ids[start:end], eos)
+        if why:
+            return why
+    return None
+
+
+def check_answers(records: list[dict], tokenizer, eos: set[int], max_share: float | None, where: str) -> list[dict]:
+    """`records` without those whose answers are degenerate, after saying how many there were and showing one;
+    DegenerateData (one line: why and what to try) when they are more than `max_share` of the records. None: no
+    check."""
+    if max_share is None or not records:
+        return records
+    reasons = [record_reason(r, eos) for r in records]
+    bad = [(r, why) for r, why in zip(records, reasons) if why]
+    share = len(bad) / len(records)
+    if not bad:
+        log.info("data check: none of the %d answers in %s is degenerate", len(records), where)
+        return records
+    record, why = bad[0]
+    start, end = record["spans"][0]
+    example = _shown(tokenizer, record["input_ids"][start:end])
+    if share > max_share:
+        raise DegenerateData(
+            f"data check: {len(bad)} of {len(records)} answers in {where} ({share:.0%}, over data.max_degenerate="
+            f"{max_share:g}) are degenerate (e.g. {record['id']}: {why}: {example}): the target is not prompted as it "
+            f"expects, or loops when greedy; try sampled answers (data.distill.do_sample=true "
+            f"data.distill.temperature=0.8), its raw layout (compare `python -m eagle_lite.generate --raw`), a chat "
+            f"template (a model folder with chat_template.jinja as target=), or another prompt source "
+            f"(data.distill.source=prompts data.distill.prompts=FILE); delete {where} before rerunning")
+    log.warning("data check: %d of %d answers in %s (%.1f%%) are degenerate and left out (e.g. %s: %s: %s)",
+                len(bad), len(records), where, 100 * share, record["id"], why, example)
+    return [r for r, why in zip(records, reasons) if not why]
+
+
+def _shown(tokenizer, ids: list[int], limit: int = 80) -> str:
+    """An answer as one short quoted line."""
+    text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else " ".join(map(str, ids))
+    text = " ".join(text.split())
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))

@@ -79,26 +79,104 @@ def _row_sums(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.int32).double() @ weights
 
 
-def placed(grid: GridWeight, weight: torch.Tensor, sums: torch.Tensor | None = None) -> GridWeight | None:
-    """`grid` with its rows in the order of `weight`'s where it rebuilds `weight` bit for bit; else None."""
-    dense = grid.dense()
-    if same_bits(dense, weight):
-        return grid
-    mine, theirs = _row_sums(dense), _row_sums(weight) if sums is None else sums
-    a, b = torch.sort(mine), torch.sort(theirs)
+class _Rebuilt:
+    """A grid's fp32 weight and its rows' checksums, computed once for all the weights it is compared with."""
+
+    def __init__(self, grid: GridWeight) -> None:
+        self.grid, self.dense = grid, grid.dense()
+        self.sorted = torch.sort(_row_sums(self.dense))
+
+
+def placed(grid: GridWeight | _Rebuilt, weight: torch.Tensor, sums: torch.Tensor | None = None) -> GridWeight | None:
+    """`grid` with its rows in the order of `weight`'s where it rebuilds `weight` bit for bit; else None.
+    sums: `weight`'s row checksums, where already computed."""
+    rebuilt = grid if isinstance(grid, _Rebuilt) else _Rebuilt(grid)
+    grid = rebuilt.grid
+    a, b = rebuilt.sorted, torch.sort(_row_sums(weight) if sums is None else sums)
     if not torch.equal(a.values, b.values):
         return None
+    if same_bits(rebuilt.dense, weight):
+        return grid
     order = torch.empty_like(b.indices)
     order[b.indices] = a.indices                 # weight row r is the file's row order[r]
     moved = grid.rows(order)
     return moved if same_bits(moved.dense(), weight) else None
 
 
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+def k_quant_tensors(path: str | Path) -> list[tuple[str, str, int, int, np.ndarray]]:
+    """The K-quant tensors of a GGUF file: (name, kind, rows, cols, raw blocks as a read-only memory map).
+
+    Reads the header with `struct` rather than gguf's GGUFReader, which turns every metadata value (a 262k-token
+    vocabulary) into numpy views and takes ~20 s on Gemma 3's file for what takes a fraction of a second here."""
+    import mmap
+    import struct
+
+    from gguf import GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt: str):
+            nonlocal pos
+            out = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return out[0] if len(out) == 1 else out
+
+        def skip(kind: int) -> None:
+            nonlocal pos
+            if kind == _STRING:
+                length = take("Q")
+                pos += length
+            elif kind == _ARRAY:
+                item, count = take("IQ")
+                if item in _FIXED:
+                    pos += _FIXED[item] * count
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                pos += _FIXED[kind]
+
+        magic, version, n_tensors, n_kv = take("4sIQQ")
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+        alignment = 32
+        for _ in range(n_kv):
+            length = take("Q")
+            key = bytes(buf[pos:pos + length])
+            pos += length
+            kind = take("I")
+            if key == b"general.alignment" and kind == 4:
+                alignment = take("I")
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            length = take("Q")
+            name = bytes(buf[pos:pos + length]).decode("utf-8", "replace")
+            pos += length
+            dims = [take("Q") for _ in range(take("I"))]
+            infos.append((name, take("I"), dims, take("Q")))
+        start = (pos + alignment - 1) // alignment * alignment
+    out = []
+    for name, type_id, dims, offset in infos:
+        kind = GGMLQuantizationType(type_id).name if type_id in GGMLQuantizationType._value2member_map_ else ""
+        if kind not in BLOCK_BYTES or len(dims) < 2 or dims[0] % QK_K:
+            continue
+        cols, rows = int(dims[0]), int(np.prod(dims[1:]))
+        blocks = np.memmap(path, dtype=np.uint8, mode="r", offset=start + offset,
+                           shape=(rows, cols // QK_K * BLOCK_BYTES[kind]))
+        out.append((name, kind, rows, cols, blocks))
+    return out
+
+
 def attach_file_grids(model: nn.Module, path: str | Path) -> int:
     """Give each fp32 CPU weight of `model`'s linears and embeddings that a K-quant tensor of the GGUF file at `path`
     rebuilds bit for bit that tensor's grid (`weight.gguf_grid`); returns how many. Other weights are untouched."""
-    from gguf import GGUFReader
-
     weights: dict[tuple[int, int], list[torch.Tensor]] = {}
     seen: set[int] = set()
     for module in model.modules():
@@ -110,14 +188,11 @@ def attach_file_grids(model: nn.Module, path: str | Path) -> int:
     sums: dict[int, torch.Tensor] = {}
     attached = 0
     with torch.inference_mode(False), torch.no_grad():
-        for tensor in GGUFReader(str(path)).tensors:
-            kind = tensor.tensor_type.name
-            cols = int(tensor.shape[0])
-            rows = int(np.prod(tensor.shape[1:])) if len(tensor.shape) > 1 else 1
+        for _name, kind, rows, cols, blocks in k_quant_tensors(path):
             candidates = [w for w in weights.get((rows, cols), []) if getattr(w, "gguf_grid", None) is None]
-            if kind not in BLOCK_BYTES or not candidates or cols % QK_K:
+            if not candidates:
                 continue
-            grid = grid_from_blocks(kind, np.asarray(tensor.data), rows, cols)
+            grid = _Rebuilt(grid_from_blocks(kind, blocks, rows, cols))
             for w in candidates:
                 if id(w) not in sums:
                     sums[id(w)] = _row_sums(w.detach())

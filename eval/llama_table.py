@@ -132,7 +132,7 @@ def table(rows: list[dict], args) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.llama_table", description=__doc__.split("\n")[0])
     p.add_argument("--files", default=",".join(FILES))
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine; the fastest is kept")
@@ -140,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", default="Why is the sky blue?")
     p.add_argument("--llama-python", default=str(LLAMA_PYTHON), help="the llama venv's python (install.sh llama)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     names = [n for n in args.files.split(",") if n]
     unknown = sorted(set(names) - set(FILES))
     if unknown or args.runs < 1 or args.max_new_tokens < 1 or args.threads < 1:

@@ -110,6 +110,17 @@ def _product_for(weight: torch.Tensor, grid: bool, round_to_grid: bool = False) 
     return _PackedProduct(weight) if packing_available() else None
 
 
+def _sibling_product(layers: list[nn.Linear], grid: bool, round_to_grid: bool):
+    """One product for sibling linears' weights stacked. Where one has codes read from its GGUF file (kquant.py), the
+    siblings share a product only if each has codes of the same kind (stacked); otherwise None: each gets its own."""
+    if grid and any(getattr(layer.weight, "gguf_grid", None) is not None for layer in layers):
+        grids = [grid_of(layer.weight) for layer in layers]
+        if any(g is None for g in grids) or len({type(g) for g in grids}) != 1:
+            return None
+        return _GridProduct(type(grids[0]).stacked(grids))
+    return _product_for(torch.cat([layer.weight.detach() for layer in layers]), grid, round_to_grid)
+
+
 def _use_product(product, x: torch.Tensor, in_features: int) -> bool:
     rows = x.numel() // in_features
     # the products are for inference; past max_rows (a prompt's prefill) MKL's own GEMM is as fast or faster
@@ -183,7 +194,7 @@ def pack_linears(module: nn.Module, grid: bool = True, round_to_grid: bool = Fal
             if not (all(_packable(layer) for layer in layers) and _same_input(layers)):
                 continue
             with torch.inference_mode(False), torch.no_grad():
-                product = _product_for(torch.cat([layer.weight.detach() for layer in layers]), grid, round_to_grid)
+                product = _sibling_product(layers, grid, round_to_grid)
             if product is None:
                 continue
             group = _SiblingProduct(layers, product)

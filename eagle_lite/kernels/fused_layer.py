@@ -35,7 +35,7 @@ from torch import nn
 
 from ..kv_cache import StaticKVCache, with_cache
 from ..tree import attention_mask
-from .grid_linear import MAX_GRID_ROWS, GridWeight
+from .grid_linear import MAX_GRID_ROWS, Grid4, Grid8, GridWeight
 from .instance_forward import class_forwards
 from .native import kernel_available
 from .rotary_table import RotaryTable
@@ -55,7 +55,8 @@ def _grid(linear: nn.Module, siblings: tuple[str, ...], parent: nn.Module) -> Gr
     else:
         product, bias = getattr(linear, "cpu_product", None), getattr(linear, "bias", None)
     grid = getattr(product, "grid", None)
-    return grid if isinstance(grid, GridWeight) and bias is None else None
+    # the op reads Q4 (uint8) and Q8 (int8) codes; a K-quant GridK keeps its own product
+    return grid if isinstance(grid, (Grid4, Grid8)) and bias is None else None
 
 
 def _wide(layer: nn.Module) -> bool:

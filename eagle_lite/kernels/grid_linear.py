@@ -5,9 +5,11 @@ are Q4_1, `w = q * d + m` with a 4-bit code q and one (d, m) pair per 32 inputs;
 the embeddings) is Q8_0, `w = q * d` with an 8-bit q. `Grid4.of(weight)` and `Grid8.of(weight)` find
 the codes and scales and keep them only if rebuilding every weight (an fp32 multiply, then for Q4 an
 fp32 add) gives back the weight bit for bit; anything else (a model trained in fp32, one cast to bf16)
-is left alone. The kernel (csrc/grid_linear.cpp) rebuilds the same fp32 weights on the fly and sums the
-same fp32 products as a dense GEMM, in a different order, as any two GEMM kernels do: the model is
-unchanged, only its storage shrinks from 32 to 5 (Q4) or 9 (Q8) bits a weight. A few-row product
+is left alone. A K-quant tensor (Q4_K, Q5_K, Q6_K) gets its codes from the GGUF file's own blocks instead
+(kquant.py), checked the same way against the weight. The kernel (csrc/grid_linear.cpp) rebuilds the same
+fp32 weights on the fly and sums the same fp32 products as a dense GEMM, in a different order, as any two
+GEMM kernels do: the model is unchanged, only its storage shrinks from 32 to 5 (Q4, Q4_K), 9 (Q8, Q5_0) or
+12 (Q5_K, Q6_K) bits a weight. A few-row product
 (plain decoding, tree verification) over fp32 weights is memory-bound on a CPU; from codes it reads a
 fraction of the bytes and runs faster. Products of more than `MAX_GRID_ROWS` rows (a prompt's
 prefill) are compute-bound and keep the dense weight.
@@ -77,6 +79,19 @@ class GridWeight:
                 return step, codes
         return None
 
+    @classmethod
+    def stacked(cls, grids: list[GridWeight]) -> GridWeight:
+        """One grid whose rows are `grids`' rows in order (sibling linears' weights stacked), all of this kind."""
+        return cls(torch.cat([g.codes for g in grids]), torch.cat([g.scales for g in grids]))
+
+    def rows(self, order: torch.Tensor) -> GridWeight:
+        """The grid of the weight's rows taken in `order` (indices)."""
+        return type(self)(self.codes[order].contiguous(), self.scales[order].contiguous())
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weight these codes stand for (what `of` checked against)."""
+        raise NotImplementedError
+
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` [..., K] is a product the kernel is for: at most MAX_GRID_ROWS rows, inference only
         (no backward)."""
@@ -131,7 +146,10 @@ class Grid8(GridWeight):
         def rebuild(d):
             q = torch.round(w / d).clamp_(-128, 127)
             return q, q * d == w
-        found = cls._fitting((span.float(), span.half().float()), rebuild)
+        # d in fp32, GGUF's fp16 d of a Q8_0 group (its largest |w| / 127), or of a Q5_0 group (w = d * (q - 16):
+        # its largest |w| is 16 |d|, exactly)
+        guesses = (span.float(), span.half().float(), w.abs().amax(-1, keepdim=True) / 16)
+        found = cls._fitting(guesses, rebuild)
         if found is None:
             return None
         d, q = found
@@ -159,8 +177,46 @@ class Grid8(GridWeight):
             return cls.of(((q * d)).reshape(weight.shape))
 
 
+class GridK(GridWeight):
+    """8-bit codes (int8 [N, K]) and a (d, m) pair per 16 inputs (fp32 [N, K/8]): w = q * d + m, GGUF's K-quants
+    Q5_K (q in 0..31, one pair per sub-block of 32: d * scale, -(dmin * min)) and Q6_K (q in -32..31, d * scale per
+    16 inputs, m = -0.0, which adds nothing to any fp32 value). Their codes are read from a GGUF file's own blocks
+    (kquant.py), not found from the weights: a sub-block's scale and min are 6-bit multiples of the super-block's
+    fp16 d and dmin, rarely at the group's extremes."""
+    op_name = "gridk_linear"
+
+    @classmethod
+    def _find(cls, w: torch.Tensor) -> GridK | None:
+        return None
+
+    def dense(self) -> torch.Tensor:
+        n = self.codes.shape[0]
+        dm = self.scales.view(n, -1, 2, 2)
+        q = self.codes.view(n, -1, 2, GROUP // 2).float()
+        return ((q * dm[..., :1]) + dm[..., 1:]).reshape(n, -1)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two fp32 tensors hold the same bits (unlike ==, tells -0.0 from 0.0 and matches a NaN)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def file_grid(weight: torch.Tensor) -> GridWeight | None:
+    """The grid codes read from the weight's GGUF file (kquant.py: `weight.gguf_grid`), where they rebuild the weight
+    as it is now bit for bit; else None."""
+    known = getattr(weight, "gguf_grid", None)
+    if known is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    with torch.inference_mode(False), torch.no_grad():
+        return known if same_bits(known.dense(), weight.detach()) else None
+
+
 def grid_of(weight: torch.Tensor) -> GridWeight | None:
-    """`weight` on the first grid that rebuilds it exactly (Q4, then Q8), where the kernels run; else None."""
+    """`weight` on the first grid that rebuilds it exactly (its file's K-quant codes, Q4, then Q8), where the kernels
+    run; else None."""
+    known = file_grid(weight)
+    if known is not None:
+        return known if kernel_available() else None
     for kind in (Grid4, Grid8):
         found = kind.of(weight)
         if found is not None:

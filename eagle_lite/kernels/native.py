@@ -1,6 +1,6 @@
 """eagle_lite's native CPU kernels (csrc/), built once per installation and loaded as torch ops.
 
-`torch.ops.eagle_lite.grid4_linear / grid8_linear` (grid_linear.py), `rms_norm` (fused_norm.py),
+`torch.ops.eagle_lite.grid4_linear / grid8_linear / gridk_linear` (grid_linear.py), `rms_norm` (fused_norm.py),
 `tree_attention` (attention.py's gqa backend) and `decoder_layer`, `decoder_layer_packed` (fused_layer.py) are AVX2 C++
 (csrc/, their shared pieces in csrc/kernels.h; the grid products also have an AVX-512 path, taken at run time where
 the CPU has it, EAGLE_LITE_AVX512=0 to keep AVX2) compiled by torch's own extension builder on first use
@@ -34,7 +34,8 @@ log = logging.getLogger("eagle_lite")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("grid_linear.cpp", "rms_norm.cpp", "tree_attention.cpp", "decoder_layer.cpp")]
-OPS = ("grid4_linear", "grid8_linear", "rms_norm", "tree_attention", "decoder_layer", "decoder_layer_packed")
+OPS = ("grid4_linear", "grid8_linear", "gridk_linear", "rms_norm", "tree_attention", "decoder_layer",
+       "decoder_layer_packed")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)   # tuples: torch's builder appends its own flags to the lists it is given
 STALE_LOCK_SECONDS = 600   # a build takes minutes at most; a lock this old was left by a build that was killed

@@ -227,10 +227,27 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     except Exception as err:  # transformers raises many types here; name the target and keep the cause
         where = "folder" if isinstance(folder, Path) else "hub id (no such local folder)"
         raise RuntimeError(f"could not load target '{spec}' as a {where}: {one_line(err)}") from err
-    target = Target(model.to(device), tokenizer, name=name, attention=attention, accelerate=accelerate)
+    model = model.to(device)
+    if isinstance(source, Path) and source.is_file():
+        _attach_kquant_codes(model, source)
+    target = Target(model, tokenizer, name=name, attention=attention, accelerate=accelerate)
     # what a head trained on it records, to find it again from any working directory (`resolves`)
     target.spec = spec if spec in _EMBEDDED or not isinstance(source, Path) else str(source.resolve())
     return target
+
+
+def _attach_kquant_codes(model, path: Path) -> None:
+    """A K-quant GGUF file's codes beside the weights they rebuild (kernels/kquant.py), for the CPU's grid products.
+    Only an fp32 CPU model reads them; a file the reader cannot parse keeps the dense weights, as before."""
+    from ..kernels.kquant import attach_file_grids
+
+    try:
+        count = attach_file_grids(model, path)
+    except Exception as err:  # an unreadable file: the conversion already read it; keep the dense weights
+        log.warning("K-quant codes of %s not read (%s); its K-quant weights run dense", path.name, one_line(err))
+        return
+    if count:
+        log.info("%s: %d K-quant weights kept as grid codes", path.name, count)
 
 
 def resolves(spec: str) -> bool:

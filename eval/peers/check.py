@@ -1,6 +1,6 @@
 """`make peer-check`: the exported target and heads run in the engines people deploy, on this machine.
 
-  python -m eval.peers.check [--prompts 4] [--max-new-tokens 64] [--k 3] [--engines vllm,openvino,hf4]
+  python -m eval.peers.check [--prompts 4] [--max-new-tokens 64] [--k 3] [--engines vllm,openvino,hf4,llama]
 
 1. Exports (eagle_lite.export) under build/peers/exports: the embedded target as a Hugging Face folder; the shipped
    head (EAGLE-3) in the speculators layout for vLLM and, with its embedding, for OpenVINO GenAI, which
@@ -13,9 +13,12 @@
    (tree depth k, top_k 1, no lookup graft: the setting vLLM's num_speculative_tokens k and OpenVINO GenAI's
    num_assistant_tokens k run), then each peer in its own venv (build/peers/<engine>, eval/peers/install.sh),
    through eval/peers/<engine>_peer.py.
+   llama.cpp (build/peers/llama: llama-cpp-python compiled for this CPU) decodes the embedded GGUF file itself.
 4. A table: engine, method, tokens per target forward, tokens/s, output identical to eagle_lite's vanilla, start-up
    seconds; written to build/peers/run/table.md and results.json as well.
 
+With llama among the engines, a second table follows: llama.cpp against eagle_lite vanilla and its default method
+on the SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M files as they are (eval/llama_table.py, one prompt, best of 3).
 A peer that fails prints its command and the last lines of its error in the table's notes instead of a row.
 Run it alone on the machine (`flock /tmp/cpu.lock make peer-check` here): the timings share the CPU.
 """
@@ -32,7 +35,7 @@ ROOT = Path("build/peers")
 EXPORTS = ROOT / "exports"
 RUN = ROOT / "run"
 QUESTIONS = Path("eval/questions/heldout12.jsonl")
-PEERS = ("vllm", "openvino", "hf4")
+PEERS = ("vllm", "openvino", "hf4", "llama")
 EAGLE1_HEAD = Path("data/heads/smollm2-eagle1")   # the EAGLE-1 head shipped before the EAGLE-3 one
 
 
@@ -106,6 +109,11 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> t
     if "hf4" in engines:
         jobs.append(("hf4 generate", [py["hf4"], "eval/peers/hf4_peer.py", "--target", target, "--threads",
                                       str(threads)]))
+    if "llama" in engines:
+        from eagle_lite.targets.loading import embedded_gguf
+
+        jobs.append(("llama.cpp generate (the Q4_1 GGUF file)", [py["llama"], "eval/peers/llama_peer.py", "--gguf",
+                                                                 str(embedded_gguf()), "--threads", str(threads)]))
     if "vllm" in engines:
         peer = [py["vllm"], "eval/peers/vllm_peer.py", "--target", target]
         jobs += [("vllm vanilla", peer),
@@ -223,10 +231,21 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{started}, {len(ids)} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1, fp32, "
              f"{args.threads} thread(s) each", "", *table(runs, eos)]
     lines += [f"- {f}" for f in failures]
+    if "llama" in engines:
+        lines += ["", "The GGUF files as they are (eval/llama_table.py):", "", *llama_files_table(args.threads)]
     print("\n".join(lines))
     (RUN / "table.md").write_text("\n".join(lines) + "\n")
     (RUN / "results.json").write_text(json.dumps(runs))
     return 0
+
+
+def llama_files_table(threads: int) -> list[str]:
+    """eval/llama_table.py's table (llama.cpp, eagle_lite vanilla and auto on both GGUF files), at its defaults."""
+    from eval import llama_table
+
+    python = str(ROOT / "llama" / "bin" / "python")
+    args = llama_table.parser().parse_args(["--threads", str(threads), "--llama-python", python])
+    return llama_table.table([llama_table.file_row(name, args) for name in llama_table.FILES], args)
 
 
 def load_eos() -> list[int]:

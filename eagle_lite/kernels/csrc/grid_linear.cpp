@@ -1,7 +1,8 @@
 // y = x W^T for fp32 rows x [M, K] and a weight W [N, K] stored as small integer codes on a per-group grid
 // (kernels.h: the Q4 and Q8 layouts GGUF files use):
 //   grid4_linear: W[j, 32g + i] = (q * d) + m, q in 0..15          (Q4_1; Q4_0 is m = -8 d)
-//   grid8_linear: W[j, 32g + i] = q * d,       q in -128..127      (Q8_0)
+//   grid8_linear: W[j, 32g + i] = q * d,       q in -128..127      (Q8_0; Q5_0 is q in -16..15)
+//   gridk_linear: W[j, 32g + 16h + i] = (q * d_h) + m_h, int8 q     (Q5_K, Q6_K)
 // The same products as a dense fp32 GEMM, summed in another order. Reading 5 or 9 bits a weight instead
 // of 32 is the point: a few-row product over a 135M model is memory-bound.
 #include "kernels.h"
@@ -27,9 +28,11 @@ at::Tensor grid_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
     m.def("grid4_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("grid8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+    m.def("gridk_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_lite, CPU, m) {
     m.impl("grid4_linear", &grid_linear<Q4>);
     m.impl("grid8_linear", &grid_linear<Q8>);
+    m.impl("gridk_linear", &grid_linear<K8>);
 }

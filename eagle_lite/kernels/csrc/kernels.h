@@ -62,8 +62,8 @@ inline void rms_norm_row(const float* x, const float* w, int64_t H, float eps, f
 
 // ---- Products with weights stored as integer codes on a per-group grid (one scale, or scale and offset,
 // per 32 inputs), the layouts GGUF files use:
-//   Q4: W[j, 32g + i] = (q * d) + m, q in 0..15          (Q4_1; Q4_0 is m = -8 d)
-//   Q8: W[j, 32g + i] = q * d,       q in -128..127      (Q8_0)
+//   Q4: W[j, 32g + i] = (q * d) + m, q in 0..15          (Q4_1; Q4_0: m = -8 d; Q4_K: d * scale, -(dmin * min))
+//   Q8: W[j, 32g + i] = q * d,       q in -128..127      (Q8_0; Q5_0 is q in -16..15)
 // Each weight is rebuilt in fp32 exactly as the stored fp32 weight was made (a multiply, then an add, never
 // fused), then multiplied into fp32 accumulators: the products of a dense fp32 GEMM, summed in another order.
 // Q4 codes: codes[j, 16g + b] holds element 32g + b in its low nibble and 32g + 16 + b in its high one;
@@ -95,6 +95,23 @@ struct Q8 {
         for (int p = 0; p < 4; ++p) {
             const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
             w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d);
+        }
+    }
+};
+
+// K8: 8-bit codes with a (d, m) pair per 16 inputs, W[j, 32g + 16h + i] = (q * d_h) + m_h: GGUF's K-quants
+// Q5_K (q in 0..31, d_0 = d_1 = d * scale, m_0 = m_1 = -(dmin * min), one pair per sub-block of 32) and Q6_K
+// (q in -32..31, d_h = d * scale_h, m_h = -0.0: adding -0.0 returns any fp32 value unchanged, -0.0 and +0.0 included).
+// codes[j, 32g + i] (int8); scales[j, 4g + 2h] = d_h, scales[j, 4g + 2h + 1] = m_h.
+struct K8 {
+    static constexpr int64_t kBytes = 32;
+    static constexpr int64_t kScales = 4;
+    static constexpr at::ScalarType kType = at::kChar;
+    static inline void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
+        for (int p = 0; p < 4; ++p) {
+            const __m256 d = _mm256_set1_ps(s[2 * (p / 2)]), m = _mm256_set1_ps(s[2 * (p / 2) + 1]);
+            const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
+            w[p] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d), m);
         }
     }
 };
@@ -182,9 +199,20 @@ struct Q8x16 {
     }
 };
 
+struct K8x16 {
+    EAGLE_LITE_AVX512 static inline void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
+        for (int p = 0; p < 2; ++p) {
+            const __m128i sixteen = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * p));
+            w[p] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sixteen)),
+                                               _mm512_set1_ps(s[2 * p])), _mm512_set1_ps(s[2 * p + 1]));
+        }
+    }
+};
+
 template <typename Codec> struct Wide;
 template <> struct Wide<Q4> { using type = Q4x16; };
 template <> struct Wide<Q8> { using type = Q8x16; };
+template <> struct Wide<K8> { using type = K8x16; };
 
 // `rows_tile` 16 lanes wide: two products a group per row, on two chains for up to 8 rows (at least 8 chains keep
 // both FMA units busy through their latency), one beyond.

@@ -4,7 +4,7 @@
                              [--prompt "Why is the sky blue?"] [--llama-python build/peers/llama/bin/python]
 
 For each file: llama.cpp's tokens/s (eval/peers/llama_peer.py in its own venv, `eval/peers/install.sh llama`),
-eagle_lite vanilla's and the default method's (`auto`), each the best of --runs after an untimed warm-up, every
+eagle_lite vanilla's and the default method's (eagle where a head ships, else lookup), each the best of --runs after an untimed warm-up, every
 engine on the same prompt ids and exactly --max-new-tokens greedy tokens (end-of-sequence tokens included). The
 identity columns compare the token ids with eagle_lite vanilla's: the default method's must match (the lossless
 contract); vanilla's own against transformers' generate() on the stock model; llama.cpp's (its own numerics: int8
@@ -81,21 +81,22 @@ def file_row(name: str, args) -> dict:
     import torch
 
     from eagle_lite.config import GenerationConfig
+    from eagle_lite.drafters import registry
     from eagle_lite.pipeline import for_target, load
 
     label, chat = FILES[name]
     path = gguf_path(name)
     vanilla = load(str(path) if name != "smollm2" else "smollm2", method="vanilla")
     target = vanilla.target
-    default = for_target(target, "auto")
+    default = for_target(target, registry.DEFAULT)
     ids = vanilla.prompt_ids(args.prompt, chat_template=chat)
     config = GenerationConfig(args.max_new_tokens, stop_at_eos=False)
     row = {"file": label, "path": str(path), "prompt_tokens": len(ids)}
     ref, seconds = best_of(vanilla.engine, ids, config, args.runs)
     row["vanilla"] = {"tokens_s": len(ref) / seconds}
-    auto, seconds = best_of(default.engine, ids, default.config(max_new_tokens=args.max_new_tokens,
+    ours, seconds = best_of(default.engine, ids, default.config(max_new_tokens=args.max_new_tokens,
                                                                  stop_at_eos=False), args.runs)
-    row["default"] = {"tokens_s": len(auto) / seconds, "identical": auto == ref}
+    row["default"] = {"tokens_s": len(ours) / seconds, "identical": ours == ref, "method": default.method}
     with target.stock(), torch.inference_mode():
         x = torch.tensor([ids])
         out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
@@ -117,13 +118,13 @@ def _speed(tokens_s: float, llama: float | None) -> str:
 def table(rows: list[dict], args) -> list[str]:
     lines = [f"{cpu_name()}, {args.threads} threads, {args.prompt!r}, {args.max_new_tokens} greedy tokens, best of "
              f"{args.runs}", "",
-             "| model file | llama.cpp tokens/s | eagle_lite vanilla | eagle_lite default (`auto`) "
+             "| model file | llama.cpp tokens/s | eagle_lite vanilla | eagle_lite default (its method) "
              "| default == vanilla | vanilla == transformers | llama.cpp == vanilla |",
              "|---|---:|---:|---:|---|---|---|"]
     for row in rows:
         llama = row["llama"].get("tokens_s")
         lines.append(f"| {row['file']} | {'failed' if llama is None else f'{llama:.1f}'} | "
-                     f"{_speed(row['vanilla']['tokens_s'], llama)} | {_speed(row['default']['tokens_s'], llama)} | "
+                     f"{_speed(row['vanilla']['tokens_s'], llama)} | {_speed(row['default']['tokens_s'], llama)}, {row['default']['method']} | "
                      f"{row['default']['identical']} | {row['vanilla']['identical_to_transformers']} | "
                      f"{row['llama'].get('identical', 'n/a')} |")
     for row in rows:

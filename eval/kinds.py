@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eagle_lite.atomic import write_text_atomic
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.flags import add_flag
+from eagle_lite.config import add_flag
 from eval.tasks import KINDS, KindCounts, question_lines, sharegpt_kind_questions
 
 

@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --files from {', '.join(FILES)} (got {unknown}); --runs, --max-new-tokens and --threads "
               f"at least 1", file=sys.stderr)
         return 1
-    import torch
+    from eagle_lite.threads import set_threads
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     rows = [file_row(name, args) for name in names]
     lines = table(rows, args)
     print("\n".join(lines))

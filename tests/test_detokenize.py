@@ -45,7 +45,8 @@ def test_the_library_stream_joins_to_the_whole_decode_and_decodes_a_window_per_s
     ids = target.tokenizer.encode(TEXT)
     assert len(ids) > len(TEXT) and target.tokenizer.decode(ids) == TEXT   # split characters, decoded back whole
     for seed in range(5):
-        lm = Pipeline(target, None, "steps", engine=Steps(ids, seed))
+        lm = Pipeline(target, None, "steps")
+        lm.engine = Steps(ids, seed)
         decoded: list[int] = []   # the length of every decode the stream asks for
 
         def decode(token_ids, lm=lm, decoded=decoded):

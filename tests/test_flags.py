@@ -1,4 +1,4 @@
-"""A flag more than one entry point takes is declared once (eagle_lite/flags.py's SHARED, added by `add_flag`): every
+"""A flag more than one entry point takes is declared once (eagle_lite/config.py's SHARED, added by `add_flag`): every
 entry point's parser, eval/ and trainers/ included, gets the same name, type and help from that one declaration."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_lite.flags import SHARED, add_flag
+from eagle_lite.config import SHARED, add_flag
 
 ROOT = Path(__file__).parents[1]
 ENTRY_POINTS = ["eagle_lite.generate", "eagle_lite.serve.__main__", "eagle_lite.export", "eval.tune", "eval.adapt",

@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.flags import add_flag
+from eagle_lite.config import add_flag
 
 # Carried for the device's Python (3.12, x86-64); their versions are the ones installed here, which the tests ran.
 PACKAGES = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf", "datasets", "dill", "multiprocess",

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from eagle_lite.atomic import write_text_atomic
 from eagle_lite.cli import entry_point
-from eagle_lite.flags import add_flag
+from eagle_lite.config import add_flag
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "prompts" / "seed_kinds.jsonl"
 KINDS = ("qa", "translation", "summarization", "rag", "math", "extraction", "roleplay")

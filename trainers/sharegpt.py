@@ -39,7 +39,7 @@ from typing import Literal
 
 from eagle_lite.atomic import write_atomic
 from eagle_lite.cli import entry_point
-from eagle_lite.flags import add_flag
+from eagle_lite.config import add_flag
 
 DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from eagle_lite.cli import arguments, entry_point
-from eagle_lite.flags import add_flag
+from eagle_lite.config import add_flag
 from eagle_lite.threads import check_threads
 
 from .distill import read_records

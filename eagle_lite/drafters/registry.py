@@ -17,9 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DRAFT_SAMPLING, DRAFT_VOCAB, option
+from ..config import DRAFT_HELP, DRAFT_SAMPLING, DRAFT_VOCAB, option
 from ..decoding.drafter import Drafter, NoDrafter
-from ..flags import DRAFT_HELP
 
 log = logging.getLogger("eagle_lite")
 

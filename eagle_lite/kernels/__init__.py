@@ -13,6 +13,7 @@ from .accelerate import (
     RotaryTable,
     accelerate_head,
     accelerate_target,
+    attach_file_grids,
     draft_vocab_grid,
     few_rows_product,
     needs_build,
@@ -21,5 +22,6 @@ from .accelerate import (
 )
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
-           "RotaryTable", "accelerate_head", "accelerate_target", "draft_vocab_grid", "few_rows_product",
+           "RotaryTable", "accelerate_head", "accelerate_target", "attach_file_grids",
+           "draft_vocab_grid", "few_rows_product",
            "needs_build", "running_fused", "stock"]

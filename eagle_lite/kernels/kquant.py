@@ -111,7 +111,7 @@ def k_quant_tensors(path: str | Path) -> list[tuple[str, str, int, int, np.ndarr
     """The K-quant tensors of a GGUF file: (name, kind, rows, cols, raw blocks as a read-only memory map).
 
     Reads the header with `struct` rather than gguf's GGUFReader, which turns every metadata value (a 262k-token
-    vocabulary) into numpy views and takes ~20 s on Gemma 3's file for what takes a fraction of a second here."""
+    vocabulary) into numpy views: slow on a large vocabulary, where only the tensor table is needed here."""
     import mmap
     import struct
 

@@ -239,7 +239,7 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
 def _attach_kquant_codes(model, path: Path) -> None:
     """A K-quant GGUF file's codes beside the weights they rebuild (kernels/kquant.py), for the CPU's grid products.
     Only an fp32 CPU model reads them; a file the reader cannot parse keeps the dense weights, as before."""
-    from ..kernels.kquant import attach_file_grids
+    from ..kernels import attach_file_grids
 
     try:
         count = attach_file_grids(model, path)

@@ -240,12 +240,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def llama_files_table(threads: int) -> list[str]:
-    """eval/llama_table.py's table (llama.cpp, eagle_lite vanilla and auto on both GGUF files), at its defaults."""
-    from eval import llama_table
-
+    """eval/llama_table.py's table (llama.cpp, eagle_lite vanilla and the default method on both GGUF files), at its
+    defaults, run as its own command."""
     python = str(ROOT / "llama" / "bin" / "python")
-    args = llama_table.parser().parse_args(["--threads", str(threads), "--llama-python", python])
-    return llama_table.table([llama_table.file_row(name, args) for name in llama_table.FILES], args)
+    cmd = [sys.executable, "-m", "eval.llama_table", "--threads", str(threads), "--llama-python", python]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        return [f"eval.llama_table failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"]
+    return done.stdout.rstrip("\n").splitlines()
 
 
 def load_eos() -> list[int]:

@@ -117,6 +117,23 @@ def continuation_tv(target: Target, engine, prompt: list[int], sampling, tree, d
     return tv(counts, exact_continuations(target, prompt, sampling), draws)
 
 
+def top_two_levels(model, ids: list[int], root: int, children: int, grandchildren: int) -> tuple[list[int], list[int]]:
+    """A draft tree of the model's own top tokens after `ids`: `root`, its top `children`, and each child's top
+    `grandchildren`, as (tokens, parents) in the order a tree lists them (parents first)."""
+    def top(seq: list[int], k: int) -> list[int]:
+        return model(input_ids=torch.tensor([seq])).logits[0, -1].topk(k).indices.tolist()
+
+    tokens, parents = [root], [-1]
+    for child in top(ids, children):
+        tokens.append(child)
+        parents.append(0)
+        at = len(tokens) - 1
+        for grandchild in top(ids + [child], grandchildren):
+            tokens.append(grandchild)
+            parents.append(at)
+    return tokens, parents
+
+
 def exact_continuations(target: Target, prompt: list[int], sampling, length: int = 3) -> dict[tuple, float]:
     """The target's exact distribution over `length`-token continuations, enumerated over the
     support of its sampling distribution (keep top_k small so the tree stays small)."""

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import continuation_tv, exact_continuations, make_target, tv
+from conftest import continuation_tv, exact_continuations, make_target, top_two_levels, tv
 from test_grid_linear import needs_kernel
 
 from eagle_lite.config import GenerationConfig, SamplingConfig
@@ -142,16 +142,7 @@ class TargetTopKDrafter:
         return 64
 
     def propose(self, inp, tree):
-        def top(seq, k):
-            return self.target.model(torch.tensor([seq])).logits[0, -1].topk(k).indices.tolist()
-        tokens, parents = [inp.root], [-1]
-        for child in top(inp.tokens, 4):
-            tokens.append(child)
-            parents.append(0)
-            me = len(tokens) - 1
-            for grandchild in top(inp.tokens + [child], 2):
-                tokens.append(grandchild)
-                parents.append(me)
+        tokens, parents = top_two_levels(self.target.model, inp.tokens, inp.root, 4, 2)
         return DraftTree(torch.tensor(tokens), parents)
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import VOCAB, make_model, make_target, reference_greedy
+from conftest import VOCAB, make_model, make_target, reference_greedy, top_two_levels
 from test_engine import TREES
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
@@ -277,17 +277,7 @@ class TopDraft(StaticStep):
         return super().step(seq)
 
     def draft_step(self) -> None:
-        def top(ids: list[int], k: int) -> list[int]:
-            return self.target.model(input_ids=torch.tensor([ids])).logits[0, -1].topk(k).indices.tolist()
-
-        tokens, parents = [self.tokens[-1]], [-1]
-        for child in top(self.tokens, 3):
-            tokens.append(child)
-            parents.append(0)
-            at = len(tokens) - 1
-            for grandchild in top(self.tokens + [child], 2):
-                tokens.append(grandchild)
-                parents.append(at)
+        tokens, parents = top_two_levels(self.target.model, self.tokens, self.tokens[-1], 3, 2)
         self._state.tree.fill(static_tree(tokens, parents, self._state.tree.tokens.numel()))
 
 

@@ -50,17 +50,6 @@ def stats_line(stats) -> str:
             f"mean accepted length {stats.accept_length_mean:.2f}, {stats.target_forwards} target forwards]")
 
 
-def choices_line(choices: dict[str, list[float]]) -> str:
-    """Method auto's steps by its controller's choice (drafters/auto.py `Choices.rows`): share, tokens a step, and
-    the step time predicted against measured."""
-    steps = sum(row[0] for row in choices.values()) or 1
-    return "[auto's choices: " + ", ".join(
-        f"{kind} {100 * n / steps:.0f}% ({tokens / n:.2f} tokens, {1e3 * predicted / n:.1f} ms predicted, "
-        f"{1e3 * measured / n:.1f} measured)"
-        for kind, (n, tokens, _, predicted, measured, *_) in sorted(choices.items())
-    ) + "]"
-
-
 def one_shot(lm, args, cfg: GenerationConfig) -> int:
     """Answer --prompt, streaming the text as it is accepted (all at once with --json); returns the exit status.
 
@@ -77,7 +66,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
         stats.stop_reason = "interrupted"
         status = TERMINATED if isinstance(err, Terminated) else STOPPED
     if args.json:
-        watched = getattr(lm, "statistics", None)   # method auto: its controller's choices (drafters/auto.py)
+        watched = getattr(lm, "statistics", None)   # the drafter's observer (method auto: its choices)
         print(json.dumps({"text": lm.decode(ids), "token_ids": ids, "method": lm.method,
                           "static": getattr(lm, "static", None), "target": lm.target.name, **stats.as_dict(),
                           **({"choices": watched.as_dict()} if watched is not None and watched.rows else {})}))
@@ -148,7 +137,7 @@ def chat(lm, cfg: GenerationConfig) -> None:
             print(f"[{totals['answers']} answers, {totals['tokens']} tokens, {rate:.1f} tokens/s, "
                   f"{totals['forwards']} target forwards]", file=sys.stderr)
             if watched is not None and watched.rows:
-                print(choices_line(watched.snapshot()), file=sys.stderr)
+                print(watched.line(), file=sys.stderr)
             if adapter is not None:
                 adapter.round(steps=0)   # the answers so far taken in (and judged, where enough came)
                 print(adapter.stats_line(), file=sys.stderr)

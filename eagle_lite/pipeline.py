@@ -44,7 +44,7 @@ class Pipeline:
         self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
         self.adapter = None    # eagle_lite_wing.adapt.Adapter: the head learns from the answers it serves (--adapt)
         self.engine = Engine(target, drafter, step_backend(target, drafter, static))
-        # the drafter's observer of its steps (method auto: its choices, drafters/auto.py `Choices`); None: none
+        # the drafter's observer of its steps (method auto: its choices, eagle_lite_wing/auto.py); None: none
         make = getattr(drafter, "statistics", None)
         self.statistics = make() if make is not None else None
         if self.statistics is not None:
@@ -154,7 +154,7 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
 
     method: one of `drafters.NAMES`; "default" runs eagle with the draft head shipped for the target (or the one
     `draft` names), or prompt lookup where no head ships; "auto" chooses each step between a plain step, prompt lookup
-    and the head from this machine's costs (drafters/auto.py).
+    and the head from this machine's costs (eagle_lite_wing/auto.py: unproven).
     options: that method's options dataclass (`drafters.EagleOptions` for auto, eagle and staged, `LookupOptions`,
     `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.

@@ -62,7 +62,7 @@ class DraftTree:
     likely: the path (root first) acceptance will probably walk, where that is not the root then each first child
     (`likely_path`); lookahead names its latest candidate, never its window.
     scores: each node's path log-probability under the draft (root 0.0) where the drafter knows it (EAGLE heads):
-    what the controller calibrates against what the target accepts (decoding/controller.py).
+    what the controller calibrates against what the target accepts (eagle_lite_wing/controller.py).
     plan: the controller's plan that chose this tree (`controller.Plan`), told what the step took (`Engine.step`)."""
 
     tokens: torch.Tensor                 # [N] token ids, node 0 = root

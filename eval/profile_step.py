@@ -8,7 +8,7 @@
 Per step: draft, verify (the target's forward over the tree), accept + cache commit, and their sum; plus tokens per
 step and tokens/s, for vanilla decoding, prompt lookup (its default adaptive chain: the drafter a head has to beat)
 and EAGLE at each tree (depth,top_k,total_tokens[,lookup[,min_prob]]), then method auto (the controller choosing
-each step: decoding/controller.py), with a second table of its choices: the share of steps of each, their tokens,
+each step: eagle_lite_wing/controller.py), with a second table of its choices: the share of steps of each, their tokens,
 and the step time (draft + verify + accept) the controller predicted against the time measured. One prompt
 (`--prompt`), or the first turn of the first `--limit` questions of each category of a question file
 (`--questions`), every method run on each prompt in turn and the steps of all prompts summed. With --static, the
@@ -46,7 +46,7 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
     [steps, tokens, predicted seconds, measured seconds] summed."""
     sums = {name: dict.fromkeys(("draft", "verify", "accept", "prefill", "seconds", "tokens", "steps"), 0.0)
             for name, _, _ in runs}
-    watched = {}   # method auto: the observer of its controller's choices (drafters/auto.py `Choices`)
+    watched = {}   # method auto: the observer of its controller's choices (eagle_lite_wing/auto.py `Choices`)
     for name, engine, cfg in runs:
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
         make = getattr(getattr(engine, "drafter", None), "statistics", None)

@@ -1,5 +1,5 @@
-"""Method auto: the controller chooses each step's proposal (decoding/controller.py, drafters/auto.py) from the step
-costs measured here (decoding/cost.py). It changes what is proposed, never what is accepted."""
+"""Method auto: the controller chooses each step's proposal (eagle_lite_wing/controller.py, eagle_lite_wing/auto.py)
+from the step costs measured here (decoding/cost.py). It changes what is proposed, never what is accepted."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +13,13 @@ from conftest import continuation_tv, reference_greedy
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding import cost as cost_module
-from eagle_lite.decoding.controller import ALONE, EXPLORE, Calibration, ChainRate, Controller, Mates, Plan, seat
 from eagle_lite.decoding.cost import StepCost, step_cost
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import EagleOptions, build
-from eagle_lite.drafters.auto import AutoDrafter, Choices, auto_tree
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.heads.draft import DraftHead
+from eagle_lite_wing.auto import AutoDrafter, Choices, auto_tree
+from eagle_lite_wing.controller import ALONE, EXPLORE, Calibration, ChainRate, Controller, Mates, Plan, seat
 
 # a CPU-like machine: a plain step 8 ms, each more node 1 ms, a head forward 1 ms (its catch-up 1.5)
 COST = {1: 0.008, 2: 0.009, 4: 0.011, 8: 0.015, 16: 0.023, 32: 0.039}

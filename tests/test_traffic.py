@@ -20,7 +20,7 @@ def prompts(n: int, seed: int = 0, length: int = 12) -> list[list[int]]:
 
 
 def test_the_store_finds_the_longest_ngram_of_earlier_answers_and_keeps_the_newest():
-    from eagle_lite.decoding.controller import ChainRate
+    from eagle_lite_wing.controller import ChainRate
 
     assert ChainRate.key(4, False, stored=True) == ChainRate.STORED != ChainRate.key(4, False)   # auto's own bucket
     store = TrafficStore(max_tokens=20, min_ngram=1, max_ngram=3)

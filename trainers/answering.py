@@ -154,7 +154,7 @@ def _pipeline_for(target: Target, method: str = "auto", options: dict | None = N
     """The pipeline that answers for `target` with `method` and its `options` (built once, and kept until another
     target answers), with the speed-ups and tree-attention backend applied to the target (the features stage and
     batched generate() run it as built, inside `Target.stock`). "auto": its controller over the head shipped for it
-    (drafters/auto.py), else lookup."""
+    (eagle_lite_wing/auto.py), else lookup."""
     settings = options_of(method, option_values(options or {}))
     if _answering["target"] is not target:
         _answering.update(target=target, pipelines={})

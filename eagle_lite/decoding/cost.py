@@ -16,8 +16,8 @@ sequence's cache is read at its own context.
 
 The cache is a small JSON file under $EAGLE_LITE_CACHE (default ~/.cache/eagle_lite)/costs, named by a hash of what
 the figures depend on (the CPU model or GPU name, the torch threads, the target, its dtype and device, the head's
-shape); `step_cost(..., refresh=True)` (or EAGLE_LITE_REFRESH_COSTS=1) measures again. The controller
-(controller.py: method auto's plans, and the tree caps of a server's batch) reads them.
+shape); `step_cost(..., refresh=True)` (or EAGLE_LITE_REFRESH_COSTS=1) measures again. `Caps` (the tree cap of a
+server's batched step) reads them, as does method auto's controller (eagle_lite_wing/controller.py).
 """
 from __future__ import annotations
 
@@ -256,3 +256,52 @@ def _time_head(target, drafter, repeats: int) -> tuple[float, float]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree caps a batched step of a fixed method chooses from
+CAP_PRIOR = 4.0      # steps a cap's prior counts as
+CAP_EMA = 0.1        # weight of a step in a cap's running figures
+
+
+def prior_tokens(n: int) -> float:
+    """Tokens a sequence is expected to get from a tree of n nodes before any is seen: 1 for a plain step, a
+    log-like growth above (acceptance grows with the tree, ever more slowly)."""
+    return min(float(n), 1.0 + 0.6 * math.log2(n)) if n > 1 else 1.0
+
+
+class Caps:
+    """The tree cap of a batched step (a server's) for a drafter without a controller of its own (a fixed method):
+    of CAPS up to the configured tree, the one of the most tokens per second,
+
+        rate(n) = B E(n) / (B draft(n) + cost.step(B n'(n), sequences=B))
+
+    with the step costs above (method auto's controller weighs the same), and E(n), n'(n), draft(n) the running
+    tokens, tree nodes and draft seconds sequences got at cap n (from a prior, `prior_tokens`). As the batch grows
+    each node costs more and the caps shrink, down to plain steps. One sequence runs the configured tree: what the
+    CLI runs."""
+
+    def __init__(self, cost: StepCost, max_nodes: int) -> None:
+        self.cost = cost
+        self.caps = [c for c in CAPS if c < max_nodes] + [max_nodes]
+        self.seen = {c: [prior_tokens(c), float(c), 0.0] for c in self.caps}
+        self.count = {c: 0 for c in self.caps}
+
+    def rate(self, batch: int, cap: int) -> float:
+        tokens, nodes, draft = self.seen[cap]
+        return batch * tokens / (batch * draft + self.cost.step(max(1, round(batch * nodes)), sequences=batch))
+
+    def choose(self, batch: int) -> int | None:
+        """The cap for a step of `batch` sequences; None (the configured tree) for one sequence."""
+        if batch <= 1:
+            return None
+        return max(self.caps, key=lambda c: self.rate(batch, c))
+
+    def observe(self, cap: int | None, per_sequence: list[tuple[int, float, float]]) -> None:
+        """A step at `cap` (None: the configured tree): per sequence, (tokens emitted, tree nodes, draft seconds)."""
+        cap = self.caps[-1] if cap is None else cap
+        if cap not in self.seen:
+            return
+        for figures in per_sequence:
+            weight = max(CAP_EMA, 1.0 / (CAP_PRIOR + self.count[cap] + 1))
+            self.seen[cap] = [old + weight * (new - old) for old, new in zip(self.seen[cap], figures)]
+            self.count[cap] += 1

@@ -2,7 +2,7 @@
 
 An engine's `observers` (`Engine.observers`; the pipeline or the server adds them) see every sequence's prefill,
 each of its accepted steps and its finished answer; they never change what is proposed or accepted. Statistics
-(method auto's choices, drafters/auto.py) and the experiments of eagle_lite_wing (the rows a learning head trains
+(method auto's choices, eagle_lite_wing/auto.py) and the experiments of eagle_lite_wing (the rows a learning head trains
 on, a store of the answers served) attach here. An observer keeps what it needs of one sequence in
 `seq.notes[self]`; the engine never reads it.
 """

@@ -138,7 +138,8 @@ def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
 
 
 def _auto(target, o: EagleOptions) -> Drafter:
-    from .auto import AutoDrafter
+    """Method auto's drafter, eagle_lite_wing's (unproven: eagle_lite_wing/auto.py)."""
+    from eagle_lite_wing.auto import AutoDrafter
 
     head = o.head if o.head is not None else load_eagle_head(target, o.draft)
     if head is not None:
@@ -295,7 +296,7 @@ METHODS: dict[str, Method] = {
                       _check_eagle, "it runs eagle or lookup: tune those"),
     "auto": Method(EagleOptions, _auto, "each step the fastest proposal by this machine's costs and the request's "
                    "acceptance so far: a plain step, prompt lookup, or the draft head's tree with lookup grafted on "
-                   "(decoding/controller.py); lookup and plain steps where no head ships", _check_eagle,
+                   "(eagle_lite_wing/auto.py: unproven); lookup and plain steps where no head ships", _check_eagle,
                    "its controller chooses each step's proposal (eval.profile_step shows its choices); tune the head's "
                    "tree it grows from with --method eagle"),
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
@@ -321,7 +322,7 @@ METHODS: dict[str, Method] = {
                       tune="the baseline every candidate is timed against"),
 }
 NAMES = tuple(METHODS)
-AUTO = "auto"   # the controller's choice each step (drafters/auto.py)
+AUTO = "auto"   # the controller's choice each step (eagle_lite_wing/auto.py)
 DEFAULT = "default"   # the CLI's, the Python API's and the server's method: eagle with a head, else lookup
 
 

@@ -9,8 +9,8 @@ Requests join a running batch between steps and leave it when they finish (sched
 tree per sequence and the target verifies all of them in one forward (`Engine.step`, `Target.verify`), each tree
 over its own KV cache, so every request gets what it would get alone (greedy: the CLI's answer). The trees shrink
 as the batch grows, down to plain decoding, from this machine's step costs (decoding/cost.py): a fixed method's
-caps (decoding/controller.py `Caps`), method auto's trees by its controllers, which weigh the batch's step
-(decoding/controller.py). docs/serve.md is the manual: endpoints, limits, errors, metrics.
+caps (decoding/cost.py `Caps`), method auto's trees by its controllers, which weigh the batch's step
+(eagle_lite_wing/controller.py). docs/serve.md is the manual: endpoints, limits, errors, metrics.
 
 FastAPI (on uvicorn) rather than LitServe: LitServe batches requests into one `predict` call per batch and runs
 its own workers, whereas here the batch is the engine's own state, which requests join and leave between
@@ -20,8 +20,7 @@ what FastAPI gives (with its error handlers and streaming responses) and nothing
 from __future__ import annotations
 
 from ..config import TreeConfig
-from ..decoding.controller import Caps
-from ..decoding.cost import StepCost, step_cost
+from ..decoding.cost import Caps, StepCost, step_cost
 from ..pipeline import Pipeline, engine_for
 from .app import Service, create_app
 from .metrics import Metrics

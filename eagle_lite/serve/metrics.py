@@ -4,8 +4,8 @@ Requests by endpoint and status, prompt and generated tokens, the queue length a
 reserved against its budget, and per method the speculative-decoding figures vLLM exports: sequence verify steps
 (`num_drafts`), tree nodes verified (`num_draft_tokens`, the roots included) and tokens emitted by them
 (`num_emitted_tokens`, the bonus tokens included); their ratio is the accepted tokens per target forward. With
-method auto, its controller's choices (decoding/controller.py, summed by drafters/auto.py's `Choices` observer):
-sequence steps, tokens, and step seconds predicted and measured, per choice.
+a drafter's observer of its steps (`statistics`; method auto's choices, eagle_lite_wing/auto.py `Choices`), the
+series it gives (`series(labels)`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections import defaultdict
 
 class Metrics:
     def __init__(self, method: str, choices=None) -> None:
-        self.method, self.watched = method, choices   # method auto: the engine's drafters/auto.py `Choices`
+        self.method, self.watched = method, choices   # a drafter's observer (method auto: its `Choices`)
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.prompt_tokens = 0
@@ -77,15 +77,7 @@ class Metrics:
                 ("spec_decode_accepted_per_forward", "gauge", "Mean tokens a sequence gets per target forward.", m,
                  round(rate, 4)),
             ]
-            choices = self.watched.snapshot() if self.watched is not None else {}
-            for choice, (steps, tokens, _, predicted, measured, *_) in sorted(choices.items()):
-                c = f'{m},choice="{choice}"'
-                series += [("auto_steps_total", "counter", "Sequence steps by the controller's choice.", c, steps),
-                           ("auto_tokens_total", "counter", "Tokens those steps emitted.", c, tokens),
-                           ("auto_predicted_seconds_total", "counter", "Step seconds the controller predicted.", c,
-                            round(predicted, 6)),
-                           ("auto_measured_seconds_total", "counter", "Step seconds measured (draft, verify, accept).",
-                            c, round(measured, 6))]
+            series += self.watched.series(m) if self.watched is not None else []
         adapter = getattr(scheduler, "adapter", None)
         if adapter is not None:   # --adapt: the head learning from this traffic
             last = adapter.history[-1] if adapter.history else (0, 0.0, 0.0, False)

@@ -4,8 +4,8 @@ One worker thread owns the engine. Each turn it admits waiting requests while th
 together by `Engine.begin_all`, each with a drafter of its own from a pool; a long prompt a part a turn), drops the
 ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch:
 every sequence drafts its tree, the target verifies all of them in one forward, every sequence accepts its own
-path. The tree cap of the step comes from the step costs (decoding/controller.py `Caps`); method auto's
-controllers need none: they weigh the batch's step themselves (decoding/controller.py, `seat`). Events go back to
+path. The tree cap of the step comes from the step costs (decoding/cost.py `Caps`); method auto's
+controllers need none: they weigh the batch's step themselves (eagle_lite_wing/controller.py, `seat`). Events go back to
 each request's `sink` (called on this thread; the HTTP layer hands them to its event loop): ("tokens", ids),
 ("done", stats), ("error", message).
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig, check_finite, check_whole
-from ..decoding.controller import Caps
+from ..decoding.cost import Caps
 from ..decoding.drafter import Drafter
 from ..decoding.engine import Engine, GenerationStats, Sequence, reusable, shared_start, token_budget
 from ..kv_cache import ContextOverflowError, StaticKVCache

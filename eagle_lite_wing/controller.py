@@ -1,8 +1,13 @@
-"""The controller: each step, the proposal with the most expected tokens per second.
+"""Method auto's controller (eagle_lite_wing/auto.py): each step, the proposal with the most expected tokens per
+second.
+
+Status (measured, docs/methods.md "auto"): no gain over the default method on this project's held-out questions
+(2 threads, AMD EPYC Zen 5: greedy, auto 168.8 tokens/s against eagle's 179.3, 0.94x; sampled, 1.00x at T=0.7 and
+0.97x at T=1.0). Off by default: only `--method auto` brings it in.
 
 A step that verifies n tree nodes after a draft of f head forwards costs `cost.step(n, context) + cost.draft(f)`
-(cost.py: this machine's figures; the context is the sequence's tokens so far) and returns 1 token (the target's
-own) plus each drafted node it accepts. The controller weighs three proposals:
+(eagle_lite/decoding/cost.py: this machine's figures; the context is the sequence's tokens so far) and returns 1
+token (the target's own) plus each drafted node it accepts. The controller weighs three proposals:
 
   plain    the root alone: one token, the cheapest step;
   lookup   prompt lookup's chain of its first L tokens: no draft cost;
@@ -31,17 +36,16 @@ batch's step: a plan's speed is the batch's tokens over the step's seconds at th
 contexts (each sequence reads its own cache and is accepted and committed on its own), a node's cost the step's
 growth at those rows, and the rate it must beat the batch's (a sequence's share of a step is an equal part
 of the forward plus its own draft). As the batch grows, each node costs more and the trees shrink, down to plain
-steps: the server's tree size comes from this model, not from a second one. Alone, the mates are none. A server's
-fixed methods (drafters without a controller) have their trees capped from the same step costs (`Caps`).
+steps. Alone, the mates are none. A server's fixed methods (drafters without a controller) have their trees capped
+from the same step costs (eagle_lite/decoding/cost.py `Caps`).
 
 The controller changes what is proposed, never what is accepted: every tree is verified exactly.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from .cost import PREFIX, StepCost
+from eagle_lite.decoding.cost import PREFIX, StepCost
 
 KINDS = ("plain", "lookup", "head")
 EXPLORE = 8          # steps the head sits out before it drafts again (more where it is further behind)
@@ -320,51 +324,3 @@ class Controller:
                 row[1] += weight * (nodes - 1 - row[1])
                 row[2] += 1
             self.head_forwards += HEAD_EMA * (plan.head_forwards - self.head_forwards)
-
-
-CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # tree caps a batched step of a fixed method chooses from
-CAP_PRIOR = 4.0      # steps a cap's prior counts as
-CAP_EMA = 0.1        # weight of a step in a cap's running figures
-
-
-def prior_tokens(n: int) -> float:
-    """Tokens a sequence is expected to get from a tree of n nodes before any is seen: 1 for a plain step, a
-    log-like growth above (acceptance grows with the tree, ever more slowly)."""
-    return min(float(n), 1.0 + 0.6 * math.log2(n)) if n > 1 else 1.0
-
-
-class Caps:
-    """The tree cap of a batched step (a server's) for a drafter without a controller of its own (a fixed method):
-    of CAPS up to the configured tree, the one of the most tokens per second,
-
-        rate(n) = B E(n) / (B draft(n) + cost.step(B n'(n), sequences=B))
-
-    with the same step costs the controller weighs (cost.py), and E(n), n'(n), draft(n) the running tokens, tree
-    nodes and draft seconds sequences got at cap n (from a prior, `prior_tokens`). As the batch grows each node
-    costs more and the caps shrink, down to plain steps. One sequence runs the configured tree: what the CLI runs."""
-
-    def __init__(self, cost: StepCost, max_nodes: int) -> None:
-        self.cost = cost
-        self.caps = [c for c in CAPS if c < max_nodes] + [max_nodes]
-        self.seen = {c: [prior_tokens(c), float(c), 0.0] for c in self.caps}
-        self.count = {c: 0 for c in self.caps}
-
-    def rate(self, batch: int, cap: int) -> float:
-        tokens, nodes, draft = self.seen[cap]
-        return batch * tokens / (batch * draft + self.cost.step(max(1, round(batch * nodes)), sequences=batch))
-
-    def choose(self, batch: int) -> int | None:
-        """The cap for a step of `batch` sequences; None (the configured tree) for one sequence."""
-        if batch <= 1:
-            return None
-        return max(self.caps, key=lambda c: self.rate(batch, c))
-
-    def observe(self, cap: int | None, per_sequence: list[tuple[int, float, float]]) -> None:
-        """A step at `cap` (None: the configured tree): per sequence, (tokens emitted, tree nodes, draft seconds)."""
-        cap = self.caps[-1] if cap is None else cap
-        if cap not in self.seen:
-            return
-        for figures in per_sequence:
-            weight = max(CAP_EMA, 1.0 / (CAP_PRIOR + self.count[cap] + 1))
-            self.seen[cap] = [old + weight * (new - old) for old, new in zip(self.seen[cap], figures)]
-            self.count[cap] += 1

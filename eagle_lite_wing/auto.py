@@ -1,4 +1,4 @@
-"""Method auto: each step, the controller (decoding/controller.py) chooses between a plain step, prompt lookup's
+"""Method auto: each step, the controller (eagle_lite_wing/controller.py) chooses between a plain step, prompt lookup's
 chain and the draft head's tree with lookup's chain grafted on, from this machine's measured costs and this
 request's acceptance so far.
 
@@ -8,6 +8,10 @@ COPY_MAX tokens. Without a head (no head ships for the target) the choice is bet
 
 Each step's plan travels with its tree (`DraftTree.plan`, which the engine never reads) and comes back in `observe`;
 `Choices` (an observer the pipeline attaches: `AutoDrafter.statistics`) sums the steps by the plan's kind.
+
+Status (measured, docs/methods.md "auto"): no gain over the default method (eagle where a head ships) on this
+project's held-out questions, 2 threads on an AMD EPYC Zen 5: greedy 168.8 tokens/s against eagle's 179.3 (0.94x);
+sampled 1.00x at T=0.7 and 0.97x at T=1.0. Off by default: `--method auto` (drafters/registry.py builds it from here).
 """
 from __future__ import annotations
 
@@ -17,15 +21,16 @@ import threading
 
 import torch
 
-from ..config import GenerationConfig, TreeConfig, default_tree
-from ..decoding.controller import ALONE, ChainRate, Controller, seat
-from ..decoding.cost import StepCost, step_cost
-from ..decoding.drafter import DraftInput, Proposal, propose_together
-from ..decoding.engine import shared_start
-from ..decoding.observer import Observer, Step
-from ..tree import DraftTree, graft_chain
-from .lookup_graft import COPY_MAX
-from .prompt_lookup import PromptLookupDrafter
+from eagle_lite.config import GenerationConfig, TreeConfig, default_tree
+from eagle_lite.decoding.cost import StepCost, step_cost
+from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
+from eagle_lite.decoding.engine import shared_start
+from eagle_lite.decoding.observer import Observer, Step
+from eagle_lite.drafters.lookup_graft import COPY_MAX
+from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
+from eagle_lite.tree import DraftTree, graft_chain
+
+from .controller import ALONE, ChainRate, Controller, seat
 
 AUTO_DEPTH = 4      # the deepest chain auto lets a top-1 head (a CPU's tree) draft when it is sure
 AUTO_LOOKUP = 8     # the most lookup tokens grafted onto a head's tree
@@ -61,6 +66,28 @@ class Choices(Observer):
     def snapshot(self) -> dict[str, list[float]]:
         with self._lock:
             return {kind: list(row) for kind, row in self.rows.items()}
+
+    def line(self) -> str:
+        """The CLI's line (its stats, the chat's /stats): share, tokens a step, the step time predicted and measured."""
+        rows = self.snapshot()
+        steps = sum(row[0] for row in rows.values()) or 1
+        return "[auto's choices: " + ", ".join(
+            f"{kind} {100 * n / steps:.0f}% ({tokens / n:.2f} tokens, {1e3 * predicted / n:.1f} ms predicted, "
+            f"{1e3 * measured / n:.1f} measured)"
+            for kind, (n, tokens, _, predicted, measured, *_) in sorted(rows.items())) + "]"
+
+    def series(self, labels: str) -> list[tuple]:
+        """The server's /metrics series (serve/metrics.py), per choice: steps, tokens, seconds predicted, measured."""
+        out = []
+        for choice, (steps, tokens, _, predicted, measured, *_) in sorted(self.snapshot().items()):
+            c = f'{labels},choice="{choice}"'
+            out += [("auto_steps_total", "counter", "Sequence steps by the controller's choice.", c, steps),
+                    ("auto_tokens_total", "counter", "Tokens those steps emitted.", c, tokens),
+                    ("auto_predicted_seconds_total", "counter", "Step seconds the controller predicted.", c,
+                     round(predicted, 6)),
+                    ("auto_measured_seconds_total", "counter", "Step seconds measured (draft, verify, accept).", c,
+                     round(measured, 6))]
+        return out
 
     def as_dict(self) -> dict:
         """Per choice: steps, and tokens per step, step time and draft time (ms) as predicted and as measured."""
@@ -191,7 +218,7 @@ class AutoDrafter:
             self._score_head(grown, tokens[pos:])
 
     def _score_head(self, grown: DraftTree, after: list[int]) -> None:
-        """Each head node is accepted exactly when its path is what followed (module docstring of controller.py)."""
+        """Each head node is accepted exactly when its path is what followed (controller.py's docstring)."""
         if grown.scores is None or len(grown) == 1:
             return
         tokens, accepted = grown.tokens.tolist(), [True] + [False] * (len(grown) - 1)

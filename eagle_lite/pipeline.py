@@ -190,11 +190,11 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{dtype}': use float32 or bfloat16")
-    if static not in (None, "off") and method in (registry.AUTO, registry.DEFAULT):
-        method = "eagle"   # the fixed-shape step runs one tree: eagle's
     registry.check(method, options)              # before the (slow) target load
     if static is not None:
         check_static(method, static)
+    if static not in (None, "off"):
+        method = registry.STATIC[method]   # the fixed-shape step runs one tree: eagle's
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     pipeline = for_target(tgt, method, options, static)
     if record is not None:
@@ -227,15 +227,15 @@ def static_engine_for(target: Target, head=None, mode: str = "auto", **options) 
 
 def step_backend(target: Target, drafter: Drafter | None, static: str | None = None):
     """The fixed-shape step (decoding/static_step.py) that runs `drafter`'s steps, or None (the engine's tree step).
-    static: a mode of `static_step.MODES` (forced: methods vanilla and eagle, the lookup graft left out); "off":
+    static: a mode of `static_step.MODES` (forced: a drafter with `fixed_shape`, the lookup graft left out); "off":
     none; None: chosen where it is the faster exact step, a CUDA target with plain decoding or an EAGLE head that
     drafts in sequence (where the target cannot run it, the tree step, said in the log)."""
     from .decoding.static_step import StaticStep
 
-    name = getattr(drafter, "name", "vanilla")
-    head = drafter.head if name == "eagle" else None
+    fixed = drafter is None or getattr(drafter, "fixed_shape", False)
+    head = getattr(drafter, "head", None) if fixed else None
     if static is None:
-        if target.device.type != "cuda" or name not in ("vanilla", "eagle") or (head is not None and head.parallel):
+        if target.device.type != "cuda" or not fixed or (head is not None and head.parallel):
             return None
         try:
             return StaticStep(target, head)
@@ -244,8 +244,8 @@ def step_backend(target: Target, drafter: Drafter | None, static: str | None = N
             return None
     if static == "off":
         return None
-    if name not in ("vanilla", "eagle"):
-        raise ValueError(f"the static step runs methods eagle and vanilla, not '{name}'")
+    if not fixed:
+        raise ValueError(f"the static step runs methods eagle and vanilla, not '{drafter.name}'")
     return StaticStep(target, head, mode=static)
 
 
@@ -258,13 +258,13 @@ def for_target(target: Target, method: str = registry.DEFAULT, options=None, sta
 
 
 def check_static(method: str, mode: str) -> None:
-    """Refuse what the static step cannot run: a method other than eagle and vanilla (`load` runs auto as eagle
-    there), an unknown mode ("off": any method, the engine's tree step)."""
+    """Refuse what the static step cannot run: a method other than eagle and vanilla (`load` runs default and auto
+    as eagle there: `registry.STATIC`), an unknown mode ("off": any method, the engine's tree step)."""
     from .decoding.static_step import MODES
 
     if mode == "off":
         return
     if mode not in MODES:
         raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}, off")
-    if method not in (registry.AUTO, registry.DEFAULT, "eagle", "vanilla"):
+    if method not in registry.STATIC:
         raise ValueError(f"the static step runs methods eagle and vanilla, not '{method}'")

@@ -65,3 +65,13 @@ def test_the_wing_holds_the_unproven_each_with_its_measured_status():
     assert "lowrank" not in (wing / "learner.py").read_text()   # measured a loss everywhere: removed
     assert "low-rank" in (ROOT / "docs" / "adapt.md").read_text()   # with the record of what was measured
     assert not (CORE / "serve" / "cost.py").exists()   # the server's caps: decoding/cost.py `Caps`
+
+
+def test_the_step_backend_names_no_method():
+    """The fixed-shape step is chosen from what the drafter says of itself (`fixed_shape`), not from its name."""
+    from eagle_lite.drafters.registry import NAMES
+
+    tree = ast.parse((CORE / "pipeline.py").read_text())
+    backend = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "step_backend")
+    strings = {n.value for n in ast.walk(backend) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not strings & set(NAMES), strings & set(NAMES)

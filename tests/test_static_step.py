@@ -566,3 +566,34 @@ def test_static_steps_never_wait_for_the_device():
             engine.verify_step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_step_backend_asks_the_drafter_not_its_method(llama, monkeypatch):
+    """`pipeline.step_backend` reads the drafter's `fixed_shape` (decoding/drafter.py), never a method's name: on a
+    CUDA target plain decoding and eagle's sequential head get the fixed-shape step, unasked; staged, lookup, auto
+    and a parallel head the tree step; forced (`--static MODE`), a drafter without it is refused."""
+    from types import SimpleNamespace
+
+    from eagle_lite.decoding.cost import StepCost
+    from eagle_lite.decoding.drafter import NoDrafter
+    from eagle_lite.drafters import EagleOptions, build
+    from eagle_lite.pipeline import step_backend
+    from eagle_lite_wing.auto import AutoDrafter
+
+    made = []
+    monkeypatch.setattr("eagle_lite.decoding.static_step.StaticStep",
+                        lambda target, head, mode="auto": made.append((head, mode)) or "fixed-shape")
+    cuda = SimpleNamespace(device=torch.device("cuda"), name="cuda")
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    eagle = build("eagle", llama, EagleOptions(head=head))
+    assert [step_backend(cuda, d) for d in (None, NoDrafter(), eagle)] == ["fixed-shape"] * 3
+    assert made == [(None, "auto"), (None, "auto"), (eagle.head, "auto")] and eagle.head is not None
+    parallel = DraftHead.for_target(llama).make_parallel(3)
+    assert step_backend(cuda, eagle_drafter(llama, parallel)) is None   # unasked; forced, the static step runs it
+    auto = AutoDrafter(llama, None, StepCost({1: 0.01}))   # costs given: none measured
+    for drafter in (build("staged", llama, EagleOptions(head=head)), build("lookup", llama), auto):
+        assert step_backend(cuda, drafter) is None
+        with pytest.raises(ValueError, match="runs methods eagle and vanilla"):
+            step_backend(cuda, drafter, "eager")
+    assert step_backend(llama, eagle) is None and len(made) == 3   # a CPU target: the tree step unless forced

@@ -44,7 +44,9 @@ class Drafter(Protocol):
     Its class may define `seat(drafters, configs)`: told each step's batch (the drafters of that class and their
     sequences' GenerationConfigs) before any of them proposes (method auto: its controllers weigh the batch).
     It may also define `proposal(inp, tree)`: `propose` as a generator of the forwards it needs (`Proposal`), so that
-    several sequences' drafters can propose together (`propose_together`: EAGLE heads, drafters/eagle.py)."""
+    several sequences' drafters can propose together (`propose_together`: EAGLE heads, drafters/eagle.py).
+    `fixed_shape`: whether the fixed-shape step (static_step.py) can run its steps in its place: plain decoding, or
+    the tree of its `head` drafted as drafters/eagle.py drafts it (nothing grafted on); absent: it cannot."""
 
     name: str
 
@@ -66,6 +68,7 @@ class NoDrafter:
 
     name = "vanilla"
     feature_layers: tuple[int, ...] = ()
+    fixed_shape = True
 
     def reset(self, max_len: int, keep: int = 0) -> int:
         return keep

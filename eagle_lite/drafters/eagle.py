@@ -42,6 +42,7 @@ from ..tree import DraftTree, Growth, SampledRows, candidate_parents, log_floor,
 
 class EagleDrafter:
     name = "eagle"
+    fixed_shape = True   # the static step drafts its head's tree (decoding/drafter.py)
 
     def __init__(self, target, head: DraftHead, round_head: bool = True, draft_sampling: str = "q") -> None:
         """round_head: on CPU, run the head's linears from Q8_0 codes rounded from its fp32 weights (a

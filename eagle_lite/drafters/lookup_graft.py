@@ -46,6 +46,8 @@ class LookupGraft:
     def __init__(self, inner: Drafter, copy_mode: bool = True, staged: bool = False) -> None:
         self.inner = inner
         self.name = "staged" if staged else inner.name
+        # the static step drafts the inner tree without a graft, as eagle's does; staged's is its own
+        self.fixed_shape = not staged and getattr(inner, "fixed_shape", False)
         self.feature_layers = getattr(inner, "feature_layers", ())
         self.recommended_tree = getattr(inner, "recommended_tree", None)
         # the longest earlier match of the last 2-5 tokens

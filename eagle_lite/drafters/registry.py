@@ -327,6 +327,8 @@ DEFAULT = "default"   # the CLI's, the Python API's and the server's method: eag
 
 
 HEAD_METHODS = ("default", "auto", "eagle", "staged")   # the methods of an EAGLE head, which take EagleOptions
+# what a forced fixed-shape step (--static MODE) runs for each method it can run: one tree, eagle's, or plain steps
+STATIC = {"default": "eagle", "auto": "eagle", "eagle": "eagle", "vanilla": "vanilla"}
 
 
 def options_for(name: str, options: Any = None) -> Any:

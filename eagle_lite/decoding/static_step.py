@@ -1,49 +1,19 @@
 """The speculative step in fixed shapes on device tensors: draft -> verify -> accept -> cache commit, with one
-small read-back per step and nothing else crossing to the host, so that it can be captured in CUDA graphs or
-compiled with `torch.compile(fullgraph=True)`.
+small read-back per step (`StepState.readback`: the accepted length, then the new tokens) and nothing else crossing
+to the host, so that it can be captured in CUDA graphs or compiled with `torch.compile(fullgraph=True)`.
 
-The engine (engine.py) walks the draft tree in Python: `.tolist()` of the tree, `int(argmax)` per node, the
-ancestors built in a loop, a cache compaction sized by the accepted length. Each of those waits for the device.
-On a GPU, for a small target, that waiting and the kernel launches are most of a step. Here every decision is a
-tensor op:
+Every decision the engine (engine.py) makes on the host is a tensor op here: the caches are preallocated buffers
+written at slots given by a tensor under a slot mask (device_kv_cache.py); the draft tree is EAGLE-2's, grown by
+the code drafters/eagle.py grows its trees with (tree.py `Growth`, `rerank`) and padded to a bucket
+(static_tree.py), so each bucket has one verify graph; acceptance is `accept_greedy` over the target's next token
+at each node (its argmax, or sampled, its draw at one uniform per tree level: accept.py's rule for deterministic
+children); the commit moves the accepted path next to the prefix in one fixed-size copy. What fixed shapes change
+against the drafter: every level is expanded and min_prob marks unlikely nodes invalid (verified, never accepted:
+the same tokens come out), a top_k 1 chain grows as any other tree, and the prompt-lookup graft is left out.
 
-- caches (`device_kv_cache.DeviceKVCache`): the target's and the draft head's keys/values in one preallocated
-  buffer each. A forward writes its T new entries at slots given by a tensor (`index_copy_`) and attends over all
-  S slots of the buffer under a boolean mask [1, 1, T, S] (`slot_mask`): the committed prefix, plus the tree
-  block's own ancestors. The committed length lives on the device.
-- the draft tree (`static_tree.py`): EAGLE-2's top-k expansion with a fixed `top_k` and `depth`, reranked to
-  `total_tokens` by cumulative log-probability, grown by the code drafters/eagle.py grows its trees with
-  (tree.py: `top_children`, `Growth`, `rerank`), then the ancestor mask by `depth` gathers and the tree padded to a
-  bucket size (`BUCKETS`) with masked-out nodes that can never be accepted. A tree's shapes depend only on
-  (top_k, depth, total_tokens), so each bucket has one verify graph.
-- acceptance (`accept_greedy`): node i matches when its token is the target's next token at its parent; a node is
-  accepted when all its ancestors match; the deepest accepted node ends the path, and its next token is the bonus.
-  Greedy, the next token is the argmax: the target's greedy output, token for token, as accept.py's walk is.
-  Sampled, it is a draw from the target's distribution at each node, one uniform per tree level (a walk visits one
-  node a level): accept.py's rule for deterministic children, so the output is distributed as the target's.
-- commit: the accepted path's keys/values move next to the prefix by one gather and one `index_copy_` of a fixed
-  D + 1 slots (D: the tree's depth); slots past the accepted length are beyond the new length, and overwritten.
-
-What crosses to the host per step: `readback` ([1 + D + 1] integers: the accepted length, then the new tokens),
-which the caller needs anyway to print, stop at EOS and count the budget; on CUDA by an asynchronous copy read
-while the next step already runs (`StaticStep._ahead`). The prompt's prefill runs eagerly (its length varies);
-so does the draft head's read of the prompt.
-
-What of the engine drafter's tree building stays apart, because it reads the device or sizes tensors by the data:
-- the head forwards around the growth: the drafter appends the tree's nodes to its growing cache, their masks
-  sized by the nodes written so far; here they go to fixed draft-cache slots under masks built once per shape.
-- min_prob: the drafter stops expanding once no frontier node reaches it and shrinks the rerank's budget to the
-  nodes that do; here every level is expanded, `total_tokens` nodes are kept and the unlikely ones marked invalid
-  (verified, never accepted: the same tokens come out).
-- top_k 1: the drafter's greedy chain (`greedy_chain_steps`) reads each token back to stop early; here a chain is
-  grown as any other top-k tree.
-- the tree itself: the drafter's `DraftTree` is built on the host; here `StaticTree`'s buffers are written in place.
-
-`StaticStep` is a step backend of the engine (engine.py `Engine.backend`): the engine's loop prefills through
-it, stops and counts. The prompt-lookup graft (`TreeConfig.lookup`) is a host-side search and is left out. On
-CUDA the draft step and each bucket's verify step are captured in CUDA graphs (`mode="cuda-graph"`), or compiled
-(`mode="compile"`); on a CPU the same code runs eagerly, or compiled. docs/gpu.md has the
-design and the GPU commands.
+`StaticStep` is a step backend of the engine (engine.py `Engine.backend`): the engine's loop prefills through it
+(eagerly: its length varies), stops and counts. docs/gpu.md ("What one step is") has the design, the modes and the
+GPU commands.
 """
 from __future__ import annotations
 
@@ -76,82 +46,52 @@ STATIC_BACKENDS = ("sdpa", "gqa")
 
 
 # -- the engine ----------------------------------------------------------------------------------------
-@dataclass
 class DraftConstants:
-    """What the draft step reads that depends only on the tree's shape and the draft cache's size, built once per
-    shape (`draft_constants`): a captured graph reads them where they lie, and a step launches nothing for them.
-    Candidates are numbered from 1 in the order they are drafted (0: the root); W = top_k * (depth - 1) expansion
-    slots, after the draft cache's `main` slots."""
+    """What the draft step reads that depends only on `tree`'s shape (drafted into a bucket of `bucket` nodes) and
+    the draft cache's `slots`, built once per shape: a captured graph reads them where they lie, and a step launches
+    nothing for them. Candidates are numbered from 1 in the order they are drafted (0: the root); W = top_k *
+    (depth - 1) expansion slots, after the draft cache's `main` slots; C candidates, n = total_tokens kept."""
 
-    read_rows: torch.Tensor       # [D + 1] arange
-    causal: torch.Tensor          # [D + 1, D + 1] bool
-    cols: torch.Tensor            # [S] arange over the draft cache
-    main_cols: torch.Tensor       # [main] arange
-    expansion_levels: torch.Tensor   # [depth - 1] arange: expansion d's tokens sit at position length + d - 1
-    own: torch.Tensor             # [depth - 1, k, W] bool: expansion d's frontier node i at its slot
-    expansion_slots: torch.Tensor    # [depth - 1, k] the draft cache slots expansion d writes
-    no_ancestors: torch.Tensor    # [k, W] bool, all False
-    chain_vis: torch.Tensor       # [depth - 1, W] bool: a parallel head's mask row d and those before it (slot d, 0)
-    zero1: torch.Tensor           # [1] long 0
-    true1: torch.Tensor           # [1] bool True
-    first: torch.Tensor           # [k + 1] arange: the numbers of the root and its children (`tree.Growth`)
-    parent_of: torch.Tensor       # [C] each candidate's parent as an index into the expanded nodes (`Growth.parents`)
-    no_slot: torch.Tensor         # [C + 1] long zeros
-    tree_nodes: torch.Tensor      # [n] arange(1, n + 1): the kept candidates' nodes
-    level_of: torch.Tensor        # [C] each candidate's depth in the tree
-    pad_zeros: torch.Tensor       # [pad] long zeros
-    pad_ones: torch.Tensor        # [pad] long ones (padding nodes hang off the root)
-    valid: torch.Tensor           # [B] bool: the root and the n kept nodes
-    eye: torch.Tensor             # [B, B] bool
-    tree_rows: torch.Tensor       # [B] arange
-    ones: torch.Tensor            # [B] bool
-
-
-def draft_constants(tree: TreeConfig, bucket: int, slots: int, device) -> DraftConstants:
-    """The DraftConstants of `tree` drafted into a bucket of `bucket` nodes, the draft cache having `slots`."""
-    k, depth = tree.top_k, tree.depth
-    levels, width = depth - 1, max(k * (depth - 1), 1)
-    main = slots - k * (depth - 1)
-    shape = [(1, k)] + [(k, k)] * levels                       # `Growth.levels`: every frontier holds k nodes
-    cands = sum(nodes * per for nodes, per in shape)
-    kept = min(tree.total_tokens, cands)
-    pad = bucket - 1 - kept
-    kk = torch.arange(k)
-    own = torch.zeros(max(levels, 1), k, width, dtype=torch.bool)
-    for d in range(levels):
-        own[d, kk, d * k + kk] = True
-    level_of = [d + 1 for d, (nodes, per) in enumerate(shape) for _ in range(nodes * per)]
-    long = dict(dtype=torch.long, device=device)
-    return DraftConstants(
-        read_rows=torch.arange(depth + 1, device=device),
-        causal=torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=device).tril_(),
-        cols=torch.arange(slots, device=device), main_cols=torch.arange(main, device=device),
-        expansion_levels=torch.arange(max(levels, 1), device=device), own=own.to(device),
-        expansion_slots=(main + torch.arange(max(levels, 1))[:, None] * k + kk).to(device),
-        no_ancestors=torch.zeros(k, width, dtype=torch.bool, device=device),
-        chain_vis=(own[:, 0].long().cumsum(0) > 0).to(device),
-        zero1=torch.zeros(1, **long), true1=torch.ones(1, dtype=torch.bool, device=device),
-        first=torch.arange(k + 1, device=device), parent_of=torch.tensor(candidate_parents(shape), **long),
-        no_slot=torch.zeros(cands + 1, **long),
-        tree_nodes=torch.arange(1, kept + 1, device=device), level_of=torch.tensor(level_of, **long),
-        pad_zeros=torch.zeros(pad, **long), pad_ones=torch.ones(pad, **long),
-        valid=torch.arange(bucket, device=device) <= kept, eye=torch.eye(bucket, dtype=torch.bool, device=device),
-        tree_rows=torch.arange(bucket, device=device), ones=torch.ones(bucket, dtype=torch.bool, device=device))
+    def __init__(self, tree: TreeConfig, bucket: int, slots: int, device) -> None:
+        k, depth = tree.top_k, tree.depth
+        levels, width, main = depth - 1, max(k * (depth - 1), 1), slots - k * (depth - 1)
+        shape = [(1, k)] + [(k, k)] * levels                       # `Growth.levels`: every frontier holds k nodes
+        cands = sum(nodes * per for nodes, per in shape)
+        kept = min(tree.total_tokens, cands)
+        pad, kk = bucket - 1 - kept, torch.arange(k)
+        own = torch.zeros(max(levels, 1), k, width, dtype=torch.bool)
+        for d in range(levels):
+            own[d, kk, d * k + kk] = True
+        long, flag = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
+        self.read_rows = torch.arange(depth + 1, device=device)                  # [D + 1]
+        self.causal = torch.ones(depth + 1, depth + 1, **flag).tril_()           # [D + 1, D + 1]
+        self.cols, self.main_cols = torch.arange(slots, device=device), torch.arange(main, device=device)
+        self.expansion_levels = torch.arange(max(levels, 1), device=device)     # expansion d's tokens: length + d - 1
+        self.own = own.to(device)                  # [depth - 1, k, W]: expansion d's frontier node i at its slot
+        self.expansion_slots = (main + torch.arange(max(levels, 1))[:, None] * k + kk).to(device)   # [depth - 1, k]
+        self.no_ancestors = torch.zeros(k, width, **flag)                        # [k, W]
+        self.chain_vis = (own[:, 0].long().cumsum(0) > 0).to(device)   # [depth - 1, W]: a parallel head's mask rows
+        self.zero1, self.true1 = torch.zeros(1, **long), torch.ones(1, **flag)
+        self.first = torch.arange(k + 1, device=device)   # the numbers of the root and its children (`tree.Growth`)
+        self.parent_of = torch.tensor(candidate_parents(shape), **long)   # [C] (`Growth.parents`)
+        self.no_slot = torch.zeros(cands + 1, **long)
+        self.tree_nodes = torch.arange(1, kept + 1, device=device)               # [n]: the kept candidates' nodes
+        self.level_of = torch.tensor([d + 1 for d, (nodes, per) in enumerate(shape) for _ in range(nodes * per)],
+                                     **long)                                     # [C] each candidate's depth
+        self.pad_zeros, self.pad_ones = torch.zeros(pad, **long), torch.ones(pad, **long)   # padding: off the root
+        self.valid = torch.arange(bucket, device=device) <= kept                # [B]: the root and the n kept
+        self.eye, self.ones = torch.eye(bucket, **flag), torch.ones(bucket, **flag)
+        self.tree_rows = torch.arange(bucket, device=device)
 
 
-@dataclass
 class VerifyConstants:
     """What the verify step reads that depends only on the bucket, the depth and the cache size."""
 
-    cols: torch.Tensor            # [S] arange over the target's cache
-    tree_rows: torch.Tensor       # [B] arange
-    is_root: torch.Tensor         # [B] bool: node 0
-    levels: torch.Tensor          # [D + 1] arange
-
-    @classmethod
-    def build(cls, bucket: int, depth: int, slots: int, device) -> VerifyConstants:
-        rows = torch.arange(bucket, device=device)
-        return cls(torch.arange(slots, device=device), rows, rows == 0, torch.arange(depth + 1, device=device))
+    def __init__(self, bucket: int, depth: int, slots: int, device) -> None:
+        self.cols = torch.arange(slots, device=device)              # [S] over the target's cache
+        self.tree_rows = torch.arange(bucket, device=device)        # [B]
+        self.is_root = self.tree_rows == 0
+        self.levels = torch.arange(depth + 1, device=device)        # [D + 1]
 
 
 @dataclass
@@ -229,19 +169,15 @@ class StaticStep:
         self._reads: Iterator[list[int]] | None = None             # each step's read-back (`step`)
         # the target's layers in fewer ops (static_stack.py), where it runs them as the model does; else the model
         self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
-        if self._stack is not None:
-            problem = self._stack_problem()
-            if problem:
-                log.info("the static step runs the model's own layers: the fused ones %s", problem)
-                self._stack = None
         self._head_layer = None      # (StaticLayer, RotaryTables) of the head's decoder layer, where it is one
         if fused and head is not None and supported(head.layer):
             layer = StaticLayer(head.layer, 0)
             self._head_layer = (layer, RotaryTables(head.rotary, layer))
-            problem = self._head_problem()
+        for fused_part, own in (("_stack", "the model's own layers"), ("_head_layer", "the head's own layer")):
+            problem = self._fused_problem(fused_part) if getattr(self, fused_part) is not None else None
             if problem:
-                log.info("the static step runs the head's own layer: the fused one %s", problem)
-                self._head_layer = None
+                log.info("the static step runs %s, not the fused ones: %s", own, problem)
+                setattr(self, fused_part, None)
         self._check_static_forward()
 
     # -- the model calls --------------------------------------------------------------------------
@@ -264,6 +200,16 @@ class StaticStep:
                     stack.enter_context(stock(self.head))
             yield
 
+    def _probe(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A probe's two calls, (positions, mask, slots) through a 16-slot cache: `rows` rows from slot 0 (causal),
+        then two sibling nodes after them."""
+        dev = self.target.device
+        zero, at, ar = torch.zeros((), dtype=torch.long, device=dev), torch.full((), rows, device=dev), \
+            torch.arange(rows, device=dev)
+        return [(ar, slot_mask(zero, torch.ones(rows, rows, dtype=torch.bool, device=dev).tril_(), 16), ar),
+                (at.expand(2), slot_mask(at, torch.eye(2, dtype=torch.bool, device=dev), 16),
+                 at + torch.arange(2, device=dev))]
+
     def _check_static_forward(self) -> None:
         """Refuse a target that the static step would run wrong: a prompt, then two sibling nodes after it, through
         the static cache, must give the target's own full forwards' logits (as `Target._check_tree_forward`)."""
@@ -276,14 +222,9 @@ class StaticStep:
                 want = torch.stack([target.model(input_ids=ids[None]).logits[0, 4],
                                     target.model(input_ids=torch.cat([ids[:4], sibling])[None]).logits[0, -1]])
                 self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
-                zero, ar = torch.zeros((), dtype=torch.long, device=dev), torch.arange(4, device=dev)
-                causal = torch.ones(4, 4, dtype=torch.bool, device=dev).tril_()
-                self._target_forward(ids[:4], ar, slot_mask(zero, causal, 16), ar)
-                four = zero + 4
-                hidden, _ = self._target_forward(torch.cat([ids[4:5], sibling]), four.expand(2),
-                                                 slot_mask(four, torch.eye(2, dtype=torch.bool, device=dev), 16),
-                                                 four + torch.arange(2, device=dev))
-                got = target.logits(hidden).float()
+                prompt, pair = self._probe(4)
+                self._target_forward(ids[:4], *prompt)
+                got = target.logits(self._target_forward(torch.cat([ids[4:5], sibling]), *pair)[0]).float()
             tolerance = 1e-3 if target.dtype == torch.float32 else 3e-2
             if float((got - want.float()).norm()) > tolerance * float(want.float().norm()) + 1e-5:
                 problem = "its logits over a draft tree through the static cache differ from its own full forward"
@@ -294,66 +235,44 @@ class StaticStep:
         if problem:
             raise ValueError(f"target '{target.name}' cannot run the static step: {problem}; use the engine")
 
-    def _stack_problem(self) -> str | None:
-        """Why the fused layers (`self._stack`) cannot stand in for the model's own: None where a prompt and then
-        two sibling nodes through each give the same hidden states, features and cache entries (to float
-        rounding: the products run in other shapes)."""
-        target, dev = self.target, self.target.device
+    def _fused_problem(self, part: str) -> str | None:
+        """Why the fused layers in `part` ("_stack": the target's, "_head_layer": the head's) cannot stand in for the
+        model's own: None where a prompt (4 tokens; the head: 3 rows) and then two sibling nodes through each way
+        give the same outputs and cache entries (to float rounding, summed over the layers: the products run in
+        other shapes)."""
+        target, dev, fused = self.target, self.target.device, getattr(self, part)
         ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
-        tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
-        zero, four = torch.zeros((), dtype=torch.long, device=dev), torch.full((), 4, device=dev)
-        ar = torch.arange(4, device=dev)
-        calls = [(ar, slot_mask(zero, torch.ones(4, 4, dtype=torch.bool, device=dev).tril_(), 16), ar),
-                 (four.expand(2), slot_mask(four, torch.eye(2, dtype=torch.bool, device=dev), 16),
-                  four + torch.arange(2, device=dev))]
-        saved, stack, outs = self._cache, self._stack, []
+        if part == "_stack":
+            model, tolerance = target.model, 1e-4
+            tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
+            calls = [(t, *call) for t, call in zip(tokens, self._probe(4))]
+            forward = lambda *call: torch.cat(self._target_forward(*call), dim=-1)   # noqa: E731
+            cache = lambda: DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)   # noqa: E731
+        else:
+            model, tolerance = self.head, 1e-5
+            g = torch.Generator().manual_seed(0)
+            feats = torch.randn(5, (len(self.taps) or 1) * target.hidden_size, generator=g).to(dev, target.dtype)
+            calls = [(feats[rows], ids[rows], *call) for rows, call in zip((slice(0, 3), slice(3, 5)), self._probe(3))]
+            forward = self._head
+            cache = lambda: DeviceKVCache(1, *cache_shape(self.head.config)[1:], 16, self._lm_weight.dtype, dev)  # noqa: E731
+        tolerance = tolerance if target.dtype == torch.float32 else 2e-2
+        saved, outs = (self._cache, self._draft_cache), []
         try:
-            with torch.inference_mode(), self.running(), stock(target.model):   # the model as transformers built it
-                for use in (stack, None):
-                    self._stack = use
-                    self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
-                    got = [torch.cat(self._target_forward(t, *call), dim=-1) for t, call in zip(tokens, calls)]
-                    outs.append([*got, self._cache.kv[..., :6, :]])
+            with torch.inference_mode(), self.running(), stock(model):   # the model as transformers built it
+                for use in (fused, None):
+                    setattr(self, part, use)
+                    self._cache = self._draft_cache = cache()
+                    outs.append([*(forward(*call) for call in calls), self._cache.kv[..., :6, :]])
         except Exception as err:  # noqa: BLE001 (any failure means: run the model's own layers)
-            return f"fail ({type(err).__name__}: {err})"
+            return f"a probe fails ({type(err).__name__}: {err})"
         finally:
-            self._cache, self._stack = saved, stack
-        tolerance = 1e-4 if target.dtype == torch.float32 else 2e-2   # float rounding, summed over the layers
+            (self._cache, self._draft_cache) = saved
+            setattr(self, part, fused)
         for mine, own in zip(*outs):
             error = float((mine.float() - own.float()).norm()) / (float(own.float().norm()) + 1e-6)
             log.debug("the fused layers on the probe: relative error %.1e", error)
             if error > tolerance:
-                return f"compute something else than the model's layers on a probe (relative error {error:.1e})"
-        return None
-
-    def _head_problem(self) -> str | None:
-        """As `_stack_problem`, for the head's layer: three rows, then two siblings, through each way."""
-        dev, feats_dim = self.target.device, (len(self.taps) or 1) * self.target.hidden_size
-        g = torch.Generator().manual_seed(0)
-        feats = torch.randn(5, feats_dim, generator=g).to(dev, self.target.dtype)
-        ids = (torch.arange(5, device=dev) * 7919 + 3) % self.target.vocab_size
-        zero, three = torch.zeros((), dtype=torch.long, device=dev), torch.full((), 3, device=dev)
-        ar = torch.arange(3, device=dev)
-        calls = [(slice(0, 3), ar, slot_mask(zero, torch.ones(3, 3, dtype=torch.bool, device=dev).tril_(), 16), ar),
-                 (slice(3, 5), three.expand(2), slot_mask(three, torch.eye(2, dtype=torch.bool, device=dev), 16),
-                  three + torch.arange(2, device=dev))]
-        saved, fused, outs = self._draft_cache, self._head_layer, []
-        try:
-            with torch.inference_mode(), self.running(), stock(self.head):
-                for use in (fused, None):
-                    self._head_layer = use
-                    self._draft_cache = DeviceKVCache(1, *cache_shape(self.head.config)[1:], 16, self._lm_weight.dtype,
-                                                      dev)
-                    got = [self._head(feats[rows], ids[rows], *call) for rows, *call in calls]
-                    outs.append([*got, self._draft_cache.kv[..., :5, :]])
-        except Exception as err:  # noqa: BLE001 (any failure means: run the head's own layer)
-            return f"fails ({type(err).__name__}: {err})"
-        finally:
-            self._draft_cache, self._head_layer = saved, fused
-        tolerance = 1e-5 if self.target.dtype == torch.float32 else 2e-2
-        for mine, own in zip(*outs):
-            if float((mine.float() - own.float()).norm()) > tolerance * float(own.float().norm()) + 1e-6:
-                return "computes something else than the head's layer on a probe"
+                return f"they compute something else on a probe (relative error {error:.1e})"
         return None
 
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -584,9 +503,9 @@ class StaticStep:
             self._shape = shape
             self._steps.clear()
         if not self._steps or self._verify_consts is None:                # the graphs read them where they lie
-            self._verify_consts = VerifyConstants.build(bucket, depth, self._cache.slots, dev)
+            self._verify_consts = VerifyConstants(bucket, depth, self._cache.slots, dev)
             if self.head is not None:
-                self._draft_consts = draft_constants(tree, bucket, self._draft_cache.slots, dev)
+                self._draft_consts = DraftConstants(tree, bucket, self._draft_cache.slots, dev)
 
     def _prefill(self, prompt_ids: list[int], choose: Callable[[torch.Tensor], int] | None = None) -> int:
         """The prompt through the target (and the draft head), eagerly; returns the first new token, `choose` of the

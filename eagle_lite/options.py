@@ -293,7 +293,9 @@ def load_from_flags(args: argparse.Namespace):
               adapt=getattr(args, "adapt", None))
     if lm.method == registry.AUTO and lm.engine.drafter.head is not None and \
             any(v is not None for v in tree_flags(args).values()):   # a tree given is pinned: eagle runs it
-        lm = lm.pinned(options_of("eagle", args))
+        from eagle_lite_wing.auto import pinned
+
+        lm = pinned(lm, options_of("eagle", args))
     with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
     note_default_tree(lm, args, cfg)

@@ -76,17 +76,6 @@ class Pipeline:
         # head drafters: siblings of one, sharing its head's output weight instead of a copy each
         return getattr(first, "sibling", None) or (lambda: registry.build(method, self.target, options))
 
-    def pinned(self, options=None) -> Pipeline:
-        """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree
-        the caller pins: the controller chooses none."""
-        options = replace(options or registry.EagleOptions(), head=self.engine.drafter.head)
-        # a head that adapts is the drafter's, which the fixed-shape step would not follow
-        pipeline = for_target(self.target, "eagle", options, "off" if self.adapter is not None else None)
-        pipeline.recorder = self.recorder
-        if self.adapter is not None:   # the head adapts on in the pinned pipeline
-            self.adapter.bind(pipeline)
-        return pipeline
-
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
         return GenerationConfig(**{"tree": self.tree, **overrides})
@@ -169,19 +158,11 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     server do); a folder holding an adapted head resumes from it. Methods auto and eagle.
     """
     if adapt is not None:
-        from eagle_lite_wing.adapt import adapted_draft
+        from eagle_lite_wing.adapt import resume
 
-        if static not in (None, "off"):
-            raise ValueError("--adapt runs on the engine, not the static step: drop --static")
+        options, draft, start_draft = resume(adapt, options, draft, static)
         static = "off"   # the head it learns is the drafter's
-        eagle_options = isinstance(options, registry.EagleOptions)
-        start_draft = options.draft if eagle_options else draft
-        resumed = adapted_draft(adapt, None)
-        if resumed is not None and eagle_options:
-            options = replace(options, draft=resumed, head=None)
-        elif resumed is not None:
-            draft = resumed
-    if draft is not None and (method == registry.AUTO or method in registry.HEAD_METHODS):
+    if draft is not None and method in registry.HEAD_METHODS:
         if options is not None:
             raise ValueError("pass the head either as draft=... or inside options, not both")
         options = registry.EagleOptions(draft=draft)

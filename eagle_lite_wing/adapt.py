@@ -33,6 +33,7 @@ started from.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import shutil
 import time
@@ -145,7 +146,7 @@ class Adapter:
             self.observers()
 
     def bind(self, pipeline) -> None:
-        """Adapt the head `pipeline` serves from now on (`Pipeline.pinned`: eagle's pipeline over the same head)."""
+        """Adapt the head `pipeline` serves from now on (auto.py `pinned`: eagle's pipeline over the same head)."""
         self.pipeline, (self.holder, _) = pipeline, serving_eagle(pipeline.engine.drafter)
         self.watch(pipeline.engine)
         pipeline.adapter = self
@@ -241,6 +242,22 @@ class Adapter:
         """New answers to take in, or steps bought and a pool to spend them on."""
         return len(self.capture) > 0 or (self.credit > 0 and bool(self.learner.pool))
 
+    def series(self) -> list[tuple]:
+        """The server's /metrics series (serve/metrics.py): the learner's steps and seconds, promotions, answer
+        tokens taken in, and what each head accepted at the last judgement."""
+        last = self.history[-1] if self.history else (0, 0.0, 0.0, False)
+        return [("adapt_steps_total", "counter", "Optimizer steps of the head's learner (--adapt).", "",
+                 self.learner.steps),
+                ("adapt_promotions_total", "counter", "Learned heads that replaced the serving one.", "",
+                 self.card["promotions"]),
+                ("adapt_answer_tokens_total", "counter", "Answer tokens the learner has taken in.", "",
+                 self.card["answer_tokens"]),
+                ("adapt_learner_seconds_total", "counter", "Seconds the learner ran.", "",
+                 round(self.learner.seconds, 3)),
+                ("adapt_judged_accepted", "gauge", "Accepted tokens per step each head got at the last judgement, on "
+                 "traffic neither trained on.", 'head="serving"', round(last[1], 4)),
+                ("adapt_judged_accepted", "gauge", "", 'head="challenger"', round(last[2], 4))]
+
     def stats_line(self) -> str:
         last = self.history[-1] if self.history else None
         judged = f", last judged {last[1]:.2f} -> {last[2]:.2f} accepted/step" if last else ""
@@ -270,6 +287,23 @@ def adapted_draft(folder: str | Path | None, draft: str | None) -> str | None:
     if folder is not None and (Path(folder) / "config.json").is_file():
         return str(folder)
     return draft
+
+
+def resume(folder: str | Path, options, draft: str | None, static: str | None) -> tuple:
+    """What `load(adapt=folder)` loads: (options, draft, the draft adaptation starts from), the folder's head in
+    place of the one named where it holds one (resuming). The head it learns is the drafter's: no static step."""
+    from eagle_lite.drafters.registry import EagleOptions
+
+    if static not in (None, "off"):
+        raise ValueError("--adapt runs on the engine, not the static step: drop --static")
+    eagle_options = isinstance(options, EagleOptions)
+    start_draft = options.draft if eagle_options else draft
+    resumed = adapted_draft(folder, None)
+    if resumed is not None and eagle_options:
+        options = dataclasses.replace(options, draft=resumed, head=None)
+    elif resumed is not None:
+        draft = resumed
+    return options, draft, start_draft
 
 
 def attach(pipeline, folder: str | Path, draft: str | None = None, **settings) -> Adapter:

@@ -228,5 +228,20 @@ class AutoDrafter:
             self.controller.calibration.add(_prob(grown.scores[i]), accepted[i])
 
 
+def pinned(pipeline, options=None):
+    """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree the
+    caller pins (the CLI's tree flags): the controller chooses none."""
+    from eagle_lite.drafters.registry import EagleOptions
+    from eagle_lite.pipeline import for_target
+
+    options = dataclasses.replace(options or EagleOptions(), head=pipeline.engine.drafter.head)
+    # a head that adapts is the drafter's, which the fixed-shape step would not follow
+    out = for_target(pipeline.target, "eagle", options, "off" if pipeline.adapter is not None else None)
+    out.recorder = pipeline.recorder
+    if pipeline.adapter is not None:   # the head adapts on in the pinned pipeline
+        pipeline.adapter.bind(out)
+    return out
+
+
 def _prob(log_p: float) -> float:
     return math.exp(min(log_p, 0.0))

@@ -7,9 +7,12 @@ against the sequential head's 1.56x over plain decoding, bf16 on an H200). Off b
 build this drafter for it (drafters/registry.py `eagle_drafter`).
 
 A parallel head (`DraftHead.parallel` = K) drafts in its catch-up forward alone: K-1 mask rows (`DraftHead.mask_rows`)
-follow the root's row, and the tree grows from their K distributions (depth d's children from row d's, whatever their
-parent), to at most K deep. The sampling rules of drafters/eagle.py hold as they are: a node's distribution is the
-row it was drawn from. It reads no probe (`LookupGraft` stages nothing with it).
+follow the root's row (f_t, x_{t+1}) at the next positions, each reading two learned vectors instead of a feature and
+a token embedding (`mask_hidden`, as wide as the head's feature input, and `mask_embed`); row j predicts the token j
+places further on, seeing the real pairs and the mask rows before it (trained with the same losses at each row:
+trainers/objective.py `unroll`). The tree grows from their K distributions (depth d's children from row d's,
+whatever their parent), to at most K deep. The sampling rules of drafters/eagle.py hold as they are: a node's
+distribution is the row it was drawn from. It reads no probe (`LookupGraft` stages nothing with it).
 """
 from __future__ import annotations
 

@@ -23,13 +23,9 @@ Options, so that the published layouts load exactly (eagle_lite/formats/):
 With `feature_layers` and the default design (eagle_lite's earlier EAGLE-3 variant), the tapped layers are
 projected to H by `fuse` and then read as the last hidden state would be.
 
-Parallel drafting (`parallel=K`, P-EAGLE, arXiv 2602.01469): the head drafts K tokens in one forward. After the
-root's row (f_t, x_{t+1}) come K-1 mask rows at the next positions, each reading two learned vectors instead of a
-feature and a token embedding (`mask_hidden`, as wide as the head's feature input, and `mask_embed`); row j
-predicts the token j places further on, seeing the real pairs and the mask rows before it. Trained with the same
-losses at each row (trainers/objective.py `unroll`); drafted by eagle_lite_wing/parallel.py from the K
-distributions. Unproven here (1.71 accepted a step against the sequential head's 2.50): the head keeps the two
-vectors so that such a folder (its own, or a published P-EAGLE one) loads, exports and runs.
+Parallel drafting (`parallel=K`, P-EAGLE; unproven here, eagle_lite_wing/parallel.py has how it drafts and what it
+measured): K-1 mask rows after the root's read two learned vectors (`mask_hidden`, `mask_embed`), which the head
+keeps so that such a folder (its own, or a published P-EAGLE one) loads, exports and runs.
 """
 from __future__ import annotations
 

@@ -80,18 +80,7 @@ class Metrics:
             series += self.watched.series(m) if self.watched is not None else []
         adapter = getattr(scheduler, "adapter", None)
         if adapter is not None:   # --adapt: the head learning from this traffic
-            last = adapter.history[-1] if adapter.history else (0, 0.0, 0.0, False)
-            series += [("adapt_steps_total", "counter", "Optimizer steps of the head's learner (--adapt).", "",
-                        adapter.learner.steps),
-                       ("adapt_promotions_total", "counter", "Learned heads that replaced the serving one.", "",
-                        adapter.card["promotions"]),
-                       ("adapt_answer_tokens_total", "counter", "Answer tokens the learner has taken in.", "",
-                        adapter.card["answer_tokens"]),
-                       ("adapt_learner_seconds_total", "counter", "Seconds the learner ran.", "",
-                        round(adapter.learner.seconds, 3)),
-                       ("adapt_judged_accepted", "gauge", "Accepted tokens per step each head got at the last "
-                        "judgement, on traffic neither trained on.", 'head="serving"', round(last[1], 4)),
-                       ("adapt_judged_accepted", "gauge", "", 'head="challenger"', round(last[2], 4))]
+            series += adapter.series()
         for name, kind, help_text, labels, value in series:
             lines += [f"# HELP eagle_lite_{name} {help_text}", f"# TYPE eagle_lite_{name} {kind}",
                       f"eagle_lite_{name}{{{labels}}} {value}" if labels else f"eagle_lite_{name} {value}"]

@@ -75,3 +75,15 @@ def test_the_step_backend_names_no_method():
     backend = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "step_backend")
     strings = {n.value for n in ast.walk(backend) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     assert not strings & set(NAMES), strings & set(NAMES)
+
+
+def test_the_core_reaches_the_wing_only_lazily_from_its_entry_points():
+    """eagle_lite imports eagle_lite_wing inside the functions that turn a wing feature on (the registry's builders,
+    `load(adapt=...)`, the CLI's pinned tree), never at a module's top level: importing the core loads no wing."""
+    allowed = {"drafters/registry.py", "pipeline.py", "options.py"}
+    for path in CORE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        wing = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and "eagle_lite_wing" in
+                ast.unparse(n)]
+        assert not any(n in tree.body for n in wing), path
+        assert not wing or str(path.relative_to(CORE)) in allowed, path

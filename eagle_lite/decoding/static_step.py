@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -532,26 +532,21 @@ class StaticStep:
         return first
 
     # -- the engine's backend -------------------------------------------------------------------------
-    def _tree(self, cfg: GenerationConfig) -> TreeConfig:
-        tree = cfg.tree
-        if self.head is not None and tree.lookup:
-            if not self._warned_lookup:
-                log.info("the static step drafts without the prompt-lookup graft: tree lookup=%d is ignored",
-                         tree.lookup)
-                self._warned_lookup = True
-            tree = TreeConfig(tree.depth, tree.top_k, tree.total_tokens, 0, tree.min_prob)
-        if self.head is not None and self.head.parallel:
-            tree = tree.capped(self.head.parallel)
-        return tree
-
     def prefill(self, prompt_ids: list[int], cfg: GenerationConfig, budget: int, generator: torch.Generator | None,
                 choose: Callable[[torch.Tensor], int]) -> int:
         """Read the prompt into this step's own caches (sized for `budget` new tokens and `cfg`'s tree) and return
         the first token, `choose` of the last prompt token's final hidden state; the steps after it (`step`) decode
-        with `cfg`'s tree and sampling, drawing from `generator`. Run inside `running()`."""
-        tree = self._tree(cfg)
-        bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
-        depth = tree.depth if self.head is not None else 0
+        with `cfg`'s tree (without its prompt-lookup graft; a parallel head's capped to its K) and sampling, drawing
+        from `generator`. Run inside `running()`."""
+        tree, bucket, depth = cfg.tree, 1, 0
+        if self.head is not None:
+            if tree.lookup and not self._warned_lookup:
+                log.info("the static step drafts without the prompt-lookup graft: tree lookup=%d is ignored",
+                         tree.lookup)
+                self._warned_lookup = True
+            tree = replace(tree, lookup=0)
+            tree = tree.capped(self.head.parallel) if self.head.parallel else tree
+            bucket, depth = bucket_for(1 + tree.total_tokens), tree.depth
         self._tree_cfg, self._generator = tree, generator
         # the budget, the last step's tree, and on CUDA one more step queued ahead (`_ahead`)
         self._prepare(len(prompt_ids) + budget + 2 * (bucket + depth + 1), tree, cfg.sampling)

@@ -30,7 +30,7 @@ from eagle_lite.drafters.lookup_graft import COPY_MAX
 from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
 from eagle_lite.tree import DraftTree, graft_chain
 
-from .controller import ALONE, ChainRate, Controller, seat
+from .controller import ALONE, ChainRate, Controller, seat, time_head
 
 AUTO_DEPTH = 4      # the deepest chain auto lets a top-1 head (a CPU's tree) draft when it is sure
 AUTO_LOOKUP = 8     # the most lookup tokens grafted onto a head's tree
@@ -103,7 +103,8 @@ class Choices(Observer):
 
 class AutoDrafter:
     """inner: an EagleDrafter (None: lookup and plain steps only); cost: this machine's step costs (None: measured
-    or read from the cache, `cost.step_cost`). Per-sequence state: the controller and what it waits to learn."""
+    or read from the cache, `cost.step_cost`, the head's forwards timed by `controller.time_head`). Per-sequence
+    state: the controller and what it waits to learn."""
 
     name = "auto"
     statistics = Choices   # the observer of its steps the pipeline attaches to its engine
@@ -116,7 +117,7 @@ class AutoDrafter:
         self.recommended_tree = auto_tree(getattr(inner, "recommended_tree", None)
                                           or default_tree(str(target.device))) if inner is not None else \
             TreeConfig(1, 1, 1, AUTO_LOOKUP)
-        self.cost = cost if cost is not None else step_cost(target, inner)
+        self.cost = cost if cost is not None else step_cost(target, inner, time_head=time_head)
         # whether what it proposes moves a sampled answer: the head's q rule draws its tree from the request's
         # generator and accepts by its ratio; lookup's chains and the match rule's are accepted by the target's own
         # draws, so a seed's answer is then the one vanilla decoding gives, whatever the controller chooses

@@ -43,9 +43,15 @@ The controller changes what is proposed, never what is accepted: every tree is v
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
-from eagle_lite.decoding.cost import PREFIX, StepCost
+import torch
+
+from eagle_lite.config import TreeConfig
+from eagle_lite.decoding.cost import PREFIX, StepCost, sync
+from eagle_lite.decoding.drafter import DraftInput
 
 KINDS = ("plain", "lookup", "head")
 EXPLORE = 8          # steps the head sits out before it drafts again (more where it is further behind)
@@ -56,6 +62,7 @@ HEAD_FIRST = 3       # head steps every request tries (every EXPLORE steps) befo
 BEHIND = 30.0        # how much less often the head drafts again, the further its plan is behind the best
 SHRINK = 3.0         # head steps of all buckets a bucket's own few count against (its estimate leans on theirs)
 NODE_SPAN = 3        # tree sizes a node's cost is averaged over
+CATCH_UP_ROWS = 2    # the accepted tokens a catch-up forward is timed over (a step's own, typically)
 
 
 class Calibration:
@@ -324,3 +331,25 @@ class Controller:
                 row[1] += weight * (nodes - 1 - row[1])
                 row[2] += 1
             self.head_forwards += HEAD_EMA * (plan.head_forwards - self.head_forwards)
+
+
+def time_head(target, drafter, repeats: int) -> tuple[float, float]:
+    """(seconds of a catch-up forward over CATCH_UP_ROWS accepted tokens' features, of one more forward) of an EAGLE
+    drafter's head: depth-1 and depth-3 greedy chains drafted by a sibling with its own cache. Method auto's
+    `time_head` for eagle_lite/decoding/cost.py `step_cost`, which caches them with the target's step costs."""
+    twin = drafter.sibling()
+    width = (len(drafter.feature_layers) or 1) * target.hidden_size
+    times = {1: math.inf, 3: math.inf}
+    for _ in range(repeats):
+        for depth in times:
+            twin.reset(PREFIX, 0)
+            tokens = [5] * (PREFIX // 4)
+            zeros = torch.zeros(len(tokens) - 1, width, dtype=target.dtype, device=target.device)
+            twin.propose(DraftInput(tokens, zeros), TreeConfig(1, 1, 1))   # its context, read once
+            inp = DraftInput(tokens + [7 + i for i in range(CATCH_UP_ROWS)], zeros.new_zeros(CATCH_UP_ROWS, width))
+            sync(target.device)
+            start = time.perf_counter()
+            twin.propose(inp, TreeConfig(depth, 1, depth))
+            sync(target.device)
+            times[depth] = min(times[depth], time.perf_counter() - start)
+    return times[1], max(times[3] - times[1], 0.0) / 2

@@ -19,7 +19,7 @@ from eagle_lite.drafters import EagleOptions, build
 from eagle_lite.drafters.eagle import EagleDrafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite_wing.auto import AutoDrafter, Choices, auto_tree
-from eagle_lite_wing.controller import ALONE, EXPLORE, Calibration, ChainRate, Controller, Mates, Plan, seat
+from eagle_lite_wing.controller import ALONE, EXPLORE, Calibration, ChainRate, Controller, Mates, Plan, seat, time_head
 
 # a CPU-like machine: a plain step 8 ms, each more node 1 ms, a head forward 1 ms (its catch-up 1.5)
 COST = {1: 0.008, 2: 0.009, 4: 0.011, 8: 0.015, 16: 0.023, 32: 0.039}
@@ -359,17 +359,18 @@ def test_step_cost_is_measured_once_and_cached(llama, tmp_path, monkeypatch):
     monkeypatch.setattr(cost_module, "measure", lambda *a, **k: calls.append(1) or measure(*a, **k))
     torch.manual_seed(0)
     drafter = EagleDrafter(llama, DraftHead.for_target(llama))
-    first = step_cost(llama, drafter)
+    first = step_cost(llama, drafter, time_head=time_head)
     assert first.head > 0 and first.catch_up > 0 and all(s > 0 for s in first.verify.values())
-    again = step_cost(llama, drafter)
+    again = step_cost(llama, drafter, time_head=time_head)
     assert len(calls) == 1 and again.verify == first.verify and "cached" in again.source
     (file,) = (tmp_path / "costs").iterdir()
     file.write_text("{not json")
-    step_cost(llama, drafter)                       # an unreadable cache is measured again, with a warning
+    step_cost(llama, drafter, time_head=time_head)  # an unreadable cache is measured again, with a warning
     assert len(calls) == 2 and json.loads(file.read_text())["version"] == cost_module.VERSION
-    step_cost(llama, drafter, refresh=True)
+    step_cost(llama, drafter, time_head=time_head, refresh=True)
     assert len(calls) == 3
     assert step_cost(llama).head == 0.0             # no head: another key, no head figures
+    assert step_cost(llama, drafter).head == 0.0 and len(calls) == 4   # the head untimed (a server's caps): the same
 
 
 def test_auto_is_the_default_method_and_runs_lookup_without_a_head(llama, caplog):

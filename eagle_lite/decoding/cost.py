@@ -3,10 +3,10 @@ projects) after a context of c tokens, what each more sequence of a batch adds t
 head, measured once per host, device, target and head and cached. Decoding reads them and never changes them:
 method auto's choices then depend on no clock, so a seed reproduces a sampled answer.
 
-    cost = step_cost(target, head_drafter)      # measured on first use here, then read from the cache
+    cost = step_cost(target)                    # measured on first use here, then read from the cache
     cost.step(6)                                # seconds of a step that verifies 6 nodes (root included)
     cost.step(6, context=500, sequences=3)      # ... 6 nodes of 3 sequences whose contexts average 500 tokens
-    cost.draft(3)                               # seconds of 3 head forwards
+    cost.draft(3)                               # seconds of 3 head forwards (where timed: `step_cost`)
 
 The forward is timed at two contexts (PREFIX and PREFIX + LONG tokens) and read linearly in between and beyond: a
 longer context makes every row's attention longer. A batch's sequences each read their own cache and are accepted
@@ -43,7 +43,6 @@ PREFIX = 128            # context before the measured forwards
 LONG = 512              # the longer context they are timed after too: PREFIX + LONG tokens
 BATCH = 4               # sequences of the batch that times what one more sequence adds
 VERSION = 6             # of the cache file's layout and what it measures (and the code it timed)
-CATCH_UP_ROWS = 2       # the accepted tokens a catch-up forward is timed over (a step's own, typically)
 
 
 @dataclass
@@ -51,8 +50,8 @@ class StepCost:
     """verify: {nodes: seconds} of a step that verifies a chain of that many nodes (the forward and the lm_head rows
     acceptance projects) after PREFIX tokens, measured; verify_long: the same after PREFIX + LONG tokens (empty:
     not measured, a context costs nothing more); sequence: the seconds each more sequence of a batch adds, at
-    PREFIX; head: seconds of one draft-head forward over one row (0.0: no head); catch_up: of the head's first
-    forward of a step, which also reads the target's features of the CATCH_UP_ROWS tokens accepted (0.0: no head).
+    PREFIX; head: seconds of one draft-head forward over one row (0.0: not timed); catch_up: of the head's first
+    forward of a step, which also reads the target's features of the tokens accepted (0.0: not timed).
     """
 
     verify: dict[int, float]
@@ -145,10 +144,11 @@ def cache_key(target, head=None) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
-    """This machine's StepCost for `target` (and the EAGLE drafter `drafter`, whose head forwards it times; None:
-    no head): read from the cache, else measured (a few seconds for a small target on a CPU) and cached."""
-    head = getattr(drafter, "head", None)
+def step_cost(target, drafter=None, refresh: bool = False, time_head=None) -> StepCost:
+    """This machine's StepCost for `target`: read from the cache, else measured (a few seconds for a small target on
+    a CPU) and cached. time_head(target, drafter, repeats) -> (catch_up, head) seconds: the EAGLE drafter
+    `drafter`'s head forwards timed too (method auto's, eagle_lite_wing/controller.py), under a key of their own."""
+    head = getattr(drafter, "head", None) if time_head is not None else None
     path = cache_dir() / f"{cache_key(target, head)}.json"
     refresh = refresh or os.environ.get("EAGLE_LITE_REFRESH_COSTS", "0") == "1"
     if not refresh and path.is_file():
@@ -159,7 +159,7 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
                                 data["verify_long"], data["sequence"])
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("the step cost cache %s is unreadable: measuring again", path)
-    cost = measure(target, drafter)
+    cost = measure(target, drafter, time_head=time_head)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, cost.as_dict())
@@ -169,14 +169,14 @@ def step_cost(target, drafter=None, refresh: bool = False) -> StepCost:
 
 
 @torch.inference_mode()
-def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 5) -> StepCost:
+def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 5, time_head=None) -> StepCost:
     """Time the target's forward over chains of `rows` nodes after a PREFIX-token context and after PREFIX + LONG
     tokens (where the target's window holds them), each with the lm_head rows acceptance projects (`NodeLogits`
     over the chain as its likely path: every node's row in one product where the lm_head has grid codes, the root's
     argmax alone for one node) and the root's commit; a batch of BATCH one-node sequences, each on its own cache
-    (their roots projected together, committed one by one), against the chain of BATCH nodes; and the drafter's
-    head forwards. The best of `repeats` rounds, each round timing every size once (a moment of load elsewhere then
-    spoils one round of all sizes rather than every try of one)."""
+    (their roots projected together, committed one by one), against the chain of BATCH nodes; and with `time_head`
+    the drafter's head forwards (`step_cost`). The best of `repeats` rounds, each round timing every size once (a
+    moment of load elsewhere then spoils one round of all sizes rather than every try of one)."""
     rows = tuple(n for n in rows if n + PREFIX < target.max_context) or (1,)
     prefix = min(PREFIX, target.max_context - max(rows) - 1)
     contexts = [prefix] + ([prefix + LONG] if prefix + LONG + max(rows) < target.max_context else [])
@@ -194,8 +194,8 @@ def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 5
     verify_long = {n: times[contexts[-1], n] for n in rows} if len(contexts) > 1 else {}
     sequence = max(batch_time - verify[BATCH], 0.0) / (BATCH - 1) if batch else 0.0
     head = catch_up = 0.0
-    if getattr(drafter, "head", None) is not None:
-        catch_up, head = _time_head(target, drafter, repeats)
+    if time_head is not None and getattr(drafter, "head", None) is not None:
+        catch_up, head = time_head(target, drafter, repeats)
     return StepCost(verify, head, catch_up, verify_long=verify_long, sequence=sequence)
 
 
@@ -214,7 +214,7 @@ def _timed(target, blocks: list[tuple]) -> float:
     dev = target.device
     lengths = [cache.length for cache, _ in blocks]
     chains = [(torch.arange(n, device=dev) * 31 + 5) % target.vocab_size for _, n in blocks]
-    _sync(dev)
+    sync(dev)
     start = time.perf_counter()
     outs = target.verify([(tokens, cache, None, None) for tokens, (cache, _) in zip(chains, blocks)])
     projected = NodeLogits.together(target.lm, [(hidden, list(range(n))) for (hidden, _), (_, n) in zip(outs, blocks)])
@@ -222,38 +222,14 @@ def _timed(target, blocks: list[tuple]) -> float:
     for nodes, (cache, _) in zip(projected, blocks):
         nodes.top_token(0)
         cache.compact(root)
-    _sync(dev)
+    sync(dev)
     seconds = time.perf_counter() - start
     for (cache, _), length in zip(blocks, lengths):
         cache.truncate(length)
     return seconds
 
 
-def _time_head(target, drafter, repeats: int) -> tuple[float, float]:
-    """(seconds of a catch-up forward over CATCH_UP_ROWS accepted tokens' features, of one more forward) of an EAGLE
-    drafter's head: depth-1 and depth-3 greedy chains drafted by a sibling with its own cache."""
-    from ..config import TreeConfig
-    from .drafter import DraftInput
-
-    twin = drafter.sibling()
-    width = (len(drafter.feature_layers) or 1) * target.hidden_size
-    times = {1: math.inf, 3: math.inf}
-    for _ in range(repeats):
-        for depth in times:
-            twin.reset(PREFIX, 0)
-            tokens = [5] * (PREFIX // 4)
-            zeros = torch.zeros(len(tokens) - 1, width, dtype=target.dtype, device=target.device)
-            twin.propose(DraftInput(tokens, zeros), TreeConfig(1, 1, 1))   # its context, read once
-            inp = DraftInput(tokens + [7 + i for i in range(CATCH_UP_ROWS)], zeros.new_zeros(CATCH_UP_ROWS, width))
-            _sync(target.device)
-            start = time.perf_counter()
-            twin.propose(inp, TreeConfig(depth, 1, depth))
-            _sync(target.device)
-            times[depth] = min(times[depth], time.perf_counter() - start)
-    return times[1], max(times[3] - times[1], 0.0) / 2
-
-
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -17,9 +17,9 @@ tensor: mul, neg, cat, mul, add; two cache writes; gate and up two products), 44
   first kv heads, values the rest, so the rotated k and v heads are written where they lie.
 
 The products run the same weights in other shapes, so a result can differ from the model's own layer in the last
-bits (as two GEMM kernels may); `StaticLayer.probe` keeps it only where a prompt and a tree through it give the
-layer's own outputs and cache entries within float rounding, and the static step falls back to the model's own
-forward otherwise (an architecture with q/k norms, another rotary layout or activation, a softcap).
+bits (as two GEMM kernels may); the static step keeps it only where a prompt and a tree through it give the layer's
+own outputs and cache entries within float rounding (`StaticStep._fused_problem`), and falls back to the model's
+own forward otherwise (an architecture with q/k norms, another rotary layout or activation, a softcap).
 """
 from __future__ import annotations
 

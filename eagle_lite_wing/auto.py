@@ -229,6 +229,19 @@ class AutoDrafter:
             self.controller.calibration.add(_prob(grown.scores[i]), accepted[i])
 
 
+def build(target, o) -> AutoDrafter:
+    """Method auto's drafter (drafters/registry.py builds it from here): the head `o` (EagleOptions) holds or names
+    (None where none ships: lookup and plain steps), drafting by auto's sampling rule unless `o` sets one."""
+    from eagle_lite.drafters.registry import DRAFT_SAMPLING_OF, eagle_drafter, load_eagle_head
+
+    head = o.head if o.head is not None else load_eagle_head(target, o.draft)
+    if head is not None:
+        head = head.over_full_vocabulary() if o.draft_vocab == "full" else head
+        head = eagle_drafter(target, head, round_head=o.round_head,
+                             draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["auto"])
+    return AutoDrafter(target, head)
+
+
 def pinned(pipeline, options=None):
     """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree the
     caller pins (the CLI's tree flags): the controller chooses none."""

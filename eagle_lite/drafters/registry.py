@@ -139,14 +139,9 @@ def _eagle(target, o: EagleOptions, staged: bool = False) -> Drafter:
 
 def _auto(target, o: EagleOptions) -> Drafter:
     """Method auto's drafter, eagle_lite_wing's (unproven: eagle_lite_wing/auto.py)."""
-    from eagle_lite_wing.auto import AutoDrafter
+    from eagle_lite_wing.auto import build
 
-    head = o.head if o.head is not None else load_eagle_head(target, o.draft)
-    if head is not None:
-        head = head.over_full_vocabulary() if o.draft_vocab == "full" else head
-        head = eagle_drafter(target, head, round_head=o.round_head,
-                             draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["auto"])
-    return AutoDrafter(target, head)
+    return build(target, o)
 
 
 def _staged(target, o: EagleOptions) -> Drafter:

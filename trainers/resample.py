@@ -103,6 +103,8 @@ def resample_degenerate(target, prompts: list[list[int]], answers: list[list[int
     for attempt in range(1, settings["tries"] + 1):
         if not left:
             break
+        log.info("distill: %d of %d answers degenerate, drawn again by sampling (try %d of %d)", len(left),
+                 len(answers), attempt, settings["tries"])
         key = zlib.crc32(repr([prompts[i] for i in left]).encode())
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((cfg.seed * 7919 + attempt * 104729 + key) % 2**63)

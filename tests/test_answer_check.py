@@ -84,3 +84,17 @@ def test_the_training_run_checks_the_target_written_sources_only(tmp_path):
     assert len(checked_records(cfg, target, DataSource("text", {"source": "sharegpt_text"}, str(folder), "f"))) == 5
     off = OmegaConf.create({"data": {}})
     assert len(checked_records(off, target, DataSource("main", {"source": "sharegpt"}, str(folder), "f"))) == 5
+
+
+def test_answers_drawn_again_are_reported_with_their_first_try_share(caplog):
+    """Distillation drew some degenerate answers again (trainers/resample.py): the line says how many were
+    degenerate at the first try, and the limit applies to those still degenerate, which are left out."""
+    records = [record(i, prose(i)) for i in range(16)]
+    for r in records[:12]:
+        r["resampled"] = [1]
+    records += [{**record(16, loop()), "resampled": [2]}, {**record(17, loop()), "resampled": [2]}]
+    with caplog.at_level(logging.WARNING, logger="trainers.train"):
+        kept = check_answers(records, None, {EOS}, 0.2, "d")
+    assert len(kept) == 16
+    assert "14 of 18 answers (77.8%) were degenerate at the first try, 14 drawn again" in caplog.text
+    assert "now 2 of 18 answers in d (11.1%) are degenerate and left out" in caplog.text

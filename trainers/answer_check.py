@@ -5,7 +5,9 @@ nothing at all, one token over and over, or a short phrase repeated to the end (
 "<h2><h2>..."). A head trained on such answers learns to predict repetition, and its acceptance then measures
 nothing. So every answered record is looked at before features are built: a degenerate answer is counted and
 dropped, one is shown, and when they are more than `data.max_degenerate` of the answers the run stops with one line
-saying what to try instead.
+saying what to try instead. Where distillation drew degenerate answers again (trainers/resample.py, recorded in a
+record's "resampled"), the share that was degenerate at the first try is reported beside the share left out, which is
+the one the limit applies to.
 """
 from __future__ import annotations
 
@@ -64,23 +66,36 @@ def check_answers(records: list[dict], tokenizer, eos: set[int], max_share: floa
     reasons = [record_reason(r, eos) for r in records]
     bad = [(r, why) for r, why in zip(records, reasons) if why]
     share = len(bad) / len(records)
+    first = first_try(records, reasons)
     if not bad:
-        log.info("data check: none of the %d answers in %s is degenerate", len(records), where)
+        log.info("data check: %snone of the %d answers in %s is degenerate", first, len(records), where)
         return records
     record, why = bad[0]
     start, end = record["spans"][0]
     example = _shown(tokenizer, record["input_ids"][start:end])
     if share > max_share:
         raise DegenerateData(
-            f"data check: {len(bad)} of {len(records)} answers in {where} ({share:.0%}, over data.max_degenerate="
-            f"{max_share:g}) are degenerate (e.g. {record['id']}: {why}: {example}): the target is not prompted as it "
-            f"expects, or loops when greedy; try sampled answers (data.distill.do_sample=true "
-            f"data.distill.temperature=0.8), its raw layout (compare `python -m eagle_lite.generate --raw`), a chat "
-            f"template (a model folder with chat_template.jinja as target=), or another prompt source "
-            f"(data.distill.source=prompts data.distill.prompts=FILE); delete {where} before rerunning")
-    log.warning("data check: %d of %d answers in %s (%.1f%%) are degenerate and left out (e.g. %s: %s: %s)",
-                len(bad), len(records), where, 100 * share, record["id"], why, example)
+            f"data check: {first}{len(bad)} of {len(records)} answers in {where} ({share:.0%}, over "
+            f"data.max_degenerate={max_share:g}) are degenerate (e.g. {record['id']}: {why}: {example}): the target "
+            f"is not prompted as it expects, or loops when greedy; try drawing them again (data.distill.resample."
+            f"tries=4), sampled answers (data.distill.do_sample=true data.distill.temperature=0.8), its raw layout "
+            f"(compare `python -m eagle_lite.generate --raw`), a chat template (a model folder with "
+            f"chat_template.jinja as target=), or another prompt source (data.distill.source=prompts "
+            f"data.distill.prompts=FILE); delete {where} before rerunning")
+    log.warning("data check: %s%d of %d answers in %s (%.1f%%) are degenerate and left out (e.g. %s: %s: %s)",
+                first, len(bad), len(records), where, 100 * share, record["id"], why, example)
     return [r for r, why in zip(records, reasons) if not why]
+
+
+def first_try(records: list[dict], reasons: list[str | None]) -> str:
+    """How many answers were degenerate at the first try and drawn again, as the start of the check's line ("" where
+    none was drawn again)."""
+    drawn = sum(1 for r in records if any(r.get("resampled", ())))
+    if not drawn:
+        return ""
+    first = sum(1 for r, why in zip(records, reasons) if why or any(r.get("resampled", ())))
+    return (f"{first} of {len(records)} answers ({100 * first / len(records):.1f}%) were degenerate at the first "
+            f"try, {drawn} drawn again by sampling (data.distill.resample); now ")
 
 
 def _shown(tokenizer, ids: list[int], limit: int = 80) -> str:

@@ -62,7 +62,8 @@ def batched_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
     eos = sorted(target.eos_token_ids)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
-    sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample \
+    # top_k given always: generate() would otherwise apply the generation config's (50 by default)
+    sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.do_sample \
         else dict(do_sample=False)
     for start in range(0, len(order), cfg.batch_size):
         rows = order[start:start + cfg.batch_size]
@@ -99,7 +100,7 @@ def engine_answers(target: Target, prompts: Sequence[Sequence[int]], cfg,
 
     pipeline = _pipeline_for(target, cfg.method, cfg.options)
     engine, tree = pipeline.engine, pipeline.tree
-    sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else SamplingConfig()
+    sampling = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k) if cfg.do_sample else SamplingConfig()
     configs = [GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, tree=tree,
                                 seed=int(torch.randint(2**62, (1,))) if cfg.do_sample else None) for _ in prompts]
     new_drafter = pipeline.drafter_factory()                  # a drafter keeps per-sequence state: one each

@@ -38,7 +38,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,7 @@ from eagle_lite.text.record import recorded_meta
 
 from .answering import BACKENDS, check_method, generate_answers, resolve_backend
 from .ranks import Ranks
+from .resample import check_settings, resample_degenerate, resolved
 from .shards import file_damage, file_digest
 from .targets import pad_token_id
 
@@ -64,7 +65,7 @@ _RECORD_KEYS = ("source", "multi_turn", "max_turns", "max_prompt_tokens", "max_n
                 "temperature", "top_p", "seed", "prompt_len_min", "prompt_len_max")
 # Later settings of the same kind, recorded only when they differ from these defaults (so folders made before them,
 # the committed data/distill/ ones included, keep matching); "prompts" is recorded as the file's name and checksum.
-_OPTIONAL_KEYS = {"prompts": None, "min_user_turns": 1, "loss_from_turn": 0}
+_OPTIONAL_KEYS = {"prompts": None, "min_user_turns": 1, "loss_from_turn": 0, "top_k": 0, "resample": {"tries": 0}}
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class DistillConfig:
     do_sample: bool = False       # False: greedy answers (what greedy speculative decoding will see)
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0                # sampling: only the k likeliest tokens (0: all)
     batch_size: int = 8
     shard_size: int = 64          # items per JSONL shard (the unit of resumption)
     seed: int = 0
@@ -93,6 +95,8 @@ class DistillConfig:
                                   # to the repository root)
     min_user_turns: int = 1       # sharegpt / prompts: choose only conversations with at least this many user turns
     loss_from_turn: int = 0       # answers to user turns before this one (0-based) are context, not learned from
+    resample: dict = field(default_factory=lambda: {"tries": "auto"})   # degenerate answers drawn again, sampled:
+                                  # tries, temperature, top_p, top_k (trainers/resample.py)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -104,6 +108,7 @@ class DistillConfig:
             raise ValueError(f"data.distill.backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.backend!r}")
         check_method(self.method, self.options)
+        check_settings(self.resample)
         if self.offset < 0:
             raise ValueError(f"data.distill.offset must be >= 0, got {self.offset}")
         if self.min_user_turns < 1 or self.loss_from_turn < 0:
@@ -169,6 +174,7 @@ class _Chat:
                         for k, t in enumerate(turns) if t.role == "user"]
         self.ids: list[int] = []
         self.spans: list[list[int]] = []
+        self.resampled: list[int] = []   # per answer: how many times it was drawn again (trainers/resample.py)
         self.rendered = ""
         self.ended_with_eos = False
         self.skipped: str | None = None
@@ -198,7 +204,8 @@ class _Chat:
         self.rendered = text
         return self.ids + new
 
-    def add_answer(self, prompt: list[int], answer: list[int], tokenizer, eos: set[int]) -> None:
+    def add_answer(self, prompt: list[int], answer: list[int], tokenizer, eos: set[int], resampled: int = 0) -> None:
+        self.resampled.append(resampled)
         self.ended_with_eos = bool(answer) and answer[-1] in eos
         content = tokenizer.decode(answer[:-1] if self.ended_with_eos else answer, skip_special_tokens=False)
         self.messages = self.messages + [{"role": "assistant", "content": content}]
@@ -212,15 +219,20 @@ class _Chat:
             return {"id": self.id, "skipped": self.skipped or "no user turn"}
         if len(self.spans) <= loss_from_turn:
             return {"id": self.id, "skipped": f"{len(self.spans)} answered turn(s), none from turn {loss_from_turn}"}
-        return {"id": self.id, "input_ids": self.ids, "spans": self.spans[loss_from_turn:], "messages": self.messages}
+        record = {"id": self.id, "input_ids": self.ids, "spans": self.spans[loss_from_turn:], "messages": self.messages}
+        if any(self.resampled[loss_from_turn:]):
+            record["resampled"] = self.resampled[loss_from_turn:]
+        return record
 
 
 def chat_records(target: Target, conversations: list, cfg: DistillConfig,
                  progress: tqdm | None = None) -> list[dict]:
-    """Re-answer each conversation's user turns with the target (one batched round per turn index)."""
+    """Re-answer each conversation's user turns with the target (one batched round per turn index); an answer
+    that comes out degenerate is drawn again as `cfg.resample` says (trainers/resample.py)."""
     tokenizer = _chat_tokenizer(target)
     chats = [_Chat(c) for c in conversations]
     eos = target.eos_token_ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    cfg = replace(cfg, resample=resolved(target, cfg.source, cfg.resample))
     for turn in range(cfg.max_turns if cfg.multi_turn else 1):
         active, prompts = [], []
         for chat in chats:
@@ -231,8 +243,9 @@ def chat_records(target: Target, conversations: list, cfg: DistillConfig,
         if not active:
             break
         answers = generate_answers(target, prompts, cfg, progress if turn == 0 else None)
-        for chat, prompt, answer in zip(active, prompts, answers):
-            chat.add_answer(prompt, answer, tokenizer, eos)
+        resampled = resample_degenerate(target, prompts, answers, cfg, eos, generate_answers)
+        for chat, prompt, answer, count in zip(active, prompts, answers, resampled):
+            chat.add_answer(prompt, answer, tokenizer, eos, count)
     if progress is not None:  # items skipped before generating still count as processed
         progress.update(len(chats) - sum(1 for c in chats if c.spans))
     return [c.record(cfg.loss_from_turn) for c in chats]
@@ -377,11 +390,14 @@ def read_records(folder: str | Path) -> Iterator[dict]:
 
 
 def run_meta(fingerprint: dict, cfg: DistillConfig) -> dict:
-    """The meta a distill folder of this target and these settings holds (distill.json)."""
+    """The meta a distill folder of this target and these settings holds (distill.json); `cfg.resample` as
+    `resample.resolved` made it (one still "auto" records no resampling)."""
     if cfg.source == "recorded":   # the answers as they were served: no setting here made them
         return recorded_meta(fingerprint)
     settings = {k: getattr(cfg, k) for k in _RECORD_KEYS}
     optional = {k: getattr(cfg, k) for k in _OPTIONAL_KEYS}
+    if not isinstance(cfg.resample.get("tries"), int):
+        optional["resample"] = _OPTIONAL_KEYS["resample"]
     if cfg.prompts:
         path = prompts_path(cfg.prompts)
         optional["prompts"] = f"{path.name} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
@@ -557,6 +573,7 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
         chosen = [(f"syn-{i:06d}", i) for i in range(cfg.offset, cfg.offset + cfg.limit)]
         ids = [item[0] for item in chosen]
         make = synthetic_records
+    cfg = replace(cfg, resample=resolved(target, cfg.source, cfg.resample))   # "auto" and the model's sampling
     meta = run_meta(target.fingerprint(), cfg)
     plan = stored = None
     if ranks.zero:

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from eagle_lite.atomic import write_json_atomic
 
 from .features import describe_bytes, estimate_bytes
+from .resample import resolved
 
 log = logging.getLogger("trainers.train")
 PROMPT_TOKENS = 90             # a ShareGPT first prompt, as the distill stage keeps them (data/sharegpt.yaml)
@@ -187,7 +188,7 @@ def _cached(folder: Path) -> tuple[int, bool]:
 def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> list[Stage]:
     """The stages' time and disk for the run `cfg` over `sources` (`train.data_sources`), from `measured`."""
     max_len = int(cfg.data.features.max_len)
-    answers = new_tokens = tokens = tokens_left = sequences = skipped_all = 0
+    answers = new_tokens = tokens = tokens_left = sequences = skipped_all = redraws = 0
     distill_s = 0.0
     for source in sources:
         s = source.settings
@@ -213,6 +214,8 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
             left, limit = left - skipped, limit - skipped
             skipped_all += skipped
         answers += left if generated else 0
+        if left and generated:   # degenerate answers drawn again (trainers/resample.py): how many, the answers say
+            redraws = max(redraws, resolved(target, s["source"], dict(s.get("resample") or {}))["tries"])
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s
         tokens += limit * per_item
@@ -238,8 +241,9 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
     return setup + [
         Stage("distill", distill_s, new_tokens * DISTILL_BYTES_PER_TOKEN,
               f"{answers} answers of up to {new_tokens // max(answers, 1)} new tokens"
-              + (f" ({skipped_all} prompts over max_prompt_tokens skipped)" if skipped_all else "") if answers
-              else "nothing to answer"),
+              + (f" ({skipped_all} prompts over max_prompt_tokens skipped)" if skipped_all else "")
+              + (f", and degenerate ones drawn again (up to {redraws} times each, not counted)" if redraws else "")
+              if answers else "nothing to answer"),
         Stage("features", tokens_left * measured.forward_token_s,
               estimate_bytes(tokens_left, target.hidden_size, len(taps)),
               f"~{tokens_left:,} tokens through the target" if tokens_left else "cached"),

@@ -43,6 +43,9 @@ def test_each_kind_of_degenerate_answer_is_named_and_real_answers_pass():
     assert degenerate([42, 42, 43, EOS], {EOS}) is None               # a short reply may repeat a word
     # a few repeated tokens inside a real answer (a list's "- ", a table's dashes) are not a loop
     assert degenerate(prose(1, 30) + [9] * 6 + prose(2, 30), {EOS}) is None
+    # text that falls into a loop in its second half is the target's own greedy habit, kept; in its first half, not
+    assert degenerate(prose(3, 60)[:-1] + [14, 15] * 25 + [EOS], {EOS}) is None
+    assert "repetition loop" in degenerate(prose(3, 20)[:-1] + [14, 15] * 40 + [EOS], {EOS})
 
 
 def test_a_mostly_good_stream_keeps_the_good_answers_and_reports_the_share(caplog):

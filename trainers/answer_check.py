@@ -1,13 +1,14 @@
 """The data check between distill and features: are the target's own answers text worth learning?
 
 A model prompted in a layout it was not trained for (a start token missing, the wrong template) answers with junk:
-nothing at all, one token over and over, or a short phrase repeated to the end ("It is it it it ...",
+nothing at all, one token over and over, or a short phrase repeated from early on ("It is it it it ...",
 "<h2><h2>..."). A head trained on such answers learns to predict repetition, and its acceptance then measures
-nothing. So every answered record is looked at before features are built: a degenerate answer is counted and
-dropped, one is shown, and when they are more than `data.max_degenerate` of the answers the run stops with one line
-saying what to try instead. Where distillation drew degenerate answers again (trainers/resample.py, recorded in a
-record's "resampled"), the share that was degenerate at the first try is reported beside the share left out, which is
-the one the limit applies to.
+nothing. A loop that starts in an answer's second half is kept: small models' greedy answers end so, and the head
+meets those loops when it drafts. So every answered record is looked at before features are built: a degenerate
+answer is counted and dropped, one is shown, and when they are more than `data.max_degenerate` of the answers the
+run stops with one line saying what to try instead. Where distillation drew degenerate answers again
+(trainers/resample.py, recorded in a record's "resampled"), the share that was degenerate at the first try is
+reported beside the share left out, which is the one the limit applies to.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ log = logging.getLogger("trainers.train")
 CHECKED_SOURCES = ("sharegpt", "prompts")
 MIN_LOOP_TOKENS = 16    # an answer shorter than this is never called a loop (a short reply may repeat a word)
 NGRAM = 3               # a loop repeats its 3-grams: "1. Learn the basics.\n2. Learn the basics.\n3. ..." too
-LOOP_SHARE = 0.5        # an answer whose 3-grams repeat earlier ones at least this often is a loop
+LOOP_SHARE = 0.5        # an answer whose first half's 3-grams repeat earlier ones at least this often is a loop
 
 
 class DegenerateData(ValueError):
@@ -36,14 +37,18 @@ def degenerate(answer: list[int], eos: set[int] = frozenset()) -> str | None:
         return "one token repeated"
     if len(ids) < MIN_LOOP_TOKENS:
         return None
+    # only the first half is read: a long greedy answer that starts as text and falls into a loop near its end is
+    # what greedy decoding of that model does (the head meets it when drafting), while an answer that loops before
+    # its second half is what a model prompted in a layout it was not trained for writes
+    head = ids[:max(MIN_LOOP_TOKENS, len(ids) // 2)]
     seen, repeats = set(), 0
-    for i in range(len(ids) - NGRAM + 1):
-        gram = tuple(ids[i:i + NGRAM])
+    for i in range(len(head) - NGRAM + 1):
+        gram = tuple(head[i:i + NGRAM])
         repeats += gram in seen
         seen.add(gram)
-    share = repeats / (len(ids) - NGRAM + 1)
+    share = repeats / (len(head) - NGRAM + 1)
     if share >= LOOP_SHARE:
-        return f"a repetition loop ({share:.0%} of its {NGRAM}-grams repeat earlier ones)"
+        return f"a repetition loop ({share:.0%} of its first half's {NGRAM}-grams repeat earlier ones)"
     return None
 
 

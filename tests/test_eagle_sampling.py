@@ -186,7 +186,9 @@ def test_greedy_output_is_unchanged_by_the_sampling_rule(llama):
 
 
 def test_engine_sampling_with_q_trees_and_a_lookup_graft_matches_target(llama):
-    """End to end: the EAGLE drafter's sampled trees plus LookupGraft's chain, through the engine."""
+    """End to end: the EAGLE drafter's sampled trees under a tree with a lookup graft set, through the engine (the
+    graft joins greedy trees only: test_the_lookup_graft_joins_greedy_trees_only; a grafted chain's sampled law:
+    test_sampled_trees_with_a_grafted_chain_keep_the_targets_law)."""
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes
     torch.manual_seed(0)
@@ -199,6 +201,23 @@ def test_engine_sampling_with_q_trees_and_a_lookup_graft_matches_target(llama):
     distance = continuation_tv(llama, engine, prompt, sampling, tree)
     assert any(sampled)
     assert distance < 0.12
+
+
+def test_the_lookup_graft_joins_greedy_trees_only(llama):
+    """LookupGraft grafts its chain onto greedy trees; a sampled step verifies the head's tree alone (a copied token is
+    accepted with the target's probability of it, and the graft did not pay on held-out prompts sampled)."""
+    prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    sizes = {}
+    for name, sampling in (("greedy", SamplingConfig()), ("sampled", SamplingConfig(temperature=0.8))):
+        drafter = eagle_drafter(llama, DraftHead.for_target(llama), draft_sampling="q")
+        seen, propose = [], drafter.propose
+        drafter.propose = lambda inp, tree, seen=seen, propose=propose: seen.append(len(t := propose(inp, tree))) or t
+        Engine(llama, drafter).generate(prompt, GenerationConfig(max_new_tokens=12, sampling=sampling, tree=tree,
+                                                                 seed=0))
+        sizes[name] = max(seen)
+    assert sizes["greedy"] > 1 + tree.total_tokens      # the chain's nodes beside the head's
+    assert sizes["sampled"] <= 1 + tree.total_tokens
 
 
 def test_draft_sampling_option_is_checked():

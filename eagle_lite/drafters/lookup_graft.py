@@ -5,7 +5,10 @@ answer copies its context, verify lookup chains alone.
 last 2-5 tokens become one more path of the tree (tree.graft_chain adds only the nodes the tree lacks). Once
 the target accepted such a chain whole, the answer is copying its context: the next tree is the lookup chain
 alone, longer (doubling while accepted whole, up to `copy_cap`), and the inner drafter sits the step out
-(`sit_out`: it reads the features it missed when it drafts again), so copying costs no draft time.
+(`sit_out`: it reads the features it missed when it drafts again), so copying costs no draft time. Greedy steps
+only: a sampled step accepts a copied token with the target's probability of it, and on held-out prompts the graft
+cost more than it brought there (eagle 1.05x vanilla with it, 1.11x without at temperature 0.7; docs/methods.md),
+so sampled steps take the inner drafter's tree alone (staged's own graft is its method).
 
 Staged (method staged; Spector and Re 2023's staged speculation, with prompt lookup as the draft's own drafter):
 the inner EagleDrafter reads the lookup chain in the same head forward as its catch-up (`EagleDrafter.propose`'s
@@ -93,7 +96,7 @@ class LookupGraft:
 
     def proposal(self, inp: DraftInput, tree: TreeConfig) -> Proposal:
         """`propose` step by step (decoding.drafter.Proposal): the inner drafter's forwards, where it proposes so."""
-        if not tree.lookup:
+        if not tree.lookup or (not inp.sampling.greedy and not self.staged):   # module docstring: sampled steps
             return (yield from self._inner(inp, tree))
         if self.copy_mode and self._copying(inp.tokens):
             # each whole acceptance of a chain verified alone doubles the next one, up to copy_cap

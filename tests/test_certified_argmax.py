@@ -68,3 +68,18 @@ def test_greedy_generation_on_the_float16_argmax_equals_the_target_alone():
     for drafter in (None, PromptLookupDrafter()):
         got = Engine(target, drafter).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
         assert got == want
+
+
+def test_the_lm_heads_row_argmax_is_torchs_ties_and_nans_included():
+    from eagle_lite.targets.lm_head import first_argmax
+
+    torch.manual_seed(0)
+    row = torch.randn(50000)
+    with torch.inference_mode():
+        for ties in ([7], [5, 77, 40000], [49999, 3]):    # equal largest logits: the first index, as torch's
+            tied = row.clone()
+            tied[ties] = 100.0
+            assert first_argmax(tied) == int(tied.argmax()) == min(ties)
+        tied[11] = float("nan")                          # a NaN counts as the largest, as in torch
+        assert first_argmax(tied) == int(tied.argmax()) == 11
+    assert first_argmax(row.double()) == int(row.argmax())   # other dtypes: torch's own

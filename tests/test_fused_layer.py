@@ -12,6 +12,7 @@ from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.kernels import fused_layer
+from eagle_lite.targets.model import Target
 from eagle_lite.tree import DraftTree
 
 pytestmark = needs_kernel
@@ -211,3 +212,64 @@ def test_a_catch_ups_skipped_rows_write_the_same_keys_and_values_and_the_kept_ro
                 close(out, whole[skip:])
                 close(seq.cache.keys[..., :4 + t, :], keys)
                 close(seq.cache.values[..., :4 + t, :], values)
+
+
+def gemma3_target(grid: bool = True) -> Target:
+    """A tiny Gemma 3 (q/k norms, norms around the attention and the MLP, GELU-tanh, a sliding and a full layer with
+    their own rotary, a scaled tied embedding), its linears Q4_1 and its lm_head Q8_0 (grid), its norms random."""
+    from conftest import snap_to_q4_1, snap_to_q8_0
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                              sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)                                      # 1 + w: not all ones
+        model.lm_head.weight.normal_(0.0, 0.16)                          # tied: the embedding too (no zero pad row)
+        if grid:
+            for module in model.model.layers.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(snap_to_q4_1(module.weight))
+            model.lm_head.weight.copy_(snap_to_q8_0(model.lm_head.weight))
+    return Target(model.eval(), name="tiny-gemma3")
+
+
+@pytest.mark.parametrize("wide", ["1", "0"])
+def test_gemma3_layers_run_as_one_op_and_decode_exactly_like_generate(wide, monkeypatch):
+    from test_engine import eagle_engine
+
+    monkeypatch.setenv("EAGLE_LITE_AVX512", wide)
+    target = gemma3_target()
+    assert all(_fused(target)) and target.accelerated.stack is not None
+    assert [p.act for p in target.accelerated.stack.parts] == [1, 1] and target.accelerated.stack.kinds == [
+        "sliding_attention", "full_attention"]
+    gen = torch.Generator().manual_seed(3)
+    tree = DraftTree(tokens=torch.randint(1, VOCAB, (6,), generator=gen), parents=[-1, 0, 0, 1, 1, 2])
+    blocks = [(torch.randint(1, VOCAB, (40,), generator=gen), None), (torch.randint(1, VOCAB, (5,), generator=gen),
+                                                                      None), (torch.tensor([7]), None), (None, tree)]
+    fused, fused_cache = _run(target, blocks)
+    with target.stock():
+        own, own_cache = _run(target, blocks)
+    for a, b in zip(fused, own):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    n = own_cache.length
+    torch.testing.assert_close(fused_cache.keys[..., :n, :], own_cache.keys[..., :n, :], rtol=1e-4, atol=1e-5)
+    prompt = list(range(3, 20))
+    ref = reference_greedy(target, prompt, 40)
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
+    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+
+
+def test_a_gemma3_layer_whose_extra_norms_the_op_left_out_is_refused(monkeypatch):
+    """The probe is what keeps the op honest: an op that skipped the q/k and sandwich norms is not taken."""
+    call = fused_layer._LayerParts.__call__
+    monkeypatch.setattr(fused_layer._LayerParts, "__call__",
+                        lambda self, *a, **k: (setattr(self, "extra", None), call(self, *a, **k))[1])
+    target = gemma3_target()
+    assert not any(_fused(target)) and target.accelerated.stack is None

@@ -44,14 +44,34 @@ def test_the_native_norm_equals_the_library_norm_to_rounding(rows):
 
 
 def test_a_norm_that_computes_something_else_keeps_its_forward():
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # scales by (1 + weight)
-
-    norm = GemmaRMSNorm(32)
-    assert fuse_rms_norms(norm) == 0 and "forward" not in norm.__dict__
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    class CenteredRMSNorm(LlamaRMSNorm):   # subtracts the mean first: neither w * norm(x) nor (1 + w) * norm(x)
+        def forward(self, x):
+            return super().forward(x - x.mean(-1, keepdim=True))
+
+    norm = CenteredRMSNorm(32)
+    assert fuse_rms_norms(norm) == 0 and "forward" not in norm.__dict__
     assert fuse_rms_norms(LlamaRMSNorm(32).to(torch.bfloat16)) == 0        # only fp32 is fused
     assert fuse_rms_norms(LlamaRMSNorm(32)) == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_gemma_norm_is_fused_with_one_plus_its_weight(native):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # scales by (1 + weight)
+
+    stock, fused = Gemma3RMSNorm(64, eps=1e-6), Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        stock.weight.normal_(0.0, 0.5)
+    fused.load_state_dict(stock.state_dict())
+    assert fuse_rms_norms(fused, native=native) == 1
+    assert torch.equal(fused.fused_weight, stock.weight.detach() + 1.0)
+    x = torch.randn(3, 64) * 3
+    with torch.inference_mode():
+        if native and fused.forward.func.__name__ == "_native_forward":
+            torch.testing.assert_close(fused(x), stock(x), rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(fused(x), stock(x))
 
 
 def test_unfused_runs_the_library_forward_then_fuses_again(monkeypatch):

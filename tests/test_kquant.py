@@ -13,7 +13,7 @@ from test_grid_linear import needs_kernel
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
-from eagle_lite.kernels import cpu_linear
+from eagle_lite.kernels import cpu_linear, running_fused
 from eagle_lite.kernels.grid_linear import Grid4, GridK, grid_of
 from eagle_lite.kernels.kquant import BLOCK_BYTES, attach_file_grids, grid_from_blocks, placed
 from eagle_lite.targets.model import Target
@@ -107,8 +107,11 @@ def write_gguf(path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
     writer.close()
 
 
-LAYOUTS = {  # each linear's K-quant: all Q4_K (the fused layer runs), or a Q4_K_M-like mix (their own products)
+LAYOUTS = {  # each linear's K-quant: all Q4_K, o and down as 8-bit K-quant codes (the fused layer runs both), or a
+    # Q4_K_M-like mix whose q/k/v are not of one kind (their own products)
     "q4_k": dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), "Q4_K"),
+    "k8_out": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q5_K", "gate_proj": "Q4_K",
+               "up_proj": "Q4_K", "down_proj": "Q6_K"},
     "mixed": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q5_K",
               "up_proj": "Q5_K", "down_proj": "Q6_K"},
 }
@@ -151,7 +154,9 @@ def test_a_k_quant_target_decodes_exactly_like_generate(layout, tmp_path):
     down = mlp.down_proj.cpu_product
     assert isinstance(down, cpu_linear._GridProduct)
     assert isinstance(down.grid, Grid4 if layout == "q4_k" else GridK)
-    if layout == "q4_k":                      # siblings of one kind share one product
+    fused = [running_fused(layer) is not None for layer in target.decoder.layers]
+    assert fused == [layout != "mixed"] * len(fused)   # the op takes Q4 and 8-bit K-quant codes, siblings of one kind
+    if layout != "mixed":                     # siblings of one kind share one product
         assert isinstance(attn.q_proj.sibling_product.product.grid, Grid4)
     else:                                     # q/k Q4_K beside a Q6_K v: each its own
         assert isinstance(attn.v_proj.cpu_product.grid, GridK) and isinstance(attn.q_proj.cpu_product.grid, Grid4)

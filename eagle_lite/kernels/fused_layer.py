@@ -11,9 +11,13 @@ the products, norms and attention as the native kernels compute them) in one cal
 The model class stays in charge: transformers' `LlamaModel.forward` embeds, builds the mask and the
 rotary cos/sin and calls each layer; only the layer's body changes. A layer is fused only after it
 computed the same output and the same cache keys/values as its own forward on a probe (a short prefix,
-then a small tree), so an architecture that differs (biases, q/k norms, another rotary layout, another
+then a small tree), so an architecture that differs (biases, Qwen 3's q/k norms, another rotary layout, another
 activation) keeps its own forward. Calls the op cannot take (a batch, more than `MAX_FUSED_ROWS` tokens,
 another cache class, gradients) run the layer's own forward.
+
+A Gemma 3 layer (q/k norms, a norm on the attention's and the MLP's outputs before their residual adds, GELU-tanh,
+its own rotary per layer type: sliding or full attention, whose masks agree within `Target.max_context`) runs as the
+same op with those norms (`extra_norms`) and `act=1`.
 
 An EAGLE-3 draft layer (heads/eagle3_layer.py: its attention reads [input_layernorm(embeds); hidden_norm(h)], 2H
 wide, the residual stream being h) runs as the same op, given the token embeddings beside h.
@@ -35,12 +39,13 @@ from torch import nn
 
 from ..kv_cache import StaticKVCache, with_cache
 from ..tree import attention_mask
-from .grid_linear import MAX_GRID_ROWS, Grid4, Grid8, GridWeight
+from .grid_linear import MAX_GRID_ROWS, Grid4, Grid8, GridK, GridWeight
 from .instance_forward import class_forwards
 from .native import kernel_available
 from .rotary_table import RotaryTable
 
 MAX_FUSED_ROWS = MAX_GRID_ROWS   # past this many tokens (a prompt's prefill) the layer's own forward is as fast
+GELU_TANH = ("GELUTanh", "PytorchGELUTanh")   # transformers' gelu_pytorch_tanh: the op's act=1
 
 
 def _grid(linear: nn.Module, siblings: tuple[str, ...], parent: nn.Module) -> GridWeight | None:
@@ -55,8 +60,12 @@ def _grid(linear: nn.Module, siblings: tuple[str, ...], parent: nn.Module) -> Gr
     else:
         product, bias = getattr(linear, "cpu_product", None), getattr(linear, "bias", None)
     grid = getattr(product, "grid", None)
-    # the op reads Q4 (uint8) and Q8 (int8) codes; a K-quant GridK keeps its own product
-    return grid if isinstance(grid, (Grid4, Grid8)) and bias is None else None
+    return grid if isinstance(grid, (Grid4, Grid8, GridK)) and bias is None else None
+
+
+def _sandwich(layer: nn.Module) -> bool:
+    """Whether `layer` has Gemma 2/3's norms before the MLP and after the attention and the MLP."""
+    return getattr(layer, "pre_feedforward_layernorm", None) is not None
 
 
 def _wide(layer: nn.Module) -> bool:
@@ -71,13 +80,21 @@ class _LayerParts:
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.index = attn.layer_idx
+        self.layer_type = _layer_type(layer)
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.scale = float(attn.scaling)
         self.wide = _wide(layer)
-        norms = (layer.hidden_norm if self.wide else layer.input_layernorm, layer.post_attention_layernorm)
-        self.norms = [n.weight.detach() for n in norms]
+        gemma = _sandwich(layer)
+        norms = (layer.hidden_norm if self.wide else layer.input_layernorm,
+                 layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
+        self.norms = [n.fused_weight.detach() for n in norms]
         self.eps = [float(n.fused_eps) for n in norms]
-        self.embed_norm = layer.input_layernorm.weight.detach() if self.wide else None
+        extra = (attn.q_norm, attn.k_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm) if gemma \
+            else ()
+        self.extra = torch.cat([n.fused_weight.detach() for n in extra]) if gemma else None   # one eps: _structured
+        self.extra_eps = float(attn.q_norm.fused_eps) if gemma else 0.0
+        self.act = int(type(mlp.act_fn).__name__ in GELU_TANH)
+        self.embed_norm = layer.input_layernorm.fused_weight.detach() if self.wide else None
         self.embed_eps = float(layer.input_layernorm.fused_eps) if self.wide else 0.0
         grids = [_grid(attn.q_proj, ("q_proj", "k_proj", "v_proj"), attn), _grid(attn.o_proj, ("o_proj",), attn),
                  _grid(mlp.gate_proj, ("gate_proj", "up_proj"), mlp), _grid(mlp.down_proj, ("down_proj",), mlp)]
@@ -95,7 +112,7 @@ class _LayerParts:
         return torch.ops.eagle_lite.decoder_layer(
             x, cos, sin, self._kv[1], self._kv[2], cache.length, mask,
             self.norms[0], self.norms[1], self.eps[0], self.eps[1], self.codes, self.scales, self.heads, self.scale,
-            embeds, self.embed_norm, self.embed_eps)
+            embeds, self.embed_norm, self.embed_eps, 0, self.extra, self.extra_eps, self.act)
 
 
     def packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[StaticKVCache],
@@ -108,7 +125,20 @@ class _LayerParts:
         return torch.ops.eagle_lite.decoder_layer_packed(
             x, cos, sin, [c.keys[self.index, 0] for c in caches], [c.values[self.index, 0] for c in caches],
             [c.length for c in caches], rows, masks, self.norms[0], self.norms[1], self.eps[0], self.eps[1],
-            self.codes, self.scales, self.heads, self.scale, embeds, self.embed_norm, self.embed_eps, skips)
+            self.codes, self.scales, self.heads, self.scale, embeds, self.embed_norm, self.embed_eps, skips,
+            self.extra, self.extra_eps, self.act)
+
+
+def _layer_type(layer: nn.Module) -> str | None:
+    """The layer's type where its model's rotary differs by type (Gemma 3: sliding or full attention), else None."""
+    return getattr(layer.self_attn, "layer_type", None)
+
+
+def _rotary_for(rotary: nn.Module, layer: nn.Module):
+    """`rotary` as `layer` calls it: rotary(x, position_ids), its layer type given where the module takes one."""
+    kind = _layer_type(layer)
+    return functools.partial(rotary, layer_type=kind) if kind and isinstance(getattr(rotary, "rope_type", None),
+                                                                          dict) else rotary
 
 
 def _structured(layer: nn.Module) -> bool:
@@ -120,9 +150,15 @@ def _structured(layer: nn.Module) -> bool:
              (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")
              + (("hidden_norm",) if _wide(layer) else ())]
+    if _sandwich(layer):   # Gemma 3: q/k norms, every norm of one eps, attention scores not soft-capped
+        norms += [layer.pre_feedforward_layernorm, getattr(layer, "post_feedforward_layernorm", None),
+                  getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        if getattr(attn, "attn_logit_softcapping", None) is not None or len({getattr(n, "fused_eps", None)
+                                                                                for n in norms[-4:]}) != 1:
+            return False
     return (all(isinstance(getattr(m, n, None), nn.Linear) for m, n in names)
             and all(n is not None and getattr(n, "fused_eps", None) is not None for n in norms)
-            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation") + GELU_TANH
             and isinstance(getattr(attn, "layer_idx", None), int)
             and isinstance(getattr(attn, "head_dim", None), int) and isinstance(getattr(attn, "scaling", None), float)
             and "forward" not in layer.__dict__)
@@ -237,7 +273,7 @@ def fuse_decoder_layers(layers: Iterable[nn.Module], rotary: nn.Module | None) -
         if not parts.complete:
             continue
         layer.fused_parts = parts
-        if not _agrees(layer, parts, rotary):
+        if not _agrees(layer, parts, _rotary_for(rotary, layer)):
             del layer.fused_parts
             continue
         layer.forward = functools.partial(_fused_wide_forward if parts.wide else _fused_forward, layer)
@@ -261,8 +297,16 @@ class FusedStack:
     Python); `Target.forward` calls it where `takes` says so and the model otherwise."""
 
     def __init__(self, decoder: nn.Module) -> None:
-        self.embed, self.rotary, self.norm = decoder.embed_tokens, RotaryTable(decoder.rotary_emb), decoder.norm
+        self.embed, self.norm = decoder.embed_tokens, decoder.norm
         self.parts = [layer.fused_parts for layer in decoder.layers]
+        per_type = isinstance(getattr(decoder.rotary_emb, "rope_type", None), dict)
+        self.kinds = [p.layer_type if per_type else None for p in self.parts]
+        self.rotary = {kind: RotaryTable(decoder.rotary_emb, kind) for kind in dict.fromkeys(self.kinds)}
+
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin), [T, D] each: one gather per rotary table (one per layer type)."""
+        rows = {kind: table(x, positions) for kind, table in self.rotary.items()}
+        return [rows[kind] for kind in self.kinds]
 
     def takes(self, t: int, cache) -> bool:
         return (0 < t <= MAX_FUSED_ROWS and isinstance(cache, StaticKVCache) and cache.pending == t
@@ -274,9 +318,8 @@ class FusedStack:
         Returns the final hidden states [T, H]; the T keys/values are written after the committed slots.
         taps: decoder layers whose outputs are also returned, concatenated: (hidden [T, H], taps [T, len*H])."""
         x = self.embed(input_ids)                                  # T H
-        cos, sin = self.rotary(x, positions)                       # T D each
         tapped = {}
-        for i, parts in enumerate(self.parts):
+        for i, (parts, (cos, sin)) in enumerate(zip(self.parts, self._cos_sin(x, positions))):
             x = parts(x, cos, sin, cache, visible)
             if i in taps:
                 tapped[i] = x
@@ -297,9 +340,8 @@ class FusedStack:
         rows = [c.pending for c in caches]
         masks = [v.contiguous() for v in visible]
         x = self.embed(input_ids)                                  # T H
-        cos, sin = self.rotary(x, positions)                       # T D each
         tapped = {}
-        for i, parts in enumerate(self.parts):
+        for i, (parts, (cos, sin)) in enumerate(zip(self.parts, self._cos_sin(x, positions))):
             x = parts.packed(x, cos, sin, caches, rows, masks)
             if i in taps:
                 tapped[i] = x

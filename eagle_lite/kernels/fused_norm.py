@@ -7,8 +7,9 @@ the sum of squares accumulated in another order, as any reduction kernel may) a 
 `F.rms_norm` the 61 norms are a visible share of a one-token forward.
 `fuse_rms_norms(module)` gives each RMSNorm under `module` an instance `forward` that calls the native
 kernel where it builds, else `F.rms_norm`, but only after checking on a probe input that it gives the
-module's own output (bit for bit for `F.rms_norm`; to float32 rounding, 1e-6, for the kernel): a norm
-that computes something else (Gemma's `1 + weight`, a different cast order) keeps its own forward.
+module's own output (bit for bit for `F.rms_norm`; to float32 rounding, 1e-6, for the kernel). The weight the
+op multiplies by (`fused_weight`) is the module's own, or `1 + weight` (Gemma's norms: the same fp32 add, made
+once); a norm that computes something else (a different cast order) keeps its own forward.
 `unfused(module)` runs a block on the library's forward (the stock baselines).
 """
 from __future__ import annotations
@@ -32,13 +33,13 @@ def _eps(norm: nn.Module) -> float | None:
 
 
 def _fused_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.fused_eps)
+    return F.rms_norm(x, norm.weight.shape, norm.fused_weight, norm.fused_eps)
 
 
 def _native_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() or x.dtype != torch.float32:   # the kernel has no backward; fp32 rows only
         return _fused_forward(norm, x)
-    return torch.ops.eagle_lite.rms_norm(x.contiguous(), norm.weight, norm.fused_eps)
+    return torch.ops.eagle_lite.rms_norm(x.contiguous(), norm.fused_weight, norm.fused_eps)
 
 
 def _candidate(norm: nn.Module) -> bool:
@@ -48,7 +49,7 @@ def _candidate(norm: nn.Module) -> bool:
             and weight.device.type == "cpu" and _eps(norm) is not None)
 
 
-def _agrees(norm: nn.Module, native: bool = False) -> bool:
+def _agrees(norm: nn.Module, weight: torch.Tensor, native: bool = False) -> bool:
     """Whether the fused op gives the module's own output on a deterministic probe (no RNG): exactly for
     `F.rms_norm`, to float32 rounding for the native kernel (its sum of squares runs in another order)."""
     size = norm.weight.shape[0]
@@ -57,15 +58,15 @@ def _agrees(norm: nn.Module, native: bool = False) -> bool:
         try:
             own = type(norm).forward(norm, x)
             if not native:
-                return torch.equal(own, F.rms_norm(x, (size,), norm.weight, _eps(norm)))
-            fused = torch.ops.eagle_lite.rms_norm(x, norm.weight.detach().contiguous(), _eps(norm))
+                return torch.equal(own, F.rms_norm(x, (size,), weight, _eps(norm)))
+            fused = torch.ops.eagle_lite.rms_norm(x, weight.detach().contiguous(), _eps(norm))
             return torch.allclose(fused, own, rtol=1e-6, atol=1e-6)
         except (RuntimeError, TypeError):
             return False
 
 
-def _native_ok(norm: nn.Module) -> bool:
-    return norm.weight.shape[0] % 8 == 0 and kernel_available() and _agrees(norm, native=True)
+def _native_ok(norm: nn.Module, weight: torch.Tensor) -> bool:
+    return norm.weight.shape[0] % 8 == 0 and kernel_available() and _agrees(norm, weight, native=True)
 
 
 def fuse_rms_norms(module: nn.Module, native: bool = True) -> int:
@@ -75,13 +76,17 @@ def fuse_rms_norms(module: nn.Module, native: bool = True) -> int:
     for norm in module.modules():
         if not _candidate(norm):
             continue
-        if native and _native_ok(norm):
-            forward = _native_forward
-        elif _agrees(norm):
-            forward = _fused_forward
+        for weight in (norm.weight, (norm.weight.detach() + 1.0).contiguous()):   # w * x, or (1 + w) * x
+            if native and _native_ok(norm, weight):
+                forward = _native_forward
+            elif _agrees(norm, weight):
+                forward = _fused_forward
+            else:
+                continue
+            break
         else:
             continue
-        norm.fused_eps = _eps(norm)
+        norm.fused_eps, norm.fused_weight = _eps(norm), weight
         norm.forward = functools.partial(forward, norm)
         fused += 1
     return fused

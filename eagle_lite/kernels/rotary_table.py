@@ -7,7 +7,8 @@ for positions 0..L-1 and gathered later are the module's own output for those po
 them, grown on demand by the module itself, and gathers each forward's rows in two ops.
 
 Rotary types whose frequencies depend on the sequence length (dynamic NTK, LongRoPE) change the module's output
-as the context grows; for them the table is not used and the module runs every time.
+as the context grows; for them the table is not used and the module runs every time. A module with a rotary per
+layer type (Gemma 3: sliding and full attention) has one table per type (`layer_type`).
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ class RotaryTable:
     """cos/sin [T, D] of `rotary` (transformers' rotary embedding module) for positions [T], from a table where
     the rotary type allows it (STATIC_ROPE), else from the module."""
 
-    def __init__(self, rotary: nn.Module) -> None:
+    def __init__(self, rotary: nn.Module, layer_type: str | None = None) -> None:
         self.rotary = rotary
-        self.static = getattr(rotary, "rope_type", "default") in STATIC_ROPE
+        self.kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        kind = getattr(rotary, "rope_type", "default")
+        self.static = (kind[layer_type] if isinstance(kind, dict) else kind) in STATIC_ROPE
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
@@ -32,7 +35,7 @@ class RotaryTable:
         """x: any tensor of the forward's dtype and device; positions: [T]. Returns (cos, sin), [T, D] each,
         contiguous."""
         if not self.static or torch.is_grad_enabled():
-            cos, sin = self.rotary(x[None], positions[None])
+            cos, sin = self.rotary(x[None], positions[None], **self.kwargs)
             return cos[0].contiguous(), sin[0].contiguous()
         table = self._cos
         need = int(positions.max()) + 1
@@ -42,5 +45,5 @@ class RotaryTable:
 
     def _build(self, x: torch.Tensor, rows: int) -> None:
         with torch.inference_mode():
-            cos, sin = self.rotary(x.new_zeros(1, 1), torch.arange(rows, device=x.device)[None])
+            cos, sin = self.rotary(x.new_zeros(1, 1), torch.arange(rows, device=x.device)[None], **self.kwargs)
         self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()

@@ -15,6 +15,9 @@
 // head's catch-up: no one reads those rows' outputs, only later rows' attention reads their keys); their
 // query, attention, o_proj and MLP are left out, and the output holds the other rows alone, in order. The kept
 // rows' results are what they are without skips (a row's arithmetic is its own).
+// With `extra_norms` (Gemma 3: the weights of its q_norm [D], k_norm [D], post-attention and post-MLP norms [H], one
+// after the other, each as the norm multiplies by: 1 + w) each head's q and k rows are normed before the rotary, and the attention's and the MLP's outputs are normed
+// before their residual adds; `act` 1 is GELU (tanh approximation, torch's own kernel) in place of silu.
 #include "kernels.h"
 
 namespace {
@@ -25,7 +28,11 @@ void product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sca
              const char* what) {
     const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
     TORCH_CHECK(y.size(0) == M && y.size(1) == N, what, ": output of the wrong shape");
-    if (codes.scalar_type() == at::kByte) {
+    if (codes.scalar_type() == at::kChar && scales.size(1) == K / 32 * K8::kScales) {   // Q5_K / Q6_K
+        check_grid<K8>(codes, scales, K, what);
+        grid_product<K8>(x.data_ptr<float>(), M, K, static_cast<const uint8_t*>(codes.data_ptr()),
+                         scales.data_ptr<float>(), y.data_ptr<float>(), N);
+    } else if (codes.scalar_type() == at::kByte) {
         check_grid<Q4>(codes, scales, K, what);
         grid_product<Q4>(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                          y.data_ptr<float>(), N);
@@ -36,11 +43,10 @@ void product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sca
     }
 }
 
-void norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y) {
+void norm_rows(const at::Tensor& x, const float* w, double eps, at::Tensor& y) {
     const int64_t H = x.size(1);
     for (int64_t r = 0; r < x.size(0); ++r)
-        rms_norm_row(x.data_ptr<float>() + r * H, w.data_ptr<float>(), H, static_cast<float>(eps),
-                     y.data_ptr<float>() + r * H);
+        rms_norm_row(x.data_ptr<float>() + r * H, w, H, static_cast<float>(eps), y.data_ptr<float>() + r * H);
 }
 
 // transformers' apply_rotary_pos_emb on one head row: (x * cos) + (rotate_half(x) * sin), rotate_half(x) =
@@ -96,7 +102,8 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
                       const std::vector<Segment>& segments, int64_t Hkv, int64_t D,
                       const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
                       at::TensorList codes, at::TensorList scales, int64_t heads, double scale,
-                      const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0, double eps0) {
+                      const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0, double eps0,
+                      const c10::optional<at::Tensor>& extra, double extra_eps, int64_t act_kind) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
                 "decoder_layer: x must be a contiguous float32 CPU tensor [T, hidden]");
     const int64_t T = x.size(0), H = x.size(1);
@@ -115,6 +122,22 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     TORCH_CHECK(codes[0].size(0) == qn + 2 * kn && codes[1].size(0) == H && codes[2].size(0) == 2 * inter &&
                 codes[3].size(0) == H, "decoder_layer: projection sizes do not match the head layout");
     const auto opts = x.options();
+    TORCH_CHECK(!extra.has_value() || (extra->numel() == 2 * D + 2 * H && extra->is_contiguous() &&
+                                       extra->scalar_type() == at::kFloat),
+                "decoder_layer: extra_norms is float32 [2 * head_dim + 2 * hidden] (q, k, post-attention, post-MLP)");
+    TORCH_CHECK(act_kind == 0 || act_kind == 1, "decoder_layer: act is 0 (silu) or 1 (gelu, tanh)");
+    const float xeps = static_cast<float>(extra_eps);
+    const float* qnw = extra.has_value() ? extra->data_ptr<float>() : nullptr;
+    const float* knw = extra.has_value() ? qnw + D : nullptr;
+    float normed_head[kMaxHeadDim];
+    // a head's row of q or k, normed first where the layer norms them, through the rotary
+    auto head_rope = [&](const float* in, const float* w, const float* c, const float* s, float* out) {
+        if (w != nullptr) {
+            rms_norm_row(in, w, D, xeps, normed_head);
+            in = normed_head;
+        }
+        rope_row(in, c, s, D, out);
+    };
 
     // attention block
     at::Tensor normed = at::empty({T, H}, opts);
@@ -135,7 +158,7 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
         }
         product(wide, codes[0], scales[0], qkv, "decoder_layer qkv");
     } else {
-        norm_rows(x, norm1, eps1, normed);
+        norm_rows(x, norm1.data_ptr<float>(), eps1, normed);
         product(normed, codes[0], scales[0], qkv, "decoder_layer qkv");
     }
     at::Tensor q = at::empty({Tk, heads, D}, opts);
@@ -153,10 +176,10 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
             const int64_t slot = g.start + t - g.row;
             if (t >= g.row + g.skip) {
                 const int64_t k = g.kept + t - g.row - g.skip;
-                for (int64_t h = 0; h < heads; ++h) rope_row(row + h * D, c, s, D, qp + (k * heads + h) * D);
+                for (int64_t h = 0; h < heads; ++h) head_rope(row + h * D, qnw, c, s, qp + (k * heads + h) * D);
             }
             for (int64_t h = 0; h < Hkv; ++h) {
-                rope_row(row + qn + h * D, c, s, D, g.kp + h * g.kh + slot * g.ks);
+                head_rope(row + qn + h * D, knw, c, s, g.kp + h * g.kh + slot * g.ks);
                 std::copy(row + qn + kn + h * D, row + qn + kn + (h + 1) * D, g.vp + h * g.vh + slot * g.vs);
             }
         }
@@ -168,6 +191,7 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     }
     at::Tensor o = at::empty({Tk, H}, opts);
     product(attn, codes[1], scales[1], o, "decoder_layer o");
+    if (extra.has_value()) norm_rows(o, knw + D, extra_eps, o);   // in place: a row's sum of squares comes first
     at::Tensor h = at::empty({Tk, H}, opts);
     const float* xp = x.data_ptr<float>();
     float* hp = h.data_ptr<float>();
@@ -180,13 +204,19 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
     // MLP block
     normed = normed.narrow(0, 0, Tk);   // the kept rows' share of the buffer: contiguous, no new allocation
-    norm_rows(h, norm2, eps2, normed);
+    norm_rows(h, norm2.data_ptr<float>(), eps2, normed);
     at::Tensor gate_up = at::empty({Tk, 2 * inter}, opts);
     product(normed, codes[2], scales[2], gate_up, "decoder_layer gate_up");
     at::Tensor act = at::empty({Tk, inter}, opts);
     const float* gup = gate_up.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    for (int64_t t = 0; t < Tk; ++t) {
+    if (act_kind == 1) {   // gelu(gate) * up: torch's gelu kernel (transformers' GELUTanh), then one multiply
+        const at::Tensor g = at::gelu(gate_up.narrow(1, 0, inter), "tanh");
+        const float* gp = g.data_ptr<float>();
+        for (int64_t t = 0; t < Tk; ++t)
+            for (int64_t i = 0; i < inter; ++i) actp[t * inter + i] = gp[t * inter + i] * gup[t * 2 * inter + inter + i];
+    }
+    for (int64_t t = 0; t < Tk && act_kind == 0; ++t) {
         const float* g = gup + t * 2 * inter;
         const float* u = g + inter;
         float* a = actp + t * inter;
@@ -202,6 +232,7 @@ at::Tensor layer_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     }
     at::Tensor down = at::empty({Tk, H}, opts);
     product(act, codes[3], scales[3], down, "decoder_layer down");
+    if (extra.has_value()) norm_rows(down, knw + D + H, extra_eps, down);
     at::Tensor out = at::empty({Tk, H}, opts);
     float* outp = out.data_ptr<float>();
     const float* dp = down.data_ptr<float>();
@@ -214,14 +245,16 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& norm1, const at::Tensor& norm2, double eps1, double eps2,
                          at::TensorList codes, at::TensorList scales, int64_t heads, double scale,
                          const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0,
-                         double eps0, int64_t skip) {
+                         double eps0, int64_t skip, const c10::optional<at::Tensor>& extra, double extra_eps,
+                         int64_t act) {
     TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, hidden]");
     const int64_t T = x.size(0);
     check_cache(keys, values, start, T);
     at::Tensor held;
     const bool* visible = eagle_lite::visible_flags(mask, T, start + T, held, "decoder_layer");
     return layer_rows(x, cos, sin, {segment_of(keys, values, start, 0, T, visible, skip, 0)}, keys.size(0),
-                      keys.size(2), norm1, norm2, eps1, eps2, codes, scales, heads, scale, embeds, norm0, eps0);
+                      keys.size(2), norm1, norm2, eps1, eps2, codes, scales, heads, scale, embeds, norm0, eps0, extra,
+                      extra_eps, act);
 }
 
 // Several sequences' new tokens packed into the rows of x (Target.verify): segment i is rows[i] rows over
@@ -233,7 +266,8 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
                                 const at::Tensor& norm2, double eps1, double eps2, at::TensorList codes,
                                 at::TensorList scales, int64_t heads, double scale,
                                 const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& norm0,
-                                double eps0, at::OptionalIntArrayRef skips) {
+                                double eps0, at::OptionalIntArrayRef skips, const c10::optional<at::Tensor>& extra,
+                                double extra_eps, int64_t act) {
     const int64_t n = static_cast<int64_t>(keys.size());
     TORCH_CHECK(n > 0 && static_cast<int64_t>(values.size()) == n && static_cast<int64_t>(starts.size()) == n &&
                 static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(masks.size()) == n,
@@ -259,7 +293,7 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
     TORCH_CHECK(row == x.size(0), "decoder_layer_packed: the segments' rows (", row, ") must be x's (", x.size(0),
                 ")");
     return layer_rows(x, cos, sin, segments, keys[0].size(0), keys[0].size(2), norm1, norm2, eps1, eps2, codes,
-                      scales, heads, scale, embeds, norm0, eps0);
+                      scales, heads, scale, embeds, norm0, eps0, extra, extra_eps, act);
 }
 
 }  // namespace
@@ -267,11 +301,13 @@ at::Tensor decoder_layer_packed(const at::Tensor& x, const at::Tensor& cos, cons
 TORCH_LIBRARY_FRAGMENT(eagle_lite, m) {
     m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, "
           "Tensor? mask, Tensor norm1, Tensor norm2, float eps1, float eps2, Tensor[] codes, Tensor[] scales, "
-          "int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, float eps0=0.0, int skip=0) -> Tensor");
+          "int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, float eps0=0.0, int skip=0, "
+          "Tensor? extra_norms=None, float extra_eps=0.0, int act=0) -> Tensor");
     m.def("decoder_layer_packed(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "
           "int[] starts, int[] rows, Tensor[] masks, Tensor norm1, Tensor norm2, float eps1, float eps2, "
           "Tensor[] codes, Tensor[] scales, int heads, float scale, Tensor? embeds=None, Tensor? norm0=None, "
-          "float eps0=0.0, int[]? skips=None) -> Tensor");
+          "float eps0=0.0, int[]? skips=None, Tensor? extra_norms=None, float extra_eps=0.0, int act=0) "
+          "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_lite, CPU, m) {

@@ -17,7 +17,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
     TORCH_CHECK(D % 8 == 0 && D <= eagle_lite::kMaxHeadDim && k.size(2) == D && v.size(2) == D &&
                 v.size(0) == Hkv && v.size(1) == S && Hkv > 0 && H % Hkv == 0,
-                "tree_attention: shapes do not match (D must be a multiple of 8, at most 128)");
+                "tree_attention: shapes do not match (D must be a multiple of 8, at most 256)");
     TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "tree_attention: D must be contiguous");
     at::Tensor held;
     const bool* visible = eagle_lite::visible_flags(mask, T, S, held, "tree_attention");

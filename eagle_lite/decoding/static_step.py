@@ -120,8 +120,7 @@ class StaticStep:
 
     mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
     by default); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto":
-    "cuda-graph" on CUDA, else "eager". (torch.compile's own CUDA graphs, mode reduce-overhead, replayed the draft
-    step wrongly on an H100 and were dropped.)
+    "cuda-graph" on CUDA, else "eager" (why not torch.compile's own CUDA graphs: docs/gpu.md).
     max_len: the cache slots to allocate up front (more are allocated when a call needs them, in blocks of
     `SLOT_BLOCK`: each growth recaptures or recompiles the steps; every step attends over all slots, so a benchmark
     sets it once, to about its longest call).

@@ -5,17 +5,9 @@ A method's own settings are declared once, on its options dataclass (`drafters/r
 
     exit_layer: int | None = option(None, "exit-layer", "draft with the target's first N layers", type=int)
 
-is the flag `--exit-layer` of every entry point and the key `exit_layer` of every config. Here:
-  add_method_flags(parser)          every registered method's flags
-  option_values(args or config)     the values given for them (a config's nested keys joined by `_`:
-                                    `lookahead: {window: 2}` is `lookahead_window`)
-  options_of(method, values)        that method's options dataclass, the fields not given at their defaults
-  config_keys()                     them all as config keys, null (eval.sweep's config takes them from here)
-  add_model_flags / load_from_flags the CLI's and the server's flags -> `load()` -> the GenerationConfig
-  add_device_flags, add_sampling_flags, add_tree_flags   its parts, which the eval tools declare their flags with
-  add_flag(parser, "target")        a flag more than one entry point takes (eagle_lite/config.py's `SHARED`: --target,
-                                    --draft, --threads, --max-new-tokens, --questions, --trees, ...)
-  add_method_flag(parser, methods)  --method over those registered methods, each with its registry summary
+is the flag `--exit-layer` of every entry point and the key `exit_layer` of every config (a config's nested keys
+joined by `_`: `lookahead: {window: 2}` is `lookahead_window`). Flags more than one entry point takes are
+eagle_lite/config.py's `SHARED` (`add_flag`).
 """
 from __future__ import annotations
 

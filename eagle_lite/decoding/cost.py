@@ -1,23 +1,13 @@
-"""What a step costs on this machine: the target's forward over a tree of n nodes (with the lm_head rows acceptance
-projects) after a context of c tokens, what each more sequence of a batch adds to it, and one forward of a draft
-head, measured once per host, device, target and head and cached. Decoding reads them and never changes them:
-method auto's choices then depend on no clock, so a seed reproduces a sampled answer.
+"""What a step costs on this machine: the target's forward over a tree of n nodes after a context of c tokens, what
+each more sequence of a batch adds, and one draft-head forward; measured once per host, device, target and head,
+and cached (a JSON file under $EAGLE_LITE_CACHE/costs; `refresh=True` or EAGLE_LITE_REFRESH_COSTS=1 measures again).
+Decoding never changes them, so no choice depends on a clock. docs/methods.md, "Costs", has what is timed.
 
     cost = step_cost(target)                    # measured on first use here, then read from the cache
-    cost.step(6)                                # seconds of a step that verifies 6 nodes (root included)
-    cost.step(6, context=500, sequences=3)      # ... 6 nodes of 3 sequences whose contexts average 500 tokens
+    cost.step(6, context=500, sequences=3)      # seconds of a step verifying 6 nodes (root included) of 3 sequences
     cost.draft(3)                               # seconds of 3 head forwards (where timed: `step_cost`)
 
-The forward is timed at two contexts (PREFIX and PREFIX + LONG tokens) and read linearly in between and beyond: a
-longer context makes every row's attention longer. A batch's sequences each read their own cache and are accepted
-and committed one by one: a step of s sequences costs s - 1 times `sequence` more than one sequence's step of
-the same rows (measured as a batch of BATCH one-node sequences against one chain of BATCH nodes), and each
-sequence's cache is read at its own context.
-
-The cache is a small JSON file under $EAGLE_LITE_CACHE (default ~/.cache/eagle_lite)/costs, named by a hash of what
-the figures depend on (the CPU model or GPU name, the torch threads, the target, its dtype and device, the head's
-shape); `step_cost(..., refresh=True)` (or EAGLE_LITE_REFRESH_COSTS=1) measures again. `Caps` (the tree cap of a
-server's batched step) reads them, as does method auto's controller (eagle_lite_wing/controller.py).
+Readers: `Caps` (the tree cap of a server's batched step) and eagle_lite_wing/controller.py.
 """
 from __future__ import annotations
 

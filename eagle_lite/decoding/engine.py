@@ -419,10 +419,8 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
     grafted path) keeps its first `cap` nodes. Sampled trees keep the drafter's own budget: which sampled nodes are
     kept must not depend on their draws.
 
-    Greedy sequences whose drafters propose step by step (`proposal`: EAGLE heads) propose together where two or
-    more do (`propose_together`): each head forward, the catch-up and each tree depth, runs once for all of them,
-    and they share its time. Each tree is the one its drafter proposes alone (to the rounding of the packed
-    forwards' sums).
+    Greedy sequences whose drafters have `proposal` (EAGLE heads) propose together (`propose_together`), sharing
+    its time; each tree is the one its drafter proposes alone (docs/serve.md, "Batched drafting").
 
     A drafter class with `seat` (method auto) is told of the step's batch first (`seat(drafters, configs)`: its
     controllers weigh the batch's step, which is what sizes their trees; their caps are None)."""

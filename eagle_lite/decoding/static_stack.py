@@ -1,25 +1,9 @@
-"""A Llama-family decoder layer in fewer device operations, for the static step (static_step.py).
-
-On a GPU a small target's step is bound by kernel launches: transformers' Llama layer dispatches 36 ops in fp32
-(each RMSNorm six: pow, mean, add, rsqrt, mul, mul; q, k and v three products; the rotary embedding five per
-tensor: mul, neg, cat, mul, add; two cache writes; gate and up two products), 44 in bf16 (the norms' casts).
-`StaticLayer` computes the same layer in 13:
-
-- each RMSNorm one `F.rms_norm` (fp32; in other dtypes the model's order kept: normalise in fp32, cast, then the
-  weight's product: four);
-- q, k and v one product over their weights stacked once (`qkv`), gate and up one (`gate_up`);
-- the rotary embedding over q, k and v at once: addcmul(x * cos, roll(x, D/2), sin'), where sin' is sin with its
-  first half negated (roll(x) * sin' is rotate_half(x) * sin to the bit) and v's heads get cos 1, sin 0 (v * 1 + 0
-  is v); cos' and sin' are built once per forward for every layer;
-- the two residual adds inside the o and down products (`addmm` with the residual as its input: one rounding
-  where the model rounds twice);
-- keys and values written in one `index_copy_`: the cache holds them in one buffer (`DeviceKVCache.kv`), keys the
-  first kv heads, values the rest, so the rotated k and v heads are written where they lie.
-
-The products run the same weights in other shapes, so a result can differ from the model's own layer in the last
-bits (as two GEMM kernels may); the static step keeps it only where a prompt and a tree through it give the layer's
-own outputs and cache entries within float rounding (`StaticStep._fused_problem`), and falls back to the model's
-own forward otherwise (an architecture with q/k norms, another rotary layout or activation, a softcap).
+"""A Llama-family decoder layer in fewer device operations, for the static step (static_step.py): `StaticLayer`
+computes transformers' layer (36 ops in fp32, 44 in bf16) in 13, with q/k/v and gate/up stacked (`qkv`,
+`gate_up`), the rotary embedding over q, k and v at once, the residual adds inside `addmm` and keys and values
+written in one `index_copy_` (`DeviceKVCache.kv`). Results may differ from the model's layer in the last bits; the
+static step keeps it only where a probe agrees within float rounding (`StaticStep._fused_problem`). docs/gpu.md,
+"Fewer launches", has the details.
 """
 from __future__ import annotations
 

@@ -2,18 +2,12 @@
 small read-back per step (`StepState.readback`: the accepted length, then the new tokens) and nothing else crossing
 to the host, so that it can be captured in CUDA graphs or compiled with `torch.compile(fullgraph=True)`.
 
-Every decision the engine (engine.py) makes on the host is a tensor op here: the caches are preallocated buffers
-written at slots given by a tensor under a slot mask (device_kv_cache.py); the draft tree is EAGLE-2's, grown by
-the code drafters/eagle.py grows its trees with (tree.py `Growth`, `rerank`) and padded to a bucket
-(static_tree.py), so each bucket has one verify graph; acceptance is `accept_greedy` over the target's next token
-at each node (its argmax, or sampled, its draw at one uniform per tree level: accept.py's rule for deterministic
-children); the commit moves the accepted path next to the prefix in one fixed-size copy. What fixed shapes change
-against the drafter: every level is expanded and min_prob marks unlikely nodes invalid (verified, never accepted:
-the same tokens come out), a top_k 1 chain grows as any other tree, and the prompt-lookup graft is left out.
-
-`StaticStep` is a step backend of the engine (engine.py `Engine.backend`): the engine's loop prefills through it
-(eagerly: its length varies), stops and counts. docs/gpu.md ("What one step is") has the design, the modes and the
-GPU commands.
+Every host decision of the engine is a tensor op here: slot-indexed caches (device_kv_cache.py), EAGLE-2's tree
+grown by drafters/eagle.py's code (tree.py `Growth`, `rerank`) padded to a bucket (static_tree.py), acceptance by
+`accept_greedy` (argmax, or a draw per tree level: accept.py's rule for deterministic children), the commit one
+fixed-size copy. Unlike the drafter: every level is expanded, min_prob marks nodes invalid instead of dropping them,
+and no prompt-lookup graft. `StaticStep` is a step backend of the engine (`Engine.backend`), which prefills through
+it, stops and counts. docs/gpu.md ("What one step is") has the design, the modes and the GPU commands.
 """
 from __future__ import annotations
 
@@ -126,8 +120,7 @@ class StaticStep:
 
     mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
     by default); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto":
-    "cuda-graph" on CUDA, else "eager". (torch.compile's own CUDA graphs, mode reduce-overhead, replayed the draft
-    step wrongly on an H100 and were dropped.)
+    "cuda-graph" on CUDA, else "eager" (why not torch.compile's own CUDA graphs: docs/gpu.md).
     max_len: the cache slots to allocate up front (more are allocated when a call needs them, in blocks of
     `SLOT_BLOCK`: each growth recaptures or recompiles the steps; every step attends over all slots, so a benchmark
     sets it once, to about its longest call).

@@ -1,26 +1,11 @@
 """EAGLE-2 drafting: the draft head grows a dynamic tree by cumulative log-probability, then reranks it
 (optionally keeping only nodes whose path probability reaches `TreeConfig.min_prob`). A prompt-lookup path is
-grafted on by composing it with `LookupGraft` (lookup_graft.py), as the registry does for method eagle. A parallel
-head (`DraftHead.parallel`) drafts through eagle_lite_wing/parallel.py instead, a drafter of its own.
+grafted on by composing it with `LookupGraft` (lookup_graft.py); a parallel head drafts in eagle_lite_wing/parallel.py.
 
-Sampling (temperature > 0) has two rules, `draft_sampling`:
-- "match": the tree is the head's top-k, as in greedy decoding, and acceptance draws the target's token and
-  follows the child that carries it (sample-and-match, accept.py). Exact; it accepts with the target's mass on
-  the children.
-- "q" (EAGLE's own sampling): each expanded node's children are *drawn* from the head's sampling distribution
-  q (the head's logits under the target's temperature / top-k / top-p), without replacement, and acceptance
-  tries them in draw order by sibling-wise recursive rejection: child c with min(1, p(c) / q_c(c)), else p <-
-  norm(max(p - q_c, 0)) (q_c: q less the siblings drawn before c). It accepts more where q is close to p.
-
-  That rule is exact only if, whenever acceptance reaches a child, the child is distributed as its q_c row
-  given everything acceptance has seen. So the tree that is kept may not depend on a node's own token except
-  through its descendants: the frontier and the final rerank rank a child by a *value* computed before it is
-  drawn, its parent's path probability times the q mass not drawn before it (1 - sum of its earlier siblings'
-  q). Values never increase from a node to its children or to its later siblings, and equal values rank the
-  earlier-made slot first, so whether a slot is kept is decided by the slots ranked above it, none of which
-  depends on the slot's own draw; the kept siblings are a prefix of the draw order, and the tree is connected.
-  (Ranking children by their own probability, as the top-k tree does, or verifying the deterministic top-k with
-  their softmax probabilities as q, over-accepts the likeliest tokens: tests/test_eagle_sampling.py shows both.)
+Sampling has two exact rules, `draft_sampling`: "match" (the head's top-k tree; acceptance follows the child
+carrying the target's draw) and "q" (children drawn from the head's q, accepted by sibling-wise recursive rejection;
+the tree is ranked by values fixed before each draw). docs/methods.md, "EAGLE's two sampling rules", has why each
+is exact; tests/test_eagle_sampling.py checks both.
 """
 from __future__ import annotations
 

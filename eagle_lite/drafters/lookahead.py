@@ -1,27 +1,10 @@
 """Lookahead decoding (Fu et al., 2024): Jacobi iteration over a window of future positions, a pool of the n-grams
 its trajectories produce, and candidate n-grams from the pool verified in the same target forward.
 
-Training-free like prompt lookup, but it also finds continuations that are not in the text: the target generates
-them itself, W streams at a time, on extra rows of the verify forward it runs anyway.
-
-The window: N - 1 levels of W tokens. Level 0 is a chain under the root (column i at depth i + 1); level j column i
-hangs under level j - 1 column i (depth i + 1 + j). So a window token attends to the prefix, the root, level 0 up
-to its own column and the lower levels of its column: the paper's window mask is a tree, and one step is one
-DraftTree: the root, the candidates (a trie of the latest G pool n-grams that start with the root's token), then
-the window. The engine verifies all of it in one forward.
-
-After acceptance (`observe`) the target's greedy tokens at the top level's W nodes continue the W columns: each
-column, level 0 to the top plus its new token, is an N-gram the target generated; it goes into the pool keyed by
-its first token, and the window moves up a level (level 0 dropped, the new tokens the top level). While the window
-fills (its first N - 2 steps) the new tokens are added as a level. The text's own N-grams (prompt and answer) go
-into the pool as the text grows. With `reset(keep > 0)` (the next turn of a chat) pool and window are kept.
-
-Exact whatever the pool holds: the tree is chosen deterministically (from argmaxes of earlier verifies), so greedy
-and sampled acceptance are the target's own (accept.py). The window's nodes are verified like the candidates': a
-node's context is its ancestors, so a window token the target agrees with is a token it would have chosen, and the
-walk may take it (Jacobi decoding's own acceptance); the candidates come first among the root's children, so where
-both hold the same token the walk follows the candidate. The window's KV entries, written past the committed
-prefix by the verify forward, are overwritten by the next one unless accepted (kv_cache.StaticKVCache.compact).
+One step is one DraftTree: the root, the candidates (a trie of the latest G pool n-grams that start with the root's
+token), then the window (N - 1 levels of W tokens, level j column i at depth i + 1 + j). `observe` moves the window
+up a level and pools the N-grams its columns completed; `reset(keep > 0)` keeps pool and window. Exact whatever the
+pool holds (the tree is chosen deterministically). docs/methods.md, "lookahead's window and pool", has the details.
 """
 from __future__ import annotations
 

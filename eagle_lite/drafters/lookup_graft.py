@@ -1,23 +1,9 @@
 """Prompt lookup composed with another drafter: graft the lookup continuation onto its tree, and while the
-answer copies its context, verify lookup chains alone.
-
-`TreeConfig.lookup` sets the graft: up to that many tokens that followed the latest earlier occurrence of the
-last 2-5 tokens become one more path of the tree (tree.graft_chain adds only the nodes the tree lacks). Once
-the target accepted such a chain whole, the answer is copying its context: the next tree is the lookup chain
-alone, longer (doubling while accepted whole, up to `copy_cap`), and the inner drafter sits the step out
-(`sit_out`: it reads the features it missed when it drafts again), so copying costs no draft time. Greedy steps
-only: a sampled step accepts a copied token with the target's probability of it, and on held-out prompts the graft
-cost more than it brought there (eagle 1.05x vanilla with it, 1.11x without at temperature 0.7; docs/methods.md),
-so sampled steps take the inner drafter's tree alone (staged's own graft is its method).
-
-Staged (method staged; Spector and Re 2023's staged speculation, with prompt lookup as the draft's own drafter):
-the inner EagleDrafter reads the lookup chain in the same head forward as its catch-up (`EagleDrafter.propose`'s
-probe), each chain token paired with the target's feature where the chain was copied from, since a head's later
-steps read its own outputs and cannot run side by side otherwise. Greedy on the head's argmax, the head accepts
-the longest prefix of the chain it agrees with and adds its own next token there: the path grafted is that chain,
-the head's own (approximate) greedy path, as deep as the head's agreement for one head forward instead of one a
-token. Where the head rejects the chain's first token, the tree is the head's alone. The target verifies every
-tree, so the output is exact either way; the stage only decides what is proposed.
+answer copies its context, verify lookup chains alone (up to `copy_cap`, the inner drafter sitting the step out).
+With `staged`, the inner EagleDrafter first reads the lookup chain and grafts the prefix it agrees with.
+Greedy steps only: sampled steps take the inner drafter's tree alone (a copied token is accepted with the target's
+probability of it; the graft did not pay there on held-out prompts). docs/methods.md, "Lookup grafts and staged",
+has the details.
 """
 from __future__ import annotations
 

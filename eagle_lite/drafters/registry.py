@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +143,6 @@ def _auto(target, o: EagleOptions) -> Drafter:
     from eagle_lite_wing.auto import build
 
     return build(target, o)
-
-
-def _staged(target, o: EagleOptions) -> Drafter:
-    return _eagle(target, o, staged=True)
 
 
 def _lookup(target, o: LookupOptions) -> Drafter:
@@ -296,8 +293,8 @@ METHODS: dict[str, Method] = {
                    "tree it grows from with --method eagle"),
     "eagle": Method(EagleOptions, _eagle, "an EAGLE draft head's dynamic tree (plus a prompt-lookup graft)",
                     _check_eagle, TREE),
-    "staged": Method(EagleOptions, _staged, "eagle whose head reads the prompt-lookup chain in its own forward and "
-                     "grafts the part it agrees with plus its next token", _check_eagle,
+    "staged": Method(EagleOptions, partial(_eagle, staged=True), "eagle whose head reads the prompt-lookup chain in "
+                     "its own forward and grafts the part it agrees with plus its next token", _check_eagle,
                      "it drafts eagle's tree with the same head: tune that with --method eagle"),
     "lookup": Method(LookupOptions, _lookup, "prompt n-gram lookup (training-free)", tune=CHAIN),
     "lookahead": Method(LookaheadOptions, _lookahead, "lookahead decoding: Jacobi window + n-gram pool (training-free)",

@@ -1,21 +1,9 @@
-"""EAGLE-1/2 heads in the published layout (SafeAILab/EAGLE `cnets1.py`; vLLM and SGLang `llama_eagle.py`).
-
-Folder: config.json (a Llama config) + model.safetensors or pytorch_model.bin:
-  fc.weight [H, 2H], fc.bias [H] (when present), layers.{i}.self_attn.{q,k,v,o}_proj.weight,
-  layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.post_attention_layernorm.weight, and
-  layers.{i}.input_layernorm.weight for i >= 1 only: layer 0 has no input norm.
-No norm, no lm_head: logits are the target's lm_head of the last layer's output; the embedding is the
-target's. A reduced draft vocabulary travels as SGLang's hot-token map (`hot_token_ids.pt`, a torch file of
-one int64 tensor of target ids, `--speculative-token-map`), which eagle_lite reads back.
-
-How eagle_lite's heads map onto it:
-- fc.bias is always written (zeros for a head without one) and config.json carries no "bias" key. The
-  official loader then builds fc with a bias (its default) and loads it; SGLang always builds one and loads
-  it; vLLM builds none and skips the key. A "bias" key would also give vLLM's and SGLang's Llama layers
-  attention biases (`attention_bias = config.attention_bias or config.bias`) that no checkpoint holds.
-- A head whose decoder layer normalizes its input (eagle_lite's own heads) is written as two layers: an
-  exact identity layer 0 (o_proj and down_proj zero: x + 0 + 0 = x) and its layer as layer 1, which keeps its
-  input norm in every loader. Reading such a folder back gives the one-layer head again.
+"""EAGLE-1/2 heads in the published layout (SafeAILab/EAGLE `cnets1.py`; vLLM and SGLang `llama_eagle.py`):
+config.json (a Llama config, no "bias" key) + model.safetensors or pytorch_model.bin (fc, layers.{i}.*; layer 0
+has no input norm; no norm, no lm_head, no embedding), and a reduced draft vocabulary as SGLang's
+`hot_token_ids.pt` (one int64 tensor of target ids). fc.bias is always written (zeros where the head has none); a
+head whose layer normalises its input is written behind an exact identity layer 0 and read back as one layer.
+docs/deploy.md ("Export", "The published layouts") has the file layout and why.
 """
 from __future__ import annotations
 

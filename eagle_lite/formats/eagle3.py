@@ -1,21 +1,9 @@
 """EAGLE-3 heads in the published layout (SafeAILab/EAGLE `cnets.py`, SpecForge `llama3_eagle.py`, vLLM and
-SGLang `llama_eagle3.py`).
-
-Folder: config.json (a Llama config + draft_vocab_size; SpecForge: architectures ["LlamaForCausalLMEagle3"],
-optionally eagle_config.eagle_aux_hidden_state_layer_ids) + model.safetensors or pytorch_model.bin:
-  fc.weight [H, 3H] (no bias), midlayer.self_attn.{q,k,v}_proj.weight [*, 2H], midlayer.self_attn.o_proj,
-  midlayer.mlp.*, midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight, norm.weight,
-  lm_head.weight [V_draft, H], d2t [V_draft] int64 offsets (target id = draft id + d2t[draft id]), t2d [V] bool.
-No embed_tokens: every loader takes the target's when the widths agree. EAGLE-3.1 heads (SpecForge's
-`"fc_norm": true`) add fc_norm.{0,1,2}.weight [H], an RMSNorm on each tapped layer before fc.
-
-Tapped layers. The head reads the residual stream entering the target's layers 2, L//2 and L-3 (official
-EAGLE, vLLM and SGLang defaults), which eagle_lite numbers as the outputs of layers 1, L//2-1 and L-4
-(`draft.published_feature_layers`, SpecForge's convention). An explicit
-`eagle_config.eagle_aux_hidden_state_layer_ids` means "output of layer i" to SpecForge and SGLang (which adds 1
-to get the layer whose input it captures) but "input of layer i" to vLLM: eagle_lite reads it as SpecForge and
-SGLang do (`aux_ids="output"`) unless told otherwise, and writes it only for a head whose taps are not the
-defaults.
+SGLang `llama_eagle3.py`): config.json (a Llama config + draft_vocab_size) + model.safetensors or
+pytorch_model.bin (fc [H, 3H], midlayer.*, norm, lm_head [V_draft, H], d2t offsets, t2d; no embed_tokens;
+EAGLE-3.1's fc_norm.{0,1,2}). Tapped layers are numbered by output (`draft.published_feature_layers`); explicit
+`eagle_aux_hidden_state_layer_ids` are read as SpecForge and SGLang do (`aux_ids="output"`) unless told otherwise,
+and written only for non-default taps. docs/deploy.md ("The published layouts", "The tap-layer-id pitfall").
 """
 from __future__ import annotations
 

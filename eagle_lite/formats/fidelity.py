@@ -1,20 +1,7 @@
-"""What each engine builds of an EAGLE-1/2 head, and what it loses of one it cannot build, measured.
-
-An engine that cannot build part of a head drafts with a different head: its output stays lossless (the target
-verifies), but a different share of drafted tokens may be accepted. The export measures that as the share of
-positions where the engine's first drafted token is the target's next token, against the head's own share, on a
-few prompts the target continues greedily (teacher-forced, as training's validation top-1); it prints what differs,
-and refuses the folder unless asked (--allow-lossy) only where the share drops by more than its margin
-(export.AGREEMENT_MARGIN).
-
-| engine   | fc bias                                   | reduced draft vocabulary (d2t)        |
-|----------|-------------------------------------------|---------------------------------------|
-| official | built (config without "bias")             | none: drafts over the full vocabulary |
-| sglang   | built                                     | `--speculative-token-map`             |
-| vllm     | not built; exact in the vLLM layout when  | none: drafts over the full vocabulary |
-|          | the head's layer has an input norm        |                                       |
-
-A layer-0 input norm is exact everywhere (formats/eagle.py writes it behind an identity layer 0).
+"""What each engine builds of an EAGLE-1/2 head, and what it loses of one it cannot build, measured: the share of
+positions where the engine's first drafted token is the target's next token, against the head's own, on a few
+prompts the target continues greedily. The export refuses a folder (unless --allow-lossy) only where the share
+drops by more than export.AGREEMENT_MARGIN. The table of what each engine builds: docs/deploy.md, "Export".
 """
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""A target as a standard Hugging Face model folder that other engines load as they are.
-
-`python -m eagle_lite.export --target smollm2 --out DIR` writes the embedded target (de-quantized from its GGUF,
-exactly the weights eagle_lite runs) so that vLLM, the official EAGLE code, OpenVINO's converter and every
-transformers version from 4.x on read it the same way:
-
-- weights under their transformers names, the tied embedding under `model.embed_tokens.weight` (with
-  `tie_word_embeddings: true` and no `lm_head.weight`, as the published SmolLM2 folders do: a folder that stores
-  the tied weight only as `lm_head.weight` gives vLLM an all-zero embedding), in `model.safetensors` plus a
-  one-shard `model.safetensors.index.json` (the official EAGLE code reads the embedding through the index);
-- config.json with `architectures` (vLLM, EAGLE and most tools dispatch on it), `rope_theta` and `torch_dtype` at
-  the top level as transformers 4.x reads them, beside transformers 5's `rope_parameters` and `dtype`, and no
-  GGUF `quantization_config`;
-- the fast tokenizer (`tokenizer.json`) under a tokenizer class every transformers version knows
-  (`PreTrainedTokenizerFast`, which runs `tokenizer.json` as it is), its chat template both in
-  `chat_template.jinja` and in tokenizer_config.json (older readers look only there).
+"""A target as a standard Hugging Face model folder that other engines load as they are
+(`python -m eagle_lite.export --target smollm2 --out DIR`: the exact weights eagle_lite runs, de-quantized from its
+GGUF): transformers names with the tied embedding under `model.embed_tokens.weight` (vLLM reads an `lm_head.weight`
+-only folder as a zero embedding), a one-shard safetensors index, config keys both transformers 4.x and 5 read, and
+the fast tokenizer with its chat template in both places. docs/deploy.md, "The target as a Hugging Face folder".
 """
 from __future__ import annotations
 

@@ -1,31 +1,16 @@
 """The EAGLE draft head: fc([embed(token); hidden]) -> one decoder layer, of the target's own architecture
-where its layers follow Llama's interface (`Target.llama_layers`: Llama, Qwen, Mistral, Phi, Gemma, ...), else
-a Llama layer of the target's sizes (GPT-2, GPT-NeoX, Falcon, Gemma 3, MoE models: `head_layer_classes`).
+where its layers follow Llama's interface (`Target.llama_layers`), else a Llama layer of the target's sizes
+(`head_layer_classes`).
 
 At sequence position t it reads the target's last hidden state f_t and the embedding of the token that
 followed, x_{t+1}, and predicts f_{t+1}; the target's frozen lm_head turns that into a distribution over
 x_{t+2}. The embeddings and lm_head are the target's (not stored with the head); the head may be
 restricted to a reduced draft vocabulary, `d2t[i]` being the target id of draft token i.
 
-Options, so that the published layouts load exactly (eagle_lite/formats/):
-- `input_norm=False`: the decoder layer has no input RMSNorm, as layer 0 of official EAGLE, vLLM and SGLang
-  heads (eagle_lite's own heads keep theirs, which they were trained with).
-- `fc_bias=False`: fc without a bias (EAGLE heads whose config says `"bias": false`).
-- `design="eagle3"`: the published EAGLE-3 head (`eagle3_layer.py`): fc maps the target's tapped layers
-  [low; mid; high] (3H) to H without a bias, the layer's attention reads [input_layernorm(embed);
-  hidden_norm(h)], and logits come from the head's own `norm` and `lm_head` over the draft vocabulary.
-  Later draft steps read the layer's pre-norm output (H wide), skipping fc.
-- `fc_norm=True` (design eagle3): an RMSNorm on each tapped layer before fc, EAGLE-3.1's input normalisation
-  (SpecForge's `fc_norm`: `fc_norm.{0,1,2}.weight`), so that fc reads taps of one scale whatever their depth.
-- `norm_output=True` (design eagle3): later draft steps read the layer's output after the head's final `norm`
-  instead of before it (vLLM's `norm_output`: the post-norm hidden state fed back), EAGLE-3.1's other norm.
-
-With `feature_layers` and the default design (eagle_lite's earlier EAGLE-3 variant), the tapped layers are
-projected to H by `fuse` and then read as the last hidden state would be.
-
-Parallel drafting (`parallel=K`, P-EAGLE; unproven here, eagle_lite_wing/parallel.py has how it drafts and what it
-measured): K-1 mask rows after the root's read two learned vectors (`mask_hidden`, `mask_embed`), which the head
-keeps so that such a folder (its own, or a published P-EAGLE one) loads, exports and runs.
+Options, so that the published layouts load exactly (eagle_lite/formats/, docs/deploy.md "The head's options"):
+`input_norm`, `fc_bias`, `design="eagle3"` (with `fc_norm`, `norm_output`), `feature_layers` (the default design
+fuses the taps by `fuse`), and `parallel=K` (P-EAGLE's mask vectors, kept so such heads load; it drafts in
+eagle_lite_wing/parallel.py).
 """
 from __future__ import annotations
 

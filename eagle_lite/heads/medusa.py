@@ -2,19 +2,12 @@
 
 Alignment (what the drafter and the training objective both assume): the target read x_0..x_t and gave
 its last hidden state f_t, from which its own lm_head predicts x_{t+1}. Head k (0-based) maps f_t to
-a feature whose logits under the target's frozen lm_head predict x_{t+k+2}: head 0 the token after
-the next, head k the token k + 2 positions past f_t's token.
+a feature whose logits under the target's frozen lm_head predict x_{t+k+2}.
 
-Each head is `num_layers` residual blocks h <- h + SiLU(W h + b), then the target's lm_head (not stored
-with the heads). W starts at zero, as in Medusa: an untrained head repeats the target's own next-token
-guess and training moves it from there.
-
-Medusa-1 as published (FasterDecoding v1) also gives each head its own vocabulary projection, trained with it:
-`vocab_size` builds those (`lm_heads`), which then score head k's feature instead of the target's lm_head
-(eagle_lite/formats/medusa.py imports such heads).
-
-Saved like EAGLE heads (eagle_lite/heads/checkpoint.py): model.safetensors + config.json with the target's
-fingerprint, `format` = "eagle_lite.medusa_heads".
+Each head is `num_layers` residual blocks h <- h + SiLU(W h + b), W starting at zero (an untrained head repeats
+the target's guess), then the target's lm_head, or with `vocab_size` its own (`lm_heads`, Medusa-1 as published,
+imported by eagle_lite/formats/medusa.py). Saved like EAGLE heads (heads/checkpoint.py), `format` =
+"eagle_lite.medusa_heads".
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""`python -m eagle_lite.serve`: an OpenAI-compatible HTTP server with continuous batching and lossless
-speculative decoding across concurrent requests.
+"""`python -m eagle_lite.serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) with continuous batching and
+lossless speculative decoding across concurrent requests.
 
     python -m eagle_lite.serve --port 8000                  # the embedded SmolLM2 target, the CLI's default method
-    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}]}'
 
-Requests join a running batch between steps and leave it when they finish (scheduler.py); each step drafts a
-tree per sequence and the target verifies all of them in one forward (`Engine.step`, `Target.verify`), each tree
-over its own KV cache, so every request gets what it would get alone (greedy: the CLI's answer). The trees shrink
-as the batch grows, down to plain decoding, from this machine's step costs (decoding/cost.py): a fixed method's
-caps (decoding/cost.py `Caps`), method auto's trees by its controllers, which weigh the batch's step
-(eagle_lite_wing/controller.py). docs/serve.md is the manual: endpoints, limits, errors, metrics.
-
-FastAPI (on uvicorn) rather than LitServe: LitServe batches requests into one `predict` call per batch and runs
-its own workers, whereas here the batch is the engine's own state, which requests join and leave between
-speculative steps and which streams tokens per step; that wants plain ASGI routes over one worker thread, which is
-what FastAPI gives (with its error handlers and streaming responses) and nothing more.
+Requests join a running batch between steps (scheduler.py); the target verifies every sequence's tree in one
+forward, each over its own KV cache, so every request gets what it would get alone. docs/serve.md is the manual:
+endpoints, limits, errors, metrics, tree caps, and why FastAPI rather than LitServe.
 """
 from __future__ import annotations
 

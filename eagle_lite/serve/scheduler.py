@@ -1,22 +1,12 @@
 """The batch loop: requests join a running batch between steps and leave it when they finish or are cancelled.
 
-One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (prefilled
-together by `Engine.begin_all`, each with a drafter of its own from a pool; a long prompt a part a turn), drops the
-ones whose client went away or whose text hit a stop string, then runs one `Engine.step` over the whole batch:
-every sequence drafts its tree, the target verifies all of them in one forward, every sequence accepts its own
-path. The tree cap of the step comes from the step costs (decoding/cost.py `Caps`); method auto's
-controllers need none: they weigh the batch's step themselves (eagle_lite_wing/controller.py, `seat`). Events go back to
-each request's `sink` (called on this thread; the HTTP layer hands them to its event loop): ("tokens", ids),
-("done", stats), ("error", message).
-
-A finished request's KV cache and drafter are kept (the last `Limits.prefix_cache` of them): a later prompt that
-starts with the same tokens (a chat template's system turn, the earlier turns of a conversation) is prefilled on
-that cache from where they part, as the CLI's next chat turn is. Kept caches count in the KV budget and are
-dropped, oldest first, when a request needs the memory.
-
-Admission is where the limits live: a full queue and a full KV memory budget refuse with 429 (`Refused`), a
-draining server with 503. The budget counts the target's KV cache slots every admitted request reserves (its
-prompt, its token budget and one tree: what `Engine.begin` allocates), so memory never grows past it.
+One worker thread owns the engine. Each turn it admits waiting requests while the batch has room (`Engine.begin_all`,
+each with a pooled drafter; a long prompt a part a turn), drops those cancelled or stopped, then runs one
+`Engine.step` over the batch, under the tree cap of `decoding.cost.Caps`. Events go back to each request's `sink`
+(called on this thread): ("tokens", ids), ("done", stats), ("error", message). The last `Limits.prefix_cache`
+finished requests' caches and drafters are kept for prompts that share their start. Admission enforces the limits:
+a full queue or KV budget (every admitted request's prompt, token budget and one tree) refuses with 429
+(`Refused`), a draining server with 503. docs/serve.md is the manual.
 """
 from __future__ import annotations
 

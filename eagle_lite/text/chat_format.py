@@ -1,18 +1,12 @@
 """How conversations become token ids: the tokenizer's own chat template, or a plain layout for base models.
 
-A base model (GPT-2, Pythia, a pretrained checkpoint) ships no chat template; it continues text. Its turns are
-then laid out as plain text, each followed by a blank line, and an assistant turn closed by the tokenizer's EOS
-token, so the same conversations can prompt it (generate, eval) and train a draft head for it (distillation,
-features), with the target's answer being its continuation of the text so far.
+A model without a chat template gets its turns as plain text, each followed by a blank line, an assistant turn
+closed by the EOS token, so the same conversations prompt it and train its head (docs/training.md, "The prompt
+layout"). Ids are built as the model's own tokenizer builds them: a chat template writes its own start token; the
+plain layout and plain text (`text_ids`, `--raw`) start with the tokens the tokenizer puts in front of a text (its
+BOS policy, `special_affixes`), and a prompt gets no policy EOS (the model continues it).
 
-Ids are built as the model's own tokenizer builds them. A chat template writes its own start token (transformers
-then adds none). The plain layout and plain text (`text_ids`, `--raw`) start with the tokens the tokenizer adds in
-front of a text (its BOS policy: a GGUF file's `tokenizer.ggml.add_bos_token`, a hub tokenizer's `add_bos_token` or
-post-processor; `special_affixes`): Gemma without its BOS writes junk. A policy EOS is left off a prompt, which the
-model continues; the plain layout closes each assistant turn with the EOS token itself.
-
-Every text is made valid before the tokenizer sees it (`clean_text`): bytes that were not UTF-8 become U+FFFD
-and NUL characters are dropped, so no input a person can type or pipe in stops a tokenizer.
+Every text is made valid first (`clean_text`): bytes that were not UTF-8 become U+FFFD and NUL characters are dropped.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """`--record DIR` (opt-in): every answer the CLI, the server or `load(record=DIR)` completes, written as token ids in
-the distill shard format, so that `python -m trainers.train data=recorded data.distill.start_from=DIR` trains a head
-on a user's own traffic with the normal recipe. Nothing is recorded unless asked.
+the distill shard format for `python -m trainers.train data=recorded data.distill.start_from=DIR`.
 
-A record is one answer: the whole sequence the target read and wrote (`input_ids`: the prompt, earlier turns of a
-chat included, then the answer) and the answer's span, the tokens the head learns from; earlier turns are context.
-The folder's `distill.json` names the target (its fingerprint) and the source, `recorded`; a folder holding another
-target's records is refused in one line. Records go to `shard-NNNNN.jsonl` files of at most `SHARD_SIZE` records, each
-rewritten whole (temporary file, then rename) after every answer: a kill loses no answer already written and never
-leaves half a shard. Several processes may record into one folder: each claims the shard numbers it writes (the file
-created exclusively), so no two write the same file; record ids name the process and its start time.
+A record is one answer: `input_ids` (the prompt, earlier turns included, then the answer) and the answer's span.
+`distill.json` names the target (another target's folder is refused in one line). Shards of at most `SHARD_SIZE`
+records are rewritten whole (temporary file, then rename) after every answer; each process claims the shard numbers
+it writes (created exclusively), so several may record into one folder. docs/training.md, "Your own traffic".
 """
 from __future__ import annotations
 

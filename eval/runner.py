@@ -50,7 +50,8 @@ def conversation_prompts(target: Target, question: Question, answers: list[list[
 
 def run(target: Target, questions: Iterable[Question], methods: dict[str, Method], cfg: GenerationConfig,
         baseline: str, warmup: bool = True, on_record: Callable[[Record], None] | None = None) -> list[Record]:
-    """Every turn of every question through every method (interleaved, so machine drift hits all alike).
+    """Every turn of every question through every method (interleaved, so machine drift hits all alike; the methods
+after the baseline take turns going first, so none always runs right after the same one).
 
     Multi-turn questions run in one conversation; the baseline's answers form the history so every
     method sees the same prompt. The greedy output of each method is compared to the baseline's (a sampled
@@ -65,12 +66,15 @@ def run(target: Target, questions: Iterable[Question], methods: dict[str, Method
         for name in order:
             methods[name](ids, warm)
     records: list[Record] = []
+    others, shift = order[1:], 0
     for q in questions:
         answers: list[list[int]] = []
         for turn in range(len(q.turns)):
             prompt = conversation_prompts(target, q, answers)
             ref = None
-            for name in order:
+            k = shift % max(1, len(others))
+            shift += 1
+            for name in [baseline] + others[k:] + others[:k]:
                 result = methods[name](prompt, cfg)
                 if name == baseline:
                     ref = result.token_ids

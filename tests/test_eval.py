@@ -38,7 +38,9 @@ def test_runner_compares_every_method_to_the_baseline(chat_target, tmp_path):
     cfg = GenerationConfig(max_new_tokens=10, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
     records = runner.run(chat_target, questions, methods, cfg, baseline="hf_generate", warmup=False)
     assert len(records) == 3 * 3                      # 3 turns (2 + 1) x 3 methods
-    assert [r.method for r in records[:3]] == ["hf_generate", "vanilla", "eagle"]   # interleaved
+    # interleaved, the baseline first; the others take turns going first
+    assert [r.method for r in records] == ["hf_generate", "vanilla", "eagle", "hf_generate", "eagle", "vanilla",
+                                           "hf_generate", "vanilla", "eagle"]
     assert all(r.identical_to_baseline for r in records), [r for r in records if not r.identical_to_baseline]
     assert {r.question_id for r in records} == {"1#0", "1#1", "2"}
     rows = report.summarize(records, "hf_generate")

@@ -241,16 +241,16 @@ def test_target_logits_equal_the_lm_head(llama, rows):
 
 
 def test_engine_sampling_with_a_grafted_lookup_path_matches_target(llama):
-    """EAGLE's tree plus a prompt-lookup path (TreeConfig.lookup): the sampled tokens keep the target's law."""
-    from conftest import eagle_drafter
-
+    """EAGLE's tree plus a prompt-lookup path (TreeConfig.lookup): the sampled tokens keep the target's law. Method
+    staged grafts onto sampled trees (eagle's graft joins greedy trees only)."""
     from eagle_lite.config import TreeConfig
+    from eagle_lite.drafters import EagleOptions, build
     from eagle_lite.heads.draft import DraftHead
 
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     prompt = [5, 6, 5, 6, 5, 6, 5]             # the 2-gram before each root has occurred: lookup proposes
     torch.manual_seed(0)
-    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
+    drafter = build("staged", llama, EagleOptions(head=DraftHead.for_target(llama)))
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda inp, tree: sizes.append(len(t := propose(inp, tree))) or t

@@ -95,6 +95,17 @@ def test_the_stack_runs_few_token_forwards_and_the_model_the_rest(monkeypatch):
     assert calls == [5, 1]
 
 
+def assert_decodes_like_generate(target) -> None:
+    """Plain decoding and eagle (a random head) on `target` emit transformers' greedy tokens, 40 of them."""
+    from test_engine import eagle_engine
+
+    prompt = list(range(3, 20))
+    ref = reference_greedy(target, prompt, 40)
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
+    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+
+
 def test_without_the_kernel_nothing_is_fused(monkeypatch):
     monkeypatch.setattr(fused_layer, "kernel_available", lambda: False)
     assert not any(_fused(make_target("llama", grid=True)))
@@ -103,16 +114,10 @@ def test_without_the_kernel_nothing_is_fused(monkeypatch):
 @pytest.mark.parametrize("wide", ["1", "0"])   # grid products 16 lanes wide where the CPU has AVX-512, or 8
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
 def test_fused_targets_decode_exactly_like_generate(family, wide, monkeypatch):
-    from test_engine import eagle_engine
-
     monkeypatch.setenv("EAGLE_LITE_AVX512", wide)
 
     target = make_target(family, grid=True)
-    prompt = list(range(3, 20))
-    ref = reference_greedy(target, prompt, 40)
-    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
-    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
-    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+    assert_decodes_like_generate(target)
 
 
 def test_the_models_own_forward_reaches_the_op_under_its_cache_keyword(monkeypatch):
@@ -241,8 +246,6 @@ def gemma3_target(grid: bool = True) -> Target:
 
 @pytest.mark.parametrize("wide", ["1", "0"])
 def test_gemma3_layers_run_as_one_op_and_decode_exactly_like_generate(wide, monkeypatch):
-    from test_engine import eagle_engine
-
     monkeypatch.setenv("EAGLE_LITE_AVX512", wide)
     target = gemma3_target()
     assert all(_fused(target)) and target.accelerated.stack is not None
@@ -259,11 +262,7 @@ def test_gemma3_layers_run_as_one_op_and_decode_exactly_like_generate(wide, monk
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     n = own_cache.length
     torch.testing.assert_close(fused_cache.keys[..., :n, :], own_cache.keys[..., :n, :], rtol=1e-4, atol=1e-5)
-    prompt = list(range(3, 20))
-    ref = reference_greedy(target, prompt, 40)
-    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
-    assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
-    assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+    assert_decodes_like_generate(target)
 
 
 def test_a_gemma3_layer_whose_extra_norms_the_op_left_out_is_refused(monkeypatch):

@@ -62,12 +62,12 @@ def model_sampling(target) -> dict:
            for k, v in GENERATE_DEFAULTS.items()}
     spec = str(getattr(target, "spec", "") or "")
     if spec.endswith(".gguf") and Path(spec).is_file():
-        from gguf import GGUFReader
+        from eagle_lite.kernels.kquant import gguf_header
 
-        fields = GGUFReader(spec).fields
+        metadata = gguf_header(spec)[0]
         for key, name in GGUF_KEYS.items():
-            if name in fields:
-                own[key] = type(own[key])(fields[name].contents())
+            if name in metadata:
+                own[key] = type(own[key])(metadata[name])
     return own
 
 

@@ -104,18 +104,18 @@ def placed(grid: GridWeight | _Rebuilt, weight: torch.Tensor, sums: torch.Tensor
 
 
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # GGUF value type -> bytes
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
 
-def k_quant_tensors(path: str | Path) -> list[tuple[str, str, int, int, np.ndarray]]:
-    """The K-quant tensors of a GGUF file: (name, kind, rows, cols, raw blocks as a read-only memory map).
+def gguf_header(path: str | Path) -> tuple[dict, list[tuple[str, int, list[int], int]], int]:
+    """A GGUF file's header: (its scalar and string metadata by key, its tensor table as (name, type id, dims, offset
+    from the data start), the data start in bytes). Arrays (the vocabulary) are skipped.
 
     Reads the header with `struct` rather than gguf's GGUFReader, which turns every metadata value (a 262k-token
-    vocabulary) into numpy views: slow on a large vocabulary, where only the tensor table is needed here."""
+    vocabulary) into numpy views: seconds on a large vocabulary, where only a few values are needed."""
     import mmap
     import struct
-
-    from gguf import GGMLQuantizationType
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         pos = 0
@@ -125,6 +125,12 @@ def k_quant_tensors(path: str | Path) -> list[tuple[str, str, int, int, np.ndarr
             out = struct.unpack_from("<" + fmt, buf, pos)
             pos += struct.calcsize("<" + fmt)
             return out[0] if len(out) == 1 else out
+
+        def text() -> str:
+            nonlocal pos
+            length = take("Q")
+            pos += length
+            return bytes(buf[pos - length:pos]).decode("utf-8", "replace")
 
         def skip(kind: int) -> None:
             nonlocal pos
@@ -144,24 +150,30 @@ def k_quant_tensors(path: str | Path) -> list[tuple[str, str, int, int, np.ndarr
         magic, version, n_tensors, n_kv = take("4sIQQ")
         if magic != b"GGUF" or version < 2:
             raise ValueError(f"{path}: not a GGUF file of version 2 or later")
-        alignment = 32
+        metadata: dict = {}
         for _ in range(n_kv):
-            length = take("Q")
-            key = bytes(buf[pos:pos + length])
-            pos += length
-            kind = take("I")
-            if key == b"general.alignment" and kind == 4:
-                alignment = take("I")
+            key, kind = text(), take("I")
+            if kind in _SCALAR:
+                metadata[key] = take(_SCALAR[kind])
+            elif kind == _STRING:
+                metadata[key] = text()
             else:
                 skip(kind)
         infos = []
         for _ in range(n_tensors):
-            length = take("Q")
-            name = bytes(buf[pos:pos + length]).decode("utf-8", "replace")
-            pos += length
+            name = text()
             dims = [take("Q") for _ in range(take("I"))]
             infos.append((name, take("I"), dims, take("Q")))
+        alignment = metadata.get("general.alignment", 32)
         start = (pos + alignment - 1) // alignment * alignment
+    return metadata, infos, start
+
+
+def k_quant_tensors(path: str | Path) -> list[tuple[str, str, int, int, np.ndarray]]:
+    """The K-quant tensors of a GGUF file: (name, kind, rows, cols, raw blocks as a read-only memory map)."""
+    from gguf import GGMLQuantizationType
+
+    _, infos, start = gguf_header(path)
     out = []
     for name, type_id, dims, offset in infos:
         kind = GGMLQuantizationType(type_id).name if type_id in GGMLQuantizationType._value2member_map_ else ""

@@ -62,7 +62,7 @@ def model_sampling(target) -> dict:
            for k, v in GENERATE_DEFAULTS.items()}
     spec = str(getattr(target, "spec", "") or "")
     if spec.endswith(".gguf") and Path(spec).is_file():
-        from eagle_lite.kernels.kquant import gguf_header
+        from eagle_lite.kernels import gguf_header
 
         metadata = gguf_header(spec)[0]
         for key, name in GGUF_KEYS.items():

@@ -16,6 +16,7 @@ from .accelerate import (
     attach_file_grids,
     draft_vocab_grid,
     few_rows_product,
+    gguf_header,
     needs_build,
     running_fused,
     stock,
@@ -23,5 +24,5 @@ from .accelerate import (
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
            "RotaryTable", "accelerate_head", "accelerate_target", "attach_file_grids",
-           "draft_vocab_grid", "few_rows_product",
+           "draft_vocab_grid", "few_rows_product", "gguf_header",
            "needs_build", "running_fused", "stock"]

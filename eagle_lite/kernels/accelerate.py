@@ -28,13 +28,13 @@ from .cpu_linear import FEW_ROWS, few_rows_product, pack_linears, unpacked
 from .fused_layer import MAX_FUSED_ROWS, FusedStack, fuse_decoder_layers, fuse_stack, running_fused, unfused_layers
 from .fused_norm import fuse_rms_norms, unfused
 from .grid_linear import MAX_GRID_ROWS, Grid8, GridWeight, grid_of
-from .kquant import attach_file_grids  # a K-quant GGUF file's codes beside its weights (targets/loading.py)
+from .kquant import attach_file_grids, gguf_header  # a K-quant GGUF file's codes beside its weights; its header
 from .native import kernel_available, needs_build
 from .rotary_table import RotaryTable
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_ROWS", "MAX_GRID_ROWS", "Accelerated", "CertifiedArgmax", "GridWeight",
            "RotaryTable", "accelerate_head", "accelerate_target", "attach_file_grids", "draft_vocab_grid",
-           "enabled", "few_rows_product",
+           "enabled", "few_rows_product", "gguf_header",
            "needs_build", "running_fused", "stock"]
 
 

@@ -31,7 +31,7 @@ from eagle_lite.threads import check_threads
 from . import report
 from .evaluation import EvalSettings, Stopped, add_static_flags, check_out_dir, evaluate, write_outputs
 
-ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle", "auto"]
+ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 # also available: staged (eagle whose head checks the lookup chain), eagle_q and eagle_match (eagle with one sampling
 # rule each, to compare both in one run), lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates),
 # layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC),
@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "questions", type=Path, note="adds its categories")
     add_flag(p, "per-task", default=3)
     add_flag(p, "max-new-tokens", default=128)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each turn through every method this many times (order rotating) and keep each "
+                        "method's fastest: a shared host only slows runs down (default: 1)")
     add_tree_flags(p)
     add_device_flags(p)
     add_sampling_flags(p.add_argument_group("sampling (temperature 0: greedy, every output checked against the "
@@ -79,7 +82,7 @@ def settings_of(args: argparse.Namespace) -> EvalSettings:
         tasks.append({"name": "file", "path": str(args.questions), "limit": args.per_task})
     target = target_of(args.target, getattr(args, "draft", None))
     return EvalSettings(target=target, dtype=args.dtype, device=args.device, methods=methods,
-                        baseline=methods[0], max_new_tokens=args.max_new_tokens, tasks=tasks,
+                        baseline=methods[0], max_new_tokens=args.max_new_tokens, repeats=args.repeats, tasks=tasks,
                         tree={"depth": args.tree_depth, "top_k": args.tree_top_k,
                               "total_tokens": args.tree_total_tokens, "lookup": args.tree_lookup,
                               "min_prob": args.tree_min_prob},
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     with arguments():
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if args.per_task < 0:
             raise ValueError(f"--per-task must be >= 0, got {args.per_task}")
         if args.static_max_len < 1:

@@ -57,6 +57,7 @@ class EvalSettings:
     baseline: str = "hf_generate"
     max_new_tokens: int = 128
     warmup: bool = True
+    repeats: int = 1             # each turn through every method this many times; a record keeps the fastest
     tree: dict = field(default_factory=dict)  # depth/top_k/total_tokens set over the head's recommended tree
     tasks: list[dict] = field(
         default_factory=lambda: [{"name": "sharegpt", "limit": 3}, {"name": "humaneval", "limit": 3}])
@@ -129,6 +130,8 @@ def check_settings(s: EvalSettings) -> None:
     if not isinstance(getattr(torch, str(s.dtype), None), torch.dtype):
         raise ValueError(f"unknown dtype {s.dtype!r}: use float32 or bfloat16")
     check_threads(s.threads, "threads")
+    if not isinstance(s.repeats, int) or s.repeats < 1:
+        raise ValueError(f"repeats must be a whole number >= 1, got {s.repeats!r}")
     if s.attention not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {s.attention!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if s.static is not None:
@@ -182,7 +185,8 @@ def evaluate(s: EvalSettings, progress: bool = True):
             bar.update()
 
         try:
-            runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup, on_record=on_record)
+            runner.run(target, questions, methods, cfg, baseline=s.baseline, warmup=s.warmup, on_record=on_record,
+                       repeats=s.repeats)
         except KeyboardInterrupt as err:   # keep the runs that finished: they are reported and written
             if not records:
                 raise
@@ -214,6 +218,7 @@ def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfi
                f"top_k {sampling.top_k}, seed {s.seed}, draft sampling "
                f"{s.eagle.draft_sampling or each_own} (outputs differ by draw: no identity "
                f"check)")
+            + (f" · each turn run {s.repeats} times, the fastest kept" if s.repeats > 1 else "")
             + (f" · {', '.join(static)}: static step, mode {s.static}, no lookup graft" if static else "")
             + (f" · {note}" if note else ""))
 

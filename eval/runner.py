@@ -49,14 +49,20 @@ def conversation_prompts(target: Target, question: Question, answers: list[list[
 
 
 def run(target: Target, questions: Iterable[Question], methods: dict[str, Method], cfg: GenerationConfig,
-        baseline: str, warmup: bool = True, on_record: Callable[[Record], None] | None = None) -> list[Record]:
+        baseline: str, warmup: bool = True, on_record: Callable[[Record], None] | None = None,
+        repeats: int = 1) -> list[Record]:
     """Every turn of every question through every method (interleaved, so machine drift hits all alike; the methods
 after the baseline take turns going first, so none always runs right after the same one).
 
     Multi-turn questions run in one conversation; the baseline's answers form the history so every
     method sees the same prompt. The greedy output of each method is compared to the baseline's (a sampled
     one is not: two exact samplers draw different tokens; `identical_to_baseline` stays None).
+    repeats: each turn runs through every method this many times in a row (the order rotating each time), and a
+    record keeps the fastest time: a shared host only ever slows a run down, so the least time is the closest to
+    the method's own. Every repeat of a greedy turn must give the same tokens (else the record is not identical).
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if baseline not in methods:
         raise ValueError(f"baseline '{baseline}' is not among the methods {list(methods)}")
     order = [baseline] + [m for m in methods if m != baseline]
@@ -71,15 +77,20 @@ after the baseline take turns going first, so none always runs right after the s
         answers: list[list[int]] = []
         for turn in range(len(q.turns)):
             prompt = conversation_prompts(target, q, answers)
-            ref = None
-            k = shift % max(1, len(others))
-            shift += 1
-            for name in [baseline] + others[k:] + others[:k]:
-                result = methods[name](prompt, cfg)
-                if name == baseline:
-                    ref = result.token_ids
-                    answers.append(ref)
-                diff = first_difference(result.token_ids, ref) if cfg.sampling.greedy else None
+            ref, runs = None, {}
+            for _ in range(repeats):
+                k = shift % max(1, len(others))
+                shift += 1
+                for name in [baseline] + others[k:] + others[:k]:
+                    result = methods[name](prompt, cfg)
+                    if ref is None:
+                        ref = result.token_ids
+                        answers.append(ref)
+                    runs.setdefault(name, []).append(result)
+            for name in runs:   # in the first repeat's order
+                result = min(runs[name], key=lambda r: r.seconds)
+                diffs = [first_difference(r.token_ids, ref) for r in runs[name]] if cfg.sampling.greedy else [None]
+                diff = next((d for d in diffs if d is not None), None)
                 n = len(result.token_ids)
                 rec = Record(
                     question_id=f"{q.question_id}#{turn}" if len(q.turns) > 1 else q.question_id,

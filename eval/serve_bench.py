@@ -2,18 +2,20 @@
 concurrent streaming clients over held-out prompts, aggregate tokens/s and per-request latency (time to first
 token and total, p50/p95), beside the same requests one at a time and the CLI's engine on the same prompts.
 
-    python -m eval.serve_bench                        # SmolLM2; vanilla, lookup, eagle, auto; 8 requests a level
+    python -m eval.serve_bench                        # SmolLM2; vanilla, lookup, eagle, default; 8 requests a level
     python -m eval.serve_bench --temperature 1.0      # every request sampled (OpenAI clients' default)
     python -m eval.serve_bench --methods eagle --clients 1,8 --requests 16 --max-tokens 64
+    python -m eval.serve_bench --rounds 3             # each level 3 times a method, taking turns; the fastest kept
 
-Each method's server runs as its own process (`python -m eagle_lite.serve` on 127.0.0.1, a free port), the clients
+Each method's server runs as its own process (`python -m eagle_lite.serve` on 127.0.0.1, a free port), all of them
+up at once so that at each level the methods take turns (drift on a shared host hits them alike); the clients
 are threads of this one; a level sends `--requests` requests (at least one per client), each client one at a time,
 and stops starting new ones after `--seconds`. Every request has `max_tokens` = --max-tokens and is greedy, its
 answer checked against the CLI engine's answer to the same prompt (the `identical` column), or with --temperature
 sampled (seed: the prompt's index; no identity check: a batch-mate's draws never move a request's, but the server's
 and the CLI's trees differ, and so do their draws). The CLI row is the
 engine alone in this process (`eagle_lite.load(...).generate`, what `python -m eagle_lite.generate` runs), before
-the server starts, so the two never share the CPU. The "at once, no HTTP" row is the server's own batch loop in this
+any server starts, so the two never share the CPU. The "at once, no HTTP" row is the server's own batch loop in this
 process (`batch_run`), given the largest level's number of prompts together: what that level would reach without
 HTTP, clients or arrival times. For method auto a second table splits each level's sequence steps by the
 controllers' choice (the server's /metrics), with the step time they predicted against the time measured.
@@ -44,12 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.serve_bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_flag(p, "target")
-    add_flag(p, "methods", default="vanilla,lookup,eagle,auto")
+    add_flag(p, "methods", default="vanilla,lookup,eagle,default")
     add_flag(p, "temperature", note="every request samples at it")
     p.add_argument("--clients", default="1,2,4,8", help="concurrency levels")
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least one per client)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seconds", type=float, default=120.0, help="a level starts no request after this long")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each level this many times per method, the methods taking turns, and keep each "
+                        "method's fastest round (a shared host only slows runs down)")
     add_flag(p, "questions", type=Path, default=QUESTIONS, note="the requests are their first turns")
     add_flag(p, "threads", default=2, note="the server's and the CLI run's")
     add_flag(p, "batch-threads")
@@ -82,7 +87,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     if not levels or min(levels) < 1:
         raise ValueError(f"--clients takes comma-separated counts >= 1 like 1,2,4,8, got {args.clients!r}")
     for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens),
-                        ("--max-batch", args.max_batch)):
+                        ("--max-batch", args.max_batch), ("--rounds", args.rounds)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if check_finite("--seconds", args.seconds) <= 0:
@@ -242,6 +247,14 @@ def choice_rows(before: dict[str, list[float]], after: dict[str, list[float]]) -
                 "measured_ms": 1e3 * v[3] / v[0]} for c, v in sorted(grown.items()) if v[0] > 0}
 
 
+def fastest(rounds: list[dict]) -> dict:
+    """A level's fastest round, its identical share the least of every round's (None when sampled)."""
+    row = dict(max(rounds, key=lambda r: r["tokens_per_s"]))
+    if row["identical"] is not None:
+        row["identical"] = min(r["identical"] for r in rounds)
+    return {**row, "rounds": len(rounds)}
+
+
 def level(url: str, model: str, questions: list[str], clients: int, args) -> tuple[dict, list[dict]]:
     """`clients` threads, each sending requests one at a time, `args.requests` in all (at least one each)."""
     import httpx
@@ -293,7 +306,8 @@ def main(argv=None) -> int:
     lines = ["| method | clients | requests | tokens/s | vs 1 client | vs CLI | TTFT p50 / p95 s | "
              "total p50 / p95 s | identical |", "|---|---|---|---|---|---|---|---|---|"]
     choices: list[str] = []
-    for method in methods:
+    alone: dict[str, tuple] = {}
+    for method in methods:   # the engine alone and the batch loop alone, before any server starts
         cli_rate, cli_answers = cli_run(args, method, questions[:max(args.requests, max(levels))])
         print(f"{method}: CLI engine {cli_rate:.1f} tokens/s", file=sys.stderr, flush=True)
         together = questions[:max(levels)]
@@ -302,27 +316,39 @@ def main(argv=None) -> int:
             sum(a == b for a, b in zip(batch_answers, cli_answers)) / len(together)
         print(f"{method}: batch loop, {len(together)} at once, no HTTP {batch_rate:.1f} tokens/s", file=sys.stderr,
               flush=True)
-        proc, url = start_server(args, method)
-        rows = []
-        try:
+        alone[method] = (cli_rate, cli_answers, batch_rate, batch_same, len(together))
+    servers: dict[str, tuple] = {}
+    runs: dict[str, list[list[dict]]] = {m: [[] for _ in levels] for m in methods}   # each level's rounds
+    try:
+        for method in methods:   # every server up (an idle one only holds memory), so levels interleave
+            servers[method] = start_server(args, method)
             with httpx.Client(timeout=600) as http:
-                one_request(http, url, model, questions[0], 8)   # warm-up
-            for clients in levels:
-                with httpx.Client(timeout=60) as http:   # auto's counters before and after the level
-                    before = auto_choices(http, url)
-                    row, results = level(url, model, questions, clients, args)
-                    row["choices"] = choice_rows(before, auto_choices(http, url))
-                row["identical"] = None if args.temperature else sum(
-                    r["text"] == cli_answers[r["question"]] for r in results
-                    if r["question"] < len(cli_answers)) / max(1, len(results))
-                rows.append(row)
-                print(f"{method}: {clients} clients {row['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
-        finally:
+                one_request(http, servers[method][1], model, questions[0], 8)   # warm-up
+        for i, clients in enumerate(levels):
+            for turn in range(args.rounds):
+                k = (i * args.rounds + turn) % len(methods)
+                for method in methods[k:] + methods[:k]:
+                    url, cli_answers = servers[method][1], alone[method][1]
+                    with httpx.Client(timeout=60) as http:   # auto's counters before and after the level
+                        before = auto_choices(http, url)
+                        row, results = level(url, model, questions, clients, args)
+                        row["choices"] = choice_rows(before, auto_choices(http, url))
+                    row["identical"] = None if args.temperature else sum(
+                        r["text"] == cli_answers[r["question"]] for r in results
+                        if r["question"] < len(cli_answers)) / max(1, len(results))
+                    runs[method][i].append(row)
+                    print(f"{method}: {clients} clients {row['tokens_per_s']:.1f} tokens/s", file=sys.stderr,
+                          flush=True)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=120)
+    for method in methods:
+        cli_rate, _, batch_rate, batch_same, together = alone[method]
+        rows = [fastest(rounds) for rounds in runs[method]]
         base = rows[0]["tokens_per_s"] if rows else 1.0
         lines.append(f"| {method} | CLI engine | {max(args.requests, max(levels))} | {cli_rate:.1f} | | 1.00 | | | |")
-        lines.append(f"| {method} | {len(together)} at once, no HTTP | {len(together)} | {batch_rate:.1f} | "
+        lines.append(f"| {method} | {together} at once, no HTTP | {together} | {batch_rate:.1f} | "
                      f"{batch_rate / base:.2f} | {batch_rate / cli_rate:.2f} | | | {share(batch_same)} |")
         for row in rows:
             lines.append(f"| {method} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.1f} | "

@@ -67,7 +67,7 @@ def settings_from(cfg) -> EvalSettings:
             _shaped(c.get(group) or {}, group, dict, f"{{{next(iter(keys))}: ...}}")
     return EvalSettings(target=target_of(c["target"], c.get("draft")), dtype=c["dtype"], methods=methods,
                         baseline=c["baseline"], max_new_tokens=_number(c, "max_new_tokens", int),
-                        warmup=bool(c["warmup"]), tree=tree, tasks=tasks,
+                        warmup=bool(c["warmup"]), repeats=_number(c, "repeats", int, 1), tree=tree, tasks=tasks,
                         per_category_limit=c["task"].get("per_category_limit"),
                         threads=None if threads is None else _number(c, "threads", int),
                         options=option_values(c),

@@ -170,6 +170,31 @@ def test_sampled_methods_draw_reproducibly_with_the_seed_and_are_not_compared(ch
     assert "| overall | eagle |" in report.markdown_table(report.summarize(records, "hf_generate"), "hf_generate")
 
 
+def test_repeats_rotate_the_order_keep_the_fastest_run_and_flag_a_repeat_that_differs(chat_target):
+    from eval.methods import Run
+
+    calls: list[str] = []
+
+    def fake(name: str, times: list[float], tokens: list[list[int]]):
+        def run(prompt, cfg):
+            i = sum(c == name for c in calls)
+            calls.append(name)
+            return Run(tokens[i % len(tokens)], times[i % len(times)], 3, [2, 1])
+        return run
+
+    methods = {"base": fake("base", [1.0], [[1, 2]]), "a": fake("a", [0.5, 0.2, 0.4], [[1, 2]]),
+               "b": fake("b", [0.3], [[1, 2], [1, 2], [1, 7]])}
+    records = runner.run(chat_target, [runner.Question("q", "chat", ["hello"])], methods, GenerationConfig(),
+                         baseline="base", warmup=False, repeats=3)
+    assert calls == ["base", "a", "b", "base", "b", "a", "base", "a", "b"]   # the others take turns going first
+    by = {r.method: r for r in records}
+    assert [r.method for r in records] == ["base", "a", "b"]   # in the first repeat's order
+    assert by["a"].seconds == 0.2 and by["a"].tokens_per_s == pytest.approx(10.0)
+    assert by["a"].identical_to_baseline and not by["b"].identical_to_baseline and by["b"].first_mismatch == 1
+    with pytest.raises(ValueError, match="repeats"):
+        runner.run(chat_target, [], methods, GenerationConfig(), baseline="base", repeats=0)
+
+
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 5, 3], [1, 2, 3]) == 1

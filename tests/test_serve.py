@@ -503,19 +503,29 @@ def test_requests_admitted_together_are_prefilled_in_packs(chat_target, monkeypa
 
 
 def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp_path):
-    """The load benchmark end to end on a tiny model: the server's answers at every level, and the batch loop's
-    without HTTP, equal the CLI engine's."""
+    """The load benchmark end to end on a tiny model: the server's answers at every level and round, and the batch
+    loop's without HTTP, equal the CLI engine's."""
     from eval.serve_bench import main
 
     out = tmp_path / "bench.json"
-    assert main(["--target", str(tiny_model_dir), "--methods", "vanilla,lookup", "--clients", "1,3",
+    assert main(["--target", str(tiny_model_dir), "--methods", "vanilla,lookup", "--clients", "1,3", "--rounds", "2",
                  "--requests", "3", "--max-tokens", "12", "--threads", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     for method in ("vanilla", "lookup"):
         got = report["methods"][method]
         assert got["batch_identical"] == 1.0 and got["batch_tokens_per_s"] > 0
         assert [row["clients"] for row in got["levels"]] == [1, 3]
-        assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 for row in got["levels"])
+        assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 and row["rounds"] == 2
+                   for row in got["levels"])
+
+
+def test_serve_bench_keeps_a_levels_fastest_round_and_its_least_identical_share():
+    from eval.serve_bench import fastest
+
+    rounds = [{"tokens_per_s": 90.0, "identical": 1.0}, {"tokens_per_s": 120.0, "identical": 1.0},
+              {"tokens_per_s": 100.0, "identical": 0.5}]
+    assert fastest(rounds) == {"tokens_per_s": 120.0, "identical": 0.5, "rounds": 3}
+    assert fastest([{"tokens_per_s": 5.0, "identical": None}])["identical"] is None
 
 
 def test_serve_bench_samples_with_auto(tiny_model_dir, tmp_path, capsys):
@@ -550,6 +560,7 @@ def test_serve_bench_splits_auto_steps_by_the_growth_of_its_counters():
     (["--clients", "0"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '0'"),
     (["--methods", "nosuch"], "error: --methods takes comma-separated methods of default, auto, eagle, "),
     (["--requests", "0"], "error: --requests must be >= 1, got 0"),
+    (["--rounds", "0"], "error: --rounds must be >= 1, got 0"),
     (["--seconds", "nan"], "error: --seconds must be a finite number, got nan"),
     (["--temperature", "-1"], "error: --temperature must be >= 0 (0: greedy), got -1.0"),
     (["--threads", "0"], "error: --threads must be a whole number >= 1"),

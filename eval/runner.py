@@ -60,6 +60,8 @@ after the baseline take turns going first, so none always runs right after the s
     repeats: each turn runs through every method this many times in a row (the order rotating each time), and a
     record keeps the fastest time: a shared host only ever slows a run down, so the least time is the closest to
     the method's own. Every repeat of a greedy turn must give the same tokens (else the record is not identical).
+    A method's record is emitted after its last repeat, so a run stopped part way through a turn keeps the methods
+    that finished it.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -78,7 +80,7 @@ after the baseline take turns going first, so none always runs right after the s
         for turn in range(len(q.turns)):
             prompt = conversation_prompts(target, q, answers)
             ref, runs = None, {}
-            for _ in range(repeats):
+            for repeat in range(repeats):
                 k = shift % max(1, len(others))
                 shift += 1
                 for name in [baseline] + others[k:] + others[:k]:
@@ -87,25 +89,30 @@ after the baseline take turns going first, so none always runs right after the s
                         ref = result.token_ids
                         answers.append(ref)
                     runs.setdefault(name, []).append(result)
-            for name in runs:   # in the first repeat's order
-                result = min(runs[name], key=lambda r: r.seconds)
-                diffs = [first_difference(r.token_ids, ref) for r in runs[name]] if cfg.sampling.greedy else [None]
-                diff = next((d for d in diffs if d is not None), None)
-                n = len(result.token_ids)
-                rec = Record(
-                    question_id=f"{q.question_id}#{turn}" if len(q.turns) > 1 else q.question_id,
-                    category=q.category, method=name, new_tokens=n, seconds=result.seconds,
-                    tokens_per_s=n / result.seconds if result.seconds > 0 else 0.0,
-                    target_forwards=result.target_forwards,
-                    accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
-                                        if result.accept_lengths else None),
-                    accept_lengths=result.accept_lengths,
-                    identical_to_baseline=(diff is None) if cfg.sampling.greedy else None, first_mismatch=diff,
-                )
-                records.append(rec)
-                if on_record is not None:
-                    on_record(rec)
+                    if repeat == repeats - 1:   # the method's last repeat: its record is final
+                        rec = record_of(q, turn, name, runs[name], ref, cfg.sampling.greedy)
+                        records.append(rec)
+                        if on_record is not None:
+                            on_record(rec)
     return records
+
+
+def record_of(q: Question, turn: int, name: str, results: list, ref: list[int], greedy: bool) -> Record:
+    """One method's record of one turn from its repeats: the fastest run's figures; a greedy record is identical
+    only if every repeat gave the baseline's tokens."""
+    result = min(results, key=lambda r: r.seconds)
+    diff = next((d for d in (first_difference(r.token_ids, ref) for r in results) if d is not None), None)
+    n = len(result.token_ids)
+    return Record(
+        question_id=f"{q.question_id}#{turn}" if len(q.turns) > 1 else q.question_id,
+        category=q.category, method=name, new_tokens=n, seconds=result.seconds,
+        tokens_per_s=n / result.seconds if result.seconds > 0 else 0.0,
+        target_forwards=result.target_forwards,
+        accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
+                            if result.accept_lengths else None),
+        accept_lengths=result.accept_lengths,
+        identical_to_baseline=(diff is None) if greedy else None, first_mismatch=diff if greedy else None,
+    )
 
 
 def finished_turns(records: list[Record], methods: int) -> list[Record]:

@@ -188,7 +188,7 @@ def test_repeats_rotate_the_order_keep_the_fastest_run_and_flag_a_repeat_that_di
                          baseline="base", warmup=False, repeats=3)
     assert calls == ["base", "a", "b", "base", "b", "a", "base", "a", "b"]   # the others take turns going first
     by = {r.method: r for r in records}
-    assert [r.method for r in records] == ["base", "a", "b"]   # in the first repeat's order
+    assert [r.method for r in records] == ["base", "a", "b"]   # in the last repeat's order
     assert by["a"].seconds == 0.2 and by["a"].tokens_per_s == pytest.approx(10.0)
     assert by["a"].identical_to_baseline and not by["b"].identical_to_baseline and by["b"].first_mismatch == 1
     with pytest.raises(ValueError, match="repeats"):

@@ -186,11 +186,22 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def tree_given(cfg: GenerationConfig) -> bool:
+    """Whether cfg's tree was set (an explicit `TreeConfig()` counts), rather than left at the generic default."""
+    return cfg.tree is not GENERIC_TREE
+
+
+GENERIC_TREE = TreeConfig()   # GenerationConfig's tree where none is given (this very object: `tree_given`)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
+    """tree: where none is given, a Pipeline runs its own (`Pipeline.tree`: the head's recommended tree for the
+    device), not the generic `TreeConfig()` an Engine runs."""
+
     max_new_tokens: int = 256
     sampling: SamplingConfig = SamplingConfig()
-    tree: TreeConfig = TreeConfig()
+    tree: TreeConfig = GENERIC_TREE
     seed: int | None = None
     stop_at_eos: bool = True
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import GenerationConfig, TreeConfig, resolve_tree
+from .config import GenerationConfig, TreeConfig, resolve_tree, tree_given
 from .decoding.drafter import Drafter, NoDrafter
 from .decoding.engine import Engine, GenerationStats
 from .drafters import registry
@@ -80,6 +80,13 @@ class Pipeline:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
         return GenerationConfig(**{"tree": self.tree, **overrides})
 
+    def completed(self, config: GenerationConfig | None) -> GenerationConfig:
+        """config as given, with this pipeline's tree where it sets none (None: `self.config()`): the generic
+        `TreeConfig()` is a GPU-sized tree, several times slower a step than a head's CPU tree."""
+        if config is None:
+            return self.config()
+        return config if tree_given(config) else replace(config, tree=self.tree)
+
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
         """Text (one user message) or chat messages -> prompt token ids, through the chat template (a base model
@@ -107,9 +114,10 @@ class Pipeline:
 
     def generate(self, prompt: str | list[dict] | list[int], config: GenerationConfig | None = None,
                  chat_template: bool = True) -> Output:
-        """config: None means `self.config()` (the head's recommended tree, greedy, 256 new tokens)."""
+        """config: None means `self.config()` (the head's recommended tree, greedy, 256 new tokens); a config
+        without a tree of its own runs `self.tree` too."""
         ids = self.prompt_ids(prompt, chat_template)
-        result = self.engine.generate(ids, config or self.config())
+        result = self.engine.generate(ids, self.completed(config))
         if self.recorder is not None:
             self.recorder.add(ids, result.token_ids)
         text = self.decode(result.token_ids) if self.target.tokenizer is not None else ""
@@ -124,7 +132,7 @@ class Pipeline:
         ids: list[int] = token_ids if token_ids is not None else []
         text = Detokenizer(self.decode)
         prompt_ids = self.prompt_ids(prompt, chat_template)
-        for step in self.engine.stream(prompt_ids, config or self.config(), stats):
+        for step in self.engine.stream(prompt_ids, self.completed(config), stats):
             ids += step
             piece = text.add(step)
             if piece:

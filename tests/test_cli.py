@@ -185,6 +185,29 @@ def test_the_heads_recommended_tree_is_the_default_and_flags_override_it(tiny_mo
     assert generation_config(build_parser().parse_args([]), lm.tree).tree == TreeConfig(2, 3, 5)
 
 
+def test_a_config_without_a_tree_runs_the_pipelines_tree_and_one_that_names_a_tree_runs_it(tiny_model_dir, tmp_path):
+    """GenerationConfig(...) built by hand carries the generic TreeConfig(), a GPU-sized tree: a Pipeline runs its
+    own (the head's recommended) tree in its place, unless the config names a tree, even TreeConfig() itself."""
+    from eagle_lite.config import GenerationConfig, TreeConfig
+    from eagle_lite.heads.checkpoint import save_head
+    from eagle_lite.heads.draft import DraftHead
+    from eagle_lite.pipeline import load
+
+    target = load(str(tiny_model_dir), method="vanilla").target
+    head = save_head(DraftHead.for_target(target), tmp_path / "head", target,
+                     extra={"tree": {"depth": 2, "top_k": 3, "total_tokens": 5}})
+    lm = load(str(tiny_model_dir), draft=str(head), method="eagle")
+    ran: list[TreeConfig] = []
+    engine_stream = lm.engine.stream   # the engine's generate runs its stream
+    lm.engine.stream = lambda ids, cfg, *rest: ran.append(cfg.tree) or engine_stream(ids, cfg, *rest)
+    lm.generate("hello there", GenerationConfig(max_new_tokens=4))
+    "".join(lm.stream("hello there", GenerationConfig(max_new_tokens=4, seed=1)))
+    lm.generate("hello there", GenerationConfig(max_new_tokens=4, tree=TreeConfig()))
+    lm.generate("hello there", GenerationConfig(max_new_tokens=4, tree=TreeConfig(1, 1, 1)))
+    lm.generate("hello there")
+    assert ran == [TreeConfig(2, 3, 5), TreeConfig(2, 3, 5), TreeConfig(), TreeConfig(1, 1, 1), TreeConfig(2, 3, 5)]
+
+
 def test_a_head_without_a_tree_for_the_device_is_noted_once_with_how_to_find_one(tiny_model_dir, tmp_path, capsys):
     """A freshly trained head recommends no tree: the CLI says which one runs and how to find this machine's; not
     when the head has one, nor when the tree flags choose it, nor for an untrained head (eval.tune refuses it)."""

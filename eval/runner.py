@@ -58,10 +58,10 @@ after the baseline take turns going first, so none always runs right after the s
     method sees the same prompt. The greedy output of each method is compared to the baseline's (a sampled
     one is not: two exact samplers draw different tokens; `identical_to_baseline` stays None).
     repeats: each turn runs through every method this many times in a row (the order rotating each time), and a
-    record keeps the fastest time: a shared host only ever slows a run down, so the least time is the closest to
-    the method's own. Every repeat of a greedy turn must give the same tokens (else the record is not identical).
-    A method's record is emitted after its last repeat, so a run stopped part way through a turn keeps the methods
-    that finished it.
+    record keeps the fastest time: other work on a shared host only slows a run down, so the least time is the closest
+    to the method's own (a host whose speed drifts between repeats is not corrected for). Every repeat of a greedy
+    turn must give the same tokens (else the record is not identical). A method's record is emitted after its last
+    repeat, so a run stopped part way through a turn keeps the methods that finished it.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=120.0, help="a level starts no request after this long")
     p.add_argument("--rounds", type=int, default=1,
                    help="run each level this many times per method, the methods taking turns, and keep each "
-                        "method's fastest round (a shared host only slows runs down)")
+                        "method's fastest round (other work on the host only slows a round down)")
     add_flag(p, "questions", type=Path, default=QUESTIONS, note="the requests are their first turns")
     add_flag(p, "threads", default=2, note="the server's and the CLI run's")
     add_flag(p, "batch-threads")

@@ -175,3 +175,25 @@ def test_prompts_prefilled_together_decode_what_each_does_alone(batch_target, mo
             out[i] += new
         running = [(i, s) for i, s in running if not s.done]
     assert out == alone
+
+
+def test_the_server_caps_price_a_sat_out_heads_catch_up_and_learn_its_row_cost():
+    """A plain step lets each head sit out and queue the features it missed; the next head step reads them all.
+    The caps charge that catch-up (queued rows x the running seconds of a row, spread over the steps a sequence has
+    left), learn the row cost from the head steps that paid it, and keep it out of the cap's own draft figure."""
+    from eagle_lite.decoding.cost import Caps, StepCost
+
+    caps = Caps(StepCost({1: 0.010, 4: 0.011, 16: 0.016, 32: 0.030}, sequence=0.001), max_nodes=5)
+    fresh = [(0, 200)] * 4                                    # 4 sequences, nothing queued, 200 tokens left each
+    head_cap = caps.choose(4, fresh)
+    assert head_cap > 1                                        # here drafting pays at 4 sequences
+    assert caps.choose(4, [(300, 200)] * 4) == head_cap        # the row cost is not known yet: nothing is charged
+    caps.observe(head_cap, [(3, 4.0, 0.001)] * 4, [0] * 4)     # a head step without a queue: its own drafting
+    own = caps.seen[head_cap][2]
+    caps.observe(head_cap, [(3, 4.0, own + 0.015)] * 4, [300] * 4)   # the same step after 300 rows queued each
+    assert caps.row == pytest.approx(0.06 / 1200)              # 4 x 15 ms over 1,200 rows
+    assert caps.seen[head_cap][2] == pytest.approx(own)        # the catch-up is not the cap's drafting
+    assert caps.choose(4, fresh) == head_cap
+    assert caps.choose(4, [(300, 8)] * 4) == 1                 # a long queue and few tokens left: plain steps
+    assert caps.choose(4, [(300, 100_000)] * 4) == head_cap    # paid once for a long answer: the head again
+    assert caps.choose(1, [(300, 8)]) is None                  # one sequence runs the configured tree

@@ -239,35 +239,52 @@ class Caps:
     """The tree cap of a batched step (a server's) for a drafter without a controller of its own (a fixed method):
     of CAPS up to the configured tree, the one of the most tokens per second,
 
-        rate(n) = B E(n) / (B draft(n) + cost.step(B n'(n), sequences=B))
+        rate(n) = B E(n) / (B draft(n) + catch_up(n) + cost.step(B n'(n), sequences=B))
 
     with the step costs above (method auto's controller weighs the same), and E(n), n'(n), draft(n) the running
     tokens, tree nodes and draft seconds sequences got at cap n (from a prior, `prior_tokens`). As the batch grows
     each node costs more and the caps shrink, down to plain steps. One sequence runs the configured tree: what the
-    CLI runs."""
+    CLI runs. A plain step lets a head sit out (it queues the target's features it did not read); the next head step
+    reads every sequence's queue first. catch_up(n > 1) prices that: each sequence's queued rows times the running
+    seconds of a queued row (learned from the head steps that caught up), spread over the steps the sequence has left
+    at E(n) tokens a step (a catch-up is paid once, for every later head step of the answer)."""
 
     def __init__(self, cost: StepCost, max_nodes: int) -> None:
         self.cost = cost
         self.caps = [c for c in CAPS if c < max_nodes] + [max_nodes]
         self.seen = {c: [prior_tokens(c), float(c), 0.0] for c in self.caps}
         self.count = {c: 0 for c in self.caps}
+        self.row, self.rows_seen = 0.0, 0      # seconds of one queued row in a head's catch-up; steps that taught it
 
-    def rate(self, batch: int, cap: int) -> float:
+    def rate(self, batch: int, cap: int, queued: list[tuple[int, int]] = ()) -> float:
         tokens, nodes, draft = self.seen[cap]
-        return batch * tokens / (batch * draft + self.cost.step(max(1, round(batch * nodes)), sequences=batch))
+        catch_up = sum(rows * self.row / max(1.0, left / tokens) for rows, left in queued) if cap > 1 else 0.0
+        return batch * tokens / (batch * draft + catch_up
+                                 + self.cost.step(max(1, round(batch * nodes)), sequences=batch))
 
-    def choose(self, batch: int) -> int | None:
-        """The cap for a step of `batch` sequences; None (the configured tree) for one sequence."""
+    def choose(self, batch: int, queued: list[tuple[int, int]] = ()) -> int | None:
+        """The cap for a step of `batch` sequences; None (the configured tree) for one sequence. queued: per
+        sequence, (feature rows its head has queued, tokens it has left)."""
         if batch <= 1:
             return None
-        return max(self.caps, key=lambda c: self.rate(batch, c))
+        return max(self.caps, key=lambda c: self.rate(batch, c, queued))
 
-    def observe(self, cap: int | None, per_sequence: list[tuple[int, float, float]]) -> None:
-        """A step at `cap` (None: the configured tree): per sequence, (tokens emitted, tree nodes, draft seconds)."""
+    def observe(self, cap: int | None, per_sequence: list[tuple[int, float, float]],
+                queued: list[int] | None = None) -> None:
+        """A step at `cap` (None: the configured tree): per sequence, (tokens emitted, tree nodes, draft seconds),
+        and the rows its head had queued before the step (a head step read them: their part of its draft seconds
+        teaches the row cost, and the cap's draft figure keeps the rest)."""
         cap = self.caps[-1] if cap is None else cap
         if cap not in self.seen:
             return
-        for figures in per_sequence:
+        rows = sum(queued) if queued is not None and cap > 1 else 0
+        # a batch's heads draft in one forward whose seconds its sequences share: the catch-up is learned per step
+        caught = max(sum(d for _, _, d in per_sequence) - len(per_sequence) * self.seen[cap][2], 0.0) if rows else 0.0
+        if rows:
+            self.row += max(CAP_EMA, 1.0 / (self.rows_seen + 1)) * (caught / rows - self.row)
+            self.rows_seen += 1
+        for tokens, nodes, draft in per_sequence:
+            draft -= caught / len(per_sequence)
             weight = max(CAP_EMA, 1.0 / (CAP_PRIOR + self.count[cap] + 1))
-            self.seen[cap] = [old + weight * (new - old) for old, new in zip(self.seen[cap], figures)]
+            self.seen[cap] = [old + weight * (new - old) for old, new in zip(self.seen[cap], (tokens, nodes, draft))]
             self.count[cap] += 1

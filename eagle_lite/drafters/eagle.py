@@ -90,6 +90,11 @@ class EagleDrafter:
         """Another drafter proposed this step (a lookup chain): keep its features for the next `propose`."""
         self._queued.append(inp.hidden)
 
+    @property
+    def queued_rows(self) -> int:
+        """Feature rows of sat-out steps that the next `propose` reads first (its catch-up, beyond its own step's)."""
+        return sum(h.shape[0] for h in self._queued)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [R, H] predicted features -> the head's logits over its vocabulary [R, V_draft] (float32)."""
         h = self.head.logit_features(h)                      # an EAGLE-3 head's own final norm, else h

@@ -394,14 +394,16 @@ class Scheduler:
         # drafters that are told the batch (`seat`: method auto's controllers) size their own trees from its rows;
         # a fixed method's tree is capped from the step costs
         controlled = all(hasattr(type(seq.drafter), "seat") for seq in seqs)
-        cap = None if controlled else self.cost.choose(len(seqs))
+        queued = [getattr(seq.drafter, "queued_rows", 0) for seq in seqs]   # a head's sat-out steps (cost.py Caps)
+        left = [seq.budget - seq.stats.new_tokens for seq in seqs]
+        cap = None if controlled else self.cost.choose(len(seqs), list(zip(queued, left)))
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))
         rows, _ = self.engine.last_verify
         self.last_cap = cap or 0
         if not controlled:
             self.cost.observe(cap, [(len(out), rows / len(seqs), seq.stats.draft_seconds - before)
-                                    for out, seq, before in zip(outs, seqs, drafting)])
+                                    for out, seq, before in zip(outs, seqs, drafting)], queued)
         if self.on_step is not None:
             self.on_step(len(seqs), cap or 0, rows, [len(out) for out in outs])
         kept = []

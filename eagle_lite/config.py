@@ -186,11 +186,6 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-def tree_given(cfg: GenerationConfig) -> bool:
-    """Whether cfg's tree was set (an explicit `TreeConfig()` counts), rather than left at the generic default."""
-    return cfg.tree is not GENERIC_TREE
-
-
 GENERIC_TREE = TreeConfig()   # GenerationConfig's tree where none is given (this very object: `tree_given`)
 
 
@@ -211,6 +206,11 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None:
             check_whole("seed", self.seed, 0, SEEDS)
+
+
+def tree_given(cfg: GenerationConfig) -> bool:
+    """Whether cfg's tree was set (an explicit `TreeConfig()` counts), rather than left at the generic default."""
+    return cfg.tree is not GENERIC_TREE
 
 
 # -- the flags more than one entry point takes, each declared once: `SHARED`, added to a parser by `add_flag` ----------

@@ -101,7 +101,8 @@ def record_of(q: Question, turn: int, name: str, results: list, ref: list[int], 
     """One method's record of one turn from its repeats: the fastest run's figures; a greedy record is identical
     only if every repeat gave the baseline's tokens."""
     result = min(results, key=lambda r: r.seconds)
-    diff = next((d for d in (first_difference(r.token_ids, ref) for r in results) if d is not None), None)
+    diffs = (first_difference(r.token_ids, ref) for r in results) if greedy else ()
+    diff = next((d for d in diffs if d is not None), None)
     n = len(result.token_ids)
     return Record(
         question_id=f"{q.question_id}#{turn}" if len(q.turns) > 1 else q.question_id,
@@ -111,7 +112,7 @@ def record_of(q: Question, turn: int, name: str, results: list, ref: list[int], 
         accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
                             if result.accept_lengths else None),
         accept_lengths=result.accept_lengths,
-        identical_to_baseline=(diff is None) if greedy else None, first_mismatch=diff if greedy else None,
+        identical_to_baseline=(diff is None) if greedy else None, first_mismatch=diff,
     )
 
 

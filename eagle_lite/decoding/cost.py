@@ -277,10 +277,9 @@ class Caps:
         cap = self.caps[-1] if cap is None else cap
         if cap not in self.seen:
             return
-        rows = sum(queued) if queued is not None and cap > 1 else 0
-        # a batch's heads draft in one forward whose seconds its sequences share: the catch-up is learned per step
-        caught = max(sum(d for _, _, d in per_sequence) - len(per_sequence) * self.seen[cap][2], 0.0) if rows else 0.0
-        if rows:
+        rows, caught = (sum(queued) if queued is not None and cap > 1 else 0), 0.0
+        if rows:   # a batch's heads draft in one forward whose seconds its sequences share: learned per step
+            caught = max(sum(d for _, _, d in per_sequence) - len(per_sequence) * self.seen[cap][2], 0.0)
             self.row += max(CAP_EMA, 1.0 / (self.rows_seen + 1)) * (caught / rows - self.row)
             self.rows_seen += 1
         for tokens, nodes, draft in per_sequence:

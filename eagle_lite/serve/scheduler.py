@@ -394,9 +394,10 @@ class Scheduler:
         # drafters that are told the batch (`seat`: method auto's controllers) size their own trees from its rows;
         # a fixed method's tree is capped from the step costs
         controlled = all(hasattr(type(seq.drafter), "seat") for seq in seqs)
-        queued = [getattr(seq.drafter, "queued_rows", 0) for seq in seqs]   # a head's sat-out steps (cost.py Caps)
-        left = [seq.budget - seq.stats.new_tokens for seq in seqs]
-        cap = None if controlled else self.cost.choose(len(seqs), list(zip(queued, left)))
+        cap, queued = None, None
+        if not controlled:   # each head's rows queued by sat-out steps, priced against the tokens it has left
+            queued = [getattr(seq.drafter, "queued_rows", 0) for seq in seqs]
+            cap = self.cost.choose(len(seqs), [(q, seq.budget - seq.stats.new_tokens) for q, seq in zip(queued, seqs)])
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))
         rows, _ = self.engine.last_verify

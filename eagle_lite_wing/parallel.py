@@ -45,12 +45,13 @@ class ParallelDrafter(EagleDrafter):
         _, logits = yield HeadCall(self, features, embeds, torch.arange(n, n + t, device=dev),
                                    torch.ones(t, t, dtype=torch.bool, device=dev).tril_(), m - 1)
         self.cache.commit(m)
+        real = self.cache.length
         try:
             sampling = inp.sampling if self.draft_sampling == "q" and not inp.sampling.greedy else None
             return grow_tree(inp.root, logits[:1], rows_by_depth(logits), tree.capped(logits.shape[0]), sampling,
                              inp.generator, self.head.d2t, self.target.vocab_size)
         finally:
-            self.cache.truncate(n + m)
+            self.cache.truncate(real)
 
 
 def rows_by_depth(logits: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

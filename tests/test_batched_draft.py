@@ -121,3 +121,47 @@ def test_sampled_sequences_draft_alone(monkeypatch):
             for i, p in enumerate(prompts(3))]
     engine.step(seqs)
     assert rec.packed and max(rec.packed) == 1
+
+
+def test_a_head_back_from_many_plain_steps_reads_a_window_of_them_at_their_own_positions(batch_target, monkeypatch):
+    """A head that sat out more plain steps than `catch_up_window` reads only the last rows of them on its return:
+    at their own positions (their keys are those a head that read everything wrote there), the dropped positions a
+    hole in its cache; the output stays the target's greedy output, and `reset` keeps no pair past the hole."""
+    from eagle_lite.drafters.eagle import EagleDrafter
+
+    target = batch_target
+    head = make_head(target, "eagle")
+    cfg = GenerationConfig(max_new_tokens=40, tree=TREE, stop_at_eos=False)
+    prompt = prompts(4)[2]
+    want = Engine(target, EagleDrafter(target, head)).generate(prompt, cfg).token_ids
+    calls = []
+    answer_all = eagle_module.HeadCall.answer_all
+
+    def recorded(batch):
+        calls.append([(c.drafter, c.positions.tolist()) for c in batch])
+        return answer_all(batch)
+
+    monkeypatch.setattr(eagle_module.HeadCall, "answer_all", staticmethod(recorded))
+    engine = Engine(target)
+    runs = {}
+    for window in (None, 4):
+        monkeypatch.setattr(EagleDrafter, "catch_up_window", window)
+        drafter = EagleDrafter(target, head)
+        seq, out = engine.begin(prompt, cfg, drafter=drafter)
+        out, steps = list(out), 0
+        while not seq.done:
+            sat_out = 3 <= steps < 13                       # ten plain steps, then the head again
+            before = drafter.cache.length
+            calls.clear()
+            out += engine.step([seq], [1 if sat_out else None])[0]
+            if steps == 13:
+                caught = next(positions for d, positions in calls[0] if d is drafter)
+                runs[window] = (before, caught, drafter.cache.length, drafter.cache.keys.clone())
+            steps += 1
+        assert out == want, f"window {window}"
+    (full_before, full_pos, full_after, full_keys), (before, pos, after, keys) = runs[None], runs[4]
+    assert before == full_before                             # the same pairs up to the sit-out
+    assert pos == full_pos[-len(pos):] and len(pos) < len(full_pos) and pos[0] > before   # later rows, own positions
+    assert after - before == len(pos) and full_after - full_before == len(full_pos)
+    assert torch.allclose(keys[..., before:after, :], full_keys[..., pos[0]:pos[-1] + 1, :], atol=1e-4)
+    assert drafter.reset(len(out) + 8, keep=len(out) - 1) == before   # nothing kept past the hole

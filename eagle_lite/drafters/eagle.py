@@ -28,6 +28,10 @@ from ..tree import DraftTree, Growth, SampledRows, candidate_parents, log_floor,
 class EagleDrafter:
     name = "eagle"
     fixed_shape = True   # the static step drafts its head's tree (decoding/drafter.py)
+    # the most feature rows of sat-out steps a head reads on its return: older ones are dropped and their positions
+    # left as a hole in its cache (its attention skips them; drafts are verified, so output is unchanged), which
+    # bounds a catch-up after many plain steps. None: read them all. Off where features are kept for probes.
+    catch_up_window: int | None = 32
 
     def __init__(self, target, head: DraftHead, round_head: bool = True, draft_sampling: str = "q") -> None:
         """round_head: on CPU, run the head's linears from Q8_0 codes rounded from its fp32 weights (a
@@ -58,6 +62,9 @@ class EagleDrafter:
         self._features: torch.Tensor | None = None  # [>= cache.length, H']: row t is f_t of the head's pair t
         self.probe_top: list[int] = []             # the head's greedy tokens of the last `probe` (see propose)
         self._queued: list[torch.Tensor] = []     # features the head has not read yet (steps it sat out)
+        self.queued_rows = 0                       # their rows: the catch-up its next `propose` reads first
+        self._holes: list[tuple[int, int]] = []   # (cache slot, positions missing before it): dropped sat-out rows
+        self._dropped = 0                          # rows dropped from the queue, the hole its catch-up leaves
 
     def sibling(self) -> EagleDrafter:
         """A drafter of the same head with per-sequence state of its own and all else shared (the head and its
@@ -75,9 +82,10 @@ class EagleDrafter:
             self.cache = StaticKVCache(1, kv_heads, head_dim, need, self.lm_weight.dtype, self.lm_weight.device)
         elif self.cache.max_len < need:
             self.cache = self.cache.grown(need)
-        # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged
-        self.cache.truncate(min(keep, self.cache.length))
-        self._queued = []
+        # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged; slot t is pair t up to the
+        # first hole
+        self.cache.truncate(min(keep, self.cache.length, *(slot for slot, _ in self._holes[:1])))
+        self._queued, self.queued_rows, self._holes, self._dropped = [], 0, [], 0
         return self.cache.length
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
@@ -87,13 +95,18 @@ class EagleDrafter:
         return ids if self.head.d2t is None else self.head.d2t[ids]
 
     def sit_out(self, inp: DraftInput) -> None:
-        """Another drafter proposed this step (a lookup chain): keep its features for the next `propose`."""
+        """Another drafter proposed this step (a lookup chain, a plain step): keep its features for the next
+        `propose`, at most `catch_up_window` rows of them."""
         self._queued.append(inp.hidden)
-
-    @property
-    def queued_rows(self) -> int:
-        """Feature rows of sat-out steps that the next `propose` reads first (its catch-up, beyond its own step's)."""
-        return sum(h.shape[0] for h in self._queued)
+        self.queued_rows += inp.hidden.shape[0]
+        window = None if self.keep_features else self.catch_up_window
+        while window is not None and self.queued_rows > window:
+            first = self._queued.pop(0)
+            drop = min(self.queued_rows - window, first.shape[0])
+            if drop < first.shape[0]:
+                self._queued.insert(0, first[drop:])
+            self._dropped += drop
+            self.queued_rows -= drop
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [R, H] predicted features -> the head's logits over its vocabulary [R, V_draft] (float32)."""
@@ -122,12 +135,15 @@ class EagleDrafter:
         return propose_together([self.proposal(inp, tree, probe)])[0]
 
     def _caught_up(self, inp: DraftInput) -> tuple[DraftInput, int, int]:
-        """(inp with the features of the steps it sat out before its own, the m features it brings, the n real
-        pairs already in the draft cache)."""
+        """(inp with the features of the steps it sat out before its own, the m features it brings, the position
+        of the first: the n real pairs already in the draft cache and the positions its holes skip)."""
         if self._queued:
             inp = DraftInput(inp.tokens, torch.cat(self._queued + [inp.hidden]), inp.sampling, inp.generator)
-            self._queued = []
-        m, n = inp.hidden.shape[0], self.cache.length
+            self._queued, self.queued_rows = [], 0
+        if self._dropped:
+            self._holes.append((self.cache.length, self._dropped))
+            self._dropped = 0
+        m, n = inp.hidden.shape[0], self.cache.length + sum(size for _, size in self._holes)
         if n + m + 1 != len(inp.tokens):
             raise RuntimeError(f"draft cache holds {n} pairs, but {len(inp.tokens)} tokens arrived "
                                f"with {m} new features")
@@ -154,6 +170,7 @@ class EagleDrafter:
         h, logits = yield HeadCall(self, features, embeds, torch.arange(n, n + t, device=dev),
                                    torch.ones(t, t, dtype=torch.bool, device=dev).tril_(), m - 1)
         cache.commit(m)                                      # the chain's slots are overwritten by the tree's
+        real = cache.length                                  # the slots of the real pairs
         # h, logits: the root's, then (probe) each chain token's (the rows before only wrote keys and values)
         self.probe_top = self._target_ids(logits.argmax(-1)).tolist() if chain else []   # len(chain) + 1
         h, root_logits = h[:1], logits[:1]
@@ -182,7 +199,7 @@ class EagleDrafter:
         except StopIteration as grown:
             return grown.value
         finally:
-            cache.truncate(n)                                # drop the tree nodes; the real pairs stay
+            cache.truncate(real)                             # drop the tree nodes; the real pairs stay
 
 
 @dataclass

@@ -5,7 +5,8 @@ token and total, p50/p95), beside the same requests one at a time and the CLI's 
     python -m eval.serve_bench                        # SmolLM2; vanilla, lookup, eagle, default; 8 requests a level
     python -m eval.serve_bench --temperature 1.0      # every request sampled (OpenAI clients' default)
     python -m eval.serve_bench --methods eagle --clients 1,8 --requests 16 --max-tokens 64
-    python -m eval.serve_bench --rounds 3             # each level 3 times a method, taking turns; the fastest kept
+    python -m eval.serve_bench --rounds 3             # each level 3 times a method, taking turns; the fastest kept,
+                                                      # and each round's ratio to the first method with their median
 
 Each method's server runs as its own process (`python -m eagle_lite.serve` on 127.0.0.1, a free port), all of them
 up at once so that at each level the methods take turns (drift on a shared host hits them alike); the clients
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -255,6 +257,19 @@ def fastest(rounds: list[dict]) -> dict:
     return {**row, "rounds": len(rounds)}
 
 
+def round_ratios(runs: dict[str, list[list[dict]]], levels: list[int]) -> list[str]:
+    """Each method's rate over the first method's in the same round, per level, and their median: a figure that
+    drift between rounds moves less than the fastest round does (both methods of a round ran minutes apart)."""
+    base, *others = runs
+    lines = []
+    for i, clients in enumerate(levels):
+        for method in others:
+            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[method][i], runs[base][i])]
+            lines.append(f"| {method} | {clients} | {' '.join(f'{x:.3f}' for x in ratios)} | "
+                         f"{statistics.median(ratios):.3f} |")
+    return [f"| method | clients | each round vs {base} | median |", "|---|---|---|---:|"] + lines
+
+
 def level(url: str, model: str, questions: list[str], clients: int, args) -> tuple[dict, list[dict]]:
     """`clients` threads, each sending requests one at a time, `args.requests` in all (at least one each)."""
     import httpx
@@ -362,6 +377,10 @@ def main(argv=None) -> int:
                 choices.append(f"| {method} | {row['clients']} | {choice} | {c['share']:.0%} | "
                                f"{c['tokens_per_step']:.2f} | {c['predicted_ms']:.2f} | {c['measured_ms']:.2f} |")
     print("\n".join(lines))
+    if args.rounds > 1 and len(methods) > 1:
+        print("\n" + "\n".join(round_ratios(runs, levels)))
+        report["round_ratios"] = {m: [[r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(mine, base)]
+                                      for mine, base in zip(runs[m], runs[methods[0]])] for m in methods[1:]}
     if choices:   # method auto: what its controllers chose at each level, predicted against measured
         print("\n| method | clients | choice | steps | tokens/step | ms/step predicted | measured |\n"
               "|---|---|---|---:|---:|---:|---:|\n" + "\n".join(choices))

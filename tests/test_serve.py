@@ -517,6 +517,20 @@ def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp
         assert [row["clients"] for row in got["levels"]] == [1, 3]
         assert all(row["identical"] == 1.0 and row["requests"] == 3 and row["tokens"] > 0 and row["rounds"] == 2
                    for row in got["levels"])
+    ratios = report["round_ratios"]["lookup"]
+    assert [len(level) for level in ratios] == [2, 2] and all(x > 0 for level in ratios for x in level)
+
+
+def test_serve_bench_pairs_each_round_with_the_first_methods_and_takes_the_median():
+    from eval.serve_bench import round_ratios
+
+    def rounds(*rates):
+        return [{"tokens_per_s": r} for r in rates]
+
+    runs = {"vanilla": [rounds(100.0, 200.0, 100.0)], "default": [rounds(98.0, 150.0, 110.0)]}
+    table = round_ratios(runs, [8])
+    assert table[0] == "| method | clients | each round vs vanilla | median |"
+    assert table[2] == "| default | 8 | 0.980 0.750 1.100 | 0.980 |"
 
 
 def test_serve_bench_keeps_a_levels_fastest_round_and_its_least_identical_share():

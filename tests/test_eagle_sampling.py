@@ -87,6 +87,7 @@ SHAPES = {
     "siblings, pruned": TreeConfig(depth=1, top_k=4, total_tokens=2),
     "depth 2, pruned": TreeConfig(depth=2, top_k=2, total_tokens=3),
     "depth 3, pruned, min_prob": TreeConfig(depth=3, top_k=3, total_tokens=5, min_prob=0.02),
+    "a chain, min_prob": TreeConfig(depth=3, top_k=1, total_tokens=2, min_prob=0.3),
 }
 
 
@@ -223,3 +224,33 @@ def test_the_lookup_graft_joins_greedy_trees_only(llama):
 def test_draft_sampling_option_is_checked():
     with pytest.raises(ValueError, match="draft_sampling"):
         registry.check("eagle", EagleOptions(draft="random", draft_sampling="top"))
+
+
+@pytest.mark.parametrize("shape", [TreeConfig(depth=1, top_k=1, total_tokens=1),
+                                   TreeConfig(depth=4, top_k=1, total_tokens=4),
+                                   TreeConfig(depth=4, top_k=1, total_tokens=2),
+                                   TreeConfig(depth=5, top_k=1, total_tokens=5, min_prob=0.3)])
+def test_a_sampled_chain_is_the_tree_the_expansion_grows(shape):
+    """A top_k 1 sampled tree takes `sampled_chain_steps`: the same draws, nodes, scores and q rows as the expansion
+    and rerank (`expanded_tree_steps`), the generator left in the same state."""
+    vocab = torch.tensor([4, 0, 2, 5, 1, 3])             # draft token i is target token vocab[i]
+    table = (torch.randn(V, V, generator=torch.Generator().manual_seed(5)) * 2).log_softmax(-1)
+    for seed in range(40):
+        trees, after = [], []
+        for steps in (eagle_module.sampled_chain_steps, eagle_module.expanded_tree_steps):
+            g = torch.Generator().manual_seed(seed)
+            grow = steps(seed % V, table[seed % V][None], shape, TEMPERATURE, g, vocab, V)
+            try:
+                rows, tokens = next(grow)
+                while True:
+                    rows, tokens = grow.send(table[tokens])
+            except StopIteration as grown:
+                trees.append(grown.value)
+            after.append(torch.rand(1, generator=g))
+        chain, expanded = trees
+        assert chain.tokens.tolist() == expanded.tokens.tolist() and chain.parents == expanded.parents
+        assert chain.scores == expanded.scores
+        assert chain.q_draft.source == expanded.q_draft.source and chain.q_draft.excluded == expanded.q_draft.excluded
+        for node in range(1, len(chain)):
+            assert torch.equal(chain.q_draft[node], expanded.q_draft[node])
+        assert torch.equal(after[0], after[1])

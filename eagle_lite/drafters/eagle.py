@@ -311,6 +311,17 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
     sampled = sampling is not None
     if k == 1 and not sampled:
         return (yield from greedy_chain_steps(root, root_logits, tree, vocab, first_min_prob))
+    if k == 1:
+        return (yield from sampled_chain_steps(root, root_logits, tree, sampling, generator, vocab, size))
+    return (yield from expanded_tree_steps(root, root_logits, tree, sampling, generator, vocab, size))
+
+
+def expanded_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig | None = None,
+                        generator: torch.Generator | None = None, vocab: torch.Tensor | None = None,
+                        size: int | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
+    """`grow_tree_steps` for any top_k: the frontier's expansions through `tree.Growth`, then the rerank."""
+    k, dev = tree.top_k, root_logits.device
+    sampled = sampling is not None
     dists: list[torch.Tensor] = []                           # sampled: the q of each expanded node, root first
 
     def drawn(logits: torch.Tensor, parent_cum: torch.Tensor):
@@ -389,6 +400,35 @@ def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, v
     chain = DraftTree.chain(torch.tensor([root] + tokens, device=dev))
     chain.scores = scores
     return chain
+
+
+def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig,
+                        generator: torch.Generator | None = None, vocab: torch.Tensor | None = None,
+                        size: int | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
+    """`grow_tree_steps` for a sampled tree of top_k 1 (the CPU's chains), in a few ops a depth: one token drawn from
+    q after each node, the same draws and the same tree as the expansion and rerank give. Along a chain a node's
+    value is its parent's path probability, so expansion stops after a node whose path falls below min_prob, every
+    node drawn reaches it, and the rerank keeps the first total_tokens of them."""
+    dev = root_logits.device
+    floor = log_floor(tree.min_prob)
+    row = torch.zeros(1, dtype=torch.long, device=dev)   # the one frontier node's row in each expansion's output
+    dists, tokens, scores = [], [root], [0.0]
+    cum, logits = torch.zeros(1, device=dev), root_logits
+    while True:
+        q, p, ids = _draw(logits, 1, sampling, generator)
+        dists.append(q)
+        cum = torch.minimum(cum[:, None] + p.log(), cum[:, None])[:, 0]   # sampled_values' cum of the one child
+        token = ids[0] if vocab is None else vocab[ids[0]]
+        tokens.append(int(token))
+        scores.append(float(cum))
+        if len(tokens) > tree.depth or (tree.min_prob > 0 and float(cum) < floor):
+            break
+        logits = yield row, token
+    kept = min(len(tokens) - 1, tree.total_tokens)
+    tokens, scores = tokens[:kept + 1], scores[:kept + 1]
+    parents = list(range(-1, kept))
+    return DraftTree(torch.tensor(tokens, device=dev), parents,
+                     sampled_rows(torch.cat(dists), vocab, size, tokens, parents, parents), scores=scores)
 
 
 def sampled_rows(dists: torch.Tensor, vocab: torch.Tensor | None, size: int | None, tokens: list[int],

@@ -307,8 +307,7 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
     are drawn from q = target_probs(logits, sampling) and ranked by value (`sampled_values`); the tree carries
     `SampledRows`. Expansion stops early where no frontier node reaches min_prob, and the rerank keeps only the
     nodes that do."""
-    k, dev = tree.top_k, root_logits.device
-    sampled = sampling is not None
+    k, sampled = tree.top_k, sampling is not None
     if k == 1 and not sampled:
         return (yield from greedy_chain_steps(root, root_logits, tree, vocab, first_min_prob))
     if k == 1:
@@ -318,7 +317,8 @@ def grow_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, samp
 
 def expanded_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig | None = None,
                         generator: torch.Generator | None = None, vocab: torch.Tensor | None = None,
-                        size: int | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
+                        size: int | None = None
+                        ) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
     """`grow_tree_steps` for any top_k: the frontier's expansions through `tree.Growth`, then the rerank."""
     k, dev = tree.top_k, root_logits.device
     sampled = sampling is not None
@@ -404,7 +404,8 @@ def greedy_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, v
 
 def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig,
                         generator: torch.Generator | None = None, vocab: torch.Tensor | None = None,
-                        size: int | None = None) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
+                        size: int | None = None
+                        ) -> Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, DraftTree]:
     """`grow_tree_steps` for a sampled tree of top_k 1 (the CPU's chains), in a few ops a depth: one token drawn from
     q after each node, the same draws and the same tree as the expansion and rerank give. Along a chain a node's
     value is its parent's path probability, so expansion stops after a node whose path falls below min_prob, every

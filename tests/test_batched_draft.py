@@ -164,4 +164,13 @@ def test_a_head_back_from_many_plain_steps_reads_a_window_of_them_at_their_own_p
     assert pos == full_pos[-len(pos):] and len(pos) < len(full_pos) and pos[0] > before   # later rows, own positions
     assert after - before == len(pos) and full_after - full_before == len(full_pos)
     assert torch.allclose(keys[..., before:after, :], full_keys[..., pos[0]:pos[-1] + 1, :], atol=1e-4)
-    assert drafter.reset(len(out) + 8, keep=len(out) - 1) == before   # nothing kept past the hole
+    hole = pos[0] - before
+    assert drafter.reset(len(out) + 8, keep=before + 2) == before + 2    # a keep inside the hole: its first part stays
+    assert drafter.cache.length == before and drafter._holes == [(before, 2)]
+    drafter = EagleDrafter(target, head)
+    seq, _ = engine.begin(prompt, cfg, drafter=drafter)
+    for steps in range(14):
+        engine.step([seq], [1 if 3 <= steps < 13 else None])
+    positions = drafter.cache.length + hole
+    assert drafter.reset(len(out) + 8, keep=positions - 1) == positions - 1    # a keep past it: the hole stays
+    assert drafter._holes == [(before, hole)] and drafter.cache.length == positions - 1 - hole

@@ -195,6 +195,27 @@ def test_streaming_yields_what_generate_returns(llama):
     assert all(len(s) >= 1 for s in steps)
 
 
+def test_next_turn_keeps_the_prefix_past_a_hole_in_the_heads_cache(llama, monkeypatch):
+    """A head that sat out copied stretches of the answer (lookup chains verified alone) and, back, read none of the
+    rows it missed (catch_up_window 0) has holes in its cache; the next turn still reuses the whole cached prefix
+    and stays the target's greedy output."""
+    from eagle_lite.drafters.eagle import EagleDrafter
+
+    monkeypatch.setattr(EagleDrafter, "catch_up_window", 0)
+    engine = eagle_engine(llama)
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=2, top_k=2, total_tokens=3,
+                                                                                  lookup=4))
+    first = [3, 4, 5, 6, 7, 8] * 4
+    answer = engine.generate(first, cfg).token_ids
+    assert answer == reference_greedy(llama, first, 40)
+    head = engine.drafter.inner
+    assert head._holes, "the answer left no hole: nothing tested"
+    second = first + answer + [9, 10, 11]
+    result = engine.generate(second, cfg)
+    assert result.token_ids == reference_greedy(llama, second, 40)
+    assert result.stats.reused_prompt_tokens >= len(first) + len(answer) - 2
+
+
 @pytest.mark.parametrize("method", ["vanilla", "eagle"])
 def test_next_turn_reuses_the_cached_prefix_and_stays_exact(llama, method):
     engine = eagle_engine(llama) if method == "eagle" else Engine(llama, NoDrafter())

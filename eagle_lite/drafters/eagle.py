@@ -82,11 +82,18 @@ class EagleDrafter:
             self.cache = StaticKVCache(1, kv_heads, head_dim, need, self.lm_weight.dtype, self.lm_weight.device)
         elif self.cache.max_len < need:
             self.cache = self.cache.grown(need)
-        # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged; slot t is pair t up to the
-        # first hole
-        self.cache.truncate(min(keep, self.cache.length, *(slot for slot, _ in self._holes[:1])))
-        self._queued, self.queued_rows, self._holes, self._dropped = [], 0, [], 0
-        return self.cache.length
+        # pair t holds (f_t, x_{t+1}): it stays valid while both tokens are unchanged. Positions before `keep` stay,
+        # holes among them too (a hole's slot: the first pair after it)
+        keep = min(keep, self.cache.length + sum(size for _, size in self._holes))
+        holes, skipped = [], 0
+        for slot, size in self._holes:
+            if slot + skipped >= keep:
+                break
+            holes.append((slot, min(size, keep - slot - skipped)))
+            skipped += holes[-1][1]
+        self.cache.truncate(keep - skipped)
+        self._queued, self.queued_rows, self._holes, self._dropped = [], 0, holes, 0
+        return keep
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
         return 1 + tree.total_tokens

@@ -257,16 +257,18 @@ def fastest(rounds: list[dict]) -> dict:
     return {**row, "rounds": len(rounds)}
 
 
-def round_ratios(runs: dict[str, list[list[dict]]], levels: list[int]) -> list[str]:
-    """Each method's rate over the first method's in the same round, per level, and their median: a figure that
-    drift between rounds moves less than the fastest round does (both methods of a round ran minutes apart)."""
+def round_ratios(runs: dict[str, list[list[dict]]]) -> dict[str, list[list[float]]]:
+    """Each later method's rate over the first method's in the same round, per level: a figure that drift between
+    rounds moves less than the fastest round does (the methods of a round run back to back, rounds minutes apart)."""
     base, *others = runs
-    lines = []
-    for i, clients in enumerate(levels):
-        for method in others:
-            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[method][i], runs[base][i])]
-            lines.append(f"| {method} | {clients} | {' '.join(f'{x:.3f}' for x in ratios)} | "
-                         f"{statistics.median(ratios):.3f} |")
+    return {m: [[r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(mine, theirs)]
+                for mine, theirs in zip(runs[m], runs[base])] for m in others}
+
+
+def ratio_table(ratios: dict[str, list[list[float]]], base: str, levels: list[int]) -> list[str]:
+    """`round_ratios` as a table: each level's rounds and their median."""
+    lines = [f"| {method} | {clients} | {' '.join(f'{x:.3f}' for x in rounds)} | {statistics.median(rounds):.3f} |"
+             for i, clients in enumerate(levels) for method, by_level in ratios.items() for rounds in [by_level[i]]]
     return [f"| method | clients | each round vs {base} | median |", "|---|---|---|---:|"] + lines
 
 
@@ -378,9 +380,8 @@ def main(argv=None) -> int:
                                f"{c['tokens_per_step']:.2f} | {c['predicted_ms']:.2f} | {c['measured_ms']:.2f} |")
     print("\n".join(lines))
     if args.rounds > 1 and len(methods) > 1:
-        print("\n" + "\n".join(round_ratios(runs, levels)))
-        report["round_ratios"] = {m: [[r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(mine, base)]
-                                      for mine, base in zip(runs[m], runs[methods[0]])] for m in methods[1:]}
+        report["round_ratios"] = round_ratios(runs)
+        print("\n" + "\n".join(ratio_table(report["round_ratios"], methods[0], levels)))
     if choices:   # method auto: what its controllers chose at each level, predicted against measured
         print("\n| method | clients | choice | steps | tokens/step | ms/step predicted | measured |\n"
               "|---|---|---|---:|---:|---:|---:|\n" + "\n".join(choices))

@@ -522,13 +522,14 @@ def test_serve_bench_runs_every_level_and_checks_the_answers(tiny_model_dir, tmp
 
 
 def test_serve_bench_pairs_each_round_with_the_first_methods_and_takes_the_median():
-    from eval.serve_bench import round_ratios
+    from eval.serve_bench import ratio_table, round_ratios
 
     def rounds(*rates):
         return [{"tokens_per_s": r} for r in rates]
 
     runs = {"vanilla": [rounds(100.0, 200.0, 100.0)], "default": [rounds(98.0, 150.0, 110.0)]}
-    table = round_ratios(runs, [8])
+    assert round_ratios(runs) == {"default": [[0.98, 0.75, 1.1]]}
+    table = ratio_table(round_ratios(runs), "vanilla", [8])
     assert table[0] == "| method | clients | each round vs vanilla | median |"
     assert table[2] == "| default | 8 | 0.980 0.750 1.100 | 0.980 |"
 

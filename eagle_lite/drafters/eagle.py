@@ -425,7 +425,7 @@ def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, 
     while True:
         q, p, ids = _draw(logits, 1, sampling, generator)
         dists.append(q)
-        cum = torch.minimum(cum[:, None] + p.log(), cum[:, None])[:, 0]   # sampled_values' cum of the one child
+        cum = torch.minimum(cum + p[0].log(), cum)             # sampled_values' cum of the one child
         token = ids[0] if vocab is None else vocab[ids[0]]
         tokens.append(int(token))
         scores.append(float(cum))
@@ -435,6 +435,7 @@ def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, 
     kept = min(len(tokens) - 1, tree.total_tokens)
     tokens, scores = tokens[:kept + 1], scores[:kept + 1]
     parents = list(range(-1, kept))
+    # node j was drawn from dists[j - 1], the q after its parent: its source row is its parent's index
     return DraftTree(torch.tensor(tokens, device=dev), parents,
                      sampled_rows(torch.cat(dists), vocab, size, tokens, parents, parents), scores=scores)
 

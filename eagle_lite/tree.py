@@ -74,6 +74,7 @@ class DraftTree:
     scores: list[float] | None = None
     plan: Any = None
     depths: torch.Tensor = field(init=False)     # [N]
+    depth: int = field(init=False)               # the deepest node's depth (0: the root alone)
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool, self included
     children: list[list[int]] = field(init=False)
 
@@ -99,6 +100,7 @@ class DraftTree:
                 not 0 < c < n or self.parents[c] != p for p, c in zip(self.likely, self.likely[1:]))):
             raise ValueError(f"likely {self.likely} is not a path from the root of the tree")
         self.depths = torch.tensor(depth, device=self.tokens.device)
+        self.depth = max(depth)
         self.ancestors = ancestor_mask(bits).to(self.tokens.device)
         self.children = children
 

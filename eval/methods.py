@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Run:
     seconds: float
     target_forwards: int | None        # None where the method does not report it
     accept_lengths: list[int]
+    draft_depths: list[int] = field(default_factory=list)   # each step's tree depth, where the method drafts trees
 
 
 Method = Callable[[list[int], GenerationConfig], Run]
@@ -129,7 +130,7 @@ def engine_method(engine: Engine) -> Method:
             cfg = replace(cfg, tree=tree_for(cfg.tree))
         result = engine.generate(prompt, cfg)
         s = result.stats
-        return Run(result.token_ids, s.seconds, s.target_forwards, s.accept_lengths)
+        return Run(result.token_ids, s.seconds, s.target_forwards, s.accept_lengths, s.draft_depths)
 
     return run
 

@@ -8,7 +8,8 @@
 Per step: draft, verify (the target's forward over the tree), accept + cache commit, and their sum; plus tokens per
 step and tokens/s, for vanilla decoding, prompt lookup (its default adaptive chain: the drafter a head has to beat)
 and EAGLE at each tree (depth,top_k,total_tokens[,lookup[,min_prob]]), then method auto (the controller choosing
-each step: eagle_lite_wing/controller.py), with a second table of its choices: the share of steps of each, their tokens,
+each step: eagle_lite_wing/controller.py). A second table gives each drafting method's conditional acceptance
+at each draft position (what trees are tuned from); a third, auto's choices: the share of steps of each, their tokens,
 and the step time (draft + verify + accept) the controller predicted against the time measured. One prompt
 (`--prompt`), or the first turn of the first `--limit` questions of each category of a question file
 (`--questions`), every method run on each prompt in turn and the steps of all prompts summed. With --static, the
@@ -24,7 +25,7 @@ import torch
 
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
-from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.engine import Engine, depth_acceptance
 from eagle_lite.drafters import registry
 from eagle_lite.options import add_device_flags, add_flag, add_static_flag
 from eagle_lite.pipeline import engine_for, static_engine_for
@@ -46,6 +47,7 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
     [steps, tokens, predicted seconds, measured seconds] summed."""
     sums = {name: dict.fromkeys(("draft", "verify", "accept", "prefill", "seconds", "tokens", "steps"), 0.0)
             for name, _, _ in runs}
+    steps_of = {name: ([], []) for name, _, _ in runs}   # (accept lengths, tree depths) of every step
     watched = {}   # method auto: the observer of its controller's choices (eagle_lite_wing/auto.py `Choices`)
     for name, engine, cfg in runs:
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
@@ -61,6 +63,8 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
                                ("prefill", s.prefill_seconds), ("seconds", s.seconds), ("tokens", s.new_tokens),
                                ("steps", len(s.accept_lengths))):
                 total[key] += value
+            steps_of[name][0].extend(s.accept_lengths)
+            steps_of[name][1].extend(s.draft_depths)
     rows = {}
     for name, t in sums.items():
         steps = max(t["steps"], 1)
@@ -68,7 +72,8 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
                       "accept": 1000 * t["accept"] / steps, "tokens_per_step": (t["tokens"] - len(prompts)) / steps,
                       "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
                       "prefill": 1000 * t["prefill"] / len(prompts),
-                      "choices": watched[name].snapshot() if name in watched else {}}
+                      "choices": watched[name].snapshot() if name in watched else {},
+                      "per_depth": depth_acceptance(*steps_of[name])}
     return rows
 
 
@@ -136,8 +141,26 @@ def run(args: argparse.Namespace) -> int:
         step = r["draft"] + r["verify"] + r["accept"]
         print(f"| {name} | {draft} | {r['verify']:.1f} | {r['accept']:.2f} | {step:.1f} | {r['tokens_per_step']:.2f} | "
               f"{r['tokens_per_s']:.1f} |")
+    print_depths(rows)
     print_choices(rows["auto"]["choices"])
     return 0
+
+
+def print_depths(rows: dict[str, dict]) -> None:
+    """Each drafting method's conditional acceptance at each draft position (`depth_acceptance`), with the share of
+    its steps whose tree reached that depth: what a tree's depth and width are tuned from."""
+    deepest = max((len(r["per_depth"]) for r in rows.values()), default=0)
+    if not deepest:
+        return
+    print("\n| method | " + " | ".join(f"depth {k}" for k in range(1, deepest + 1)) + " |")
+    print("|---|" + "---:|" * deepest)
+    for name, r in rows.items():
+        if not r["per_depth"]:
+            continue
+        cells = [f"{d['conditional']:.2f} ({d['drafted']})" for d in r["per_depth"]]
+        print(f"| {name} | " + " | ".join(cells + [""] * (deepest - len(cells))) + " |")
+    print("(conditional acceptance at each depth: the share of the steps that accepted depth k - 1 and drafted depth k "
+          "that accepted depth k; in brackets the steps that drafted depth k)")
 
 
 def print_choices(choices: dict[str, list[float]]) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from eagle_lite.decoding.engine import depth_acceptance
+
 from .runner import Record
 
 
@@ -16,10 +18,14 @@ def summarize(records: list[Record], baseline: str) -> list[dict]:
     for (category, method), rs in groups.items():
         tokens, seconds = sum(r.new_tokens for r in rs), sum(r.seconds for r in rs)
         accepted = [a for r in rs for a in r.accept_lengths]
+        with_depths = [r for r in rs if len(r.draft_depths) == len(r.accept_lengths)]
+        per_depth = depth_acceptance([a for r in with_depths for a in r.accept_lengths],
+                                     [d for r in with_depths for d in r.draft_depths])
         rows.append({
             "category": category, "method": method, "turns": len(rs), "new_tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "accept_length_mean": sum(accepted) / len(accepted) if accepted else None,
+            "per_depth": per_depth,   # decoding.engine.depth_acceptance: acceptance at each draft position
             "identical": (None if any(r.identical_to_baseline is None for r in rs)       # sampled: not compared
                           else sum(bool(r.identical_to_baseline) for r in rs) / len(rs)),
         })

@@ -23,6 +23,7 @@ class Record:
     target_forwards: int | None
     accept_length_mean: float | None
     accept_lengths: list[int] = field(default_factory=list)
+    draft_depths: list[int] = field(default_factory=list)   # each step's tree depth (empty: not a tree drafter)
     identical_to_baseline: bool | None = None
     first_mismatch: int | None = None   # first differing token position against the baseline
 
@@ -111,7 +112,7 @@ def record_of(q: Question, turn: int, name: str, results: list, ref: list[int], 
         target_forwards=result.target_forwards,
         accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
                             if result.accept_lengths else None),
-        accept_lengths=result.accept_lengths,
+        accept_lengths=result.accept_lengths, draft_depths=list(getattr(result, "draft_depths", [])),
         identical_to_baseline=(diff is None) if greedy else None, first_mismatch=diff,
     )
 

@@ -6,7 +6,7 @@ import torch
 from conftest import VOCAB, eagle_drafter, make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
-from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.engine import Engine, depth_acceptance
 from eagle_lite.drafters import DraftInput, NoDrafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
@@ -149,6 +149,17 @@ def test_oracle_draft_accepts_everything_and_stays_exact(target, prompt_len):
     # 1 token from prefill, then 5 per verify (4 drafted + bonus): 40 / 5 = 8 verifications
     assert result.stats.accept_lengths == [5] * 8
     assert result.stats.target_forwards == 9
+    assert result.stats.draft_depths == [4] * 8   # every tree four levels deep
+
+
+def test_acceptance_at_each_depth_counts_the_steps_that_drafted_and_took_it():
+    # steps: (tokens emitted, bonus included; tree depth): a plain step, then trees of depth 3, 3, 2, 1
+    rows = depth_acceptance([1, 4, 2, 1, 2], [0, 3, 3, 2, 1])
+    assert [(r["depth"], r["drafted"], r["accepted"]) for r in rows] == [(1, 4, 3), (2, 3, 1), (3, 2, 1)]
+    assert [r["rate"] for r in rows] == [3 / 4, 1 / 3, 1 / 2]
+    # depth 2: of the 3 steps that drafted it, 2 had taken depth 1 and 1 took depth 2; depth 3: 1 of 1
+    assert [r["conditional"] for r in rows] == [3 / 4, 1 / 2, 1.0]
+    assert depth_acceptance([1, 1], [0, 0]) == []
 
 
 def test_max_new_tokens_inside_an_accepted_path(llama):

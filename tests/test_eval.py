@@ -47,6 +47,15 @@ def test_runner_compares_every_method_to_the_baseline(chat_target, tmp_path):
     assert {(r["category"], r["method"]) for r in rows} >= {("overall", "eagle"), ("code", "vanilla")}
     table = report.markdown_table(rows, "hf_generate")
     assert "| overall | eagle |" in table and "100%" in table
+    # acceptance at each draft position, from every eagle step's tree depth (the tree above: at most 3 levels)
+    eagle = next(r for r in rows if r["category"] == "overall" and r["method"] == "eagle")
+    depths = [d for r in records if r.method == "eagle" for d in r.draft_depths]
+    assert len(depths) == sum(len(r.accept_lengths) for r in records if r.method == "eagle")
+    assert [d["depth"] for d in eagle["per_depth"]] == list(range(1, max(depths) + 1)) and max(depths) <= 3
+    assert eagle["per_depth"][0]["drafted"] == sum(d >= 1 for d in depths)
+    assert all(0.0 <= d["conditional"] <= 1.0 for d in eagle["per_depth"])
+    vanilla = next(r for r in rows if r["category"] == "overall" and r["method"] == "vanilla")
+    assert vanilla["per_depth"] == []   # plain steps draft nothing
 
 
 def base_model_dir(tiny_model_dir, tmp_path):

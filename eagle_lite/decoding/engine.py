@@ -41,6 +41,7 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0           # prefill included
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify forward (bonus included)
+    draft_depths: list[int] = field(default_factory=list)    # each verified tree's deepest node (0: a plain step)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0        # target forward over the tree (hidden states)
@@ -71,6 +72,23 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
+
+
+def depth_acceptance(accept_lengths: list[int], draft_depths: list[int]) -> list[dict]:
+    """Acceptance at each draft position, from the steps' accepted lengths (bonus included) and their trees' depths
+    (as vLLM and SpecForge report it): per depth k, the steps whose tree reached depth k (`drafted`), those that
+    accepted a token there (`accepted`), `rate` = accepted / drafted, and `conditional` = accepted / the drafted
+    steps that had accepted depth k - 1 (the chance the k-th token is taken once the (k-1)-th was)."""
+    steps = list(zip(accept_lengths, draft_depths))
+    rows = []
+    for k in range(1, max(draft_depths, default=0) + 1):
+        drafted = [n - 1 for n, depth in steps if depth >= k]
+        accepted = sum(a >= k for a in drafted)
+        reached = sum(a >= k - 1 for a in drafted)
+        rows.append({"depth": k, "drafted": len(drafted), "accepted": accepted,
+                     "rate": accepted / len(drafted) if drafted else 0.0,
+                     "conditional": accepted / reached if reached else 0.0})
+    return rows
 
 
 def token_budget(prompt_ids: list[int], target: Target, max_new_tokens: int) -> int:
@@ -382,6 +400,7 @@ class Engine:
             stats.verify_seconds += t2 - t1
             stats.accept_seconds += time.perf_counter() - t3
             out = seq.advance(new)
+            stats.draft_depths.append(tree.depth)
             emitted.append(out)
             if seq.observers:
                 draft = stats.draft_seconds - before

@@ -16,6 +16,10 @@
 
 namespace eagle_lite {
 
+// The small helpers of a product's inner loop: a call there (a rebuilt group's weights passed through memory) costs
+// more than the work.
+#define EAGLE_LITE_INLINE inline __attribute__((always_inline))
+
 inline float horizontal_sum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -72,7 +76,7 @@ struct Q4 {
     static constexpr int64_t kBytes = 16;   // code bytes per group of 32
     static constexpr int64_t kScales = 2;   // fp32 scales per group
     static constexpr at::ScalarType kType = at::kByte;
-    static inline void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
+    EAGLE_LITE_INLINE static void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
         const __m128i mask = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_and_si128(raw, mask);
@@ -90,7 +94,7 @@ struct Q8 {
     static constexpr int64_t kBytes = 32;
     static constexpr int64_t kScales = 1;
     static constexpr at::ScalarType kType = at::kChar;
-    static inline void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
+    EAGLE_LITE_INLINE static void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
         const __m256 d = _mm256_set1_ps(s[0]);
         for (int p = 0; p < 4; ++p) {
             const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
@@ -107,7 +111,7 @@ struct K8 {
     static constexpr int64_t kBytes = 32;
     static constexpr int64_t kScales = 4;
     static constexpr at::ScalarType kType = at::kChar;
-    static inline void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
+    EAGLE_LITE_INLINE static void rebuild(const uint8_t* q, const float* s, __m256 w[4]) {
         for (int p = 0; p < 4; ++p) {
             const __m256 d = _mm256_set1_ps(s[2 * (p / 2)]), m = _mm256_set1_ps(s[2 * (p / 2) + 1]);
             const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
@@ -116,47 +120,53 @@ struct K8 {
     }
 };
 
-// Independent accumulator chains per row: an FMA waits ~4 cycles for the previous one into the same
-// register, so with few rows the 4 products of a group go to separate chains (summed at the end) to keep
-// the FMA units busy; with many rows the rows themselves are the independent chains. Registers bound it:
-// ROWS * chains accumulators + 4 weights + 2 scales fit the 16 ymm registers.
-template <int ROWS>
-constexpr int chains() { return ROWS <= 2 ? 4 : (ROWS <= 5 ? 2 : 1); }
-
 // How far ahead of the group being rebuilt its codes are prefetched (a few-row product streams the weights from
 // memory: measured on the 2-core box, a 49k x 576 Q8 product of one row took 13% less with it 1 KB ahead; on the
 // 2-core AMD EPYC Zen 5 host, 8 KB ahead took Gemma 3's 262k x 640 lm_head from 4.2-4.9 ms to 3.6-4.4 ms a row).
 constexpr int64_t kPrefetchBytes = 8192;
 
-// Output columns [j0, j1) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
+// Row invariance: every output (row r, column j) is one accumulator fed in one fixed order (group after group,
+// each group's products in turn), then summed across its lanes in one fixed order, whatever the tile's shape. So
+// a row's result does not depend on how many rows share the product: a plain step's one row and the same row in a
+// tree's verify get the same bits (tests/test_row_invariance.py). The chains that keep the FMA units busy
+// through their ~4-cycle latency are the tile's ROWS x COLS accumulators: a few rows take several columns at once.
+template <int ROWS>
+constexpr int tile_cols() { return ROWS == 1 ? 4 : (ROWS <= 5 ? 2 : 1); }
+
+// Output columns [j, j + COLS) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
+template <typename Codec, int ROWS, int COLS>
+EAGLE_LITE_INLINE void rows_cols(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
+                      int64_t j) {
+    const int64_t groups = K / 32;
+    __m256 acc[ROWS][COLS];
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+    const uint8_t* qj = codes + j * groups * Codec::kBytes;
+    const float* sj = scales + j * groups * Codec::kScales;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = x + g * 32;
+        for (int c = 0; c < COLS; ++c) {
+            const uint8_t* qc = qj + (c * groups + g) * Codec::kBytes;
+            __m256 w[4];
+            _mm_prefetch(reinterpret_cast<const char*>(qc + kPrefetchBytes), _MM_HINT_T0);
+            Codec::rebuild(qc, sj + (c * groups + g) * Codec::kScales, w);
+            for (int r = 0; r < ROWS; ++r) {
+                const float* xr = xg + r * K;
+                for (int p = 0; p < 4; ++p) acc[r][c] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < COLS; ++c) y[r * N + j + c] = horizontal_sum(acc[r][c]);
+}
+
 template <typename Codec, int ROWS>
 void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
                int64_t j0, int64_t j1) {
-    constexpr int C = chains<ROWS>();
-    const int64_t groups = K / 32;
-    for (int64_t j = j0; j < j1; ++j) {
-        __m256 acc[ROWS][C];
-        for (int r = 0; r < ROWS; ++r)
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-        const uint8_t* qj = codes + j * groups * Codec::kBytes;
-        const float* sj = scales + j * groups * Codec::kScales;
-        for (int64_t g = 0; g < groups; ++g) {
-            __m256 w[4];
-            _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
-            Codec::rebuild(qj + g * Codec::kBytes, sj + g * Codec::kScales, w);
-            const float* xg = x + g * 32;
-            for (int r = 0; r < ROWS; ++r) {
-                const float* xr = xg + r * K;
-                for (int p = 0; p < 4; ++p)
-                    acc[r][p % C] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][p % C]);
-            }
-        }
-        for (int r = 0; r < ROWS; ++r) {
-            __m256 total = acc[r][0];
-            for (int c = 1; c < C; ++c) total = _mm256_add_ps(total, acc[r][c]);
-            y[r * N + j] = horizontal_sum(total);
-        }
-    }
+    constexpr int COLS = tile_cols<ROWS>();
+    int64_t j = j0;
+    for (; j + COLS <= j1; j += COLS) rows_cols<Codec, ROWS, COLS>(x, K, codes, scales, y, N, j);
+    for (; j < j1; ++j) rows_cols<Codec, ROWS, 1>(x, K, codes, scales, y, N, j);
 }
 
 // Rows are split into near-equal tiles of at most 12 (measured on the 2-core box: 9-12 rows in one
@@ -181,7 +191,7 @@ void run_tile(int64_t rows, const float* x, int64_t K, const uint8_t* codes, con
 // weight is then looked up by its code (vpermps reads the low 4 bits of each index): a group of 32 takes a widening,
 // a shift and 2 lookups, against 2 widenings, 2 conversions, 2 multiplies and 2 adds.
 struct Q4x16 {
-    EAGLE_LITE_AVX512 static inline void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
+    EAGLE_LITE_AVX512 EAGLE_LITE_INLINE static void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
         const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(s[0])), _mm512_set1_ps(s[1]));
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -191,7 +201,7 @@ struct Q4x16 {
 };
 
 struct Q8x16 {
-    EAGLE_LITE_AVX512 static inline void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
+    EAGLE_LITE_AVX512 EAGLE_LITE_INLINE static void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
         const __m512 d = _mm512_set1_ps(s[0]);
         for (int p = 0; p < 2; ++p) {
             const __m128i sixteen = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * p));
@@ -201,7 +211,7 @@ struct Q8x16 {
 };
 
 struct K8x16 {
-    EAGLE_LITE_AVX512 static inline void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
+    EAGLE_LITE_AVX512 EAGLE_LITE_INLINE static void rebuild(const uint8_t* q, const float* s, __m512 w[2]) {
         for (int p = 0; p < 2; ++p) {
             const __m128i sixteen = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * p));
             w[p] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sixteen)),
@@ -215,17 +225,18 @@ template <> struct Wide<Q4> { using type = Q4x16; };
 template <> struct Wide<Q8> { using type = Q8x16; };
 template <> struct Wide<K8> { using type = K8x16; };
 
-// `rows_tile` 16 lanes wide: two products a group per row, on two chains for up to 8 rows (at least 8 chains keep
-// both FMA units busy through their latency), one beyond.
+// `rows_tile` 16 lanes wide. Here each output keeps two accumulators, a group's first 16 products into one and its
+// last 16 into the other, added at the end: that order is the same at every tile size (row invariance, as above),
+// since 32 registers hold two accumulators for each of a tile's up to 8 rows (at least 8 chains keep both FMA units
+// busy through their latency, and one column streams its codes in order, which a one-row product over a large
+// lm_head needs).
 template <typename Codec, int ROWS>
 EAGLE_LITE_AVX512 void rows_tile16(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y,
                                    int64_t N, int64_t j0, int64_t j1) {
-    constexpr int C = ROWS <= 8 ? 2 : 1;
     const int64_t groups = K / 32;
     for (int64_t j = j0; j < j1; ++j) {
-        __m512 acc[ROWS][C];
-        for (int r = 0; r < ROWS; ++r)
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+        __m512 acc[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         const uint8_t* qj = codes + j * groups * Codec::kBytes;
         const float* sj = scales + j * groups * Codec::kScales;
         for (int64_t g = 0; g < groups; ++g) {
@@ -235,15 +246,10 @@ EAGLE_LITE_AVX512 void rows_tile16(const float* x, int64_t K, const uint8_t* cod
             const float* xg = x + g * 32;
             for (int r = 0; r < ROWS; ++r) {
                 const float* xr = xg + r * K;
-                for (int p = 0; p < 2; ++p)
-                    acc[r][p % C] = _mm512_fmadd_ps(w[p], _mm512_loadu_ps(xr + 16 * p), acc[r][p % C]);
+                for (int p = 0; p < 2; ++p) acc[r][p] = _mm512_fmadd_ps(w[p], _mm512_loadu_ps(xr + 16 * p), acc[r][p]);
             }
         }
-        for (int r = 0; r < ROWS; ++r) {
-            __m512 total = acc[r][0];
-            for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[r][c]);
-            y[r * N + j] = _mm512_reduce_add_ps(total);
-        }
+        for (int r = 0; r < ROWS; ++r) y[r * N + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
     }
 }
 
@@ -256,9 +262,9 @@ EAGLE_LITE_AVX512 void run_tile16(int64_t rows, const float* x, int64_t K, const
     rows_tile16<Codec, ROWS>(x, K, codes, scales, y, N, j0, j1);
 }
 
-// AVX-512 has 32 vector registers: tiles of up to 16 rows (measured on the 2-core box: a 16-row tile instead of two
-// of 8 saves ~10%; a 24-row one is slower than two of 12).
-constexpr int64_t kMaxTileRows16 = 16;
+// Tiles of up to 8 rows (two accumulators a row, above; on the 2-core AMD EPYC Zen 4 host a 16-row product took
+// ~1.5x two 8-row ones).
+constexpr int64_t kMaxTileRows16 = 8;
 
 // Whether grid products (and attention's value sums) run 16 lanes wide: the CPU has AVX-512F and EAGLE_LITE_AVX512
 // is not "0" (read at each call, so a process can time or test both).
@@ -378,6 +384,13 @@ EAGLE_LITE_AVX512 void weigh_values16(const float* p, int64_t b, int64_t end, co
     for (int c = 0; c < C16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
+// Whether the 8 flags at `v` are all set (bool is one byte, 0 or 1).
+inline bool all_visible8(const bool* v) {
+    uint64_t eight;
+    std::memcpy(&eight, v, 8);
+    return eight == 0x0101010101010101ULL;
+}
+
 // p: scratch of R * (S + 4) floats; acc: scratch of R * D floats.
 inline void attend_rows(const AttendRow* rows, int64_t R, const float* kh, int64_t ks, const float* vh, int64_t vs,
                         int64_t S, int64_t D, float scale, float* p, float* acc) {
@@ -403,23 +416,49 @@ inline void attend_rows(const AttendRow* rows, int64_t R, const float* kh, int64
             }
         }
     }
-    // exponentials and their sum, row by row
+    // exponentials and their sum, row by row: the k-th key the row sees goes to lane k % 8 of the sum, in the order
+    // of the keys (a tail of fewer than 8 padded with hidden keys, whose exponential is 0). A key's rank among the
+    // keys a row sees is its position in the sequence (a tree node's ancestors are its path, in order), so a row
+    // sums the same terms in the same order whether it is a plain step's one row over its cache or a tree node
+    // among hidden siblings (row invariance: tests/test_row_invariance.py).
+    const float hidden_key = -inf;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t n = rows[r].seen;
+        const bool* vis = rows[r].visible;
         float* pr = p + r * (S + 4);
         const __m256 shift = _mm256_set1_ps(best[r]);
         __m256 sum8 = _mm256_setzero_ps();
-        int64_t s = 0;
-        for (; s + 8 <= n; s += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + s), shift));
-            _mm256_storeu_ps(pr + s, e);
+        float lane[8];
+        int64_t slot[8];
+        int filled = 0;
+        auto flush = [&]() {
+            for (int i = filled; i < 8; ++i) lane[i] = hidden_key;
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(lane), shift));
             sum8 = _mm256_add_ps(sum8, e);
+            _mm256_storeu_ps(lane, e);
+            for (int i = 0; i < filled; ++i) pr[slot[i]] = lane[i];
+            filled = 0;
+        };
+        int64_t s = 0;
+        while (s < n) {
+            if (filled == 0 && s + 8 <= n && (vis == nullptr || all_visible8(vis + s))) {   // 8 keys seen in a row
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + s), shift));
+                _mm256_storeu_ps(pr + s, e);
+                sum8 = _mm256_add_ps(sum8, e);
+                s += 8;
+                continue;
+            }
+            if (vis != nullptr && !vis[s]) {
+                pr[s] = 0.0f;
+            } else {
+                lane[filled] = pr[s];
+                slot[filled++] = s;
+                if (filled == 8) flush();
+            }
+            ++s;
         }
+        if (filled > 0) flush();
         total[r] = horizontal_sum(sum8);
-        for (; s < n; ++s) {
-            pr[s] = std::exp(pr[s] - best[r]);   // exp(-inf) = 0 for hidden keys
-            total[r] += pr[s];
-        }
     }
     // weighted sums of the values, each row's keys in ascending order
     const int64_t chunks = D / 8;

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import write_json_atomic
 from .cli import UsageError, entry_point
 from .config import default_tree
 
@@ -227,23 +228,43 @@ def main(argv: list[str] | None = None) -> int:
     notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,
                    args.verifier or args.target)
     out = Path(args.out)
+    tree = head_record(head).get("tree_cuda")
+    if args.format != "medusa":
+        write_vllm_config(out, args.format, tree)
     print(f"wrote {args.format} head to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     for note in notes:
         print(f"note: {note}")
     if args.format != "medusa":
-        for line in serving_lines(head_record(head).get("tree_cuda")):
+        for line in serving_lines(tree, out / VLLM_CONFIG):
             print(line)
     return 0
 
 
-def serving_lines(tree: dict | None) -> list[str]:
+VLLM_CONFIG = "vllm_speculative_config.json"   # vLLM's --speculative-config for an exported head, beside its files
+
+
+def write_vllm_config(out: Path, fmt: str, tree: dict | None) -> Path:
+    """vLLM's speculative config for the exported head at the GPU tree `serving_lines` names (its static tree is a
+    list of up to ~60 tuples: a file to pass, not a line to copy)."""
+    tree = tree if tree is not None else dataclasses.asdict(default_tree("cuda"))
+    nodes = vllm_tree(int(tree["depth"]), int(tree["top_k"]), int(tree["total_tokens"]))
+    config = {"method": fmt, "model": str(out.resolve()), "num_speculative_tokens": len(nodes),
+              "speculative_token_tree": str(nodes)}
+    return write_json_atomic(out / VLLM_CONFIG, config)
+
+
+def serving_lines(tree: dict | None, vllm_config: Path | None = None) -> list[str]:
     """Each server's settings for the head's GPU tree (config.json "tree_cuda"), else for the GPU default
-    (`config.default_tree`): servers run on GPUs, where a CPU's tree is far too small."""
+    (`config.default_tree`): servers run on GPUs, where a CPU's tree is far too small. vllm_config: the file
+    `write_vllm_config` wrote, which vLLM's line then passes whole."""
     whose = "the head's recommended GPU tree"
     if tree is None:
         tree, whose = dataclasses.asdict(default_tree("cuda")), "no GPU tree recorded: the GPU default"
-    return [f"{server}: {flags}   ({whose}: depth {tree['depth']}, top_k {tree['top_k']}, {tree['total_tokens']} "
-            f"nodes)" for server, flags in serving_flags(tree).items()]
+    flags = serving_flags(tree)
+    if vllm_config is not None:
+        flags["vllm"] = f"--speculative-config \"$(cat {vllm_config})\""
+    return [f"{server}: {flag}   ({whose}: depth {tree['depth']}, top_k {tree['top_k']}, {tree['total_tokens']} "
+            f"nodes)" for server, flag in flags.items()]
 
 
 def main_target(args) -> int:

@@ -75,7 +75,7 @@ def one_shot(lm, args, cfg: GenerationConfig) -> int:
     if stats.stop_reason == "interrupted":
         print("[stopped]", file=sys.stderr)
     if not args.json:
-        print(stats_line(stats), file=sys.stderr)
+        print(f"{stats_line(stats)} {lm.describe()}", file=sys.stderr)
     adapter = getattr(lm, "adapter", None)
     if adapter is not None and stats.stop_reason != "interrupted":   # the answer joins what the head learns from
         adapter.round()
@@ -105,8 +105,7 @@ def chat(lm, cfg: GenerationConfig) -> None:
     from .decoding.engine import GenerationStats
     from .kv_cache import ContextOverflowError
 
-    static = f" (static step, mode {lm.static})" if getattr(lm, "static", None) else ""
-    print(f"eagle_lite chat · target {lm.target.name} · method {lm.method}{static}\n{CHAT_HELP}", file=sys.stderr)
+    print(f"eagle_lite chat · {lm.describe()}\n{CHAT_HELP}", file=sys.stderr)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach clean_text instead of failing input()
         sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []

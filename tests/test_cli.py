@@ -244,6 +244,19 @@ def test_a_target_without_a_head_drafts_by_prompt_lookup_by_default(tiny_model_d
     cfg = vanilla.config(max_new_tokens=24, stop_at_eos=False)
     assert lm.generate(prompt, cfg).token_ids == vanilla.generate(prompt, cfg).token_ids
 
+    name = lm.target.name
+    assert lm.describe() == f"target {name} · method lookup"
+    head = load(str(tiny_model_dir), method="eagle", draft="random")
+    assert head.describe() == f"target {name} · method eagle · head random"
+
+
+def test_a_one_shot_answer_says_which_target_method_and_head_ran(tiny_model_dir):
+    proc = subprocess.run(cli("--target", str(tiny_model_dir), "--prompt", "hi", "--max-new-tokens", "4",
+                              "--method", "eagle", "--draft", "random"), capture_output=True, text=True, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    stats = proc.stderr.strip().splitlines()[-1]
+    assert "mean accepted length" in stats and f"target {tiny_model_dir} · method eagle · head random" in stats
+
 
 # -- what a user types or does never ends in a traceback -------------------------------------------------------
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -288,6 +301,9 @@ class FailingOnce:
 
     def __init__(self) -> None:
         self.seen: list[list[dict]] = []
+
+    def describe(self) -> str:
+        return "target fake · method vanilla"
 
     def stream(self, messages, cfg, stats=None):
         self.seen.append([dict(m) for m in messages])

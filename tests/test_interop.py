@@ -3,6 +3,9 @@ SpecForge and FasterDecoding write theirs) gives the logits of a reference forwa
 description (tests/interop_reference.py) and drafts exactly; eagle_lite's heads export and re-import bit for bit."""
 from __future__ import annotations
 
+import ast
+import json
+
 import pytest
 import torch
 from conftest import VOCAB, make_target, reference_greedy
@@ -522,7 +525,14 @@ def test_export_cli_writes_a_folder_and_prints_its_notes(tiny_model_dir, tmp_pat
     out = tmp_path / "out"
     assert main([str(tmp_path / "head"), "--format", "eagle", "--engine", "sglang", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"wrote eagle head to {out}: config.json, hot_token_ids.pt, model.safetensors")
+    assert printed.startswith(f"wrote eagle head to {out}: config.json, hot_token_ids.pt, model.safetensors, "
+                              "vllm_speculative_config.json")
+    # vLLM's static tree goes in a file its line passes whole, not a 60-tuple line to copy
+    vllm = json.loads((out / "vllm_speculative_config.json").read_text())
+    assert vllm["method"] == "eagle" and vllm["model"] == str(out.resolve())
+    assert vllm["num_speculative_tokens"] == len(ast.literal_eval(vllm["speculative_token_tree"])) == 60
+    line = next(x for x in printed.splitlines() if x.startswith("vllm:"))
+    assert f'--speculative-config "$(cat {out / "vllm_speculative_config.json"})"' in line and "(0, 0" not in line
     assert "note: the head drafts over 20 of" in printed
     assert load_head(out, target).d2t.tolist() == list(range(20))
 

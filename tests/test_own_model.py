@@ -34,7 +34,7 @@ def test_target_names_a_model_folder_or_hub_id_and_the_run_is_filed_under_it(tmp
     assert own_target(["target=Qwen/Qwen2.5-0.5B-Instruct"])[1] == "target.spec='Qwen/Qwen2.5-0.5B-Instruct'"
     assert own_target(["target.spec=x", "+target=y"]) == ["target.spec=x", "+target=y"]   # other keys untouched
     assert own_target(["-m", "target=tiny,smollm2"]) == ["-m", "target=tiny,smollm2"]    # a multirun over configs
-    assert run_name("smollm2") == "smollm2"
+    assert run_name("smollm2") == "smollm2" and run_name("gemma3") == "gemma-3-270m-q4_k_m"
     assert run_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen--Qwen2.5-0.5B-Instruct"
     assert run_name(str(tmp_path / "my-qwen") + "/") == "my-qwen"
     assert run_name("/models/llama.Q4_K_M.gguf") == "llama.Q4_K_M"
@@ -202,7 +202,9 @@ def test_the_summary_sizes_the_benchmark_to_minutes_and_names_the_tree_and_a_mat
     assert "--per-task 1 --max-new-tokens 256" in text and "about 8 min here" in text
     request = dict(commands(result, "/models/gemma-3-270m-q4_k_m.gguf"))["request"]
     body = json.loads(shlex.split(request)[shlex.split(request).index("-d") + 1])
-    assert body["model"] == "gemma-3-270m-q4_k_m"
+    assert body["model"] == "gemma-3-270m-q4_k_m" and body["max_tokens"] == 128   # a bounded answer
+    one = {**result, "tune": {**result["tune"], "tree": {**result["tune"]["tree"], "depth": 1, "total_tokens": 1}}}
+    assert "1 node," in closing(one, "smollm2") and "1 nodes" not in closing(one, "smollm2")
     untuned = {**result, "tune": {"tree": None, "command": "python -m eval.tune --save-tree", "error": "boom"},
                "decode_step_s": 0.05}
     line = next(x for x in closing(untuned, "smollm2").splitlines() if x.startswith("tree:"))

@@ -876,3 +876,12 @@ def test_fitting_settings_are_refused_before_any_data_stage(tmp_path, setting, m
     with pytest.raises(ValueError, match=message):
         train(cfg)
     assert not Path(cfg.paths.distill).exists() and not Path(cfg.paths.features).exists()   # nothing was answered
+
+
+def test_the_distill_line_counts_answers_and_skipped_prompts_apart_from_what_the_call_went_through():
+    from trainers.distill import DistillSummary, summary_line
+
+    line = summary_line(DistillSummary(Path("d"), records=187, skipped=69, generated=256, tokens=61234))
+    assert line == ("187 answers (61234 tokens) in d, 69 prompts skipped (too long or empty); "
+                    "this call went through 256 prompts")
+    assert summary_line(DistillSummary(Path("d"), records=1, tokens=9)) == "1 answer (9 tokens) in d"

@@ -38,3 +38,23 @@ def test_the_gemma_head_ships_small_and_is_found_by_the_gguf_name():
     assert (head / "model.safetensors").stat().st_size < 16 * 2**20
     assert recommended_tree(config, head, "cpu") is not None   # the tree the run tuned for it
     assert (head / "README.md").is_file()
+
+
+def test_the_tune_decodes_on_one_thread_per_core_whatever_the_training_ran_on(monkeypatch):
+    """The benchmark the training summary prints, generate and the server decode at one thread per core by default:
+    the tune that sizes their tree measures there too, then gives torch back the training's count."""
+    import os
+
+    import torch
+
+    from trainers import tree_tune
+
+    seen = []
+    monkeypatch.setattr(tree_tune, "_tune_tree", lambda spec, head, threads: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tree_tune.tune_tree("smollm2", "head")
+        assert seen == [os.cpu_count()] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

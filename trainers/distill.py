@@ -615,8 +615,7 @@ def distill(target: Target, cfg: DistillConfig, folder: str | Path, progress: bo
             record_shards(folder, stored)
         ranks.barrier()
     summarize(folder, summary)
-    log.info("distill: %d records (%d tokens) in %s, %d new, %d skipped", summary.records, summary.tokens,
-             folder, summary.generated, summary.skipped)
+    log.info("distill: %s", summary_line(summary))
     if summary.generated and cfg.source != "sharegpt_text":
         log.info("distill: this call wrote %d answer tokens in %.1f s (%.1f tokens/s, backend %s)", summary.new_tokens,
                  summary.seconds, summary.tokens_per_s, resolve_backend(cfg.backend, target))
@@ -646,6 +645,18 @@ def plan_shards(folder: Path, cfg: DistillConfig, meta: dict, chosen: list | Non
     shards = _shards(folder)
     return stored, {"items": [i for i, key in enumerate(ids) if chosen is not None and key not in done],
                     "next_index": _shard_index(shards[-1]) + 1 if shards else 0}
+
+
+def summary_line(summary: DistillSummary) -> str:
+    """The folder's answers and skipped prompts, then what this call went through: '187 answers (61234 tokens) in
+    F, 69 prompts skipped (too long or empty); this call went through 256 prompts'."""
+    line = (f"{summary.records} answer{'' if summary.records == 1 else 's'} ({summary.tokens} tokens) in "
+            f"{summary.folder}")
+    if summary.skipped:
+        line += f", {summary.skipped} prompt{'' if summary.skipped == 1 else 's'} skipped (too long or empty)"
+    if summary.generated:
+        line += f"; this call went through {summary.generated} prompt{'' if summary.generated == 1 else 's'}"
+    return line
 
 
 def summarize(folder: Path, summary: DistillSummary) -> DistillSummary:

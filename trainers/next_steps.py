@@ -70,7 +70,8 @@ def commands(result: dict, spec: str | None) -> list[tuple[str, str]]:
     fmt = {"medusa": "medusa", "eagle3": "eagle3"}.get(kind, "eagle")
     methods = "vanilla,lookup,medusa" if kind == "medusa" else "vanilla,lookup,eagle"
     per_task, new_tokens, _ = benchmark_size(token_seconds(result))
-    request = {"model": served_model_id(spec), "messages": [{"role": "user", "content": "Hello!"}]}
+    request = {"model": served_model_id(spec), "messages": [{"role": "user", "content": "Hello!"}],
+               "max_tokens": 128}
     return [
         ("chat", " ".join(["python -m eagle_lite.generate", *target, *draft])),
         ("benchmark", " ".join(["python -m eval.benchmark", *target, *draft, "--methods", methods, "--tasks", "''",
@@ -134,6 +135,11 @@ def closing(result: dict, spec: str | None) -> str:
     return "\n".join(lines)
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 node', '8 nodes'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def tree_line(result: dict) -> str | None:
     """The head's CPU tree as the run tuned it, or the command that tunes it and about how long it takes."""
     tune = result.get("tune")
@@ -142,9 +148,10 @@ def tree_line(result: dict) -> str | None:
     tree = tune.get("tree")
     if tree:
         speed = f", {tune['speedup']:.2f}x vanilla" if tune.get("speedup") else ""
+        nodes = plural(tree["total_tokens"], "node")
         return (f"tree: tuned in {describe(tune['seconds'])} on a few held-out prompts: depth {tree['depth']}, top_k "
-                f"{tree['top_k']}, {tree['total_tokens']} nodes, lookup {tree['lookup']} ({tune['tokens_per_s']:.1f} "
-                f"tokens/s{speed}), saved as the head's CPU tree; a longer tune: {tune['command']}")
+                f"{tree['top_k']}, {nodes}, lookup {tree['lookup']} ({tune['tokens_per_s']:.1f} tokens/s{speed}), "
+                f"saved as the head's CPU tree; a longer tune: {tune['command']}")
     from .tree_tune import seconds_for
 
     token_s = token_seconds(result)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_lite.targets.loading import alias_name
 from eagle_lite.targets.model import Target
 from eagle_lite.threads import check_threads, set_threads
 
@@ -52,6 +53,9 @@ def run_name(spec: str | None) -> str:
     ('smollm2'), a local folder or .gguf file by its own name ('./models/my-qwen' -> 'my-qwen'), a hub id with its
     organisation ('Qwen/Qwen2.5-0.5B-Instruct' -> 'Qwen--Qwen2.5-0.5B-Instruct', as shipped heads are named)."""
     spec = str(spec or "smollm2").strip()
+    named = alias_name(spec)   # a packaged GGUF's alias: its target's name ('gemma3' -> 'gemma-3-270m-q4_k_m')
+    if named is not None:
+        return named
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         spec = path.stem

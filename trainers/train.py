@@ -722,15 +722,15 @@ def tuned_tree(cfg: DictConfig, head_kind: str, export: Path, device: str) -> di
 
     if cfg.target.kind != "pretrained" or head_kind == "medusa" or device != "cpu":
         return None
-    threads = cfg.target.get("threads")
+    # the tune decodes as a user's process does (one thread per core), whatever threads the training ran on
     if not cfg.get("tune_tree", True):
-        return {"command": command(str(export), cfg.target.spec, threads), "tree": None}
+        return {"command": command(str(export), cfg.target.spec, None), "tree": None}
     log.info("tuning the head's CPU tree on a few held-out prompts (tune_tree=false skips it)")
     try:
-        return tune_tree(cfg.target.spec, export, threads)
+        return tune_tree(cfg.target.spec, export)
     except Exception as err:   # noqa: BLE001 - the head is exported; the summary names the command to run instead
         log.warning("the tree tune failed (%s); the summary names its command", one_line(err))
-        return {"command": command(str(export), cfg.target.spec, threads), "tree": None, "error": one_line(err)}
+        return {"command": command(str(export), cfg.target.spec, None), "tree": None, "error": one_line(err)}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

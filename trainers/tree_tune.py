@@ -10,6 +10,7 @@ tunes it further. The same figures say how fast the target decodes here, which s
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import time
 from pathlib import Path
@@ -61,7 +62,22 @@ def fitting_questions(target, pool: int = 8) -> list:
 
 def tune_tree(spec: str, head: Path, threads: int | None = None) -> dict:
     """Tune `head`'s CPU tree on target `spec` and save the fastest exact one in its config.json. Returns the tree,
-    its and vanilla's tokens/s, the seconds it took and the command; raises what loading or decoding raised."""
+    its and vanilla's tokens/s, the seconds it took and the command; raises what loading or decoding raised.
+    threads: those the tune decodes with (None: one per core, as generate, the server and the benchmark decode by
+    default, whatever the training ran on); torch's count is restored afterwards."""
+    import torch
+
+    from eagle_lite.threads import set_threads
+
+    before = torch.get_num_threads()
+    set_threads(threads or os.cpu_count() or 1)
+    try:
+        return _tune_tree(spec, head, threads)
+    finally:
+        set_threads(before)
+
+
+def _tune_tree(spec: str, head: Path, threads: int | None) -> dict:
     from eagle_lite.config import TreeConfig
     from eagle_lite.drafters import registry
     from eagle_lite.heads.checkpoint import recommend_tree

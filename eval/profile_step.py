@@ -4,6 +4,7 @@
     python -m eval.profile_step --draft random --trees 3,8,8 5,8,24
     python -m eval.profile_step --questions eval/questions/heldout12.jsonl --limit 1 --trees 1,1,1,4
     python -m eval.profile_step --device cuda --dtype bfloat16 --static cuda-graph   # adds the static step's rows
+    python -m eval.profile_step --rows 1,4,16,32                   # what a verified row costs against a plain step
 
 Per step: draft, verify (the target's forward over the tree), accept + cache commit, and their sum; plus tokens per
 step and tokens/s, for vanilla decoding, prompt lookup (its default adaptive chain: the drafter a head has to beat)
@@ -92,6 +93,9 @@ def main(argv=None) -> int:
     add_flag(p, "temperature", note="draws with seed 0")
     add_device_flags(p, attention=False)
     add_static_flag(p, "also profile, beside the engine's rows,")
+    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="instead: time the target's verify forward and lm_head over chains of these many rows after "
+                        "the first prompt (e.g. 1,4,16,32): what a verified row costs against a plain step")
     return run(p.parse_args(argv))
 
 
@@ -113,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     target = load_target(target_of(args.target, getattr(args, "draft", None)), dtype=getattr(torch, args.dtype),
                          device=args.device)
-    head, note = head_for(target, args.draft)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    if args.rows:
+        print(row_costs(target, prompts[0], args.rows))
+        return 0
+    head, note = head_for(target, args.draft)
     sampling = SamplingConfig(temperature=args.temperature)
     plain = GenerationConfig(args.max_new_tokens, sampling=sampling, seed=0)
     runs = [("vanilla", engine_for(target, "vanilla"), plain)]
@@ -144,6 +151,49 @@ def run(args: argparse.Namespace) -> int:
     print_depths(rows)
     print_choices(rows["auto"]["choices"])
     return 0
+
+
+def row_costs(target, prompt: list[int], sizes: list[int], reps: int = 30) -> str:
+    """A markdown table: the target's verify forward (its decoder layers) and its lm_head over a chain of n rows after
+    `prompt`, median ms of `reps` (the cache cut back to the prompt each time), and each extra row's cost against
+    the one-row step's: what a verified row costs on this machine's vector unit."""
+    import os
+    import statistics
+    import time
+
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"--rows must be counts >= 1, got {sizes}")
+    cache = target.new_cache(len(prompt) + max(sizes))
+    with torch.inference_mode():
+        target.forward(torch.tensor(prompt), cache)
+        cache.commit(len(prompt))
+        gen = torch.Generator().manual_seed(0)
+        timed = {}
+        for n in sizes:
+            ids = torch.randint(target.vocab_size, (n,), generator=gen)
+            layers, head = [], []
+            for _ in range(reps + 2):
+                t0 = time.perf_counter()
+                _, hidden = target.forward(ids, cache)
+                t1 = time.perf_counter()
+                target.logits(hidden)
+                layers.append(t1 - t0)
+                head.append(time.perf_counter() - t1)
+                cache.truncate(len(prompt))
+            timed[n] = (1e3 * statistics.median(layers[2:]), 1e3 * statistics.median(head[2:]))
+    one = sum(timed[min(sizes)]) if 1 in timed else None
+    wide = os.environ.get("EAGLE_LITE_AVX512", "1") != "0"
+    lines = [f"target {target.name} · {torch.get_num_threads()} threads · prefix {len(prompt)} tokens · "
+             f"products {'16 lanes (AVX-512)' if wide else '8 lanes (AVX2)'} where the CPU has them · median of "
+             f"{reps}", "",
+             "| rows | layers ms | lm_head ms | verify ms | vs 1 row | each extra row ms |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for n, (layers, head) in timed.items():
+        total = layers + head
+        ratio = f"{total / one:.2f}x" if one else "—"
+        extra = f"{(total - one) / (n - 1):.2f}" if one and n > 1 else "—"
+        lines.append(f"| {n} | {layers:.2f} | {head:.2f} | {total:.2f} | {ratio} | {extra} |")
+    return "\n".join(lines)
 
 
 def print_depths(rows: dict[str, dict]) -> None:

@@ -288,7 +288,7 @@ def test_copy_mode_verifies_lookup_chains_alone_and_stays_exact(llama, seed):
 
 def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
     """A passage of the prompt being copied: the lookup chain grafted on the first tree is accepted whole, so
-    the next trees are lookup chains alone, 6 then 12 tokens (total_tokens + lookup, then doubled); when the
+    the next trees are lookup chains alone, 10 then 16 tokens (COPY_START, then doubled to COPY_MAX); when the
     answer leaves the passage the head drafts again, first reading the features of every token it skipped."""
     from eagle_lite.drafters.lookup_graft import COPY_MAX
 
@@ -303,19 +303,44 @@ def test_copy_chains_double_while_accepted_whole_and_the_head_catches_up(llama):
         first = drafter.propose(DraftInput(tokens, hidden(len(tokens) - 1)), tree_cfg)
         assert drafter.copy_steps == 0 and len(first) > 1 + tree_cfg.lookup
         sizes = []
-        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:14], passage[14]),
-                                (passage[15:27], passage[27])):
+        for accepted, bonus in ((passage[4:7], passage[7]), (passage[8:18], passage[18])):
             tokens = tokens + accepted + [bonus]            # the last chain accepted whole, then the target's token
             tree = drafter.propose(DraftInput(tokens, hidden(len(accepted) + 1)), tree_cfg)
             follow = (passage + [90] + passage)[bonus - 10 + 1:]
             assert (tree.tokens.tolist() == [bonus] + follow[:len(tree) - 1]
                     and tree.parents == list(range(-1, len(tree) - 1)))
             sizes.append(len(tree) - 1)
-        assert sizes[:2] == [6, 12] and 12 < sizes[2] <= COPY_MAX and drafter.copy_steps == 3
+        assert sizes == [10, COPY_MAX] and drafter.copy_steps == 2
         assert drafter.cache.length == len(passage) + 5 - 1    # the head has not read the copied stretch yet
         tokens = tokens + [91]                              # the answer leaves the passage: nothing accepted
         drafter.propose(DraftInput(tokens, hidden(1)), tree_cfg)
-        assert drafter.copy_steps == 3 and drafter.cache.length == len(tokens) - 1
+        assert drafter.copy_steps == 2 and drafter.cache.length == len(tokens) - 1
+
+
+def test_a_copy_chain_taken_in_part_is_followed_by_one_a_token_longer_than_it_took(llama):
+    """Copying a passage the context also holds with a variation: a copy chain of which at least a graft's length was
+    taken keeps the answer in copy mode with one more token than it took, as prompt lookup's own chain shrinks; one
+    taken for less than that hands the step back to the head."""
+    torch.manual_seed(0)
+    drafter = eagle_drafter(llama, DraftHead.for_target(llama))
+    drafter.reset(256)
+    p = list(range(10, 60))                               # 50 distinct tokens
+    q = p[:15] + [95] + p[15:40]                          # the same passage with a token inserted
+    tree_cfg = TreeConfig(depth=2, top_k=2, total_tokens=3, lookup=3)
+    tokens = p + [90] + q + [91] + p[:4]                  # the answer starts copying p (the lookup matches q, later)
+    hidden = lambda n: torch.randn(n, llama.hidden_size)
+    sizes = []
+    with torch.inference_mode():
+        drafter.propose(DraftInput(tokens, hidden(len(tokens) - 1)), tree_cfg)
+        for taken, bonus in ((p[4:7], p[7]), (p[8:15], p[15])):   # the graft whole; 7 of q's 10 (q has 95 next)
+            tokens = tokens + taken + [bonus]
+            chain = drafter.propose(DraftInput(tokens, hidden(len(taken) + 1)), tree_cfg)
+            sizes.append(len(chain) - 1)
+        assert sizes == [10, 8] and drafter.copy_steps == 2
+        assert chain.tokens.tolist() == [p[15]] + p[16:24] and chain.parents == list(range(-1, 8))
+        tokens = tokens + p[16:18] + [94]                 # 2 of the 8 taken (fewer than a graft's 3)
+        drafter.propose(DraftInput(tokens, hidden(3)), tree_cfg)
+        assert drafter.copy_steps == 2                    # the head's tree, not a chain alone
 
 
 def test_copy_chains_stop_shorter_after_a_long_context(llama, monkeypatch):
@@ -338,7 +363,7 @@ def test_copy_chains_stop_shorter_after_a_long_context(llama, monkeypatch):
                                 (passage[15:23], passage[23])):
             tokens = tokens + accepted + [bonus]
             sizes.append(len(drafter.propose(DraftInput(tokens, hidden(len(accepted) + 1)), tree_cfg)) - 1)
-    assert sizes == [6, eagle.COPY_MAX_LONG, eagle.COPY_MAX_LONG]
+    assert sizes == [eagle.COPY_MAX_LONG] * 3
     prompt = passage + [90] + passage[:4]
     cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=tree_cfg)
     assert Engine(llama, eagle_drafter(llama, DraftHead.for_target(llama))).generate(prompt, cfg).token_ids == \

@@ -1,5 +1,7 @@
 """Prompt lookup composed with another drafter: graft the lookup continuation onto its tree, and while the
-answer copies its context, verify lookup chains alone (up to `copy_cap`, the inner drafter sitting the step out).
+answer copies its context, verify lookup chains alone (up to `copy_cap`, the inner drafter sitting the step out):
+a chain taken whole doubles the next; one taken in part, past a graft's length, is followed by one a token longer
+than what it took, as prompt lookup's own adaptive chain does.
 With `staged`, the inner EagleDrafter first reads the lookup chain and grafts the prefix it agrees with.
 Greedy steps only: sampled steps take the inner drafter's tree alone (a copied token is accepted with the target's
 probability of it; the graft did not pay there on held-out prompts). docs/methods.md, "Lookup grafts and staged",
@@ -15,6 +17,7 @@ from ..tree import DraftTree, graft_chain
 from .prompt_lookup import PromptLookupDrafter
 
 COPY_MAX = 16   # the longest lookup chain verified alone while the answer copies its context
+COPY_START = 10   # the first one, after a grafted chain was taken whole: prompt lookup's own first chain
 # Past LONG_CONTEXT tokens each verified row also attends over the whole context, which makes a row cost markedly
 # more than after a short prompt (on a CPU), so shorter copy chains pay there.
 LONG_CONTEXT, COPY_MAX_LONG = 1024, 8
@@ -43,6 +46,7 @@ class LookupGraft:
         self.lookup = PromptLookupDrafter(max_ngram=5, min_ngram=2, adaptive=False)
         self.copy_mode = copy_mode and hasattr(inner, "sit_out")
         self._graft: tuple[int, list[int]] = (0, [])   # (sequence length, lookup chain) of the last proposal
+        self._copied = False                             # whether that chain was verified alone (copy mode)
         self.copy_steps = 0                              # proposals that were the lookup chain alone
         # staged: the inner drafter (an EagleDrafter) reads each lookup chain in its catch-up forward and the chain
         # grafted is the part it agrees with plus its own next token (module docstring)
@@ -64,7 +68,7 @@ class LookupGraft:
         return getattr(inner, name)
 
     def reset(self, max_len: int, keep: int = 0) -> int:
-        self._graft = (0, [])
+        self._graft, self._copied = (0, []), False
         return self.inner.reset(max_len, keep)
 
     def max_tree_nodes(self, tree: TreeConfig) -> int:
@@ -72,10 +76,22 @@ class LookupGraft:
         staged = 1 if self.staged and tree.lookup else 0     # the head's token past the chain it agrees with
         return max(self.inner.max_tree_nodes(tree) + tree.lookup + staged, copy)
 
-    def _copying(self, tokens: list[int]) -> bool:
-        """Whether the last proposal's lookup chain was accepted whole: the answer copies its context."""
+    def _copy_length(self, tokens: list[int], tree: TreeConfig) -> int:
+        """How long a lookup chain to verify alone this step (0: none, the answer is not copying its context). The
+        last proposal's chain accepted whole: double it (a grafted chain: start at COPY_START); a copy chain
+        of which at least `tree.lookup` tokens were taken: the answer still copies, so go on with one more than
+        it took (as prompt lookup's own chain shrinks), rather than back to the tree and a new ramp."""
         start, chain = self._graft
-        return len(chain) >= 2 and tokens[start:start + len(chain)] == chain
+        if len(chain) < 2:
+            return 0
+        taken = 0
+        for got, guess in zip(tokens[start:start + len(chain)], chain):
+            if got != guess:
+                break
+            taken += 1
+        if taken == len(chain):
+            return 2 * len(chain) if self._copied else max(tree.total_tokens + tree.lookup, COPY_START)
+        return taken + 1 if self._copied and taken >= max(tree.lookup, 2) else 0
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         return propose_together([self.proposal(inp, tree)])[0]
@@ -84,14 +100,13 @@ class LookupGraft:
         """`propose` step by step (decoding.drafter.Proposal): the inner drafter's forwards, where it proposes so."""
         if not tree.lookup or (not inp.sampling.greedy and not self.staged):   # module docstring: sampled steps
             return (yield from self._inner(inp, tree))
-        if self.copy_mode and self._copying(inp.tokens):
-            # each whole acceptance of a chain verified alone doubles the next one, up to copy_cap
-            grow = 2 * len(self._graft[1]) if len(self._graft[1]) > tree.lookup else 0
-            cap = copy_cap(len(inp.tokens))
-            chain = self.lookup.lookup(inp.tokens, min(cap, max(tree.total_tokens + tree.lookup, grow)))
+        length = self._copy_length(inp.tokens, tree) if self.copy_mode else 0
+        self._copied = False
+        if length:
+            chain = self.lookup.lookup(inp.tokens, min(copy_cap(len(inp.tokens)), length))
             if chain:
                 self.inner.sit_out(inp)
-                self._graft = (len(inp.tokens), chain)
+                self._graft, self._copied = (len(inp.tokens), chain), True
                 self.copy_steps += 1
                 return DraftTree.chain(torch.tensor([inp.root] + chain, device=inp.hidden.device))
         if self.staged:

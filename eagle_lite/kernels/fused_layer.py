@@ -16,8 +16,8 @@ activation) keeps its own forward. Calls the op cannot take (a batch, more than 
 another cache class, gradients) run the layer's own forward.
 
 A Gemma 3 layer (q/k norms, a norm on the attention's and the MLP's outputs before their residual adds, GELU-tanh,
-its own rotary per layer type: sliding or full attention, whose masks agree within `Target.max_context`) runs as the
-same op with those norms (`extra_norms`) and `act=1`.
+its own rotary per layer type: sliding or full attention) runs as the same op with those norms (`extra_norms`) and
+`act=1`; a sliding layer's mask hides the keys past its window (`tree.windowed`), a full layer's sees the whole prefix.
 
 An EAGLE-3 draft layer (heads/eagle3_layer.py: its attention reads [input_layernorm(embeds); hidden_norm(h)], 2H
 wide, the residual stream being h) runs as the same op, given the token embeddings beside h.
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import StaticKVCache, with_cache
-from ..tree import attention_mask
+from ..tree import attention_mask, windowed
 from .grid_linear import MAX_GRID_ROWS, Grid4, Grid8, GridK, GridWeight
 from .instance_forward import class_forwards
 from .native import kernel_available
@@ -81,6 +81,7 @@ class _LayerParts:
         attn, mlp = layer.self_attn, layer.mlp
         self.index = attn.layer_idx
         self.layer_type = _layer_type(layer)
+        self.window = getattr(attn, "sliding_window", None)   # a sliding layer's window (Gemma 3), else None
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.scale = float(attn.scaling)
         self.wide = _wide(layer)
@@ -319,8 +320,11 @@ class FusedStack:
         taps: decoder layers whose outputs are also returned, concatenated: (hidden [T, H], taps [T, len*H])."""
         x = self.embed(input_ids)                                  # T H
         tapped = {}
+        masks = {None: visible}   # by window: a sliding layer's mask hides the keys past its window
         for i, (parts, (cos, sin)) in enumerate(zip(self.parts, self._cos_sin(x, positions))):
-            x = parts(x, cos, sin, cache, visible)
+            if parts.window not in masks:
+                masks[parts.window] = windowed(visible, cache.length, positions, parts.window)
+            x = parts(x, cos, sin, cache, masks[parts.window])
             if i in taps:
                 tapped[i] = x
         return (self.norm(x), torch.cat([tapped[i] for i in taps], dim=-1)) if taps else self.norm(x)
@@ -338,11 +342,14 @@ class FusedStack:
         `__call__` gives them on their own cache (the layer op's arithmetic is row by row), the weights are read
         once for all rows. Returns hidden [T, H] (with taps: (hidden, taps [T, len*H]))."""
         rows = [c.pending for c in caches]
-        masks = [v.contiguous() for v in visible]
+        masks = {None: [v.contiguous() for v in visible]}   # by window, as `__call__`
         x = self.embed(input_ids)                                  # T H
         tapped = {}
         for i, (parts, (cos, sin)) in enumerate(zip(self.parts, self._cos_sin(x, positions))):
-            x = parts.packed(x, cos, sin, caches, rows, masks)
+            if parts.window not in masks:
+                masks[parts.window] = [windowed(v, c.length, p, parts.window).contiguous()
+                                       for v, c, p in zip(visible, caches, positions.split(rows))]
+            x = parts.packed(x, cos, sin, caches, rows, masks[parts.window])
             if i in taps:
                 tapped[i] = x
         return (self.norm(x), torch.cat([tapped[i] for i in taps], dim=-1)) if taps else self.norm(x)

@@ -22,7 +22,7 @@ from torch import nn
 from ..kernels import Accelerated, accelerate_target, stock
 from ..kernels.attention import select_attention
 from ..kv_cache import PackedKVCache, StaticKVCache, cache_keyword, with_cache
-from ..tree import attention_mask, packed_mask
+from ..tree import attention_mask, packed_mask, windowed
 from .lm_head import LmHead
 
 
@@ -47,6 +47,8 @@ class Target:
         self.decoder = model.get_decoder()            # the transformer stack without the lm_head
         self.lm_head = model.get_output_embeddings()  # hidden -> vocab logits
         self.embed_tokens = model.get_input_embeddings()
+        # the sliding window the masks give the sliding layers (their own mask, by layer type); None: none to give
+        self.window = mask_window(self.config, self.decoder)
         self._use_attention(attention)
         self.accelerated = accelerate_target(self.decoder, self.lm_head) if accelerate else Accelerated()
         # one forward of the model's own on a few tokens serves both load-time checks
@@ -125,15 +127,24 @@ class Target:
 
     @property
     def max_context(self) -> int:
-        """Tokens the target can attend over. A sliding attention window caps it: the tree masks here
-        give every token the whole prefix, which equals windowed attention only inside the window."""
+        """Tokens the target can attend over: its position limit. Where its sliding layers take a mask of their own
+        (`window`: Gemma 2/3, Qwen 2), each gets the tree mask with the keys past its window hidden; a model with a
+        sliding window and one mask for every layer (Mistral-style configs) is capped at the window, inside which
+        the two agree."""
         cfg = self.config
         limit = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
         window = getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
-        if window and (layer_types is None or "sliding_attention" in layer_types):
+        if window and self.window is None and (layer_types is None or "sliding_attention" in layer_types):
             limit = min(limit, int(window))
         return limit
+
+    def masks(self, mask: torch.Tensor, windowed_mask) -> torch.Tensor | dict:
+        """The attention mask the model's forward takes: `mask` (4-D), or, for a target with sliding layers, a
+        mapping by layer type whose sliding entry is `windowed_mask()` (the same mask, keys past the window hidden)."""
+        if self.window is None:
+            return mask
+        return {"full_attention": mask, "sliding_attention": windowed_mask()}
 
     @property
     def llama_layers(self) -> bool:
@@ -230,7 +241,8 @@ class Target:
                 ancestors = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()
             out = self.decoder(
                 input_ids=input_ids.view(1, t),
-                attention_mask=attention_mask(start, ancestors),
+                attention_mask=self.masks(attention_mask(start, ancestors), lambda: windowed(
+                    attention_mask(start, ancestors)[0, 0], start, steps + start, self.window)[None, None]),
                 position_ids=(steps + start).view(1, t),
                 use_cache=True,
                 output_hidden_states=bool(taps),
@@ -277,7 +289,8 @@ class Target:
         else:
             out = self.decoder(
                 input_ids=input_ids.view(1, t),
-                attention_mask=packed_mask(visible),
+                attention_mask=self.masks(packed_mask(visible), lambda: packed_mask([
+                    windowed(v, c.length, p, self.window) for v, c, p in zip(visible, caches, positions.split(rows))])),
                 position_ids=positions.view(1, t),
                 use_cache=True,
                 output_hidden_states=bool(taps),
@@ -312,6 +325,20 @@ class Target:
     def lm_grid(self):
         """The lm_head's grid codes (None where its weight lies on no GGUF grid or the speed-ups are off)."""
         return self.lm.grid
+
+
+def mask_window(config, decoder: nn.Module) -> int | None:
+    """The sliding window of a model whose sliding layers take a mask of their own: its decoder's forward takes a
+    mapping of masks by layer type (transformers' Gemma 2/3, Qwen 2 and the like). None: no sliding layers, or one
+    mask for every layer (Mistral: `Target.max_context` is then capped at the window)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not window or not types or "sliding_attention" not in types:
+        return None
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return None
+    return int(window) if "causal_mask_mapping := attention_mask, dict" in source else None
 
 
 def unverifiable(name: str, model: nn.Module, problem: str) -> ValueError:

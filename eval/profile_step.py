@@ -4,7 +4,7 @@
     python -m eval.profile_step --draft random --trees 3,8,8 5,8,24
     python -m eval.profile_step --questions eval/questions/heldout12.jsonl --limit 1 --trees 1,1,1,4
     python -m eval.profile_step --device cuda --dtype bfloat16 --static cuda-graph   # adds the static step's rows
-    python -m eval.profile_step --rows 1,4,16,32                   # what a verified row costs against a plain step
+    python -m eval.profile_step --verify-rows 1,4,16,32            # what a verified row costs against a plain step
 
 Per step: draft, verify (the target's forward over the tree), accept + cache commit, and their sum; plus tokens per
 step and tokens/s, for vanilla decoding, prompt lookup (its default adaptive chain: the drafter a head has to beat)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     add_flag(p, "temperature", note="draws with seed 0")
     add_device_flags(p, attention=False)
     add_static_flag(p, "also profile, beside the engine's rows,")
-    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    p.add_argument("--verify-rows", type=row_counts, default=None,
                    help="instead: time the target's verify forward and lm_head over chains of these many rows after "
                         "the first prompt (e.g. 1,4,16,32): what a verified row costs against a plain step")
     return run(p.parse_args(argv))
@@ -118,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(target_of(args.target, getattr(args, "draft", None)), dtype=getattr(torch, args.dtype),
                          device=args.device)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
-    if args.rows:
-        print(row_costs(target, prompts[0], args.rows))
+    if args.verify_rows:
+        print(row_costs(target, prompts[0], args.verify_rows))
         return 0
     head, note = head_for(target, args.draft)
     sampling = SamplingConfig(temperature=args.temperature)
@@ -153,6 +153,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def row_counts(text: str) -> list[int]:
+    """--verify-rows' value: comma-separated counts of rows >= 1 ('1,4,16,32')."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts of rows >= 1 (1,4,16,32), got {text!r}")
+    return counts
+
+
 def row_costs(target, prompt: list[int], sizes: list[int], reps: int = 30) -> str:
     """A markdown table: the target's verify forward (its decoder layers) and its lm_head over a chain of n rows after
     `prompt`, median ms of `reps` (the cache cut back to the prompt each time), and each extra row's cost against
@@ -162,7 +173,7 @@ def row_costs(target, prompt: list[int], sizes: list[int], reps: int = 30) -> st
     import time
 
     if any(n < 1 for n in sizes):
-        raise ValueError(f"--rows must be counts >= 1, got {sizes}")
+        raise ValueError(f"--verify-rows must be counts >= 1, got {sizes}")
     cache = target.new_cache(len(prompt) + max(sizes))
     with torch.inference_mode():
         target.forward(torch.tensor(prompt), cache)

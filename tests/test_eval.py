@@ -589,3 +589,21 @@ def test_ceiling_oracle_rewrites_only_what_its_rate_says(tiny_model_dir):
     assert (wrong.asked, wrong.head_right) == (1, 1)              # depth 1: the head's own 7 was the target's
     past = OracleDraft(Head(), ref, 1.0).rewrite(chain, 4)        # past the reference's end: the head's tokens stay
     assert past.tokens.tolist() == [6, 9, 50, 9]
+
+
+def test_profile_step_prices_a_verified_row_against_the_one_row_step():
+    import argparse
+
+    from conftest import make_target
+
+    from eval.profile_step import row_costs, row_counts
+
+    assert row_counts("1,4,16") == [1, 4, 16]
+    for bad in ("a,b", "0,2", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="counts of rows >= 1"):
+            row_counts(bad)
+    table = row_costs(make_target("llama", grid=True), list(range(3, 20)), [1, 3], reps=2).splitlines()
+    rows = [line.split("|")[1:-1] for line in table if line.startswith("| ") and line[2].isdigit()]
+    assert [r[0].strip() for r in rows] == ["1", "3"] and rows[0][4].strip() == "1.00x"
+    assert float(rows[1][5]) == float(rows[1][5])   # each extra row's ms, a number (noise may make it negative)
+    assert rows[0][5].strip() == "—" and float(rows[1][3]) > 0.0

@@ -25,3 +25,24 @@ def test_a_lightning_line_prints_once_where_the_root_logger_prints():
     finally:
         root.removeHandler(ours)
         lightning.removeHandler(extra)
+
+
+def test_lightnings_cloud_adverts_are_not_printed():
+    import lightning.pytorch  # noqa: F401
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    from trainers.loggers import one_copy_of_lightning_lines
+
+    root, stream = logging.getLogger(), io.StringIO()
+    ours = logging.StreamHandler(stream)
+    root.addHandler(ours)
+    before = root.level
+    root.setLevel(logging.INFO)
+    try:
+        one_copy_of_lightning_lines()
+        rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
+        rank_zero_info("GPU available: False, used: False")
+        assert "Tip" not in stream.getvalue() and "GPU available" in stream.getvalue()
+    finally:
+        root.removeHandler(ours)
+        root.setLevel(before)

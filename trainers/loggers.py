@@ -67,3 +67,14 @@ def one_copy_of_lightning_lines() -> None:
             if type(handler) is logging.StreamHandler:
                 logger.removeHandler(handler)
         logger.propagate = True
+    adverts = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoAdverts) for f in adverts.filters):
+        adverts.addFilter(NoAdverts())
+
+
+class NoAdverts(logging.Filter):
+    """Drops Lightning's tips to install its cloud services ("💡 Tip: For seamless cloud logging ..."), which it
+    prints at every training start: an advert, not a line about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -118,13 +119,25 @@ def _gguf_progress(shown: bool):
         gguf_utils.tqdm = bar
 
 
+# Seconds a MB of GGUF file takes to convert on a 2-core machine (de-quantizing, loading the tokenizer, writing fp32
+# safetensors), from SmolLM2's Q4_1 and Gemma 3 270M's Q4_K_M files (tests/test_loading.py names both).
+CONVERT_SECONDS_PER_MB = 0.22
+
+
+def conversion_estimate(path: Path) -> str:
+    """'about 55 s' for a file the size of Gemma 3 270M's Q4_K_M (`CONVERT_SECONDS_PER_MB`; at least 10 s)."""
+    seconds = max(10, 5 * round(path.stat().st_size / 2**20 * CONVERT_SECONDS_PER_MB / 5))
+    return f"about {seconds} s" if seconds < 120 else f"about {round(seconds / 60)} min"
+
+
 def _convert(path: Path, out: Path) -> None:
     """De-quantize the GGUF file `path` into the folder `out` (written whole, then renamed into place)."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.logging import is_progress_bar_enabled
 
-    log.warning("converting %s to safetensors once (about 20 s); cached in %s", path.name, out)
+    start = time.perf_counter()
+    log.warning("converting %s to safetensors once (%s); cached in %s", path.name, conversion_estimate(path), out)
     try:
         with _gguf_progress(shown=is_progress_bar_enabled()):
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -144,6 +157,7 @@ def _convert(path: Path, out: Path) -> None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)  # a half-written conversion never looks finished
+        log.warning("converted %s in %.0f s", path.name, time.perf_counter() - start)
     except OSError:
         if not (out / "config.json").exists():
             raise

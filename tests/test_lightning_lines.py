@@ -28,21 +28,17 @@ def test_a_lightning_line_prints_once_where_the_root_logger_prints():
 
 
 def test_lightnings_cloud_adverts_are_not_printed():
+    """Lightning's rank-zero logger carries a filter that drops its "💡 Tip: ..." adverts and passes every other line
+    (checked on the logger's own filters: what other tests leave of the logging setup does not matter)."""
     import lightning.pytorch  # noqa: F401
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from trainers.loggers import one_copy_of_lightning_lines
 
-    root, stream = logging.getLogger(), io.StringIO()
-    ours = logging.StreamHandler(stream)
-    root.addHandler(ours)
-    before = root.level
-    root.setLevel(logging.INFO)
-    try:
-        one_copy_of_lightning_lines()
-        rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
-        rank_zero_info("GPU available: False, used: False")
-        assert "Tip" not in stream.getvalue() and "GPU available" in stream.getvalue()
-    finally:
-        root.removeHandler(ours)
-        root.setLevel(before)
+    one_copy_of_lightning_lines()
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+
+    def record(text: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.INFO, __file__, 1, text, (), None)
+
+    assert not logger.filter(record("💡 Tip: For seamless cloud logging and experiment tracking, try installing"))
+    assert logger.filter(record("GPU available: False, used: False"))

@@ -58,7 +58,10 @@ def build_logger(cfg: DictConfig):
 def one_copy_of_lightning_lines() -> None:
     """Lightning's package logger ("lightning") prints on a console handler of its own and passes each line on to
     the root logger too, which Hydra prints as well: where the root has a handler, Lightning's own goes, so each
-    line prints once (in Hydra's format, and into the run's log file)."""
+    line prints once (in Hydra's format, and into the run's log file). Its adverts print nowhere (`NoAdverts`)."""
+    adverts = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoAdverts) for f in adverts.filters):
+        adverts.addFilter(NoAdverts())
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -67,9 +70,6 @@ def one_copy_of_lightning_lines() -> None:
             if type(handler) is logging.StreamHandler:
                 logger.removeHandler(handler)
         logger.propagate = True
-    adverts = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, NoAdverts) for f in adverts.filters):
-        adverts.addFilter(NoAdverts())
 
 
 class NoAdverts(logging.Filter):

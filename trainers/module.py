@@ -188,7 +188,11 @@ class DraftLightningModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         # the sums are reduced over the ranks already (torchmetrics); sync_dist=True says so to Lightning
-        self.log_dict(val_epoch_metrics(self.val_sums)[1], prog_bar=True, sync_dist=True)
+        metrics = val_epoch_metrics(self.val_sums)[1]
+        # the progress bar shows the headline (top-1) beside the loss; the rest go to the loggers and the summary,
+        # where a bar of every metric wrapped into a column of them on an 80-column terminal
+        self.log_dict({k: v for k, v in metrics.items() if k == "val/top1"}, prog_bar=True, sync_dist=True)
+        self.log_dict({k: v for k, v in metrics.items() if k != "val/top1"}, prog_bar=False, sync_dist=True)
         if self.val_groups:
             self.log_dict(group_metrics(self.group_sums, self.val_groups), sync_dist=True)
 

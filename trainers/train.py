@@ -472,6 +472,8 @@ def fit(cfg: DictConfig, module, data):
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         # online features (trainers/online.py) are computed in the module's hook, by design
         warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule`")
+        # Lightning's own use of torch's pytree API, deprecated by torch: nothing a user's run can change
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         try:
             # Our own checkpoint (a pickle we wrote), read with torch's restricted weights_only unpickler.
             trainer.fit(module, datamodule=data, ckpt_path=resume_from, weights_only=True)

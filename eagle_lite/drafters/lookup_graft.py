@@ -13,6 +13,7 @@ import torch
 
 from ..config import TreeConfig
 from ..decoding.drafter import Drafter, DraftInput, Proposal, propose_together
+from ..decoding.engine import shared_start
 from ..tree import DraftTree, graft_chain
 from .prompt_lookup import PromptLookupDrafter
 
@@ -84,11 +85,7 @@ class LookupGraft:
         start, chain = self._graft
         if len(chain) < 2:
             return 0
-        taken = 0
-        for got, guess in zip(tokens[start:start + len(chain)], chain):
-            if got != guess:
-                break
-            taken += 1
+        taken = shared_start(tokens[start:start + len(chain)], chain)
         if taken == len(chain):
             return 2 * len(chain) if self._copied else max(tree.total_tokens + tree.lookup, COPY_START)
         return taken + 1 if self._copied and taken >= max(tree.lookup, 2) else 0

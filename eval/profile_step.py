@@ -192,7 +192,7 @@ def row_costs(target, prompt: list[int], sizes: list[int], reps: int = 30) -> st
                 head.append(time.perf_counter() - t1)
                 cache.truncate(len(prompt))
             timed[n] = (1e3 * statistics.median(layers[2:]), 1e3 * statistics.median(head[2:]))
-    one = sum(timed[min(sizes)]) if 1 in timed else None
+    one = sum(timed[1]) if 1 in timed else None
     wide = os.environ.get("EAGLE_LITE_AVX512", "1") != "0"
     lines = [f"target {target.name} · {torch.get_num_threads()} threads · prefix {len(prompt)} tokens · "
              f"products {'16 lanes (AVX-512)' if wide else '8 lanes (AVX2)'} where the CPU has them · median of "

@@ -112,7 +112,7 @@ def record_of(q: Question, turn: int, name: str, results: list, ref: list[int], 
         target_forwards=result.target_forwards,
         accept_length_mean=(sum(result.accept_lengths) / len(result.accept_lengths)
                             if result.accept_lengths else None),
-        accept_lengths=result.accept_lengths, draft_depths=list(getattr(result, "draft_depths", [])),
+        accept_lengths=result.accept_lengths, draft_depths=list(result.draft_depths),
         identical_to_baseline=(diff is None) if greedy else None, first_mismatch=diff,
     )
 

@@ -51,6 +51,7 @@ from eagle_lite.text.chat_format import chat_text, clean_text
 from eagle_lite.text.record import recorded_meta
 
 from .answering import BACKENDS, check_method, generate_answers, resolve_backend
+from .next_steps import plural
 from .ranks import Ranks
 from .resample import check_settings, resample_degenerate, resolved
 from .shards import file_damage, file_digest
@@ -650,12 +651,11 @@ def plan_shards(folder: Path, cfg: DistillConfig, meta: dict, chosen: list | Non
 def summary_line(summary: DistillSummary) -> str:
     """The folder's answers and skipped prompts, then what this call went through: '187 answers (61234 tokens) in
     F, 69 prompts skipped (too long or empty); this call went through 256 prompts'."""
-    line = (f"{summary.records} answer{'' if summary.records == 1 else 's'} ({summary.tokens} tokens) in "
-            f"{summary.folder}")
+    line = f"{plural(summary.records, 'answer')} ({summary.tokens} tokens) in {summary.folder}"
     if summary.skipped:
-        line += f", {summary.skipped} prompt{'' if summary.skipped == 1 else 's'} skipped (too long or empty)"
+        line += f", {plural(summary.skipped, 'prompt')} skipped (too long or empty)"
     if summary.generated:
-        line += f"; this call went through {summary.generated} prompt{'' if summary.generated == 1 else 's'}"
+        line += f"; this call went through {plural(summary.generated, 'prompt')}"
     return line
 
 

@@ -241,7 +241,7 @@ def load_target(spec: str | None = None, dtype: torch.dtype = torch.float32, dev
     spec = spec or DEFAULT_TARGET
     source = target_source(spec)
     if isinstance(source, Path) and source.is_file():  # a GGUF file
-        folder, name = converted_gguf(source), (_EMBEDDED[spec][1] if spec in _EMBEDDED else source.stem)
+        folder, name = converted_gguf(source), (alias_name(spec) or source.stem)
     else:
         folder, name = source, spec
     try:

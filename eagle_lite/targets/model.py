@@ -239,10 +239,11 @@ class Target:
         else:
             if ancestors is None:
                 ancestors = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril_()
+            mask = attention_mask(start, ancestors)
             out = self.decoder(
                 input_ids=input_ids.view(1, t),
-                attention_mask=self.masks(attention_mask(start, ancestors), lambda: windowed(
-                    attention_mask(start, ancestors)[0, 0], start, steps + start, self.window)[None, None]),
+                attention_mask=self.masks(mask, lambda: windowed(mask[0, 0], start, steps + start,
+                                                                 self.window)[None, None]),
                 position_ids=(steps + start).view(1, t),
                 use_cache=True,
                 output_hidden_states=bool(taps),

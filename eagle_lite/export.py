@@ -1,13 +1,19 @@
-"""`python -m eagle_lite.export HEAD --format eagle|eagle3|medusa --out DIR`: a head in the layout others serve;
+"""`python -m eagle_lite.export HEAD --format eagle|eagle3|gguf-eagle3|medusa --out DIR`: a head in the layout others
+serve;
 `python -m eagle_lite.export --target smollm2 --out DIR`: the target as a standard Hugging Face folder.
 
   python -m eagle_lite.export eagle_lite/heads/smollm2 --format eagle --out smollm2-eagle
   python -m eagle_lite.export runs/train/.../head --format eagle3 --out my-eagle3     # experiment=eagle3's head
   python -m eagle_lite.export runs/train/.../medusa/head --format medusa --out my-medusa
+  python -m eagle_lite.export eagle_lite/heads/smollm2 --format gguf-eagle3 --out smollm2-gguf   # llama.cpp
 
 eagle:  official EAGLE (EaModel, use_eagle3=False), vLLM (speculative_config method "eagle"), SGLang
         (--speculative-algorithm EAGLE); a reduced draft vocabulary goes with it as SGLang's hot-token map.
 eagle3: official EAGLE-3, vLLM (method "eagle3"), SGLang (EAGLE3), SpecForge's layout.
+gguf-eagle3: llama.cpp's EAGLE-3 draft (llama-server -md FILE --spec-type draft-eagle3), one GGUF file with the
+        tensors and metadata llama.cpp's converter writes (formats/gguf_eagle3.py); the tokenizer comes from the
+        target's GGUF file (--target-gguf, default the one the target was loaded from). EAGLE-1/2 heads: refused,
+        llama.cpp has no EAGLE-1 draft.
 medusa: vLLM (method "medusa") and FasterDecoding/Medusa.
 No HEAD: the target itself (formats/hf_target.py), the folder vLLM, official EAGLE, OpenVINO's converter and
         transformers 4.x and 5.x load as they are; reloaded once with transformers and checked against the original.
@@ -28,7 +34,7 @@ from .atomic import write_json_atomic
 from .cli import UsageError, entry_point
 from .config import default_tree
 
-FORMATS = ("eagle", "eagle3", "medusa")
+FORMATS = ("eagle", "eagle3", "gguf-eagle3", "medusa")
 ENGINES = ("official", "sglang", "vllm")
 EAGLE3_ENGINES = ("openvino", "speculators")          # --format eagle3 only
 DTYPES = ("bfloat16", "float16", "float32")
@@ -73,11 +79,12 @@ class LossyExport(ValueError):
 
 
 def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torch.dtype, engine: str = "all",
-           allow_lossy: bool = False, verifier: str | None = None) -> list[str]:
+           allow_lossy: bool = False, verifier: str | None = None, target_gguf: str | Path | None = None) -> list[str]:
     """Write the head at `head_path` (any folder --draft / --medusa take) for `target` in format `fmt` to `out`;
     returns the notes for the user. engine (format eagle): the engine the folder is for, "all" for every one.
     What an engine runs differently of the head is measured and noted; where its first-token agreement drops by
-    more than AGREEMENT_MARGIN the head is refused (LossyExport) with the measurement unless allow_lossy."""
+    more than AGREEMENT_MARGIN the head is refused (LossyExport) with the measurement unless allow_lossy.
+    target_gguf (format gguf-eagle3): the target's GGUF file, whose tokenizer the draft file carries."""
     from .formats import load_head, load_medusa
     from .formats.eagle import write_eagle
     from .formats.eagle3 import write_eagle3
@@ -94,7 +101,13 @@ def export(head_path: str | Path, fmt: str, out: str | Path, target, dtype: torc
     if fmt == "eagle" and engine in EAGLE3_ENGINES:
         raise ValueError(f"--engine {engine} is a layout of EAGLE-3 drafts only: export an EAGLE-3 head with "
                          f"--format eagle3")
+    if fmt == "gguf-eagle3" and engine != "all":
+        raise ValueError(f"--engine {engine} is a layout of --format eagle/eagle3: gguf-eagle3 is for llama.cpp")
     head = load_head(head_path, target)
+    if fmt == "gguf-eagle3":
+        from .formats.gguf_eagle3 import write_gguf_eagle3
+
+        return write_gguf_eagle3(head, target, out, meta, dtype, target_gguf)
     if fmt == "eagle3":
         return write_eagle3(head, target, out, meta, dtype, engine, verifier)
     losses = eagle_losses(head, target, engine)
@@ -165,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--allow-lossy). "
                         "eagle3: openvino adds the embedding optimum-cli export openvino needs; speculators writes "
                         "the speculators package's layout (vLLM reads it for EAGLE-3)")
+    p.add_argument("--target-gguf", default=None,
+                   help="--format gguf-eagle3: the target's GGUF file llama.cpp runs (its tokenizer goes into the "
+                        "draft; default: the file the target was loaded from)")
     p.add_argument("--verifier", default=None,
                    help="--engine speculators: the target's name or path the config records (default: --target)")
     p.add_argument("--allow-lossy", action="store_true",
@@ -218,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.head is None:
         return main_target(args)
     if args.format is None:
-        raise UsageError("--format is required with a head folder (eagle, eagle3 or medusa)")
+        raise UsageError("--format is required with a head folder (eagle, eagle3, gguf-eagle3 or medusa)")
+    if args.target_gguf is not None and args.format != "gguf-eagle3":
+        raise UsageError("--target-gguf is an option of --format gguf-eagle3")
     head = Path(args.head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
@@ -226,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype or (stored if stored in DTYPES else "bfloat16"))
     target = load_target(target_spec(head, args.target))
     notes = export(head, args.format, args.out, target, dtype, args.engine, args.allow_lossy,
-                   args.verifier or args.target)
+                   args.verifier or args.target, args.target_gguf)
     out = Path(args.out)
+    if args.format == "gguf-eagle3":
+        return report_gguf(out, target, notes, args.target_gguf)
     tree = head_record(head).get("tree_cuda")
     if args.format != "medusa":
         write_vllm_config(out, args.format, tree)
@@ -237,6 +257,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.format != "medusa":
         for line in serving_lines(tree, out / VLLM_CONFIG):
             print(line)
+    return 0
+
+
+def report_gguf(out: Path, target, notes: list[str], target_gguf: str | None) -> int:
+    """What `main` prints for --format gguf-eagle3: the file, the notes, the llama-server command."""
+    from .formats.gguf_eagle3 import file_name, serving_line
+    from .targets.loading import gguf_file
+
+    draft = out / file_name(target)
+    print(f"wrote gguf-eagle3 head to {draft}")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"llama.cpp: {serving_line(target_gguf or gguf_file(target.spec), draft)}")
     return 0
 
 

@@ -13,7 +13,13 @@
    (tree depth k, top_k 1, no lookup graft: the setting vLLM's num_speculative_tokens k and OpenVINO GenAI's
    num_assistant_tokens k run), then each peer in its own venv (build/peers/<engine>, eval/peers/install.sh),
    through eval/peers/<engine>_peer.py.
-   llama.cpp (build/peers/llama: llama-cpp-python compiled for this CPU) decodes the embedded GGUF file itself.
+   llama.cpp decodes the embedded GGUF file itself: its own server (eval/peers/llama_server_peer.py, the binaries
+   install.sh builds from the llama.cpp llama-cpp-python vendors, or $LLAMA_CPP_BIN) plain, and with the shipped
+   head exported by `eagle_lite.export --format gguf-eagle3` as its EAGLE-3 draft (a chain of --k, every round);
+   a build whose plain speed is under a tenth of the AVX2 speed is named broken, not timed. Its rows are compared
+   with llama.cpp's own plain greedy output (its int8 activations give other tokens than eagle_lite's fp32), and
+   llama.cpp's speculation counters (accepted tokens per draft round) follow the table. llama-cpp-python
+   (build/peers/llama) adds its own plain row where installed.
 4. A table: engine, method, tokens per target forward, tokens/s, output identical to eagle_lite's vanilla, start-up
    seconds; written to build/peers/run/table.md and results.json as well.
 
@@ -37,6 +43,28 @@ RUN = ROOT / "run"
 QUESTIONS = Path("eval/questions/heldout12.jsonl")
 PEERS = ("vllm", "openvino", "hf4", "llama")
 EAGLE1_HEAD = Path("data/heads/smollm2-eagle1")   # the EAGLE-1 head shipped before the EAGLE-3 one
+LLAMA_BIN = ROOT / "llama" / "bin-dir"            # install.sh llama: the folder of the llama.cpp binaries it built
+# llama.cpp's plain decoding speed with AVX2 (FACTS.md: ~57 tokens/s with 2 threads on these hosts, ~90 on the
+# Xeon): a build under a tenth of it per thread is broken (AMX on a host where it stalls), not a slow CPU
+AVX2_TOKENS_PER_S_PER_THREAD = 28.5
+LLAMA_PLAIN = "llama.cpp vanilla"
+
+
+def llama_bin() -> Path | None:
+    """The folder of llama.cpp's binaries: $LLAMA_CPP_BIN, else the one install.sh llama built; None if neither."""
+    import os
+
+    given = os.environ.get("LLAMA_CPP_BIN")
+    if given:
+        return Path(given)
+    if LLAMA_BIN.is_file():
+        return Path(LLAMA_BIN.read_text().strip())
+    return None
+
+
+def min_llama_speed(threads: int) -> float:
+    """The plain tokens/s below which a llama.cpp build is named broken: a tenth of the AVX2 speed."""
+    return 0.1 * AVX2_TOKENS_PER_S_PER_THREAD * min(max(threads, 1), 2)
 
 
 def sh(cmd: list[str], log: Path) -> None:
@@ -62,6 +90,7 @@ def export_all(target, fresh: bool) -> dict[str, list[str]]:
     notes["eagle1-vllm"] = export(EAGLE1_HEAD, "eagle", EXPORTS / "eagle1-vllm", target, torch.bfloat16,
                                   engine="vllm", allow_lossy=True)
     shipped = default_head_path(target.name)
+    notes["eagle3-gguf"] = export(shipped, "gguf-eagle3", EXPORTS / "eagle3-gguf", target, torch.bfloat16)
     for engine in ("speculators", "openvino"):
         notes[f"eagle3-{engine}"] = export(shipped, "eagle3", EXPORTS / f"eagle3-{engine}", target, torch.float32,
                                            engine=engine, verifier=str(folder.resolve()))
@@ -110,10 +139,20 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> t
         jobs.append(("hf4 generate", [py["hf4"], "eval/peers/hf4_peer.py", "--target", target, "--threads",
                                       str(threads)]))
     if "llama" in engines:
+        from eagle_lite.formats.gguf_eagle3 import file_name
         from eagle_lite.targets.loading import embedded_gguf
 
-        jobs.append(("llama.cpp generate (the Q4_1 GGUF file)", [py["llama"], "eval/peers/llama_peer.py", "--gguf",
-                                                                 str(embedded_gguf()), "--threads", str(threads)]))
+        gguf = str(embedded_gguf())
+        if (ROOT / "llama" / ".installed").is_file():
+            jobs.append(("llama-cpp-python generate (the Q4_1 GGUF file)",
+                         [py["llama"], "eval/peers/llama_peer.py", "--gguf", gguf, "--threads", str(threads)]))
+        binaries = llama_bin()
+        if binaries is not None:
+            server = [sys.executable, "eval/peers/llama_server_peer.py", "--bin", str(binaries), "--gguf", gguf,
+                      "--threads", str(threads), "--min-speed", f"{min_llama_speed(threads):.2f}"]
+            draft = EXPORTS / "eagle3-gguf" / file_name("smollm2")
+            jobs += [(LLAMA_PLAIN, server),
+                     (f"llama.cpp eagle3 (shipped head), k={k}", server + ["--draft", str(draft), "--k", str(k)])]
     if "vllm" in engines:
         peer = [py["vllm"], "eval/peers/vllm_peer.py", "--target", target]
         jobs += [("vllm vanilla", peer),
@@ -150,7 +189,23 @@ def peer_runs(engines: list[str], k: int, prompts_file: Path, threads: int) -> t
             results[name] = json.loads(out.read_text())
         except RuntimeError as err:
             notes.append(f"{name}: {err}")
+    for name, run in results.items():
+        if name.startswith("llama.cpp ") and name != LLAMA_PLAIN:
+            run["reference"] = LLAMA_PLAIN        # llama.cpp's own numerics: compared with its own plain greedy
     return results, notes
+
+
+def llama_spec_lines(runs: dict[str, dict]) -> list[str]:
+    """llama.cpp's own speculation counters of its EAGLE-3 rows (llama_server_peer.py reads them from /metrics)."""
+    lines = []
+    for name, run in runs.items():
+        spec = run.get("spec") or {}
+        if name.startswith("llama.cpp ") and spec.get("rounds"):
+            lines.append(f"- {name}: llama.cpp reports {spec['accepted_tokens']:.0f} drafted tokens accepted of "
+                         f"{spec['drafted_tokens']:.0f} in {spec['rounds']:.0f} draft rounds: "
+                         f"{spec['accepted_per_round']:.2f} accepted per round, mean length "
+                         f"{spec['tokens_per_round']:.2f} tokens per target forward")
+    return lines
 
 
 def trimmed(tokens: list[int], eos: set[int]) -> list[int]:
@@ -166,6 +221,8 @@ def tokens_per_forward(name: str, run: dict) -> float | None:
     if run.get("forwards"):
         return new / run["forwards"]
     spec = run.get("spec") or {}
+    if spec.get("tokens_per_round"):
+        return spec["tokens_per_round"]                  # llama.cpp's mean length: 1 + accepted / rounds
     if spec.get("drafts"):
         return 1 + spec.get("accepted_tokens", 0) / spec["drafts"]
     if spec.get("main_inferences"):
@@ -174,18 +231,20 @@ def tokens_per_forward(name: str, run: dict) -> float | None:
 
 
 def table(runs: dict[str, dict], eos: set[int]) -> list[str]:
-    reference = [trimmed(r["token_ids"], eos) for r in runs["eagle_lite vanilla"]["rows"]]
-    lines = ["| engine | method | tokens per target forward | tokens/s | identical to eagle_lite vanilla "
+    lines = ["| engine | method | tokens per target forward | tokens/s | identical to eagle_lite vanilla (or: to) "
              "| start-up s |", "|---|---|---|---|---|---|"]
     for name, run in runs.items():
         new = sum(len(r["token_ids"]) for r in run["rows"])
         seconds = sum(r["seconds"] for r in run["rows"])
+        against = run.get("reference") if run.get("reference") in runs else "eagle_lite vanilla"
+        reference = [trimmed(r["token_ids"], eos) for r in runs[against]["rows"]]
         same = sum(trimmed(r["token_ids"], eos) == ref for r, ref in zip(run["rows"], reference))
         tpf = tokens_per_forward(name, run)
         engine, _, method = name.partition(" ")
         start = run.get("startup_s")
         lines.append(f"| {run.get('engine', engine)} | {method} | {'n/a' if tpf is None else f'{tpf:.2f}'} | "
-                     f"{new / seconds:.1f} | {same}/{len(reference)} | "
+                     f"{new / seconds:.1f} | {same}/{len(reference)}"
+                     f"{'' if against == 'eagle_lite vanilla' else f' (to {against})'} | "
                      f"{'' if start is None else f'{start:.0f}'} |")
     return lines
 
@@ -205,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown engine(s) {unknown}: choose from {', '.join(PEERS)}", file=sys.stderr)
         return 1
-    missing = [e for e in engines if not (ROOT / e / ".installed").is_file()]
+    missing = [e for e in engines if not (ROOT / e / ".installed").is_file()
+               and not (e == "llama" and llama_bin() is not None)]
     if missing:
         print(f"error: no venv for {missing}: run eval/peers/install.sh {' '.join(missing)}", file=sys.stderr)
         return 1
@@ -230,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     eos = set(load_eos())
     lines = [f"{started}, {len(ids)} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1, fp32, "
              f"{args.threads} thread(s) each", "", *table(runs, eos)]
+    lines += llama_spec_lines(runs)
     lines += [f"- {f}" for f in failures]
-    if "llama" in engines:
+    if "llama" in engines and (ROOT / "llama" / ".installed").is_file():
         lines += ["", "The GGUF files as they are (eval/llama_table.py):", "", *llama_files_table(args.threads)]
     print("\n".join(lines))
     (RUN / "table.md").write_text("\n".join(lines) + "\n")

@@ -244,8 +244,10 @@ def check_flags(args: argparse.Namespace) -> None:
             from .atomic import check_folder_writable
 
             check_folder_writable(getattr(args, flag))
-    if getattr(args, "adapt", None) and args.method not in (registry.DEFAULT, registry.AUTO, "eagle"):
-        raise ValueError(f"--adapt trains a draft head: use --method default, auto or eagle, not {args.method}")
+    if getattr(args, "adapt", None):
+        from .drafters.plugins import extension
+
+        extension("adapt").check(args.method)
     if args.static is not None:
         from .pipeline import check_static
 
@@ -283,11 +285,10 @@ def load_from_flags(args: argparse.Namespace):
     lm = load(args.target, method=args.method, options=options_of(args.method, args), dtype=args.dtype,
               device=args.device, attention=args.attention, static=args.static, record=args.record,
               adapt=getattr(args, "adapt", None))
-    if lm.method == registry.AUTO and lm.engine.drafter.head is not None and \
+    pinned = registry.METHODS[lm.method].pinned
+    if pinned and lm.engine.drafter.head is not None and \
             any(v is not None for v in tree_flags(args).values()):   # a tree given is pinned: eagle runs it
-        from eagle_lite_wing.auto import pinned
-
-        lm = pinned(lm, options_of("eagle", args))
+        lm = lm.pinned_to(pinned, options_of(pinned, args))
     with arguments():   # a tree flag that does not fit the head's recommended tree
         cfg = generation_config(args, lm.tree)
     note_default_tree(lm, args, cfg)

@@ -17,7 +17,7 @@ import torch
 from .config import GenerationConfig, TreeConfig, resolve_tree, tree_given
 from .decoding.drafter import Drafter, NoDrafter
 from .decoding.engine import Engine, GenerationStats
-from .drafters import registry
+from .drafters import plugins, registry
 from .targets.loading import load_target
 from .targets.model import Target
 from .text.chat_format import chat_ids, text_ids
@@ -42,17 +42,17 @@ class Pipeline:
                  static: str | None = None) -> None:
         self.target, self.method, self.options = target, method, options
         self.recorder = None   # text.record.Recorder: every completed answer recorded as token ids (--record)
-        self.adapter = None    # eagle_lite_wing.adapt.Adapter: the head learns from the answers it serves (--adapt)
+        self.adapter = None    # a plugin's learner of the head from the answers it serves (--adapt), with `bind`
+        drafter = drafter if drafter is not None else NoDrafter()
         self.engine = Engine(target, drafter, step_backend(target, drafter, static))
-        # the drafter's observer of its steps (method auto: its choices, eagle_lite_wing/auto.py); None: none
-        make = getattr(drafter, "statistics", None)
-        self.statistics = make() if make is not None else None
+        # the drafter's observer of its steps (method auto: its choices); None: none
+        self.statistics = drafter.statistics()
         if self.statistics is not None:
             self.engine.observers.append(self.statistics)
         # the tree the drafter recommends for this device (a head's config.json), else the device's default
-        self.tree: TreeConfig = resolve_tree(getattr(drafter, "recommended_tree", None), device=str(target.device))
-        # a tree drafter (an EAGLE head) whose head recommends no tree here: the device's default stands in
-        self.tree_unrecommended = hasattr(drafter, "recommended_tree") and drafter.recommended_tree is None
+        self.tree: TreeConfig = resolve_tree(drafter.recommended_tree, device=str(target.device))
+        # an EAGLE head that recommends no tree here: the device's default stands in
+        self.tree_unrecommended = drafter.head is not None and drafter.recommended_tree is None
 
     def describe(self) -> str:
         """What runs, in one line: the target, the method (and what "default" resolved to), the draft head (shipped,
@@ -60,7 +60,7 @@ class Pipeline:
         ran = self.engine.drafter.name
         method = self.method if ran == self.method else f"{self.method} ({ran})"
         head = ""
-        if self.method in registry.HEAD_METHODS and ran != "lookup":
+        if self.engine.drafter.head is not None:
             draft = getattr(self.options, "draft", None) or registry.AUTO
             head = " · head " + (f"shipped for {self.target.name}" if draft == registry.AUTO else str(draft))
         static = f" · static step, mode {self.static}" if self.static else ""
@@ -82,11 +82,22 @@ class Pipeline:
         if options is not None and not isinstance(options, registry.METHODS[method].options):
             options = None   # options given for "auto", which resolved to another method
         options = registry.options_for(method, options)
-        if method in registry.HEAD_METHODS and options.head is None:   # the pipeline's head, with its speed-ups
+        if method in registry.head_methods() and options.head is None:   # the pipeline's head, with its speed-ups
             options = replace(options, head=self.engine.drafter.head)
         first = registry.build(method, self.target, options)
         # head drafters: siblings of one, sharing its head's output weight instead of a copy each
-        return getattr(first, "sibling", None) or (lambda: registry.build(method, self.target, options))
+        return lambda: first.sibling() or registry.build(method, self.target, options)
+
+    def pinned_to(self, method: str, options) -> Pipeline:
+        """This pipeline's head drafting by `method` instead (its `options`, the head set here), its recorder and
+        adapter carried over: the method a registry entry runs where the caller pins a tree (`Method.pinned`)."""
+        options = replace(options, head=self.engine.drafter.head)
+        # a head that adapts is the drafter's, which the fixed-shape step would not follow
+        out = for_target(self.target, method, options, "off" if self.adapter is not None else None)
+        out.recorder = self.recorder
+        if self.adapter is not None:   # the head adapts on in the pinned pipeline
+            self.adapter.bind(out)
+        return out
 
     def config(self, **overrides) -> GenerationConfig:
         """A GenerationConfig with this pipeline's tree; keyword arguments set its other fields."""
@@ -161,7 +172,7 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
          record: str | None = None, adapt: str | None = None) -> Pipeline:
     """Load a target (the embedded SmolLM2 by default; a .gguf, folder or hub id) and a drafting method.
 
-    method: one of `drafters.NAMES`; "default" runs eagle with the draft head shipped for the target (or the one
+    method: one of `drafters.names()`; "default" runs eagle with the draft head shipped for the target (or the one
     `draft` names), or prompt lookup where no head ships; "auto" chooses each step between a plain step, prompt lookup
     and the head from this machine's costs (eagle_lite_wing/auto.py: unproven).
     options: that method's options dataclass (`drafters.EagleOptions` for auto, eagle and staged, `LookupOptions`,
@@ -173,16 +184,15 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     with a sequential head), else the engine's tree step; "off": never.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
     (`text.record`; `python -m trainers.train data=recorded data.distill.start_from=FOLDER`). None: nothing recorded.
-    adapt: a folder where the head learns from the answers it serves (eagle_lite_wing/adapt.py, unproven: at most
-    +0.5% accepted per step on the weak kinds; `pipeline.adapter.round()` between answers, as the chat and the
-    server do); a folder holding an adapted head resumes from it. Methods auto and eagle.
+    adapt: a folder where the head learns from the answers it serves (the wing's `adapt` extension, registered
+    through drafters/plugins.py; unproven: `pipeline.adapter.round()` between answers, as the chat and the server
+    do); a folder holding an adapted head resumes from it. Methods default, auto and eagle.
     """
-    if adapt is not None:
-        from eagle_lite_wing.adapt import resume
-
-        options, draft, start_draft = resume(adapt, options, draft, static)
-        static = "off"   # the head it learns is the drafter's
-    if draft is not None and method in registry.HEAD_METHODS:
+    adapting = plugins.extension("adapt") if adapt is not None else None
+    if adapting is not None:
+        adapting.check(method)
+        options, draft, static, state = adapting.before(adapt, options, draft, static)
+    if draft is not None and method in registry.head_methods():
         if options is not None:
             raise ValueError("pass the head either as draft=... or inside options, not both")
         options = registry.EagleOptions(draft=draft)
@@ -195,17 +205,15 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     if static is not None:
         check_static(method, static)
     if static not in (None, "off"):
-        method = registry.STATIC[method]   # the fixed-shape step runs one tree: eagle's
+        method = registry.METHODS[method].static   # the fixed-shape step runs one tree: eagle's
     tgt = load_target(target, dtype=torch_dtype, device=device, attention=attention)
     pipeline = for_target(tgt, method, options, static)
     if record is not None:
         from .text.record import Recorder
 
         pipeline.recorder = Recorder(record, tgt)
-    if adapt is not None:
-        from eagle_lite_wing.adapt import attach
-
-        attach(pipeline, adapt, start_draft)
+    if adapting is not None:
+        adapting.after(pipeline, adapt, state)
     return pipeline
 
 
@@ -228,26 +236,25 @@ def static_engine_for(target: Target, head=None, mode: str = "auto", **options) 
 
 def step_backend(target: Target, drafter: Drafter | None, static: str | None = None):
     """The fixed-shape step (decoding/static_step.py) that runs `drafter`'s steps, or None (the engine's tree step).
-    static: a mode of `static_step.MODES` (forced: a drafter with `fixed_shape`, the lookup graft left out); "off":
-    none; None: chosen where it is the faster exact step, a CUDA target with plain decoding or an EAGLE head that
-    drafts in sequence (where the target cannot run it, the tree step, said in the log)."""
+    static: a mode of `static_step.MODES` (forced: a drafter with a `fixed_shape`, the lookup graft left out); "off":
+    none; None: chosen where the drafter says it is the faster exact step (`FixedShape.preferred`) on a CUDA target
+    (where the target cannot run it, the tree step, said in the log)."""
     from .decoding.static_step import StaticStep
 
-    fixed = drafter is None or getattr(drafter, "fixed_shape", False)
-    head = getattr(drafter, "head", None) if fixed else None
+    fixed = (drafter or NoDrafter()).fixed_shape()   # None: each request's own drafter, plain by default
     if static is None:
-        if target.device.type != "cuda" or not fixed or (head is not None and head.parallel):
+        if target.device.type != "cuda" or fixed is None or not fixed.preferred:
             return None
         try:
-            return StaticStep(target, head)
+            return StaticStep(target, fixed.head)
         except ValueError as err:
             log.info("the engine's tree step runs: %s", err)
             return None
     if static == "off":
         return None
-    if not fixed:
+    if fixed is None:
         raise ValueError(f"the static step runs methods eagle and vanilla, not '{drafter.name}'")
-    return StaticStep(target, head, mode=static)
+    return StaticStep(target, fixed.head, mode=static)
 
 
 def for_target(target: Target, method: str = registry.DEFAULT, options=None, static: str | None = None) -> Pipeline:
@@ -260,12 +267,12 @@ def for_target(target: Target, method: str = registry.DEFAULT, options=None, sta
 
 def check_static(method: str, mode: str) -> None:
     """Refuse what the static step cannot run: a method other than eagle and vanilla (`load` runs default and auto
-    as eagle there: `registry.STATIC`), an unknown mode ("off": any method, the engine's tree step)."""
+    as eagle there: `Method.static`), an unknown mode ("off": any method, the engine's tree step)."""
     from .decoding.static_step import MODES
 
     if mode == "off":
         return
     if mode not in MODES:
         raise ValueError(f"unknown static step mode {mode!r}: choose one of {', '.join(MODES)}, off")
-    if method not in registry.STATIC:
+    if registry.METHODS[method].static is None:
         raise ValueError(f"the static step runs methods eagle and vanilla, not '{method}'")

@@ -11,6 +11,6 @@ off by default, and says its measured status in its docstring (docs/adapt.md and
 - parallel.py: the parallel head's drafter (P-EAGLE, K tokens a head forward): 1.71 accepted a step against the
   sequential head's 2.50; 1.29x against 1.56x on the GPU. Only a head saved with `parallel` brings it in.
 
-The training objective the learner minimises is trainers' (trainers/objective.py), so the wing runs from a source
-tree.
+It registers itself through the core's plugin entry point (plugin.py; eagle_lite.drafters.plugins): the core names
+none of it. The training objective the learner minimises is trainers' (trainers/objective.py), packaged beside it.
 """

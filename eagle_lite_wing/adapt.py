@@ -122,7 +122,7 @@ class Adapter:
     # -- serving --------------------------------------------------------------------------------------
     def _serve(self, head) -> None:
         """Make `head` (a copy: the drafter accelerates it in place) the one the pipeline drafts with."""
-        from eagle_lite.drafters.registry import eagle_drafter
+        from eagle_lite.drafters.eagle_options import eagle_drafter
 
         _, old = serving_eagle(self.pipeline.engine.drafter)
         head = head.to(old.lm_weight.device).eval()
@@ -292,7 +292,7 @@ def adapted_draft(folder: str | Path | None, draft: str | None) -> str | None:
 def resume(folder: str | Path, options, draft: str | None, static: str | None) -> tuple:
     """What `load(adapt=folder)` loads: (options, draft, the draft adaptation starts from), the folder's head in
     place of the one named where it holds one (resuming). The head it learns is the drafter's: no static step."""
-    from eagle_lite.drafters.registry import EagleOptions
+    from eagle_lite.drafters.eagle_options import EagleOptions
 
     if static not in (None, "off"):
         raise ValueError("--adapt runs on the engine, not the static step: drop --static")
@@ -311,7 +311,7 @@ def attach(pipeline, folder: str | Path, draft: str | None = None, **settings) -
     folder; None or "auto": the one shipped for the target; "random"), loaded afresh as a trainable copy; the
     folder's head, where it holds one, is the champion the pipeline already serves. Replay: the shipped head's
     training answers where the source tree holds them."""
-    from eagle_lite.drafters.registry import AUTO, load_eagle_head
+    from eagle_lite.drafters.eagle_options import AUTO, load_eagle_head
     from eagle_lite.heads.checkpoint import default_head_path
 
     target = pipeline.target

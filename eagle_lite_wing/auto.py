@@ -16,6 +16,7 @@ sampled 1.00x at T=0.7 and 0.97x at T=1.0. Off by default: `--method auto` (draf
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 
@@ -23,7 +24,7 @@ import torch
 
 from eagle_lite.config import GenerationConfig, TreeConfig, default_tree
 from eagle_lite.decoding.cost import StepCost, step_cost
-from eagle_lite.decoding.drafter import DraftInput, Proposal, propose_together
+from eagle_lite.decoding.drafter import Drafter, DraftInput, Proposal, propose_together
 from eagle_lite.decoding.engine import shared_start
 from eagle_lite.decoding.observer import Observer, Step
 from eagle_lite.drafters.lookup_graft import COPY_MAX
@@ -31,6 +32,8 @@ from eagle_lite.drafters.prompt_lookup import PromptLookupDrafter
 from eagle_lite.tree import DraftTree, graft_chain
 
 from .controller import ALONE, ChainRate, Controller, seat, time_head
+
+log = logging.getLogger("eagle_lite")
 
 AUTO_DEPTH = 4      # the deepest chain auto lets a top-1 head (a CPU's tree) draft when it is sure
 AUTO_LOOKUP = 8     # the most lookup tokens grafted onto a head's tree
@@ -101,27 +104,27 @@ class Choices(Observer):
                 in sorted(self.snapshot().items())}
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     """inner: an EagleDrafter (None: lookup and plain steps only); cost: this machine's step costs (None: measured
     or read from the cache, `cost.step_cost`, the head's forwards timed by `controller.time_head`). Per-sequence
     state: the controller and what it waits to learn."""
 
     name = "auto"
     statistics = Choices   # the observer of its steps the pipeline attaches to its engine
+    seats_batch = True     # its controllers size their trees from the batch (`seat`)
 
     def __init__(self, target, inner=None, cost: StepCost | None = None) -> None:
         self.target, self.inner = target, inner
-        self.head = getattr(inner, "head", None)     # the DraftHead (None: no head)
-        self.feature_layers = getattr(inner, "feature_layers", ())
+        self.head = inner.head if inner is not None else None     # the DraftHead (None: no head)
+        self.feature_layers = inner.feature_layers if inner is not None else ()
         # the head's tree for this device (the device's default where it recommends none), made auto's
-        self.recommended_tree = auto_tree(getattr(inner, "recommended_tree", None)
-                                          or default_tree(str(target.device))) if inner is not None else \
-            TreeConfig(1, 1, 1, AUTO_LOOKUP)
+        self.recommended_tree = auto_tree(inner.recommended_tree or default_tree(str(target.device))) \
+            if inner is not None else TreeConfig(1, 1, 1, AUTO_LOOKUP)
         self.cost = cost if cost is not None else step_cost(target, inner, time_head=time_head)
         # whether what it proposes moves a sampled answer: the head's q rule draws its tree from the request's
         # generator and accepts by its ratio; lookup's chains and the match rule's are accepted by the target's own
         # draws, so a seed's answer is then the one vanilla decoding gives, whatever the controller chooses
-        self.moves_samples = getattr(inner, "draft_sampling", None) == "q"
+        self.moves_samples = inner is not None and inner.draft_sampling == "q"
         self._fresh()
 
     def _fresh(self) -> None:
@@ -147,11 +150,12 @@ class AutoDrafter:
         head = self.inner.max_tree_nodes(tree) + tree.lookup if self.inner is not None else 1
         return max(head, 1 + COPY_MAX, 1 + tree.lookup)
 
-    def sit_out(self, inp: DraftInput) -> None:
+    def sit_out(self, inp: DraftInput) -> bool:
         """A plain step the caller chose (a server's full batch): the head keeps the features it missed."""
         self._learn(inp.tokens)
         if self.inner is not None:
             self.inner.sit_out(inp)
+        return True
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         return propose_together([self.proposal(inp, tree)])[0]
@@ -229,32 +233,36 @@ class AutoDrafter:
             self.controller.calibration.add(_prob(grown.scores[i]), accepted[i])
 
 
+# auto's sampling rule for its head where none is given: its match makes a seed's sampled answer the target's own
+# draws, whatever the controller proposes (the very tokens vanilla emits for that seed), and accepted more a step
+# than q in auto's chains (docs/methods.md)
+DRAFT_SAMPLING = "match"
+
+
+def resolve(target, options) -> tuple[str, object]:
+    """Method auto with the head its options name loaded into them (None where none ships for `target`: auto then
+    chooses between prompt lookup and plain steps)."""
+    from eagle_lite.drafters.eagle_options import EagleOptions, load_eagle_head
+
+    eagle = options if isinstance(options, EagleOptions) else EagleOptions()
+    head = eagle.head if eagle.head is not None else load_eagle_head(target, eagle.draft)
+    if head is None:
+        log.warning("no draft head ships for target '%s': method auto drafts by prompt lookup (training-free); "
+                    "train a head with `python -m trainers.train` and pass it with --draft", target.name)
+    return "auto", dataclasses.replace(eagle, head=head)
+
+
 def build(target, o) -> AutoDrafter:
     """Method auto's drafter (drafters/registry.py builds it from here): the head `o` (EagleOptions) holds or names
     (None where none ships: lookup and plain steps), drafting by auto's sampling rule unless `o` sets one."""
-    from eagle_lite.drafters.registry import DRAFT_SAMPLING_OF, eagle_drafter, load_eagle_head
+    from eagle_lite.drafters.eagle_options import eagle_drafter, load_eagle_head
 
     head = o.head if o.head is not None else load_eagle_head(target, o.draft)
     if head is not None:
         head = head.over_full_vocabulary() if o.draft_vocab == "full" else head
         head = eagle_drafter(target, head, round_head=o.round_head,
-                             draft_sampling=o.draft_sampling or DRAFT_SAMPLING_OF["auto"])
+                             draft_sampling=o.draft_sampling or DRAFT_SAMPLING)
     return AutoDrafter(target, head)
-
-
-def pinned(pipeline, options=None):
-    """Method auto's pipeline as eagle with the same head (`options`: eagle's, the head set here), for a tree the
-    caller pins (the CLI's tree flags): the controller chooses none."""
-    from eagle_lite.drafters.registry import EagleOptions
-    from eagle_lite.pipeline import for_target
-
-    options = dataclasses.replace(options or EagleOptions(), head=pipeline.engine.drafter.head)
-    # a head that adapts is the drafter's, which the fixed-shape step would not follow
-    out = for_target(pipeline.target, "eagle", options, "off" if pipeline.adapter is not None else None)
-    out.recorder = pipeline.recorder
-    if pipeline.adapter is not None:   # the head adapts on in the pinned pipeline
-        pipeline.adapter.bind(out)
-    return out
 
 
 def _prob(log_p: float) -> float:

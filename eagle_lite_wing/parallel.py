@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from eagle_lite.config import TreeConfig
-from eagle_lite.decoding.drafter import DraftInput, Proposal
+from eagle_lite.decoding.drafter import DraftInput, FixedShape, Proposal
 from eagle_lite.drafters.eagle import EagleDrafter, HeadCall, grow_tree
 
 
@@ -31,6 +31,10 @@ class ParallelDrafter(EagleDrafter):
     @property
     def parallel(self) -> int:
         return self.head.parallel
+
+    def fixed_shape(self) -> FixedShape:
+        """The static step runs its tree when forced (`--static`); it is not the faster exact step by default."""
+        return FixedShape(self.head, preferred=False)
 
     def proposal(self, inp: DraftInput, tree: TreeConfig, probe=None, first_min_prob: float | None = None) -> Proposal:
         """The catch-up forward with the mask rows after the root's, then the tree from their logits."""

@@ -164,7 +164,7 @@ def evaluate(s: EvalSettings, progress: bool = True):
     if s.threads is not None:
         set_threads(s.threads, "threads")
     target = load_target(s.target, dtype=getattr(torch, s.dtype), device=s.device, attention=s.attention)
-    uses_head = any((registry_method(m, {}) or ("",))[0] in registry.HEAD_METHODS for m in s.methods)
+    uses_head = any((registry_method(m, {}) or ("",))[0] in registry.head_methods() for m in s.methods)
     head, note = head_for(target, s.eagle.draft) if uses_head else (None, "")
     options = every_options(s.options)
     if head is not None:   # loaded once, for every head method
@@ -209,7 +209,8 @@ class Stopped(KeyboardInterrupt):
 def header_of(s: EvalSettings, target, tree: TreeConfig, sampling: SamplingConfig, note: str) -> str:
     """The report's first line: what ran, where, with which tree and sampling."""
     static = [m for m in s.methods if m in STATIC_METHODS] if s.static is not None else []
-    each_own = ", ".join(f"{method}'s {rule}" for method, rule in registry.DRAFT_SAMPLING_OF.items())
+    rules = {name: m.draft_sampling for name, m in registry.METHODS.items() if name in ("eagle", "auto")}
+    each_own = ", ".join(f"{method}'s {rule}" for method, rule in rules.items() if rule)
     return (f"target {target.name} · {s.dtype} · {target.device} · attention "
             f"{target.config._attn_implementation} · {torch.get_num_threads()} threads · max_new_tokens "
             f"{s.max_new_tokens} · tree depth {tree.depth}, top_k {tree.top_k}, total_tokens "

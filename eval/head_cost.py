@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         chains = [int(k) for k in args.chain.split(",")] if args.chain else []
         if any(k < 1 for k in chains):
             raise ValueError(f"--chain takes chain lengths >= 1, got {args.chain}")
-    from eagle_lite.drafters.registry import eagle_drafter, load_eagle_head
+    from eagle_lite.drafters.eagle_options import eagle_drafter, load_eagle_head
     from eagle_lite.targets.loading import load_target
 
     quiet_libraries(False)

@@ -176,7 +176,7 @@ def registry_method(name: str, options: dict[str, Any]) -> tuple[str, Any] | Non
 def build_methods(target: Target, names: list[str], options: dict[str, Any] | None = None,
                   gguf: Path | None = None, threads: int | None = None, static: str | None = None,
                   static_max_len: int | None = None) -> dict[str, Method]:
-    """Method name -> callable. The engine's methods are the drafter registry's (`eagle_lite.drafters.NAMES`), each
+    """Method name -> callable. The engine's methods are the drafter registry's (`eagle_lite.drafters.names()`), each
     built with `options[name]` (its options dataclass; None: defaults), and their VARIANTS. Besides them: hf_generate,
     hf_prompt_lookup and hf_assisted (transformers' assisted generation with the draft_model method's smaller LM) and
     llama_cpp (needs gguf, the target's GGUF file, and llama-cpp-python; threads: its CPU threads). static: a static

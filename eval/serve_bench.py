@@ -75,12 +75,12 @@ def prompts(path: Path) -> list[str]:
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     """The flags, before anything loads: (methods, concurrency levels); a ValueError names the flag."""
     from eagle_lite.config import check_finite
-    from eagle_lite.drafters.registry import NAMES
+    from eagle_lite.drafters.registry import names
     from eagle_lite.threads import check_threads
 
     methods = [m for m in args.methods.split(",") if m]
-    if not methods or any(m not in NAMES for m in methods):
-        raise ValueError(f"--methods takes comma-separated methods of {', '.join(NAMES)}, "
+    if not methods or any(m not in names() for m in methods):
+        raise ValueError(f"--methods takes comma-separated methods of {', '.join(names())}, "
                          f"got {args.methods!r}")
     try:
         levels = [int(c) for c in args.clients.split(",")]

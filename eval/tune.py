@@ -36,9 +36,11 @@ import logging
 import shlex
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+from eagle_lite.atomic import write_json_atomic
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import OPTION, TreeConfig
 from eagle_lite.decoding.static_tree import bucket_for
@@ -134,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "target")
     add_device_flags(p, attention=False)   # --save-tree records the tree for --device's kind of device
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of each candidate")
+    p.add_argument("--summary", type=Path, metavar="FILE",
+                   help="also write the best setting and the baseline's figures to FILE as JSON (trainers read it)")
     g = p.add_argument_group("drafts")
     add_method_flags(g, tunable(), skip=swept_keys(tunable()))
     g.add_argument("--save-tree", action="store_true",
@@ -255,6 +259,9 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads\n")
     print(markdown(rows, baseline))
     top = best(rows, baseline)
+    if args.summary is not None:
+        base = next(r for r in rows if r["method"] == baseline)
+        write_json_atomic(args.summary, {"best": top, "baseline_tokens_per_s": base["tokens_per_s"]})
     if top is None:
         print(f"\nno candidate reproduced {baseline}'s output on every prompt: check the draft and the dtype")
         return 1

@@ -17,7 +17,7 @@ from test_grid_linear import needs_kernel
 from eagle_lite.config import GenerationConfig, SamplingConfig
 from eagle_lite.decoding.accept import _top_p_sorted, accept_greedy, accept_sampling, sample, target_probs
 from eagle_lite.decoding.engine import Engine
-from eagle_lite.drafters import NoDrafter
+from eagle_lite.drafters import Drafter, NoDrafter
 from eagle_lite.tree import DraftTree
 
 V = 6
@@ -123,7 +123,7 @@ def test_sample_draws_from_the_distribution_and_never_a_zero():
     assert sample(torch.tensor([0.0, 0.0, 2.0, 0.0]), gen) == 2      # unnormalized, one possible token
 
 
-class TargetTopKDrafter:
+class TargetTopKDrafter(Drafter):
     """Drafts from the target itself: the root's top-4 tokens, each with its own top-2 children.
 
     With a top-k=4 target every first token is drafted, so acceptance (and compaction) happens on

@@ -274,12 +274,12 @@ def test_eval_adapt_takes_a_tree_and_a_learner(tiny_model_dir, tmp_path, capsys)
 
 
 def test_load_with_adapt_resumes_and_a_pinned_tree_keeps_adapting(tiny_model_dir, tmp_path):
+    from eagle_lite.drafters import EagleOptions
     from eagle_lite.pipeline import load
-    from eagle_lite_wing.auto import pinned as pin
 
     lm = load(str(tiny_model_dir), draft="random", adapt=str(tmp_path / "head"))
     assert lm.adapter is not None and lm.adapter.capture in lm.engine.observers
-    pinned = pin(lm)
+    pinned = lm.pinned_to("eagle", EagleOptions())
     assert pinned.adapter is lm.adapter and lm.adapter.capture in pinned.engine.observers
     pinned.generate("hello there", pinned.config(max_new_tokens=12))
     assert len(lm.adapter.capture) == 1

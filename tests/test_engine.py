@@ -7,7 +7,7 @@ from conftest import VOCAB, eagle_drafter, make_target, reference_greedy
 
 from eagle_lite.config import GenerationConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine, depth_acceptance
-from eagle_lite.drafters import DraftInput, NoDrafter
+from eagle_lite.drafters import Drafter, DraftInput, NoDrafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
 
@@ -22,7 +22,7 @@ TREES = {
 }
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Knows the target's greedy continuation and hides it among random siblings.
 
     Every drafted level holds `width` nodes; the true token sits at a random slot, so the accepted

@@ -69,21 +69,38 @@ def test_the_wing_holds_the_unproven_each_with_its_measured_status():
 
 def test_the_step_backend_names_no_method():
     """The fixed-shape step is chosen from what the drafter says of itself (`fixed_shape`), not from its name."""
-    from eagle_lite.drafters.registry import NAMES
+    from eagle_lite.drafters.registry import names
 
+    NAMES = names()
     tree = ast.parse((CORE / "pipeline.py").read_text())
     backend = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "step_backend")
     strings = {n.value for n in ast.walk(backend) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     assert not strings & set(NAMES), strings & set(NAMES)
 
 
-def test_the_core_reaches_the_wing_only_lazily_from_its_entry_points():
-    """eagle_lite imports eagle_lite_wing inside the functions that turn a wing feature on (the registry's builders,
-    `load(adapt=...)`, the CLI's pinned tree), never at a module's top level: importing the core loads no wing."""
-    allowed = {"drafters/registry.py", "pipeline.py", "options.py"}
-    for path in CORE.rglob("*.py"):
+def test_the_core_never_imports_the_wing_and_trainers_never_import_eval():
+    """The wing registers itself through the plugin entry point (drafters/plugins.py): nothing under eagle_lite/
+    imports eagle_lite_wing; trainers run eval's commands instead of importing it."""
+    for folder, banned in ((CORE, "eagle_lite_wing"), (CORE.parent / "trainers", "eval")):
+        for path in folder.rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            found = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Import)
+                     and any(a.name.split(".")[0] == banned for a in n.names)
+                     or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == banned and not n.level]
+            assert not found, (path, found)
+
+
+def test_the_engine_pipeline_and_server_call_drafter_methods_instead_of_probing_attributes():
+    """An explicit drafter base (decoding/drafter.py) has a default for every optional hook: no getattr/hasattr on a
+    drafter in decoding/, pipeline.py or serve/."""
+    files = [*(CORE / "decoding").rglob("*.py"), CORE / "pipeline.py", *(CORE / "serve").rglob("*.py")]
+    for path in files:
         tree = ast.parse(path.read_text())
-        wing = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and "eagle_lite_wing" in
-                ast.unparse(n)]
-        assert not any(n in tree.body for n in wing), path
-        assert not wing or str(path.relative_to(CORE)) in allowed, path
+        probes = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in ("getattr", "hasattr") and n.args and "drafter" in ast.unparse(n.args[0])]
+        assert not probes, (path, probes)
+
+
+def test_the_registry_is_a_table():
+    """Each method's options live beside its drafter; the registry holds the table and its lookups."""
+    assert len((CORE / "drafters" / "registry.py").read_text().splitlines()) <= 150

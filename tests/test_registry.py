@@ -15,7 +15,7 @@ from eagle_lite.options import options_of
 def test_every_registered_method_builds_a_drafter_with_its_default_options(monkeypatch):
     target = make_target("llama")
     built = {}
-    for name in registry.NAMES:
+    for name in registry.names():
         options = {"eagle": registry.EagleOptions(draft="random"), "staged": registry.EagleOptions(draft="random"),
                    "medusa": registry.MedusaOptions(heads="random"),
                    "draft_model": registry.DraftModelOptions(draft_target=target)}.get(name)

@@ -9,7 +9,7 @@ from conftest import eagle_drafter, exact_continuations, reference_greedy
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
-from eagle_lite.drafters import DraftInput, EagleOptions, registry
+from eagle_lite.drafters import Drafter, DraftInput, EagleOptions, registry
 from eagle_lite.drafters.lookup_graft import LookupGraft
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree
@@ -73,7 +73,7 @@ def _paths(tree) -> list[list[int]]:
     return out
 
 
-class ProbedDrafter:
+class ProbedDrafter(Drafter):
     """An inner drafter whose tree is the root and one child, and whose probe answers are set by the test."""
 
     name, feature_layers, keep_features = "probed", (), False

@@ -19,7 +19,7 @@ from eagle_lite.decoding.engine import Engine
 from eagle_lite.decoding.static_step import StaticStep
 from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
 from eagle_lite.drafters import DraftInput
-from eagle_lite.drafters.registry import eagle_drafter
+from eagle_lite.drafters.eagle_options import eagle_drafter
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.pipeline import static_engine_for
 from eagle_lite.tree import DraftTree

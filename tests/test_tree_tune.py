@@ -40,21 +40,26 @@ def test_the_gemma_head_ships_small_and_is_found_by_the_gguf_name():
     assert (head / "README.md").is_file()
 
 
-def test_the_tune_decodes_on_one_thread_per_core_whatever_the_training_ran_on(monkeypatch):
+def test_the_tune_decodes_on_one_thread_per_core_whatever_the_training_ran_on(monkeypatch, tmp_path):
     """The benchmark the training summary prints, generate and the server decode at one thread per core by default:
-    the tune that sizes their tree measures there too, then gives torch back the training's count."""
+    the tune that sizes their tree runs there too, as the eval.tune command it prints (trainers import no eval), and a
+    command that fails says why in one line."""
     import os
+    import subprocess
 
-    import torch
+    import pytest
 
     from trainers import tree_tune
 
     seen = []
-    monkeypatch.setattr(tree_tune, "_tune_tree", lambda spec, head, threads: seen.append(torch.get_num_threads()))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tree_tune.tune_tree("smollm2", "head")
-        assert seen == [os.cpu_count()] and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+
+    def run(args, **kw):
+        seen.append((args, kw["cwd"]))
+        return subprocess.CompletedProcess(args, 2, "", "error: no such head\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(RuntimeError, match="eval.tune failed: error: no such head"):
+        tree_tune.tune_tree("smollm2", tmp_path / "head")
+    (args, cwd), = seen
+    assert args[1:3] == ["-m", "eval.tune"] and args[args.index("--threads") + 1] == str(os.cpu_count())
+    assert (cwd / "eval" / "tune.py").is_file()

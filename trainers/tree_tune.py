@@ -5,7 +5,8 @@ head and another model. So the run decodes a few held-out prompts (one ShareGPT,
 default benchmark takes) with a few small trees and vanilla, interleaved as `eval.tune` does (every output checked
 against vanilla's), and records the fastest exact tree as the head's CPU tree, with the `eval.tune` command that
 tunes it further. The same figures say how fast the target decodes here, which sizes the benchmark the run prints
-(`next_steps`).
+(`next_steps`). The tune is eval's own command (`python -m eval.tune`), run as the summary prints it, so that
+trainers never import eval.
 """
 from __future__ import annotations
 
@@ -40,61 +41,31 @@ def seconds_for(token_s: float) -> float:
     return 2 * turns * (1 + len(TREES)) * MAX_NEW_TOKENS * token_s
 
 
-def fitting_questions(target, pool: int = 8) -> list:
-    """PER_TASK first-turn questions of each of TASKS whose prompt and answer fit the target's context (the first of
-    `pool` after the SKIP a benchmark takes); ValueError where none does."""
-    import dataclasses
-
-    from eval.evaluation import load_questions
-    from eval.runner import conversation_prompts
-
-    chosen = []
-    for name in TASKS:
-        taken = load_questions([{"name": name, "limit": SKIP + pool}])[SKIP:]
-        fits = [dataclasses.replace(q, turns=q.turns[:1]) for q in taken]
-        fits = [q for q in fits if len(conversation_prompts(target, q, [])) + MAX_NEW_TOKENS <= target.max_context]
-        chosen += fits[:PER_TASK]
-    if not chosen:
-        raise ValueError(f"no {' or '.join(TASKS)} prompt fits target '{target.name}''s context of "
-                         f"{target.max_context} tokens with {MAX_NEW_TOKENS} new ones")
-    return chosen
-
-
 def tune_tree(spec: str, head: Path, threads: int | None = None) -> dict:
-    """Tune `head`'s CPU tree on target `spec` and save the fastest exact one in its config.json. Returns the tree,
-    its and vanilla's tokens/s, the seconds it took and the command; raises what loading or decoding raised.
+    """Tune `head`'s CPU tree on target `spec`: the `eval.tune` command (`command`) in a process of its own, from the
+    source checkout that holds eval/, which saves the fastest exact tree in the head's config.json. Returns the tree,
+    its and vanilla's tokens/s, the seconds it took and the command; RuntimeError where the command fails.
     threads: those the tune decodes with (None: one per core, as generate, the server and the benchmark decode by
-    default, whatever the training ran on); torch's count is restored afterwards."""
-    import torch
-
-    from eagle_lite.threads import set_threads
-
-    before = torch.get_num_threads()
-    set_threads(threads or os.cpu_count() or 1)
-    try:
-        return _tune_tree(spec, head, threads)
-    finally:
-        set_threads(before)
-
-
-def _tune_tree(spec: str, head: Path, threads: int | None) -> dict:
-    from eagle_lite.config import TreeConfig
-    from eagle_lite.drafters import registry
-    from eagle_lite.heads.checkpoint import recommend_tree
-    from eagle_lite.targets.loading import load_target
-    from eval.tuning import BASELINE, best, eagle_candidates, tune
+    default, whatever the training ran on)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
 
     start = time.perf_counter()
-    target = load_target(spec)   # as generate loads it: the tree-verification backend and the few-row speed-ups
-    drafted = registry.load_eagle_head(target, str(head))
-    questions = fitting_questions(target)
-    trees = [TreeConfig.from_spec(t) for t in TREES]
-    rows = tune(target, questions, eagle_candidates(target, drafted, [], [], [], trees=trees), MAX_NEW_TOKENS)
-    vanilla = next(r for r in rows if r["method"] == BASELINE)
-    top = best(rows)
-    result = {"command": command(str(head), spec, threads), "vanilla_tokens_per_s": vanilla["tokens_per_s"],
+    line = command(str(head), spec, threads or os.cpu_count() or 1)
+    root = Path(__file__).resolve().parents[1]        # the checkout: eval/ lies beside trainers/
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "tune.json"
+        args = [sys.executable, *shlex.split(line)[1:], "--summary", str(summary)]
+        done = subprocess.run(args, cwd=root, capture_output=True, text=True)
+        if not summary.is_file():
+            last = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[-1]
+            raise RuntimeError(f"python -m eval.tune failed: {last}")
+        figures = json.loads(summary.read_text())
+    top = figures["best"]
+    result = {"command": line, "vanilla_tokens_per_s": figures["baseline_tokens_per_s"],
               "seconds": round(time.perf_counter() - start, 1)}
     if top is None:   # no tree reproduced vanilla's output: a defect, said by the summary; nothing saved
         return {**result, "tree": None}
-    recommend_tree(head, TreeConfig(**top["setting"]), result["command"], target.device.type)
     return {**result, "tree": top["setting"], "tokens_per_s": top["tokens_per_s"], "speedup": top["speedup"]}

@@ -138,7 +138,7 @@ def step_cost(target, drafter=None, refresh: bool = False, time_head=None) -> St
     """This machine's StepCost for `target`: read from the cache, else measured (a few seconds for a small target on
     a CPU) and cached. time_head(target, drafter, repeats) -> (catch_up, head) seconds: the EAGLE drafter
     `drafter`'s head forwards timed too (method auto's, eagle_lite_wing/controller.py), under a key of their own."""
-    head = getattr(drafter, "head", None) if time_head is not None else None
+    head = drafter.head if time_head is not None and drafter is not None else None
     path = cache_dir() / f"{cache_key(target, head)}.json"
     refresh = refresh or os.environ.get("EAGLE_LITE_REFRESH_COSTS", "0") == "1"
     if not refresh and path.is_file():
@@ -184,7 +184,7 @@ def measure(target, drafter=None, rows: tuple[int, ...] = ROWS, repeats: int = 5
     verify_long = {n: times[contexts[-1], n] for n in rows} if len(contexts) > 1 else {}
     sequence = max(batch_time - verify[BATCH], 0.0) / (BATCH - 1) if batch else 0.0
     head = catch_up = 0.0
-    if time_head is not None and getattr(drafter, "head", None) is not None:
+    if time_head is not None and drafter is not None and drafter.head is not None:
         catch_up, head = time_head(target, drafter, repeats)
     return StepCost(verify, head, catch_up, verify_long=verify_long, sequence=sequence)
 

@@ -390,9 +390,7 @@ class Engine:
             if tree.probes:
                 nodes.prefetch(tree.probes + likely)   # with the rows the drafter reads back: one product
             path, bonus = accept(tree, nodes, seq.cfg.sampling, seq.generator)
-            observe = getattr(seq.drafter, "observe", None)   # drafters that learn from each verify (lookahead, auto)
-            if observe is not None:
-                observe(tree, nodes, path)   # the target's outputs at the nodes it verified (e.g. a Jacobi window)
+            seq.drafter.observe(tree, nodes, path)   # the target's outputs at the nodes it verified (lookahead, auto)
             seq.cache.compact(torch.tensor(path, device=target.device))
             seq.features = features[path]  # the accepted nodes' features feed the drafter next round
             new = tree.tokens[path[1:]].tolist() + [bonus]
@@ -433,26 +431,25 @@ def draft_all(seqs: list[Sequence], caps: list[int | None]) -> list[DraftTree]:
     to its stats.
 
     cap 1 is a plain decoding step: the root alone, where the drafter can sit the step out (`sit_out`: it keeps
-    what it must learn of the step; drafters without it always draft). Otherwise an EAGLE tree's budget
+    what it must learn of the step; drafters that cannot draft as usual). Otherwise an EAGLE tree's budget
     (`TreeConfig.total_tokens`) shrinks to the cap, and a deterministic tree still larger (a lookup chain, a
     grafted path) keeps its first `cap` nodes. Sampled trees keep the drafter's own budget: which sampled nodes are
     kept must not depend on their draws.
 
-    Greedy sequences whose drafters have `proposal` (EAGLE heads) propose together (`propose_together`), sharing
-    its time; each tree is the one its drafter proposes alone (docs/serve.md, "Batched drafting").
+    Greedy sequences propose together (`Drafter.proposal`, `propose_together`: EAGLE heads' forwards batched),
+    sharing its time; each tree is the one its drafter proposes alone (docs/serve.md, "Batched drafting").
 
-    A drafter class with `seat` (method auto) is told of the step's batch first (`seat(drafters, configs)`: its
+    Each drafter class is told of the step's batch first (`Drafter.seat(drafters, configs)`: method auto's
     controllers weigh the batch's step, which is what sizes their trees; their caps are None)."""
     t0 = time.perf_counter()
     seated: dict[type, list[Sequence]] = {}
     for seq in seqs:
-        if hasattr(type(seq.drafter), "seat"):
-            seated.setdefault(type(seq.drafter), []).append(seq)
+        seated.setdefault(type(seq.drafter), []).append(seq)
     for kind, batch in seated.items():
         kind.seat([seq.drafter for seq in batch], [seq.cfg for seq in batch])
     plans = [_plan(seq, cap) for seq, cap in zip(seqs, caps)]   # the root alone (sat out), or (input, tree)
     together = [i for i, (seq, plan) in enumerate(zip(seqs, plans))
-                if not isinstance(plan, DraftTree) and seq.cfg.sampling.greedy and hasattr(seq.drafter, "proposal")]
+                if not isinstance(plan, DraftTree) and seq.cfg.sampling.greedy]
     together = together if len(together) >= 2 else []
     trees: list[DraftTree | tuple] = list(plans)
     if together:
@@ -473,9 +470,7 @@ def _plan(seq: Sequence, cap: int | None) -> DraftTree | tuple[DraftInput, TreeC
     """What `draft_all` asks the sequence's drafter: (its input, the tree config cut to `cap`), or the root alone
     where the drafter sits a plain step out."""
     inp = DraftInput(seq.tokens, seq.features, seq.cfg.sampling, seq.generator)
-    sit_out = getattr(seq.drafter, "sit_out", None)
-    if cap is not None and cap <= 1 and sit_out is not None:
-        sit_out(inp)
+    if cap is not None and cap <= 1 and seq.drafter.sit_out(inp):
         return DraftTree(torch.tensor([inp.root], device=seq.features.device), [-1])
     tree_cfg = seq.cfg.tree
     if cap is not None and cap - 1 < tree_cfg.total_tokens:
@@ -509,4 +504,4 @@ def first_token(target: Target, last: torch.Tensor, cfg: GenerationConfig, gener
 
 def _taps(drafter: Drafter) -> tuple[int, ...]:
     """The decoder layers whose outputs the drafter reads besides the final hidden states (EAGLE-3 heads)."""
-    return tuple(getattr(drafter, "feature_layers", ()))
+    return tuple(drafter.feature_layers)

@@ -11,11 +11,14 @@ already holds (committed tokens and whichever drafted tokens the target accepted
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from ..config import TreeConfig
+from ..config import TreeConfig, option
 from ..decoding.accept import sample, target_probs
-from ..decoding.drafter import DraftInput
+from ..decoding.drafter import Drafter, DraftInput
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree
 from .prompt_lookup import AdaptiveLength
@@ -52,7 +55,7 @@ def check_same_vocabulary(target, draft) -> None:
                              f"but {t_str!r} for the target: {advice}")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts a chain of K tokens with `draft`, anything shaped like a Target (`new_cache`, `forward`).
 
     num_tokens: K at the start; with adaptive=True it grows after a fully accepted chain and shrinks
@@ -138,3 +141,33 @@ class DraftModelDrafter:
             return DraftTree.chain(tokens)
         q_rows = torch.stack(rows)                         # K V
         return DraftTree.chain(tokens, torch.cat([torch.zeros_like(q_rows[:1]), q_rows]))  # K+1 V, row 0 unused
+
+
+@dataclass(frozen=True)
+class DraftModelOptions:
+    """model: a smaller LM sharing the target's tokenizer (any spec `load_target` takes), or `draft_target`
+    already loaded. num_tokens: chain length to start with (adaptive: grows and shrinks with acceptance)."""
+
+    model: str | None = option(None, "draft-model", "the smaller model (same tokenizer as the target), given like "
+                               "--target", metavar="SPEC")
+    draft_target: Any = None
+    num_tokens: int = 4
+    adaptive: bool = True
+
+
+def build_draft_model(target, o: DraftModelOptions) -> DraftModelDrafter:
+    draft = o.draft_target
+    if draft is None:
+        from ..targets.loading import load_target
+
+        draft = load_target(o.model, dtype=target.dtype, device=str(target.device))
+    return DraftModelDrafter(target, draft, o.num_tokens, o.adaptive)
+
+
+def check_draft_model(o: DraftModelOptions) -> None:
+    if o.model is None and o.draft_target is None:
+        raise ValueError("method 'draft_model' needs --draft-model SPEC: a smaller model with the target's tokenizer")
+    if o.draft_target is None:
+        from ..targets.loading import target_source
+
+        target_source(o.model, "draft model")        # a spec naming no file, folder or hub id

@@ -18,16 +18,15 @@ import torch
 
 from ..config import DRAFT_SAMPLING, SamplingConfig, TreeConfig
 from ..decoding.accept import target_probs
-from ..decoding.drafter import DraftInput, Proposal, propose_together
+from ..decoding.drafter import Drafter, DraftInput, FixedShape, Proposal, propose_together
 from ..heads.draft import DraftHead
 from ..kernels import MAX_GRID_ROWS, accelerate_head, draft_vocab_grid, few_rows_product
 from ..kv_cache import StaticKVCache
 from ..tree import DraftTree, Growth, SampledRows, candidate_parents, log_floor, rerank, top_children
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     name = "eagle"
-    fixed_shape = True   # the static step drafts its head's tree (decoding/drafter.py)
     # the most feature rows of sat-out steps a head reads on its return: older ones are dropped and their positions
     # left as a hole in its cache (its attention skips them; drafts are verified, so output is unchanged), which
     # bounds a catch-up after many plain steps. None: read them all. Off where features are kept for probes.
@@ -101,7 +100,11 @@ class EagleDrafter:
     def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.head.d2t is None else self.head.d2t[ids]
 
-    def sit_out(self, inp: DraftInput) -> None:
+    def fixed_shape(self) -> FixedShape:
+        """The static step drafts this head's tree as `propose` does (decoding/static/)."""
+        return FixedShape(self.head)
+
+    def sit_out(self, inp: DraftInput) -> bool:
         """Another drafter proposed this step (a lookup chain, a plain step): keep its features for the next
         `propose`, at most `catch_up_window` rows of them."""
         self._queued.append(inp.hidden)
@@ -114,6 +117,7 @@ class EagleDrafter:
                 self._queued.insert(0, first[drop:])
             self._dropped += drop
             self.queued_rows -= drop
+        return True
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [R, H] predicted features -> the head's logits over its vocabulary [R, V_draft] (float32)."""

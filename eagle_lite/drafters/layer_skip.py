@@ -6,8 +6,11 @@ extra weights, the same tokenizer by construction. Drafting then works as with a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..config import option
 from ..kv_cache import StaticKVCache, with_cache
 from ..tree import attention_mask
 from .draft_model import DraftModelDrafter
@@ -82,3 +85,17 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def __init__(self, target, exit_layer: int | None = None, num_tokens: int = 4, adaptive: bool = True) -> None:
         super().__init__(target, EarlyExit(target, exit_layer), num_tokens, adaptive)
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions:
+    """exit_layer: the target's first N decoder layers draft (None: half of them)."""
+
+    exit_layer: int | None = option(None, "exit-layer", "draft with the target's first N decoder layers (None: half "
+                                    "of them)", type=int, metavar="N")
+    num_tokens: int = 4
+    adaptive: bool = True
+
+
+def build_layer_skip(target, o: LayerSkipOptions) -> LayerSkipDrafter:
+    return LayerSkipDrafter(target, o.exit_layer, o.num_tokens, o.adaptive)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ..config import TreeConfig
-from ..decoding.drafter import DraftInput
+from ..config import TreeConfig, option
+from ..decoding.drafter import Drafter, DraftInput
 from ..tree import DraftTree
 
 LEAST = {"window": 0, "ngram": 2, "candidates": 0}
@@ -57,7 +58,7 @@ class NgramPool:
         return sum(len(t) for t in self._tails.values())
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     name = "lookahead"
 
     def __init__(self, window: int = 1, ngram: int = 3, candidates: int = 2, seed: int = 0) -> None:
@@ -135,3 +136,25 @@ class LookaheadDrafter:
         for column in zip(*self.levels, new):
             self.pool.add(column)
         self.levels = self.levels[1:] + [new]
+
+
+@dataclass(frozen=True)
+class LookaheadOptions:
+    """window (W): Jacobi streams; ngram (N): n-gram length (the window has N - 1 levels); candidates (G): pool
+    n-grams verified per step. A step verifies at most 1 + (W + G) * (N - 1) nodes. The defaults suit a CPU, where
+    each verified row costs a good fraction of a one-token forward: wider windows find more n-grams but pay only
+    where extra rows are nearly free (a GPU)."""
+
+    window: int = option(1, "lookahead-window", "Jacobi window width, W verify rows per level; 0: no window",
+                         type=int, metavar="W")
+    ngram: int = option(3, "lookahead-ngram", "n-gram length, >= 2 (the window has N - 1 levels)", type=int,
+                        metavar="N")
+    candidates: int = option(2, "lookahead-candidates", "pool n-grams verified per step", type=int, metavar="G")
+
+
+def build_lookahead(target, o: LookaheadOptions) -> LookaheadDrafter:
+    return LookaheadDrafter(o.window, o.ngram, o.candidates)
+
+
+def check_lookahead(o: LookaheadOptions) -> None:
+    check_sizes(o.window, o.ngram, o.candidates)

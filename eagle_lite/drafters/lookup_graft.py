@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import TreeConfig
-from ..decoding.drafter import Drafter, DraftInput, Proposal, propose_together
+from ..decoding.drafter import Drafter, DraftInput, FixedShape, Proposal, propose_together
 from ..decoding.engine import shared_start
 from ..tree import DraftTree, graft_chain
 from .prompt_lookup import PromptLookupDrafter
@@ -29,29 +29,26 @@ def copy_cap(context: int) -> int:
     return COPY_MAX if context <= LONG_CONTEXT else COPY_MAX_LONG
 
 
-class LookupGraft:
+class LookupGraft(Drafter):
     """`inner`'s trees with a prompt-lookup path grafted on (TreeConfig.lookup > 0; 0 passes them through).
 
-    copy_mode: verify lookup chains alone while they are accepted whole; needs an inner drafter with `sit_out`
-    (one that reads the target's features must learn of the steps it did not draft).
+    copy_mode: verify lookup chains alone while they are accepted whole, where the inner drafter can sit those steps
+    out (`Drafter.sit_out`: one that reads the target's features must learn of the steps it did not draft).
     """
 
     def __init__(self, inner: Drafter, copy_mode: bool = True, staged: bool = False) -> None:
         self.inner = inner
         self.name = "staged" if staged else inner.name
-        # the static step drafts the inner tree without a graft, as eagle's does; staged's is its own
-        self.fixed_shape = not staged and getattr(inner, "fixed_shape", False)
-        self.feature_layers = getattr(inner, "feature_layers", ())
-        self.recommended_tree = getattr(inner, "recommended_tree", None)
+        self.feature_layers, self.head, self.recommended_tree = inner.feature_layers, inner.head, inner.recommended_tree
         # the longest earlier match of the last 2-5 tokens
         self.lookup = PromptLookupDrafter(max_ngram=5, min_ngram=2, adaptive=False)
-        self.copy_mode = copy_mode and hasattr(inner, "sit_out")
+        self.copy_mode = copy_mode
         self._graft: tuple[int, list[int]] = (0, [])   # (sequence length, lookup chain) of the last proposal
         self._copied = False                             # whether that chain was verified alone (copy mode)
         self.copy_steps = 0                              # proposals that were the lookup chain alone
         # staged: the inner drafter (an EagleDrafter) reads each lookup chain in its catch-up forward and the chain
         # grafted is the part it agrees with plus its own next token (module docstring)
-        self.staged = staged and hasattr(inner, "keep_features") and not getattr(inner, "parallel", 0)
+        self.staged = staged and (inner.head is None or not inner.head.parallel)
         if self.staged:
             inner.keep_features = True
         self.probes = 0                                  # staged proposals whose lookup chain the head read
@@ -61,6 +58,20 @@ class LookupGraft:
         """The same graft over a sibling of the inner drafter (`EagleDrafter.sibling`): per-sequence state of its
         own, the head and its tables shared."""
         return LookupGraft(self.inner.sibling(), copy_mode=self.copy_mode, staged=self.staged)
+
+    @property
+    def queued_rows(self) -> int:
+        return self.inner.queued_rows
+
+    def fixed_shape(self) -> FixedShape | None:
+        """The static step drafts the inner tree without a graft, as eagle's does; staged's is its own."""
+        return None if self.staged else self.inner.fixed_shape()
+
+    def sit_out(self, inp: DraftInput) -> bool:
+        return self.inner.sit_out(inp)
+
+    def observe(self, tree: DraftTree, nodes, path: list[int]) -> None:
+        self.inner.observe(tree, nodes, path)
 
     def __getattr__(self, name: str):
         inner = self.__dict__.get("inner")               # the inner drafter's own state (cache, head, ...)
@@ -101,8 +112,7 @@ class LookupGraft:
         self._copied = False
         if length:
             chain = self.lookup.lookup(inp.tokens, min(copy_cap(len(inp.tokens)), length))
-            if chain:
-                self.inner.sit_out(inp)
+            if chain and self.inner.sit_out(inp):
                 self._graft, self._copied = (len(inp.tokens), chain), True
                 self.copy_steps += 1
                 return DraftTree.chain(torch.tensor([inp.root] + chain, device=inp.hidden.device))
@@ -114,10 +124,8 @@ class LookupGraft:
         return graft_chain(drafted, chain)
 
     def _inner(self, inp: DraftInput, tree: TreeConfig, **probe) -> Proposal:
-        """The inner drafter's proposal (its `propose` at once where it has no `proposal`)."""
-        if hasattr(self.inner, "proposal"):
-            return (yield from self.inner.proposal(inp, tree, **probe))
-        return self.inner.propose(inp, tree, **probe)
+        """The inner drafter's proposal."""
+        return (yield from self.inner.proposal(inp, tree, **probe))
 
     def _proposal_staged(self, inp: DraftInput, tree: TreeConfig) -> Proposal:
         start, chain = self.lookup.match(inp.tokens, tree.lookup)

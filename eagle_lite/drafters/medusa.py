@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import heapq
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..config import TreeConfig
-from ..decoding.drafter import DraftInput
+from ..config import TreeConfig, option
+from ..decoding.drafter import Drafter, DraftInput
 from ..heads.medusa import MedusaHeads
 from ..tree import DraftTree
 
@@ -104,7 +106,7 @@ def check_choices(choices, num_heads: int, vocab_size: int) -> list[tuple[int, .
     return sorted(paths, key=lambda p: (len(p), p))
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """A static Medusa tree (root + one node per choice) from the heads' top-k at each depth.
 
     choices: rank paths (a list, or JSON text / a .json file, see `parse_choices`); None: the
@@ -152,3 +154,35 @@ class MedusaDrafter:
         drafted = top[self.head_of, self.rank_of]                           # N-1
         root = torch.tensor([inp.root], device=drafted.device)
         return DraftTree(torch.cat([root, drafted]), self.parents)
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """heads: a folder written by `save_medusa`, "random" (untrained: exact but slow), or loaded MedusaHeads.
+    choices: the tree as rank paths, JSON text or a .json file (None: DEFAULT_CHOICES)."""
+
+    heads: Any = option(None, "medusa", "heads saved by `python -m trainers.train experiment=medusa`, or 'random'",
+                        metavar="PATH")
+    choices: Any = option(None, "medusa-choices", "the tree as rank paths, e.g. '[[0],[1],[0,0]]', or a .json file "
+                          "(None: a 12-node tree)", metavar="JSON")
+
+
+def build_medusa(target, o: MedusaOptions) -> MedusaDrafter:
+    from ..formats import load_medusa
+
+    heads = o.heads
+    if isinstance(heads, (str, Path)):
+        heads = MedusaHeads.for_target(target) if heads == "random" else load_medusa(heads, target)
+    return MedusaDrafter(target, heads, o.choices)
+
+
+def check_medusa(o: MedusaOptions) -> None:
+    if o.heads is None:
+        raise ValueError("method 'medusa' needs --medusa PATH (heads trained with `python -m trainers.train "
+                         "experiment=medusa`) or --medusa random (untrained: exact but slow)")
+    if isinstance(o.heads, (str, Path)) and o.heads != "random":
+        from ..formats import check_folder
+
+        check_folder(o.heads, "medusa")
+    if isinstance(o.choices, str):
+        parse_choices(o.choices)

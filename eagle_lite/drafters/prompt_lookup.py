@@ -7,10 +7,12 @@ sets one), it also copies from it where it matches longer.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import TreeConfig
-from ..decoding.drafter import DraftInput
+from ..decoding.drafter import Drafter, DraftInput
 from ..tree import DraftTree
 
 
@@ -58,7 +60,7 @@ class NgramIndex:
         return self._starts[len(ngram)].get(ngram)
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     name = "lookup"
 
     def __init__(self, max_ngram: int = 5, min_ngram: int = 1, num_tokens: int = 10, adaptive: bool = True) -> None:
@@ -108,8 +110,9 @@ class PromptLookupDrafter:
                 return n, 0, chain
         return found
 
-    def sit_out(self, inp: DraftInput) -> None:
+    def sit_out(self, inp: DraftInput) -> bool:
         """A step without a lookup chain (a batch's plain step): nothing to learn; the index catches up later."""
+        return True
 
     def propose(self, inp: DraftInput, tree: TreeConfig) -> DraftTree:
         if self.adaptive:
@@ -117,3 +120,17 @@ class PromptLookupDrafter:
         guess = self.lookup(inp.tokens, self.length.k)
         self.length.proposed = len(guess)
         return DraftTree.chain(torch.tensor([inp.root] + guess, device=inp.hidden.device))
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """max_ngram..min_ngram: context suffixes matched, longest first; num_tokens: chain length to start with."""
+
+    max_ngram: int = 5
+    min_ngram: int = 1
+    num_tokens: int = 10
+    adaptive: bool = True
+
+
+def build_lookup(target, o: LookupOptions) -> PromptLookupDrafter:
+    return PromptLookupDrafter(o.max_ngram, o.min_ngram, o.num_tokens, o.adaptive)

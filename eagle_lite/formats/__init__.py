@@ -31,3 +31,16 @@ def read_medusa_heads(path: str | Path, target):
     from .medusa import read_medusa
 
     return read_medusa(detect(path), target)
+
+
+def check_folder(path: str | Path, method: str) -> None:
+    """Refuse a head folder that is missing or of another kind than method `method` ("eagle" or "medusa") runs
+    (eagle_lite's own, or a published layout)."""
+    from ..heads.checkpoint import MEDUSA_FORMAT, read_config, read_head_config
+
+    if is_eagle_lite(Path(path)):
+        read_head_config(path) if method == "eagle" else read_config(path, MEDUSA_FORMAT, "Medusa heads")
+        return
+    kind = detect(path).kind
+    if (kind == "medusa") != (method == "medusa"):
+        raise ValueError(f"{path} holds {KINDS[kind]}, which method '{method}' cannot use")

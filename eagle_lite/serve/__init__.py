@@ -37,8 +37,7 @@ def build_service(pipeline: Pipeline, model_id: str, limits: Limits = Limits(), 
     tree_nodes = probe.max_tree_nodes(tree)
     cost = StepCost(verify_seconds) if verify_seconds else step_cost(pipeline.target)
     engine = engine_for(pipeline.target, None)   # each sequence of a batch brings its own drafter
-    make = getattr(probe, "statistics", None)    # method auto: the observer of its controllers' choices
-    watched = make() if make is not None else None
+    watched = probe.statistics()    # method auto: the observer of its controllers' choices
     engine.observers += ([watched] if watched is not None else []) + (adapter.observers() if adapter else [])
     metrics = Metrics(pipeline.method, watched)
     scheduler = Scheduler(engine, make_drafter, limits, tree_nodes, Caps(cost, tree_nodes), on_step=metrics.step,

@@ -393,10 +393,10 @@ class Scheduler:
             set_threads(self.threads[len(seqs) >= BUSY_BATCH])
         # drafters that are told the batch (`seat`: method auto's controllers) size their own trees from its rows;
         # a fixed method's tree is capped from the step costs
-        controlled = all(hasattr(type(seq.drafter), "seat") for seq in seqs)
+        controlled = all(seq.drafter.seats_batch for seq in seqs)
         cap, queued = None, None
         if not controlled:   # each head's rows queued by sat-out steps, priced against the tokens it has left
-            queued = [getattr(seq.drafter, "queued_rows", 0) for seq in seqs]
+            queued = [seq.drafter.queued_rows for seq in seqs]
             cap = self.cost.choose(len(seqs), [(q, seq.budget - seq.stats.new_tokens) for q, seq in zip(queued, seqs)])
         drafting = [seq.stats.draft_seconds for seq in seqs]
         outs = self.engine.step(seqs, [cap] * len(seqs))

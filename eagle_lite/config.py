@@ -15,7 +15,7 @@ from typing import Any
 
 DRAFT_SAMPLING = ("q", "match")  # the sampling rules of EAGLE trees (EagleOptions.draft_sampling)
 DRAFT_VOCAB = ("head", "full")   # what an EAGLE head drafts over (EagleOptions.draft_vocab)
-STATIC_MODES = ("auto", "eager", "compile", "cuda-graph")   # how static_step.py runs
+STATIC_MODES = ("auto", "eager", "compile", "cuda-graph")   # how static/step.py runs
 
 SEEDS = 1 << 64   # torch generators take seeds in [0, 2**64)
 OPTION = "option"   # the dataclass field metadata key of an `option`

@@ -42,7 +42,7 @@ class StaticKVCache:
     """
 
     # Not compileable: the committed length is a host int and `update` returns the first length + T slots, a shape
-    # that changes every step. device_kv_cache.DeviceKVCache is the compileable form (slots by tensor, a device length).
+    # that changes every step. static.kv_cache.DeviceKVCache is the compileable form (slots by tensor, a device length).
     is_compileable = False
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,

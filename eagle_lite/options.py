@@ -191,7 +191,7 @@ def add_device_flags(p: argparse.ArgumentParser, attention: bool = True) -> None
 
 def add_static_flag(p, what: str = "decoding through", off: bool = False) -> None:
     """--static [MODE]: methods eagle (without the lookup graft) and vanilla through the fixed-shape step
-    (decoding/static_step.py), a mode of theirs rather than other methods (the CLI, eval.benchmark, eval.tune,
+    (decoding/static/step.py), a mode of theirs rather than other methods (the CLI, eval.benchmark, eval.tune,
     eval.profile_step). off: MODE off too, the CLI's, which runs the step unasked where it is the faster exact one."""
     p.add_argument("--static", nargs="?", const="auto", default=None, metavar="MODE",
                    choices=(*STATIC_MODES, "off") if off else STATIC_MODES,

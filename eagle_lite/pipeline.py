@@ -178,8 +178,8 @@ def load(target: str | None = None, method: str = registry.DEFAULT, options=None
     options: that method's options dataclass (`drafters.EagleOptions` for auto, eagle and staged, `LookupOptions`,
     `LookaheadOptions`, `DraftModelOptions`, `LayerSkipOptions`, `MedusaOptions`).
     draft: shorthand for EagleOptions(draft=...): "auto", "random" (untrained: exact but slow) or a head folder.
-    static: the fixed-shape step (static_step.py) runs the steps in this mode ("auto": CUDA graphs on CUDA, eager on a
-    CPU; see `static_step.MODES`), greedy or sampled; methods eagle (without the prompt-lookup graft; auto runs it
+    static: the fixed-shape step (static/step.py) runs the steps in this mode ("auto": CUDA graphs on CUDA, eager on a
+    CPU; see `static.step.MODES`), greedy or sampled; methods eagle (without the prompt-lookup graft; auto runs it
     there) and vanilla (`Pipeline.static`). None: it does where it is the faster exact step (CUDA; vanilla, eagle
     with a sequential head), else the engine's tree step; "off": never.
     record: a folder where every completed answer is recorded as token ids, for training a head on them
@@ -226,20 +226,20 @@ def engine_for(target: Target, method: str | Drafter | None = registry.DEFAULT, 
 
 
 def static_engine_for(target: Target, head=None, mode: str = "auto", **options) -> Engine:
-    """An engine whose steps the fixed-shape step runs (decoding/static_step.py) for `target`: plain decoding (head
-    None) or EAGLE with `head`, in `mode` (`static_step.MODES`); options: StaticStep's others (max_len, profile,
+    """An engine whose steps the fixed-shape step runs (decoding/static/step.py) for `target`: plain decoding (head
+    None) or EAGLE with `head`, in `mode` (`static.step.MODES`); options: StaticStep's others (max_len, profile,
     compile_backend, lookahead, fused). Eval's static methods come here."""
-    from .decoding.static_step import StaticStep
+    from .decoding.static.step import StaticStep
 
     return Engine(target, None, StaticStep(target, head, mode=mode, **options))
 
 
 def step_backend(target: Target, drafter: Drafter | None, static: str | None = None):
-    """The fixed-shape step (decoding/static_step.py) that runs `drafter`'s steps, or None (the engine's tree step).
-    static: a mode of `static_step.MODES` (forced: a drafter with a `fixed_shape`, the lookup graft left out); "off":
+    """The fixed-shape step (decoding/static/step.py) that runs `drafter`'s steps, or None (the engine's tree step).
+    static: a mode of `static.step.MODES` (forced: a drafter with a `fixed_shape`, the lookup graft left out); "off":
     none; None: chosen where the drafter says it is the faster exact step (`FixedShape.preferred`) on a CUDA target
     (where the target cannot run it, the tree step, said in the log)."""
-    from .decoding.static_step import StaticStep
+    from .decoding.static.step import StaticStep
 
     fixed = (drafter or NoDrafter()).fixed_shape()   # None: each request's own drafter, plain by default
     if static is None:
@@ -268,7 +268,7 @@ def for_target(target: Target, method: str = registry.DEFAULT, options=None, sta
 def check_static(method: str, mode: str) -> None:
     """Refuse what the static step cannot run: a method other than eagle and vanilla (`load` runs default and auto
     as eagle there: `Method.static`), an unknown mode ("off": any method, the engine's tree step)."""
-    from .decoding.static_step import MODES
+    from .decoding.static.step import MODES
 
     if mode == "off":
         return

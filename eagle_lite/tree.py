@@ -224,7 +224,7 @@ def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
 
 # -- EAGLE-2's tree growth, in tensor ops ------------------------------------------------------------------
 # One implementation for both drafting paths: the engine's drafter (drafters/eagle.py `grow_tree_steps`) and the
-# fixed-shape step (decoding/static_step.py `StaticStep.draft_step`, captured in a CUDA graph). Nothing below
+# fixed-shape step (decoding/static/step.py `StaticStep.draft_step`, captured in a CUDA graph). Nothing below
 # reads the device from the host or changes a shape with the data; what does (the engine's early stop under
 # min_prob, its budget, its DraftTree) stays with the engine.
 

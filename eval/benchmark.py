@@ -36,7 +36,7 @@ ALL_METHODS = ["hf_generate", "hf_prompt_lookup", "vanilla", "lookup", "eagle"]
 # rule each, to compare both in one run), lookahead (--lookahead-window, --lookahead-ngram, --lookahead-candidates),
 # layer_skip (--exit-layer), draft_model and hf_assisted (transformers' assisted generation; both --draft-model SPEC),
 # medusa (--medusa PATH|random), llama_cpp (llama.cpp on the target's GGUF; needs the optional llama-cpp-python; added
-# by default when importable). --static runs vanilla and eagle through the fixed-shape step (static_step.py: CUDA
+# by default when importable). --static runs vanilla and eagle through the fixed-shape step (static/step.py: CUDA
 # graphs on CUDA; greedy only)
 
 

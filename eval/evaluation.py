@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from eagle_lite.atomic import check_folder_writable, write_atomic, write_text_atomic
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig, resolve_tree
-from eagle_lite.decoding.static_step import MODES
+from eagle_lite.decoding.static.step import MODES
 from eagle_lite.drafters import registry
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.kernels.attention import BACKENDS

@@ -7,7 +7,7 @@ transformers' own `generate()` (the baselines users know);
 and `eagle_match` are eagle with one sampling rule each (EagleOptions.draft_sampling), so that one run compares them;
 `auto_q` and `auto_match` the same for method auto's head.
 With a static step mode (`--static MODE`), `vanilla` and `eagle` run through the fixed-shape step instead
-(static_step.py): captured in CUDA graphs on CUDA, eager on a CPU (greedy only; eagle without the prompt-lookup
+(static/step.py): captured in CUDA graphs on CUDA, eager on a CPU (greedy only; eagle without the prompt-lookup
 graft); the other engine methods have no such mode. `llama_cpp` is
 llama.cpp's own greedy decoding of the target's GGUF file (an optional comparison, needs
 `llama-cpp-python`; it runs the file's quantized weights, so its tokens may differ from the fp32 target's).

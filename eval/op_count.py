@@ -82,7 +82,7 @@ class OpCounter(TorchDispatchMode):
     def regions(self, step) -> Iterator[None]:
         """Count a StaticStep's ops by region: "target layer" (the target's decoder layers, fused or the
         model's own), "head" (the draft head's forwards), "other" (everything else)."""
-        from eagle_lite.decoding.static_stack import StaticLayer
+        from eagle_lite.decoding.static.stack import StaticLayer
 
         handles = []
         for layer in step.target.decoder.layers:

@@ -14,7 +14,7 @@ at each draft position (what trees are tuned from); a third, auto's choices: the
 and the step time (draft + verify + accept) the controller predicted against the time measured. One prompt
 (`--prompt`), or the first turn of the first `--limit` questions of each category of a question file
 (`--questions`), every method run on each prompt in turn and the steps of all prompts summed. With --static, the
-same through the fixed-shape step (static_step.py), synchronised between draft and verify to time them (its
+same through the fixed-shape step (static/step.py), synchronised between draft and verify to time them (its
 accept+commit runs inside the verify step's time).
 """
 from __future__ import annotations

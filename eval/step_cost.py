@@ -41,7 +41,7 @@ import torch
 from eagle_lite.atomic import check_writable, write_text_atomic
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import TreeConfig
-from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, bucket_for
+from eagle_lite.decoding.static.tree import BUCKETS, StaticTree, bucket_for
 from eagle_lite.options import add_flag
 from eagle_lite.pipeline import static_engine_for
 from eagle_lite.threads import check_threads, set_threads
@@ -272,7 +272,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 @entry_point
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from eagle_lite.decoding.static_step import MODES
+    from eagle_lite.decoding.static.step import MODES
     from eagle_lite.options import quiet_libraries
     from eagle_lite.targets.loading import check_device
 

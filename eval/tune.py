@@ -43,7 +43,7 @@ import torch
 from eagle_lite.atomic import write_json_atomic
 from eagle_lite.cli import arguments, entry_point
 from eagle_lite.config import OPTION, TreeConfig
-from eagle_lite.decoding.static_tree import bucket_for
+from eagle_lite.decoding.static.tree import bucket_for
 from eagle_lite.drafters import registry
 from eagle_lite.options import (
     add_device_flags,

@@ -1,4 +1,4 @@
-"""The fixed-shape step (static_step.py): its pieces against the engine's, its output against transformers'
+"""The fixed-shape step (static/step.py): its pieces against the engine's, its output against transformers'
 greedy generate(), token for token, and that torch.compile traces its draft and verify steps whole."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from test_engine import TREES
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.accept import accept_greedy as walk_greedy
 from eagle_lite.decoding.accept import sample_rows
-from eagle_lite.decoding.device_kv_cache import slot_mask
 from eagle_lite.decoding.engine import Engine
-from eagle_lite.decoding.static_step import StaticStep
-from eagle_lite.decoding.static_tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
+from eagle_lite.decoding.static.kv_cache import slot_mask
+from eagle_lite.decoding.static.step import StaticStep
+from eagle_lite.decoding.static.tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
 from eagle_lite.drafters import DraftInput
 from eagle_lite.drafters.eagle_options import eagle_drafter
 from eagle_lite.heads.draft import DraftHead
@@ -328,7 +328,7 @@ def test_a_cuda_load_runs_the_graph_step(llama, monkeypatch):
         def __init__(self, target, head, mode="auto"):
             self.head, self.mode = head, "cuda-graph" if mode == "auto" else mode
 
-    monkeypatch.setattr("eagle_lite.decoding.static_step.StaticStep", Graphs)
+    monkeypatch.setattr("eagle_lite.decoding.static.step.StaticStep", Graphs)
     cuda = SimpleNamespace(device=torch.device("cuda"), name="tiny-on-cuda")
     torch.manual_seed(0)
     head = DraftHead.for_target(llama)
@@ -368,7 +368,7 @@ def test_refusals(llama, caplog):
 
 def test_a_target_the_static_cache_runs_wrong_is_refused(monkeypatch):
     target = make_target("llama")
-    monkeypatch.setattr("eagle_lite.decoding.static_step.slot_mask",
+    monkeypatch.setattr("eagle_lite.decoding.static.step.slot_mask",
                         lambda start, visible, slots: torch.ones(1, 1, visible.shape[0], slots, dtype=torch.bool))
     with pytest.raises(ValueError, match="cannot run the static step"):
         static_engine_for(target)
@@ -581,7 +581,7 @@ def test_the_step_backend_asks_the_drafter_not_its_method(llama, monkeypatch):
     from eagle_lite_wing.auto import AutoDrafter
 
     made = []
-    monkeypatch.setattr("eagle_lite.decoding.static_step.StaticStep",
+    monkeypatch.setattr("eagle_lite.decoding.static.step.StaticStep",
                         lambda target, head, mode="auto": made.append((head, mode)) or "fixed-shape")
     cuda = SimpleNamespace(device=torch.device("cuda"), name="cuda")
     torch.manual_seed(0)

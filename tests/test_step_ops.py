@@ -14,7 +14,7 @@ from eval.op_count import HostSyncError, OpCounter, SyncGuard, count_generation
 
 TREE = TreeConfig(depth=4, top_k=4, total_tokens=15)
 # Launches per step of the 2-layer tiny Llama (make_target("llama")) at TREE, counted as eval/op_count.py counts
-# them. Before the fused layers (static_stack.py) and the draft's and verify's constants (issue #49): vanilla 135,
+# them. Before the fused layers (static/stack.py) and the draft's and verify's constants (issue #49): vanilla 135,
 # eagle's draft 320 and verify 137.
 BUDGET = {"vanilla": 43, "draft": 149, "verify": 67}
 TOLERANCE = 0.05            # a change may add up to 5% before this fails; lower the budget when it falls
@@ -85,7 +85,7 @@ def test_a_step_never_reads_the_device(tiny, with_head):
 
 
 def test_the_fused_layers_are_taken_and_emit_what_the_models_layers_emit(tiny):
-    """The fused layers (static_stack.py) run the tiny Llama and its head; the model's own layers give the same
+    """The fused layers (static/stack.py) run the tiny Llama and its head; the model's own layers give the same
     tokens with more launches."""
     head = eagle_head(tiny)
     fused, own = static_engine_for(tiny, head), static_engine_for(tiny, head, fused=False)

@@ -73,7 +73,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
 
 def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """`sample` of each row of `probs` [R, V] at its own uniform draw in [0, 1) (`uniforms` [R]), in tensor ops (no
-    read from the device: the fixed-shape step's, static_step.py) -> [R] long."""
+    read from the device: the fixed-shape step's, static/step.py) -> [R] long."""
     cdf = probs.double().cumsum(-1)                                          # R V
     token = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True)[:, 0]
     cols = torch.arange(probs.shape[-1], device=probs.device)

@@ -183,7 +183,7 @@ class Sequence:
 
 class StepBackend(Protocol):
     """What runs a sequence's steps in place of the engine's tree step (`Engine.backend`), on caches of its own: the
-    fixed-shape step (static_step.StaticStep). The engine's loop chooses the first token, stops and counts."""
+    fixed-shape step (static.step.StaticStep). The engine's loop chooses the first token, stops and counts."""
 
     def running(self) -> contextlib.AbstractContextManager: ...   # around a whole call
 

@@ -1,5 +1,5 @@
 """The static step's draft tree in fixed shapes: bucket sizes, ancestors by gathers, and greedy acceptance as
-tensor ops (static_step.py)."""
+tensor ops (static/step.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

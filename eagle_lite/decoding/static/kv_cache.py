@@ -1,5 +1,5 @@
 """The static step's caches: every layer's keys/values in one preallocated buffer, written at slots given by a
-tensor and read under a boolean mask over all slots, with the committed length kept on the device (static_step.py).
+tensor and read under a boolean mask over all slots, with the committed length kept on the device (static/step.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ class DeviceKVCache:
 
     Both live in one buffer `kv` [layers, 1, 2 H_kv, slots, D] (keys: the first H_kv heads, values the rest;
     `keys` and `values` are views), so a layer that has its keys and values side by side writes them in one op
-    and a commit moves both in one gather and one copy (static_stack.py).
+    and a commit moves both in one gather and one copy (static/stack.py).
     There is no host-side length: the caller keeps it on the device and masks what a forward may see.
     `writer(slots)` is what a model's layers receive as their cache during one forward.
     """

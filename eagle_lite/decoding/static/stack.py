@@ -1,4 +1,4 @@
-"""A Llama-family decoder layer in fewer device operations, for the static step (static_step.py): `StaticLayer`
+"""A Llama-family decoder layer in fewer device operations, for the static step (static/step.py): `StaticLayer`
 computes transformers' layer (36 ops in fp32, 44 in bf16) in 13, with q/k/v and gate/up stacked (`qkv`,
 `gate_up`), the rotary embedding over q, k and v at once, the residual adds inside `addmm` and keys and values
 written in one `index_copy_` (`DeviceKVCache.kv`). Results may differ from the model's layer in the last bits; the

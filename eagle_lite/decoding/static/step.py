@@ -2,8 +2,8 @@
 small read-back per step (`StepState.readback`: the accepted length, then the new tokens) and nothing else crossing
 to the host, so that it can be captured in CUDA graphs or compiled with `torch.compile(fullgraph=True)`.
 
-Every host decision of the engine is a tensor op here: slot-indexed caches (device_kv_cache.py), EAGLE-2's tree
-grown by drafters/eagle.py's code (tree.py `Growth`, `rerank`) padded to a bucket (static_tree.py), acceptance by
+Every host decision of the engine is a tensor op here: slot-indexed caches (static/kv_cache.py), EAGLE-2's tree
+grown by drafters/eagle.py's code (tree.py `Growth`, `rerank`) padded to a bucket (static/tree.py), acceptance by
 `accept_greedy` (argmax, or a draw per tree level: accept.py's rule for deterministic children), the commit one
 fixed-size copy. Unlike the drafter: every level is expanded, min_prob marks nodes invalid instead of dropping them,
 and no prompt-lookup graft. `StaticStep` is a step backend of the engine (`Engine.backend`), which prefills through
@@ -19,16 +19,16 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..config import STATIC_MODES, GenerationConfig, SamplingConfig, TreeConfig
-from ..kernels.accelerate import stock
-from ..kernels.attention import KEYS, resolve_backend, select_attention
-from ..kv_cache import ContextOverflowError, cache_keyword
-from ..tree import Growth, candidate_parents, log_floor, rerank, top_children
-from .accept import sample_rows, target_probs
-from .device_kv_cache import DeviceKVCache, slot_mask
-from .engine import GenerationStats
-from .static_stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
-from .static_tree import StaticTree, accept_greedy, bucket_for
+from ...config import STATIC_MODES, GenerationConfig, SamplingConfig, TreeConfig
+from ...kernels.accelerate import stock
+from ...kernels.attention import KEYS, resolve_backend, select_attention
+from ...kv_cache import ContextOverflowError, cache_keyword
+from ...tree import Growth, candidate_parents, log_floor, rerank, top_children
+from ..accept import sample_rows, target_probs
+from ..engine import GenerationStats
+from .kv_cache import DeviceKVCache, slot_mask
+from .stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
+from .tree import StaticTree, accept_greedy, bucket_for
 
 log = logging.getLogger("eagle_lite")
 
@@ -160,7 +160,7 @@ class StaticStep:
         self._warned_lookup = False
         self._sampling, self._generator = SamplingConfig(), None   # the call's (`prefill`)
         self._reads: Iterator[list[int]] | None = None             # each step's read-back (`step`)
-        # the target's layers in fewer ops (static_stack.py), where it runs them as the model does; else the model
+        # the target's layers in fewer ops (static/stack.py), where it runs them as the model does; else the model
         self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
         self._head_layer = None      # (StaticLayer, RotaryTables) of the head's decoder layer, where it is one
         if fused and head is not None and supported(head.layer):
@@ -302,7 +302,7 @@ class StaticStep:
         rotary: the fused layer's tables at `positions`, where the caller has them already. embeds: the rows'
         token embeddings in place of `tokens`' (a parallel head's mask rows)."""
         embeds = self.target.embed_tokens(tokens) if embeds is None else embeds
-        if self._head_layer is not None:       # DraftHead.forward, its layer fused (static_stack.py)
+        if self._head_layer is not None:       # DraftHead.forward, its layer fused (static/stack.py)
             layer, tables = self._head_layer
             x = self.head.layer_input(feats, embeds)
             return layer(x, rotary if rotary is not None else tables(x, positions), mask, self._draft_cache.kv[0],

@@ -37,34 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path("build/peers")
-EXPORTS = ROOT / "exports"
-RUN = ROOT / "run"
-QUESTIONS = Path("eval/questions/heldout12.jsonl")
+from eval.peers.common import EXPORTS, ROOT, RUN, llama_bin, min_llama_speed, prompts, trimmed
+
 PEERS = ("vllm", "openvino", "hf4", "llama")
-EAGLE1_HEAD = Path("data/heads/smollm2-eagle1")   # the EAGLE-1 head shipped before the EAGLE-3 one
-LLAMA_BIN = ROOT / "llama" / "bin-dir"            # install.sh llama: the folder of the llama.cpp binaries it built
-# llama.cpp's plain decoding speed with AVX2 (FACTS.md: ~57 tokens/s with 2 threads on these hosts, ~90 on the
-# Xeon): a build under a tenth of it per thread is broken (AMX on a host where it stalls), not a slow CPU
-AVX2_TOKENS_PER_S_PER_THREAD = 28.5
 LLAMA_PLAIN = "llama.cpp vanilla"
-
-
-def llama_bin() -> Path | None:
-    """The folder of llama.cpp's binaries: $LLAMA_CPP_BIN, else the one install.sh llama built; None if neither."""
-    import os
-
-    given = os.environ.get("LLAMA_CPP_BIN")
-    if given:
-        return Path(given)
-    if LLAMA_BIN.is_file():
-        return Path(LLAMA_BIN.read_text().strip())
-    return None
-
-
-def min_llama_speed(threads: int) -> float:
-    """The plain tokens/s below which a llama.cpp build is named broken: a tenth of the AVX2 speed."""
-    return 0.1 * AVX2_TOKENS_PER_S_PER_THREAD * min(max(threads, 1), 2)
+EAGLE1_HEAD = Path("data/heads/smollm2-eagle1")   # the EAGLE-1 head shipped before the EAGLE-3 one
 
 
 def sh(cmd: list[str], log: Path) -> None:
@@ -95,13 +72,6 @@ def export_all(target, fresh: bool) -> dict[str, list[str]]:
         notes[f"eagle3-{engine}"] = export(shipped, "eagle3", EXPORTS / f"eagle3-{engine}", target, torch.float32,
                                            engine=engine, verifier=str(folder.resolve()))
     return notes
-
-
-def prompts(target, count: int) -> list[list[int]]:
-    from eagle_lite.text.chat_format import chat_ids
-
-    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()][:count]
-    return [chat_ids(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
 
 
 def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int) -> dict[str, dict]:
@@ -206,14 +176,6 @@ def llama_spec_lines(runs: dict[str, dict]) -> list[str]:
                          f"{spec['accepted_per_round']:.2f} accepted per round, mean length "
                          f"{spec['tokens_per_round']:.2f} tokens per target forward")
     return lines
-
-
-def trimmed(tokens: list[int], eos: set[int]) -> list[int]:
-    """Tokens up to the first end-of-sequence token (engines differ in whether they return it)."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i]
-    return tokens
 
 
 def tokens_per_forward(name: str, run: dict) -> float | None:

@@ -76,7 +76,7 @@ llama_speed_ok() {  # bin-dir
     local gguf prompts
     gguf=$("$PROJECT_PY" -c "from eagle_lite.targets.loading import embedded_gguf; print(embedded_gguf())")
     prompts=$(mktemp); printf '{"prompts": [[1, 9690, 198, 2683, 314, 260, 6253, 2135, 47, 2, 198]], "max_new_tokens": 8}' > "$prompts"
-    "$PROJECT_PY" -c "import sys; sys.path.insert(0, '.'); from eval.peers.check import min_llama_speed; print(min_llama_speed(2))" > "$prompts.min"
+    "$PROJECT_PY" -c "import sys; sys.path.insert(0, '.'); from eval.peers.common import min_llama_speed; print(min_llama_speed(2))" > "$prompts.min"
     local rc=0
     python3 eval/peers/llama_server_peer.py --bin "$1" --gguf "$gguf" --prompts "$prompts" --out "$prompts.json" \
         --threads 2 --min-speed "$(cat "$prompts.min")" || rc=$?

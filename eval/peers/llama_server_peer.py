@@ -86,13 +86,7 @@ class Server:
         return json.loads(request(self.port, "/completion", body))
 
     def metrics(self) -> dict[str, float]:
-        """llama.cpp's Prometheus counters, by name without the "llamacpp:" prefix."""
-        out = {}
-        for line in request(self.port, "/metrics").decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name.removeprefix("llamacpp:")] = float(value)
-        return out
+        return parse_metrics(request(self.port, "/metrics").decode())
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -103,6 +97,31 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log_file.close()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """llama.cpp's Prometheus counters (/metrics), by name without the "llamacpp:" prefix."""
+    out = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, value = line.strip().rpartition(" ")
+            out[name.removeprefix("llamacpp:")] = float(value)
+    return out
+
+
+def spec_stats(before: dict[str, float], after: dict[str, float], runs: int) -> dict:
+    """llama.cpp's speculation counters between two /metrics reads: drafted and accepted tokens, verification
+    rounds, accepted per round and mean length (1 + accepted / rounds: tokens per target forward)."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in
+             ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+              "spec_decode_num_drafts_total")}
+    rounds, accepted = delta["spec_decode_num_drafts_total"], delta["spec_decode_num_accepted_tokens_total"]
+    stats = {"drafted_tokens": delta["spec_decode_num_draft_tokens_total"], "accepted_tokens": accepted,
+             "rounds": rounds, "runs": runs}
+    if rounds:
+        stats["accepted_per_round"] = accepted / rounds
+        stats["tokens_per_round"] = 1 + accepted / rounds              # llama.cpp's "mean len"
+    return stats
 
 
 def run(server: Server, ids: list[int], max_new: int, ignore_eos: bool = False) -> dict:
@@ -168,19 +187,12 @@ def main() -> int:
         after = server.metrics()
     finally:
         server.close()
-    counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in
-                ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                 "spec_decode_num_drafts_total", "n_decode_total", "tokens_predicted_total")}
-    rounds = counters["spec_decode_num_drafts_total"]
-    accepted = counters["spec_decode_num_accepted_tokens_total"]
-    spec_stats = {"drafted_tokens": counters["spec_decode_num_draft_tokens_total"], "accepted_tokens": accepted,
-                  "rounds": rounds, "runs": max(1, args.runs)}
-    if rounds:
-        spec_stats["accepted_per_round"] = accepted / rounds
-        spec_stats["tokens_per_round"] = 1 + accepted / rounds              # llama.cpp's "mean len"
-        print(f"llama.cpp speculation: {accepted:.0f} accepted of {spec_stats['drafted_tokens']:.0f} drafted in "
-              f"{rounds:.0f} rounds: {accepted / rounds:.2f} accepted a round, mean len {1 + accepted / rounds:.2f}")
-    result = {"engine": "llama.cpp", "startup_s": server.startup_s, "rows": rows, "spec": spec_stats,
+    stats = spec_stats(before, after, max(1, args.runs))
+    if stats["rounds"]:
+        print(f"llama.cpp speculation: {stats['accepted_tokens']:.0f} accepted of {stats['drafted_tokens']:.0f} "
+              f"drafted in {stats['rounds']:.0f} rounds: {stats['accepted_per_round']:.2f} accepted a round, mean len "
+              f"{stats['tokens_per_round']:.2f}")
+    result = {"engine": "llama.cpp", "startup_s": server.startup_s, "rows": rows, "spec": stats,
               "command": " ".join(server.cmd)}
     Path(args.out).write_text(json.dumps(result))
     return 0

@@ -22,13 +22,16 @@ import sys
 import time
 from pathlib import Path
 
-from eval.peers.check import EXPORTS, RUN, llama_bin, min_llama_speed, prompts, trimmed
+from eval.peers.common import EXPORTS, RUN, llama_bin, min_llama_speed, prompts, trimmed
 
 
 def cpu_line() -> str:
     """lscpu's model name, with whether the CPU has AVX-512 and AMX."""
-    from eval.llama_table import cpu_name
-
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        name = "unknown CPU"
     flags = ""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -36,7 +39,7 @@ def cpu_line() -> str:
         pass
     avx512 = "AVX-512" if " avx512f" in flags else "no AVX-512"
     amx = "AMX" if " amx_tile" in flags else "no AMX"
-    return f"{cpu_name()} ({avx512}, {amx})"
+    return f"{name} ({avx512}, {amx})"
 
 
 def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int, runs: int) -> dict[str, dict]:

@@ -40,10 +40,11 @@ RUNS ?= $(or $(EAGLE_LITE_RUNS),runs)
 train: venv
 	EAGLE_LITE_RUNS=$(RUNS) $(PY) -m trainers.train $(ARGS)
 
-# The exported target and heads in vLLM (CPU), OpenVINO GenAI and transformers 4.x, each installed in its own venv
-# under build/peers (minutes of download the first time; not part of `make test`). Prints a table; docs/deploy.md.
+# The exported target and heads in vLLM (CPU), OpenVINO GenAI, llama.cpp and transformers 4.x, each installed in its
+# own venv under build/peers (minutes of download the first time; not part of `make test`). Prints a table;
+# docs/deploy.md. One engine: make peer-check PEERS=llama ARGS="--engines llama" (LLAMA_CPP_BIN=DIR: its binaries).
 peer-check: venv
-	bash eval/peers/install.sh
+	bash eval/peers/install.sh $(PEERS)
 	HF_HUB_OFFLINE=1 $(PY) -m eval.peers.check $(ARGS)
 
 # The GPU day (eval/gpu_day.py): download the bundle a lent GPU machine needs, cut it into one folder per device

@@ -117,6 +117,9 @@ build_llama_cpp() {
 install_llama() {
     local v="$ROOT/llama"
     build_llama_cpp
+    # LLAMA_CPP_BIN: binaries built elsewhere; the Python binding (a second compile) is left out, and check.py runs
+    # llama.cpp's server rows only
+    test -n "${LLAMA_CPP_BIN:-}" && return 0
     test -f "$v/.installed" && return 0
     make_venv llama
     # The source build with this CPU's flags less AMX (llama_flags): pip's default -march=native brings AMX, which

@@ -7,7 +7,8 @@
 #                         llama-completion) built from the llama.cpp its sdist vendors, for this CPU without AMX
 #                         (FACTS.md: AMX stalls in these VMs); each build's plain speed is checked and one under a
 #                         tenth of the AVX2 speed is replaced by an AVX2-only build. build/peers/llama/bin-dir names the
-#                         folder of the binaries; LLAMA_CPP_BIN=DIR uses binaries built elsewhere instead.
+#                         folder of the binaries; LLAMA_CPP_BIN=DIR uses binaries built elsewhere instead;
+#                         LLAMA_CPP_SDIST=FILE builds from an sdist tarball already on disk.
 # Each venv is marked done with a .installed file; rerunning skips finished ones. Usage: install.sh [vllm|openvino|hf4|llama]...
 set -euo pipefail
 ROOT=${PEERS:-build/peers}
@@ -95,7 +96,11 @@ build_llama_cpp() {
     local src="$v/llama.cpp"
     if [ ! -f "$src/CMakeLists.txt" ]; then
         rm -rf "$v/sdist" && mkdir -p "$v/sdist"
-        "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$v/sdist"
+        if [ -n "${LLAMA_CPP_SDIST:-}" ]; then      # the sdist already on disk
+            cp "$LLAMA_CPP_SDIST" "$v/sdist/"
+        else
+            "$PYTHON" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$v/sdist"
+        fi
         tar -xzf "$v"/sdist/llama_cpp_python-*.tar.gz -C "$v/sdist"
         rm -rf "$src" && mv "$v"/sdist/llama_cpp_python-*/vendor/llama.cpp "$src"
     fi

@@ -89,8 +89,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor, stopping_crit
     if wanted:
         raise ValueError(f"{', '.join(wanted)}: eagle_lite's speculative decoding returns the sequences only")
     engine = model_engine(model, draft)
-    head = getattr(engine.drafter, "head", None)
-    tree = tree or resolve_tree(getattr(head, "tree", None), device=str(engine.target.device))
+    tree = tree or resolve_tree(engine.drafter.recommended_tree, device=str(engine.target.device))
     prompt = input_ids[0].tolist()
     new_max = generation_config.max_length - len(prompt)
     seed = int(torch.randint(1 << 62, (1,))) if generation_config.do_sample else None   # torch.manual_seed applies

@@ -52,10 +52,10 @@ def profile(runs: list[tuple[str, Engine, GenerationConfig]], prompts: list[list
     watched = {}   # method auto: the observer of its controller's choices (eagle_lite_wing/auto.py `Choices`)
     for name, engine, cfg in runs:
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=8, tree=cfg.tree))   # warm-up
-        make = getattr(getattr(engine, "drafter", None), "statistics", None)
-        if make is not None:
-            watched[name] = make()
-            engine.observers.append(watched[name])
+        made = engine.drafter.statistics() if engine.drafter is not None else None
+        if made is not None:
+            watched[name] = made
+            engine.observers.append(made)
     for ids in prompts:
         for name, engine, cfg in runs:
             engine.reset()

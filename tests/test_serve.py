@@ -573,7 +573,7 @@ def test_serve_bench_splits_auto_steps_by_the_growth_of_its_counters():
 @pytest.mark.parametrize("args, message", [
     (["--clients", "1,x"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '1,x'"),
     (["--clients", "0"], "error: --clients takes comma-separated counts >= 1 like 1,2,4,8, got '0'"),
-    (["--methods", "nosuch"], "error: --methods takes comma-separated methods of default, auto, eagle, "),
+    (["--methods", "nosuch"], "error: --methods takes comma-separated methods of default, eagle, staged, "),
     (["--requests", "0"], "error: --requests must be >= 1, got 0"),
     (["--rounds", "0"], "error: --rounds must be >= 1, got 0"),
     (["--seconds", "nan"], "error: --seconds must be a finite number, got nan"),

@@ -52,13 +52,15 @@ def request(port: int, path: str, body: dict | None = None, timeout: float = 600
 class Server:
     """A llama-server process on a free local port, up until closed."""
 
-    def __init__(self, binary: Path, gguf: str, threads: int, ctx: int, draft: str | None, k: int, log: Path):
+    def __init__(self, binary: Path, gguf: str, threads: int, ctx: int, draft: str | None, k: int, log: Path,
+                 extra: list[str] = ()):
         self.port = free_port()
         cmd = [str(binary), "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "--metrics", "--no-webui", "--temp", "0"]
         if draft is not None:
             cmd += ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
                     "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
+        cmd += list(extra)
         self.cmd, self.log = cmd, log
         self.log_file = open(log, "w")
         start = time.perf_counter()
@@ -143,6 +145,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=3, help="drafted tokens per round (--spec-draft-n-max)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs", type=int, default=1, help="timed runs per prompt; the fastest is kept")
+    p.add_argument("--server-args", default="", help="more llama-server flags, space-separated (e.g. \"--poll 0\")")
     p.add_argument("--min-speed", type=float, default=0.0,
                    help="tokens/s the plain server must reach on a probe before anything is timed (0: no probe)")
     args = p.parse_args()
@@ -170,7 +173,8 @@ def main() -> int:
                   f"falls back to AVX2 flags)", file=sys.stderr)
             return 3
         print(f"probe: {speed:.1f} tokens/s plain ({args.threads} threads)")
-    server = Server(binary, args.gguf, args.threads, ctx, args.draft, args.k, logs / f"llama-server-{name}.log")
+    server = Server(binary, args.gguf, args.threads, ctx, args.draft, args.k, logs / f"llama-server-{name}.log",
+                    args.server_args.split())
     try:
         run(server, spec["prompts"][0], 8)                                     # warm-up, untimed
         before = server.metrics()

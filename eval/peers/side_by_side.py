@@ -1,11 +1,13 @@
 """llama.cpp's EAGLE-3 against eagle_lite's default, same head, same prompts, same GGUF file, on this machine.
 
   python -m eval.peers.side_by_side [--prompts 12] [--max-new-tokens 128] [--threads 2] [--k 3] [--runs 1]
+                                   [--llama-k 3] [--llama-args "--poll 0"]
 
 The shipped SmolLM2 head, exported once by `python -m eagle_lite.export eagle_lite/heads/smollm2 --format
 gguf-eagle3` (build/peers/exports/eagle3-gguf), drafts for llama.cpp's server (eval/peers/llama_server_peer.py; the
-binaries of `eval/peers/install.sh llama` or $LLAMA_CPP_BIN) as a chain of --k tokens a round; eagle_lite runs the
-same head at its default (the head's recommended CPU tree) and as the same chain of --k. Each engine also decodes
+binaries of `eval/peers/install.sh llama` or $LLAMA_CPP_BIN) as a chain of --k tokens a round (and of each of
+--llama-k, a row each; --llama-args: more llama-server flags for those rows); eagle_lite runs the same head at its
+default (the head's recommended CPU tree) and as the same chain of --k. Each engine also decodes
 plainly (vanilla); every run decodes the first turns of the first --prompts held-out questions
 (eval/questions/heldout12.jsonl, chat-formatted once here), greedy, batch 1, up to --max-new-tokens (stopping at the
 end-of-sequence token), the SmolLM2-135M-Instruct Q4_1 file: eagle_lite de-quantizes it to fp32, llama.cpp runs it
@@ -72,7 +74,8 @@ def eagle_lite_runs(target, ids: list[list[int]], max_new: int, k: int, runs: in
     return out
 
 
-def llama_runs(gguf: Path, draft: Path, prompts_file: Path, threads: int, k: int, runs: int) -> dict[str, dict]:
+def llama_runs(gguf: Path, draft: Path, prompts_file: Path, threads: int, ks: list[int], runs: int,
+               extra: str = "") -> dict[str, dict]:
     binaries = llama_bin()
     if binaries is None:
         raise RuntimeError("no llama.cpp binaries: run eval/peers/install.sh llama, or set LLAMA_CPP_BIN=DIR")
@@ -80,9 +83,14 @@ def llama_runs(gguf: Path, draft: Path, prompts_file: Path, threads: int, k: int
     base = [sys.executable, "eval/peers/llama_server_peer.py", "--bin", str(binaries), "--gguf", str(gguf),
             "--prompts", str(prompts_file), "--threads", str(threads), "--runs", str(runs),
             "--min-speed", f"{min_llama_speed(threads):.2f}"]
-    for name, extra in (("vanilla", []), (f"eagle3, chain of {k}", ["--draft", str(draft), "--k", str(k)])):
-        result = RUN / f"side-llama-{'plain' if not extra else 'eagle3'}.json"
-        done = subprocess.run(base + ["--out", str(result)] + extra, capture_output=True, text=True)
+    setups = [("vanilla", [])]
+    for k in ks:
+        more = ["--server-args", extra] if extra else []
+        setups.append((f"eagle3, chain of {k}{f' ({extra})' if extra else ''}",
+                       ["--draft", str(draft), "--k", str(k), *more]))
+    for i, (name, flags) in enumerate(setups):
+        result = RUN / f"side-llama-{i}.json"
+        done = subprocess.run(base + ["--out", str(result)] + flags, capture_output=True, text=True)
         if done.returncode != 0:
             tail = " | ".join([line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-3:])
             raise RuntimeError(f"llama.cpp {name}: exited {done.returncode}: {tail}")
@@ -122,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=3, help="llama.cpp's drafted tokens a round (--spec-draft-n-max)")
     p.add_argument("--runs", type=int, default=1, help="timed runs per prompt; the fastest is kept")
+    p.add_argument("--llama-k", default=None, help="llama.cpp's chain lengths, comma-separated (default: --k)")
+    p.add_argument("--llama-args", default="", help="more llama-server flags for its EAGLE-3 rows")
     args = p.parse_args(argv)
+    ks = [int(k) for k in (args.llama_k or str(args.k)).split(",") if k]
     import torch
 
     from eagle_lite.export import export
@@ -145,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"eagle_lite": eagle_lite_runs(target, ids, args.max_new_tokens, args.k, args.runs)}
     del target
     try:
-        runs["llama.cpp"] = llama_runs(embedded_gguf(), draft, prompts_file, args.threads, args.k, args.runs)
+        runs["llama.cpp"] = llama_runs(embedded_gguf(), draft, prompts_file, args.threads, ks, args.runs,
+                                       args.llama_args)
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -145,7 +145,7 @@ STATIC_METHODS = ("vanilla", "eagle")   # the methods a static step mode runs th
 # eval's names for a registry method with some options set: (method, EagleOptions fields)
 VARIANTS = {"eagle_q": ("eagle", {"draft_sampling": "q"}), "eagle_match": ("eagle", {"draft_sampling": "match"}),
             "auto_q": ("auto", {"draft_sampling": "q"}), "auto_match": ("auto", {"draft_sampling": "match"}),
-            "eagle_full_vocab": ("eagle", {"draft_vocab": "full"})}
+            "eagle_full_vocab": ("eagle", {"draft_vocab": "full"}), "eagle_nocopy": ("eagle", {"copy_mode": False})}
 
 
 def method_names() -> tuple[str, ...]:

@@ -77,7 +77,7 @@ def test_the_draft_file_holds_llama_cpps_tensors_and_metadata(deep, tmp_path):
     head, path = eagle3_head(deep, tmp_path)
     gguf = target_gguf(tmp_path / "target.gguf", deep)
     notes = export(path, "gguf-eagle3", tmp_path / "out", deep, torch.float32, target_gguf=gguf)
-    out = tmp_path / "out" / file_name(deep)
+    out = tmp_path / "out" / file_name(deep.name)
     assert out.name == "eagle3-tiny-llama.gguf" and [p.name for p in (tmp_path / "out").iterdir()] == [out.name]
     assert "eagle3.target_layers [2, 4, 6]" in notes[0] and "a draft vocabulary of 60 (d2t)" in notes[0]
     fields, tensors = read(out)
@@ -109,7 +109,7 @@ def test_the_tensors_are_the_heads_exactly(deep, tmp_path):
     head, path = eagle3_head(deep, tmp_path)
     gguf = target_gguf(tmp_path / "target.gguf", deep)
     export(path, "gguf-eagle3", tmp_path / "out", deep, torch.float32, target_gguf=gguf)
-    _, tensors = read(tmp_path / "out" / file_name(deep))
+    _, tensors = read(tmp_path / "out" / file_name(deep.name))
     layer = head.layer
     want = {"fc.weight": head.fc.weight, "output_norm.weight": head.norm.weight,
             "output.weight": head.lm_head.weight, "blk.0.attn_norm.weight": layer.input_layernorm.weight,
@@ -127,11 +127,17 @@ def test_the_tensors_are_the_heads_exactly(deep, tmp_path):
     assert not torch.equal(q, layer.self_attn.q_proj.weight.detach().float())
 
 
+def test_the_file_is_named_after_the_target():
+    assert file_name("smollm2") == "eagle3-smollm2.gguf"
+    assert file_name("/models/SmolLM2-135M/") == "eagle3-SmolLM2-135M.gguf"
+    assert file_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "eagle3-SmolLM2-135M-Instruct.gguf"
+
+
 def test_bfloat16_weights_keep_float32_norms(deep, tmp_path):
     head, path = eagle3_head(deep, tmp_path, d2t=None)
     gguf = target_gguf(tmp_path / "target.gguf", deep)
     export(path, "gguf-eagle3", tmp_path / "out", deep, torch.bfloat16, target_gguf=gguf)
-    fields, tensors = read(tmp_path / "out" / file_name(deep))
+    fields, tensors = read(tmp_path / "out" / file_name(deep.name))
     assert fields["general.file_type"] == 32
     assert {n: t.tensor_type.name for n, t in tensors.items() if n.endswith("norm.weight") or "norm_2" in n} == {
         "blk.0.attn_norm.weight": "F32", "blk.0.attn_norm_2.weight": "F32", "blk.0.ffn_norm.weight": "F32",

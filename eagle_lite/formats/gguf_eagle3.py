@@ -27,6 +27,7 @@ the pre-norm one back), parallel drafting, taps other than three, a tap llama.cp
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +54,11 @@ LAYER_NAMES = {
 GGML_TYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
-def file_name(target) -> str:
-    """The draft file's name: llama.cpp looks for a target's EAGLE-3 draft under the prefix "eagle3-"."""
-    return f"eagle3-{target.name}.gguf"
+def file_name(target_name: str) -> str:
+    """The draft file's name: llama.cpp looks for a target's EAGLE-3 draft under the prefix "eagle3-". A target named
+    by its folder or hub id is named by the last part of it."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(target_name).rstrip("/")).name).strip("-.") or "target"
+    return f"eagle3-{name}.gguf"
 
 
 def permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -208,7 +211,7 @@ def write_gguf_eagle3(head, target, out: str | Path, meta: dict, dtype: torch.dt
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     tensors = draft_tensors(head, dtype)
-    path = Path(out) / file_name(target)
+    path = Path(out) / file_name(target.name)
 
     def write(tmp: str) -> None:
         w = GGUFWriter(tmp, ARCH)

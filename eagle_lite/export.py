@@ -265,7 +265,7 @@ def report_gguf(out: Path, target, notes: list[str], target_gguf: str | None) ->
     from .formats.gguf_eagle3 import file_name, serving_line
     from .targets.loading import gguf_file
 
-    draft = out / file_name(target)
+    draft = out / file_name(target.name)
     print(f"wrote gguf-eagle3 head to {draft}")
     for note in notes:
         print(f"note: {note}")

@@ -88,6 +88,13 @@ struct Q4 {
             w[p] = _mm256_add_ps(_mm256_mul_ps(code, d), m);
         }
     }
+    // The p-th 8 weights of the group alone, the same values `rebuild` gives.
+    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s, int p) {
+        __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (p & 1)));
+        if (p >= 2) raw = _mm_srli_epi16(raw, 4);
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0F))));
+        return _mm256_add_ps(_mm256_mul_ps(code, _mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]));
+    }
 };
 
 struct Q8 {
@@ -100,6 +107,10 @@ struct Q8 {
             const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
             w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d);
         }
+    }
+    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s, int p) {
+        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), _mm256_set1_ps(s[0]));
     }
 };
 
@@ -118,6 +129,11 @@ struct K8 {
             w[p] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d), m);
         }
     }
+    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s, int p) {
+        const __m256 d = _mm256_set1_ps(s[2 * (p / 2)]), m = _mm256_set1_ps(s[2 * (p / 2) + 1]);
+        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
+        return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d), m);
+    }
 };
 
 // How far ahead of the group being rebuilt its codes are prefetched (a few-row product streams the weights from
@@ -125,53 +141,83 @@ struct K8 {
 // 2-core AMD EPYC Zen 5 host, 8 KB ahead took Gemma 3's 262k x 640 lm_head from 4.2-4.9 ms to 3.6-4.4 ms a row).
 constexpr int64_t kPrefetchBytes = 8192;
 
-// Row invariance: every output (row r, column j) is one accumulator fed in one fixed order (group after group,
-// each group's products in turn), then summed across its lanes in one fixed order, whatever the tile's shape. So
-// a row's result does not depend on how many rows share the product: a plain step's one row and the same row in a
-// tree's verify get the same bits (tests/test_row_invariance.py). The chains that keep the FMA units busy
-// through their ~4-cycle latency are the tile's ROWS x COLS accumulators: a few rows take several columns at once.
-template <int ROWS>
-constexpr int tile_cols() { return ROWS == 1 ? 4 : (ROWS <= 5 ? 2 : 1); }
+// Row invariance: every output (row r, column j) keeps kChains accumulators, the p-th 8 products of each group into
+// accumulator p % kChains, summed in order and then across lanes at the end, whatever the tile's shape. So a row's
+// result does not depend on how many rows share the product: a plain step's one row and the same row in a tree's
+// verify get the same bits (tests/test_row_invariance.py). The chains keep the FMA units busy through their ~4-cycle
+// latency with one row, and one column at a time streams its codes in order: a one-row product over weights that
+// stream from memory (a model's layers, a large lm_head) ran 1.3-1.6x slower with four columns at once, one chain
+// each, on the AMD EPYC Zen 4 host held to AVX2. Registers bound a tile: kChains accumulators a row beside the
+// group's 4 weights in the 16 ymm registers.
+constexpr int kChains = 4;
 
-// Output columns [j, j + COLS) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
-template <typename Codec, int ROWS, int COLS>
-EAGLE_LITE_INLINE void rows_cols(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
-                      int64_t j) {
-    const int64_t groups = K / 32;
-    __m256 acc[ROWS][COLS];
-    for (int r = 0; r < ROWS; ++r)
-        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
-    const uint8_t* qj = codes + j * groups * Codec::kBytes;
-    const float* sj = scales + j * groups * Codec::kScales;
-    for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = x + g * 32;
-        for (int c = 0; c < COLS; ++c) {
-            const uint8_t* qc = qj + (c * groups + g) * Codec::kBytes;
-            __m256 w[4];
-            _mm_prefetch(reinterpret_cast<const char*>(qc + kPrefetchBytes), _MM_HINT_T0);
-            Codec::rebuild(qc, sj + (c * groups + g) * Codec::kScales, w);
-            for (int r = 0; r < ROWS; ++r) {
-                const float* xr = xg + r * K;
-                for (int p = 0; p < 4; ++p) acc[r][c] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][c]);
-            }
-        }
-    }
-    for (int r = 0; r < ROWS; ++r)
-        for (int c = 0; c < COLS; ++c) y[r * N + j + c] = horizontal_sum(acc[r][c]);
-}
-
+// Output columns [j0, j1) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
 template <typename Codec, int ROWS>
 void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
                int64_t j0, int64_t j1) {
-    constexpr int COLS = tile_cols<ROWS>();
-    int64_t j = j0;
-    for (; j + COLS <= j1; j += COLS) rows_cols<Codec, ROWS, COLS>(x, K, codes, scales, y, N, j);
-    for (; j < j1; ++j) rows_cols<Codec, ROWS, 1>(x, K, codes, scales, y, N, j);
+    const int64_t groups = K / 32;
+    for (int64_t j = j0; j < j1; ++j) {
+        __m256 acc[ROWS][kChains];
+        for (int r = 0; r < ROWS; ++r)
+            for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
+        const uint8_t* qj = codes + j * groups * Codec::kBytes;
+        const float* sj = scales + j * groups * Codec::kScales;
+        for (int64_t g = 0; g < groups; ++g) {
+            __m256 w[4];
+            _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
+            Codec::rebuild(qj + g * Codec::kBytes, sj + g * Codec::kScales, w);
+            const float* xg = x + g * 32;
+            for (int r = 0; r < ROWS; ++r) {
+                const float* xr = xg + r * K;
+                for (int p = 0; p < 4; ++p)
+                    acc[r][p % kChains] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][p % kChains]);
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            __m256 total = acc[r][0];
+            for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[r][c]);
+            y[r * N + j] = horizontal_sum(total);
+        }
+    }
 }
 
-// Rows are split into near-equal tiles of at most 12 (measured on the 2-core box: 9-12 rows in one
-// tile instead of 8 + the rest save ~15%; past 12 the accumulators no longer fit the 16 registers).
+// `rows_tile` for more rows than the registers hold kChains accumulators of: the same sums, one chain at a time.
+// Pass p rebuilds only the p-th 8 weights of each group (`rebuild_one`: the same values) into one accumulator a row,
+// so the rows are the independent chains; the column's codes, read in pass 0, are in the L1 cache for the others.
+// The partial sums are added in `rows_tile`'s order: the same bits.
+template <typename Codec, int ROWS>
+void rows_tile_passes(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
+                      int64_t j0, int64_t j1) {
+    static_assert(kChains == 4, "one pass per product of a group");
+    const int64_t groups = K / 32;
+    for (int64_t j = j0; j < j1; ++j) {
+        __m256 part[ROWS][kChains];
+        const uint8_t* qj = codes + j * groups * Codec::kBytes;
+        const float* sj = scales + j * groups * Codec::kScales;
+        for (int p = 0; p < kChains; ++p) {
+            __m256 acc[ROWS];
+            for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; ++g) {
+                if (p == 0)
+                    _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
+                const __m256 w = Codec::rebuild_one(qj + g * Codec::kBytes, sj + g * Codec::kScales, p);
+                const float* xg = x + g * 32 + 8 * p;
+                for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * K), acc[r]);
+            }
+            for (int r = 0; r < ROWS; ++r) part[r][p] = acc[r];
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            __m256 total = part[r][0];
+            for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, part[r][c]);
+            y[r * N + j] = horizontal_sum(total);
+        }
+    }
+}
+
+// Tiles of at most 12 rows: up to 3 in `rows_tile` (kChains accumulators a row beside 4 weights fill the 16
+// registers), 4 to 12 in `rows_tile_passes` (one accumulator a row beside one weight).
 constexpr int64_t kMaxTileRows = 12;
+constexpr int64_t kRegisterRows = 3;
 
 template <typename Codec, int ROWS>
 void run_tile(int64_t rows, const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y,
@@ -179,7 +225,10 @@ void run_tile(int64_t rows, const float* x, int64_t K, const uint8_t* codes, con
     if constexpr (ROWS > 1) {
         if (rows < ROWS) return run_tile<Codec, ROWS - 1>(rows, x, K, codes, scales, y, N, j0, j1);
     }
-    rows_tile<Codec, ROWS>(x, K, codes, scales, y, N, j0, j1);
+    if constexpr (ROWS <= kRegisterRows)
+        rows_tile<Codec, ROWS>(x, K, codes, scales, y, N, j0, j1);
+    else
+        rows_tile_passes<Codec, ROWS>(x, K, codes, scales, y, N, j0, j1);
 }
 
 // ---- The same products 16 lanes wide, on a CPU with AVX-512 (checked at run time, `wide_products`): each weight
@@ -280,6 +329,11 @@ inline bool wide_products() {
 // rows, took longer than two 4-row tiles).
 constexpr int64_t kTileRowBytes = 28 * 1024;
 
+// 8 lanes: columns in blocks of this many, every tile of rows over a block before the next block, so the block's
+// codes stream from memory once and the later tiles re-read them from the cache (64 columns of a 1536-input Q8
+// product: 96 KB, within the L2 cache).
+constexpr int64_t kBlockCols = 64;
+
 // y [M, N] = x [M, K] W^T over the threads (columns split between them).
 template <typename Codec>
 void grid_product(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales, float* y,
@@ -289,13 +343,17 @@ void grid_product(const float* x, int64_t M, int64_t K, const uint8_t* codes, co
                                            std::max<int64_t>(1, kTileRowBytes / (K * 4)));
     at::parallel_for(0, N, 16, [&](int64_t j0, int64_t j1) {
         const int64_t tiles = (M + most - 1) / most;
-        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-            const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
-            if (wide)
-                run_tile16<Codec, kMaxTileRows16>(rows, x + r0 * K, K, codes, scales, y + r0 * N, N, j0, j1);
-            else
-                run_tile<Codec, kMaxTileRows>(rows, x + r0 * K, K, codes, scales, y + r0 * N, N, j0, j1);
-            r0 += rows;
+        const int64_t block = wide ? j1 - j0 : kBlockCols;   // 16 lanes: whole ranges, as measured
+        for (int64_t b0 = j0; b0 < j1; b0 += block) {
+            const int64_t b1 = std::min(j1, b0 + block);
+            for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+                const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
+                if (wide)
+                    run_tile16<Codec, kMaxTileRows16>(rows, x + r0 * K, K, codes, scales, y + r0 * N, N, b0, b1);
+                else
+                    run_tile<Codec, kMaxTileRows>(rows, x + r0 * K, K, codes, scales, y + r0 * N, N, b0, b1);
+                r0 += rows;
+            }
         }
     });
 }

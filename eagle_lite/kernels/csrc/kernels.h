@@ -89,9 +89,10 @@ struct Q4 {
         }
     }
     // The p-th 8 weights of the group alone, the same values `rebuild` gives.
-    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s, int p) {
+    template <int p>
+    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s) {
         __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (p & 1)));
-        if (p >= 2) raw = _mm_srli_epi16(raw, 4);
+        if constexpr (p >= 2) raw = _mm_srli_epi16(raw, 4);
         const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0F))));
         return _mm256_add_ps(_mm256_mul_ps(code, _mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]));
     }
@@ -108,7 +109,8 @@ struct Q8 {
             w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d);
         }
     }
-    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s, int p) {
+    template <int p>
+    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s) {
         const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), _mm256_set1_ps(s[0]));
     }
@@ -129,7 +131,8 @@ struct K8 {
             w[p] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d), m);
         }
     }
-    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s, int p) {
+    template <int p>
+    EAGLE_LITE_INLINE static __m256 rebuild_one(const uint8_t* q, const float* s) {
         const __m256 d = _mm256_set1_ps(s[2 * (p / 2)]), m = _mm256_set1_ps(s[2 * (p / 2) + 1]);
         const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p));
         return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d), m);
@@ -185,6 +188,22 @@ void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* sca
 // Pass p rebuilds only the p-th 8 weights of each group (`rebuild_one`: the same values) into one accumulator a row,
 // so the rows are the independent chains; the column's codes, read in pass 0, are in the L1 cache for the others.
 // The partial sums are added in `rows_tile`'s order: the same bits.
+// One pass of `rows_tile_passes`: chain P of every row over column j, into part[r][P].
+template <typename Codec, int ROWS, int P>
+EAGLE_LITE_INLINE void chain_pass(const float* x, int64_t K, int64_t groups, const uint8_t* qj, const float* sj,
+                                  __m256 part[][kChains]) {
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        if constexpr (P == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
+        const __m256 w = Codec::template rebuild_one<P>(qj + g * Codec::kBytes, sj + g * Codec::kScales);
+        const float* xg = x + g * 32 + 8 * P;
+        for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * K), acc[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) part[r][P] = acc[r];
+}
+
 template <typename Codec, int ROWS>
 void rows_tile_passes(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
                       int64_t j0, int64_t j1) {
@@ -194,18 +213,10 @@ void rows_tile_passes(const float* x, int64_t K, const uint8_t* codes, const flo
         __m256 part[ROWS][kChains];
         const uint8_t* qj = codes + j * groups * Codec::kBytes;
         const float* sj = scales + j * groups * Codec::kScales;
-        for (int p = 0; p < kChains; ++p) {
-            __m256 acc[ROWS];
-            for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-            for (int64_t g = 0; g < groups; ++g) {
-                if (p == 0)
-                    _mm_prefetch(reinterpret_cast<const char*>(qj + g * Codec::kBytes + kPrefetchBytes), _MM_HINT_T0);
-                const __m256 w = Codec::rebuild_one(qj + g * Codec::kBytes, sj + g * Codec::kScales, p);
-                const float* xg = x + g * 32 + 8 * p;
-                for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * K), acc[r]);
-            }
-            for (int r = 0; r < ROWS; ++r) part[r][p] = acc[r];
-        }
+        chain_pass<Codec, ROWS, 0>(x, K, groups, qj, sj, part);
+        chain_pass<Codec, ROWS, 1>(x, K, groups, qj, sj, part);
+        chain_pass<Codec, ROWS, 2>(x, K, groups, qj, sj, part);
+        chain_pass<Codec, ROWS, 3>(x, K, groups, qj, sj, part);
         for (int r = 0; r < ROWS; ++r) {
             __m256 total = part[r][0];
             for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, part[r][c]);

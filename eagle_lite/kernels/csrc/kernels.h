@@ -154,6 +154,13 @@ constexpr int64_t kPrefetchBytes = 8192;
 // group's 4 weights in the 16 ymm registers.
 constexpr int kChains = 4;
 
+// An output's chains summed in their one order, then across lanes: the last step of every AVX2 grid product.
+EAGLE_LITE_INLINE float sum_chains(const __m256 chains[kChains]) {
+    __m256 total = chains[0];
+    for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, chains[c]);
+    return horizontal_sum(total);
+}
+
 // Output columns [j0, j1) for ROWS rows of x: each weight group is rebuilt once and used ROWS times.
 template <typename Codec, int ROWS>
 void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
@@ -176,19 +183,13 @@ void rows_tile(const float* x, int64_t K, const uint8_t* codes, const float* sca
                     acc[r][p % kChains] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(xr + 8 * p), acc[r][p % kChains]);
             }
         }
-        for (int r = 0; r < ROWS; ++r) {
-            __m256 total = acc[r][0];
-            for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[r][c]);
-            y[r * N + j] = horizontal_sum(total);
-        }
+        for (int r = 0; r < ROWS; ++r) y[r * N + j] = sum_chains(acc[r]);
     }
 }
 
-// `rows_tile` for more rows than the registers hold kChains accumulators of: the same sums, one chain at a time.
-// Pass p rebuilds only the p-th 8 weights of each group (`rebuild_one`: the same values) into one accumulator a row,
-// so the rows are the independent chains; the column's codes, read in pass 0, are in the L1 cache for the others.
-// The partial sums are added in `rows_tile`'s order: the same bits.
-// One pass of `rows_tile_passes`: chain P of every row over column j, into part[r][P].
+// One pass of `rows_tile_passes`: chain P of every row over one column, into part[r][P]. It rebuilds only the P-th 8
+// weights of each group (`rebuild_one`: the same values) into one accumulator a row, so the rows are the independent
+// chains; the column's codes, read in pass 0, are in the L1 cache for the others.
 template <typename Codec, int ROWS, int P>
 EAGLE_LITE_INLINE void chain_pass(const float* x, int64_t K, int64_t groups, const uint8_t* qj, const float* sj,
                                   __m256 part[][kChains]) {
@@ -204,6 +205,8 @@ EAGLE_LITE_INLINE void chain_pass(const float* x, int64_t K, int64_t groups, con
     for (int r = 0; r < ROWS; ++r) part[r][P] = acc[r];
 }
 
+// `rows_tile` for more rows than the registers hold kChains accumulators of: the same sums, one chain at a time,
+// added in `rows_tile`'s order (`sum_chains`): the same bits.
 template <typename Codec, int ROWS>
 void rows_tile_passes(const float* x, int64_t K, const uint8_t* codes, const float* scales, float* y, int64_t N,
                       int64_t j0, int64_t j1) {
@@ -217,11 +220,7 @@ void rows_tile_passes(const float* x, int64_t K, const uint8_t* codes, const flo
         chain_pass<Codec, ROWS, 1>(x, K, groups, qj, sj, part);
         chain_pass<Codec, ROWS, 2>(x, K, groups, qj, sj, part);
         chain_pass<Codec, ROWS, 3>(x, K, groups, qj, sj, part);
-        for (int r = 0; r < ROWS; ++r) {
-            __m256 total = part[r][0];
-            for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, part[r][c]);
-            y[r * N + j] = horizontal_sum(total);
-        }
+        for (int r = 0; r < ROWS; ++r) y[r * N + j] = sum_chains(part[r]);
     }
 }
 

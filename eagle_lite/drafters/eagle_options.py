@@ -14,6 +14,7 @@ from typing import Any
 from ..config import DRAFT_HELP, DRAFT_SAMPLING, DRAFT_VOCAB, option
 from ..decoding.drafter import Drafter
 from . import plugins
+from .eagle import EagleDrafter
 from .lookup_graft import LookupGraft
 from .prompt_lookup import LookupOptions
 
@@ -50,7 +51,7 @@ class EagleOptions:
 
 
 # a head kind -> the drafter of its heads: "sequential" (one token a head forward) is drafters/eagle.py's
-HEAD_DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+HEAD_DRAFTERS: dict[str, Callable[..., Drafter]] = {"sequential": EagleDrafter}
 
 
 def register_head_drafter(kind: str, make: Callable[..., Drafter]) -> None:
@@ -67,13 +68,9 @@ def eagle_drafter(target, head, **options) -> Drafter:
     kind = head_kind(head)
     if kind not in HEAD_DRAFTERS:
         plugins.load()
-    if kind == "sequential" or kind not in HEAD_DRAFTERS:
-        if kind != "sequential":
-            raise ValueError(f"no drafter is installed for a {kind} head: install eagle_lite with its wing "
-                             f"(pip install -e . from a source checkout)")
-        from .eagle import EagleDrafter
-
-        return EagleDrafter(target, head, **options)
+    if kind not in HEAD_DRAFTERS:
+        raise ValueError(f"no drafter is installed for a {kind} head: install eagle_lite with its wing "
+                         f"(pip install -e . from a source checkout)")
     return HEAD_DRAFTERS[kind](target, head, **options)
 
 

@@ -227,11 +227,14 @@ def engine_for(target: Target, method: str | Drafter | None = registry.DEFAULT, 
 
 def static_engine_for(target: Target, head=None, mode: str = "auto", **options) -> Engine:
     """An engine whose steps the fixed-shape step runs (decoding/static/step.py) for `target`: plain decoding (head
-    None) or EAGLE with `head`, in `mode` (`static.step.MODES`); options: StaticStep's others (max_len, profile,
-    compile_backend, lookahead, fused). Eval's static methods come here."""
+    None) or EAGLE with `head` (the eagle drafter's draft in fixed shapes, drafters/eagle_static.py), in `mode`
+    (`static.step.MODES`); options: StaticStep's others (max_len, profile, compile_backend, lookahead, fused). Eval's
+    static methods come here."""
     from .decoding.static.step import StaticStep
+    from .drafters.eagle_static import StaticDraft
 
-    return Engine(target, None, StaticStep(target, head, mode=mode, **options))
+    draft = None if head is None else StaticDraft(target, head, fused=options.get("fused", True))
+    return Engine(target, None, StaticStep(target, draft, mode=mode, **options))
 
 
 def step_backend(target: Target, drafter: Drafter | None, static: str | None = None):
@@ -246,7 +249,7 @@ def step_backend(target: Target, drafter: Drafter | None, static: str | None = N
         if target.device.type != "cuda" or fixed is None or not fixed.preferred:
             return None
         try:
-            return StaticStep(target, fixed.head)
+            return StaticStep(target, _built(fixed))
         except ValueError as err:
             log.info("the engine's tree step runs: %s", err)
             return None
@@ -254,7 +257,12 @@ def step_backend(target: Target, drafter: Drafter | None, static: str | None = N
         return None
     if fixed is None:
         raise ValueError(f"the static step runs methods eagle and vanilla, not '{drafter.name}'")
-    return StaticStep(target, fixed.head, mode=static)
+    return StaticStep(target, _built(fixed), mode=static)
+
+
+def _built(fixed) -> object | None:
+    """The draft a drafter's `FixedShape` builds for the fixed-shape step (None: plain decoding)."""
+    return None if fixed.draft is None else fixed.draft(True)
 
 
 def for_target(target: Target, method: str = registry.DEFAULT, options=None, static: str | None = None) -> Pipeline:

@@ -223,10 +223,10 @@ def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
 
 
 # -- EAGLE-2's tree growth, in tensor ops ------------------------------------------------------------------
-# One implementation for both drafting paths: the engine's drafter (drafters/eagle.py `grow_tree_steps`) and the
-# fixed-shape step (decoding/static/step.py `StaticStep.draft_step`, captured in a CUDA graph). Nothing below
+# Used by the one EAGLE tree growth (drafters/eagle_tree.py `expanded_tree_steps`), which the engine's drafter runs
+# and the fixed-shape step runs with its shapes fixed (`FixedGrowth`, captured in a CUDA graph). Nothing below
 # reads the device from the host or changes a shape with the data; what does (the engine's early stop under
-# min_prob, its budget, its DraftTree) stays with the engine.
+# min_prob, its budget, its DraftTree) is the growth's, off when its shapes are fixed.
 
 def log_floor(min_prob: float) -> float:
     """The path log-probability a node needs to be worth verifying under `TreeConfig.min_prob` (-inf: any)."""
@@ -305,6 +305,49 @@ class Growth:
     def parents(self, parent_of: torch.Tensor) -> torch.Tensor:
         """[size] each candidate's parent's number (0: the root); parent_of: `candidate_parents(self.levels)`."""
         return torch.cat(self.expanded)[parent_of]
+
+
+@dataclass
+class FixedGrowth:
+    """A top-k growth in fixed shapes: every level expanded, the rerank to exactly `total_tokens`, min_prob a mask
+    (`FixedTree.valid`) instead of a cut. What the growth reads that depends only on the tree's shape, built once on
+    the device, so that a captured graph reads it where it lies and a step reads nothing back from the device.
+
+    first: [k + 1] the numbers of the root and its children; root_rows: [k] zeros, each child's parent row (the
+    root's); parent_of: [C] `candidate_parents` of the growth's levels; no_slot: [C + 1] zeros; tree_nodes: [n]
+    arange(1, n + 1), n = the nodes kept; level_of: [C] each candidate's depth."""
+
+    first: torch.Tensor
+    root_rows: torch.Tensor
+    parent_of: torch.Tensor
+    no_slot: torch.Tensor
+    tree_nodes: torch.Tensor
+    level_of: torch.Tensor
+
+    @classmethod
+    def of(cls, tree, device) -> FixedGrowth:
+        """The constants of `tree`'s (a TreeConfig) top-k growth, every frontier holding top_k nodes."""
+        k = tree.top_k
+        shape = [(1, k)] + [(k, k)] * (tree.depth - 1)                 # `Growth.levels`
+        cands = sum(nodes * per for nodes, per in shape)
+        long = dict(dtype=torch.long, device=device)
+        return cls(first=torch.arange(k + 1, device=device), root_rows=torch.zeros(k, **long),
+                   parent_of=torch.tensor(candidate_parents(shape), **long), no_slot=torch.zeros(cands + 1, **long),
+                   tree_nodes=torch.arange(1, min(tree.total_tokens, cands) + 1, device=device),
+                   level_of=torch.tensor([d + 1 for d, (nodes, per) in enumerate(shape) for _ in range(nodes * per)],
+                                         **long))
+
+
+@dataclass
+class FixedTree:
+    """What a growth in fixed shapes returns: the n kept nodes after the root, in topological order. tokens [n];
+    parents [n] (tree indices, 0 the root, kept node j is node j + 1); depths [n]; valid [n] (False: below
+    min_prob, verified but never accepted)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    valid: torch.Tensor
 
 
 def rerank(scores: torch.Tensor, parents: torch.Tensor, budget: int, slots: torch.Tensor | None = None,

@@ -17,12 +17,15 @@ distribution is the row it was drawn from. It reads no probe (`LookupGraft` stag
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from eagle_lite.config import TreeConfig
 from eagle_lite.decoding.drafter import DraftInput, FixedShape, Proposal
-from eagle_lite.drafters.eagle import EagleDrafter, HeadCall, grow_tree
+from eagle_lite.drafters.eagle import EagleDrafter, HeadCall
+from eagle_lite.drafters.eagle_static import StaticDraft
+from eagle_lite.drafters.eagle_tree import grow_tree
 
 
 class ParallelDrafter(EagleDrafter):
@@ -34,7 +37,7 @@ class ParallelDrafter(EagleDrafter):
 
     def fixed_shape(self) -> FixedShape:
         """The static step runs its tree when forced (`--static`); it is not the faster exact step by default."""
-        return FixedShape(self.head, preferred=False)
+        return FixedShape(partial(StaticDraft, self.target, self.head), preferred=False)
 
     def proposal(self, inp: DraftInput, tree: TreeConfig, probe=None, first_min_prob: float | None = None) -> Proposal:
         """The catch-up forward with the mask rows after the root's, then the tree from their logits."""

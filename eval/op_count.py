@@ -90,12 +90,15 @@ class OpCounter(TorchDispatchMode):
             handles.append(layer.register_forward_hook(lambda *_: setattr(self, "region", "other")))
         call = StaticLayer.__call__
         StaticLayer.__call__ = self.wrap(call, "target layer")
-        step._head = self.wrap(type(step)._head.__get__(step), "head")
+        draft = step.draft
+        if draft is not None:
+            draft._forward = self.wrap(type(draft)._forward.__get__(draft), "head")
         try:
             yield
         finally:
             StaticLayer.__call__ = call
-            del step._head
+            if draft is not None:
+                del draft._forward
             for h in handles:
                 h.remove()
 
@@ -192,7 +195,7 @@ def count_generation(engine, prompts: list[list[int]], cfg) -> StepOps:
     step = engine.backend
     if step.mode != "eager":
         raise ValueError(f"op counts run the steps eagerly (mode {step.mode!r} given)")
-    target, head = step.target, step.head
+    target, head = step.target, None if step.draft is None else step.draft.head
     counter = OpCounter()
     ops = StepOps("eagle_graph" if head is not None else "vanilla_graph", layers=target.config.num_hidden_layers)
 
@@ -224,7 +227,7 @@ def count_generation(engine, prompts: list[list[int]], cfg) -> StepOps:
         step._steps.clear()
     ops.regions, ops.by_op = counter.launches, counter.by_op
     if head is not None:
-        ops.depth = step._tree_cfg.depth
+        ops.depth = step.draft.tree.depth
         ops.verify_nodes = step._state.tree.tokens.numel()
     return ops
 

@@ -141,10 +141,9 @@ def verify_ms(engine, prompt: list[int], nodes: int, reps: int) -> float:
     target = engine.target
     tree = tree_of_size(nodes)
     need = len(prompt) + bucket_for(nodes) + tree.depth + 2
-    engine._tree_cfg = tree
     engine._prepare(need, tree)
     engine._prefill(prompt)
-    if engine.head is not None:
+    if engine.draft is not None:
         tokens, parents = random_tree(nodes, tree.depth, target.vocab_size, nodes)
         engine._state.tree.fill(StaticTree.build(tokens, parents, engine._state.tree.tokens.numel(), target.device))
     restore = snapshot(engine)
@@ -153,7 +152,6 @@ def verify_ms(engine, prompt: list[int], nodes: int, reps: int) -> float:
 
 
 def draft_ms(engine, prompt: list[int], tree: TreeConfig, reps: int) -> float:
-    engine._tree_cfg = tree
     engine._prepare(len(prompt) + bucket_for(1 + tree.total_tokens) + tree.depth + 2, tree)
     engine._prefill(prompt)
     restore = snapshot(engine)

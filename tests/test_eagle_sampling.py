@@ -1,7 +1,7 @@
 """EAGLE's sampling with the draft's probabilities (EagleOptions.draft_sampling="q"): trees drawn from the head's
 distribution, accepted sibling by sibling by recursive rejection, keep the target's distribution exactly.
 
-The Monte-Carlo tests run the real tree builder (`drafters.eagle.grow_tree`) and acceptance (`accept_sampling`)
+The Monte-Carlo tests run the real tree builder (`drafters.eagle_tree.grow_tree`) and acceptance (`accept_sampling`)
 over a Markov toy: the target's next token after token a is drawn from P[a], the draft's from Q[a] (a different,
 sharper matrix), over 6 tokens. Each draw decodes speculative steps from token 0 until two tokens are out, and the
 law of those two tokens is compared with the exact P[0, a] P[a, b] by total variation (36 outcomes; with 12k
@@ -20,7 +20,7 @@ from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.accept import accept_sampling, target_probs
 from eagle_lite.decoding.engine import Engine
 from eagle_lite.drafters import EagleOptions, registry
-from eagle_lite.drafters import eagle as eagle_module
+from eagle_lite.drafters import eagle_tree as eagle_module
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.tree import DraftTree, SampledRows, graft_chain
 

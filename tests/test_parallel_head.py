@@ -10,7 +10,7 @@ from test_eagle_sampling import SHAPES, TEMPERATURE, Q, assert_exact, decode_pai
 
 from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.engine import Engine
-from eagle_lite.drafters import eagle as eagle_module
+from eagle_lite.drafters import eagle_tree as eagle_module
 from eagle_lite.heads.checkpoint import load_native_head as load_head
 from eagle_lite.heads.checkpoint import save_head
 from eagle_lite.heads.draft import DraftHead

@@ -20,6 +20,7 @@ from eagle_lite.decoding.static.step import StaticStep
 from eagle_lite.decoding.static.tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
 from eagle_lite.drafters import DraftInput
 from eagle_lite.drafters.eagle_options import eagle_drafter
+from eagle_lite.drafters.eagle_static import StaticDraft
 from eagle_lite.heads.draft import DraftHead
 from eagle_lite.pipeline import static_engine_for
 from eagle_lite.tree import DraftTree
@@ -120,9 +121,8 @@ def test_static_eagle_equals_transformers_generate(target, tree, prompt_len):
 
 def first_trees(target, head, tree_cfg: TreeConfig, prompt: list[int]) -> tuple[StaticTree, DraftTree]:
     """The tree the static step drafts after prefilling `prompt`, and the one drafters/eagle.py drafts there."""
-    engine = StaticStep(target, head)
+    engine = StaticStep(target, StaticDraft(target, head))
     with torch.inference_mode(), engine.running():
-        engine._tree_cfg = tree_cfg
         engine._prepare(64, tree_cfg)
         first = engine._prefill(prompt)
         engine.draft_step()
@@ -173,7 +173,7 @@ class OracleStatic(StaticStep):
 
     def __init__(self, target, sequence: list[int], depth: int = 4, width: int = 3) -> None:
         torch.manual_seed(0)
-        super().__init__(target, DraftHead.for_target(target))
+        super().__init__(target, StaticDraft(target, DraftHead.for_target(target)))
         self.sequence, self.depth, self.width = sequence, depth, width
         self.rng = torch.Generator().manual_seed(0)
 
@@ -292,7 +292,7 @@ def test_static_sampling_keeps_the_targets_law(llama, method):
     torch.manual_seed(0)
     tree = ORACLE_TREE if method == "top draft" else TreeConfig(depth=2, top_k=3, total_tokens=5)
     if method == "top draft":
-        engine = Engine(llama, None, TopDraft(llama, DraftHead.for_target(llama)))
+        engine = Engine(llama, None, TopDraft(llama, StaticDraft(llama, DraftHead.for_target(llama))))
     else:
         engine = static_engine_for(llama, DraftHead.for_target(llama) if method == "eagle" else None)
     sampling = SamplingConfig(temperature=0.8, top_k=4)
@@ -310,7 +310,7 @@ def test_negative_control_one_uniform_for_every_level_fails(llama, monkeypatch):
     next_tokens = StaticStep._next
     monkeypatch.setattr(StaticStep, "_next", lambda self, hidden, depths: next_tokens(self, hidden, depths * 0))
     torch.manual_seed(0)
-    engine = Engine(llama, None, TopDraft(llama, DraftHead.for_target(llama)))
+    engine = Engine(llama, None, TopDraft(llama, StaticDraft(llama, DraftHead.for_target(llama))))
     assert continuation_tv(llama, engine, [5, 6, 5, 6, 5, 6, 5], SamplingConfig(temperature=0.8, top_k=4),
                            ORACLE_TREE) > 0.2
 
@@ -325,8 +325,8 @@ def test_a_cuda_load_runs_the_graph_step(llama, monkeypatch):
     from eagle_lite.pipeline import Pipeline
 
     class Graphs:
-        def __init__(self, target, head, mode="auto"):
-            self.head, self.mode = head, "cuda-graph" if mode == "auto" else mode
+        def __init__(self, target, draft, mode="auto"):
+            self.draft, self.mode = draft, "cuda-graph" if mode == "auto" else mode
 
     monkeypatch.setattr("eagle_lite.decoding.static.step.StaticStep", Graphs)
     cuda = SimpleNamespace(device=torch.device("cuda"), name="tiny-on-cuda")
@@ -337,8 +337,8 @@ def test_a_cuda_load_runs_the_graph_step(llama, monkeypatch):
     def static(target, drafter, method, mode=None):
         return Pipeline(target, drafter, method, static=mode).engine.backend
 
-    assert static(cuda, None, "vanilla").mode == "cuda-graph" and static(cuda, None, "vanilla").head is None
-    assert static(cuda, eagle, "eagle").head is head
+    assert static(cuda, None, "vanilla").mode == "cuda-graph" and static(cuda, None, "vanilla").draft is None
+    assert static(cuda, eagle, "eagle").draft.head is head
     assert Pipeline(cuda, eagle, "eagle").static == "cuda-graph"
     assert static(cuda, registry.build("lookup", llama), "lookup") is None
     parallel = registry.build("eagle", llama, registry.EagleOptions(head=DraftHead.for_target(llama, parallel=3)))
@@ -368,7 +368,7 @@ def test_refusals(llama, caplog):
 
 def test_a_target_the_static_cache_runs_wrong_is_refused(monkeypatch):
     target = make_target("llama")
-    monkeypatch.setattr("eagle_lite.decoding.static.step.slot_mask",
+    monkeypatch.setattr("eagle_lite.decoding.static.kv_cache.slot_mask",   # the probe's masks see every slot
                         lambda start, visible, slots: torch.ones(1, 1, visible.shape[0], slots, dtype=torch.bool))
     with pytest.raises(ValueError, match="cannot run the static step"):
         static_engine_for(target)
@@ -582,13 +582,14 @@ def test_the_step_backend_asks_the_drafter_not_its_method(llama, monkeypatch):
 
     made = []
     monkeypatch.setattr("eagle_lite.decoding.static.step.StaticStep",
-                        lambda target, head, mode="auto": made.append((head, mode)) or "fixed-shape")
+                        lambda target, draft, mode="auto": made.append((draft, mode)) or "fixed-shape")
     cuda = SimpleNamespace(device=torch.device("cuda"), name="cuda")
     torch.manual_seed(0)
     head = DraftHead.for_target(llama)
     eagle = build("eagle", llama, EagleOptions(head=head))
     assert [step_backend(cuda, d) for d in (None, NoDrafter(), eagle)] == ["fixed-shape"] * 3
-    assert made == [(None, "auto"), (None, "auto"), (eagle.head, "auto")] and eagle.head is not None
+    assert made[:2] == [(None, "auto"), (None, "auto")] and made[2][1] == "auto"
+    assert made[2][0].head is eagle.head and eagle.head is not None   # the drafter's draft in fixed shapes
     parallel = DraftHead.for_target(llama).make_parallel(3)
     assert step_backend(cuda, eagle_drafter(llama, parallel)) is None   # unasked; forced, the static step runs it
     auto = AutoDrafter(llama, None, StepCost({1: 0.01}))   # costs given: none measured

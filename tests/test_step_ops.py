@@ -89,8 +89,8 @@ def test_the_fused_layers_are_taken_and_emit_what_the_models_layers_emit(tiny):
     tokens with more launches."""
     head = eagle_head(tiny)
     fused, own = static_engine_for(tiny, head), static_engine_for(tiny, head, fused=False)
-    assert fused.backend._stack is not None and fused.backend._head_layer is not None
-    assert own.backend._stack is None and own.backend._head_layer is None
+    assert fused.backend._stack is not None and fused.backend.draft._layer is not None
+    assert own.backend._stack is None and own.backend.draft._layer is None
     prompt = list(range(5, 30))
     cfg = GenerationConfig(max_new_tokens=20, stop_at_eos=False, tree=TREE)
     assert fused.generate(prompt, cfg).token_ids == own.generate(prompt, cfg).token_ids == \
@@ -106,8 +106,8 @@ def test_an_eagle3_head_runs_fused_and_exact():
     torch.manual_seed(0)
     head = DraftHead.for_target(target, feature_layers=(0, 1, 2), design="eagle3")
     fused, own = static_engine_for(target, head), static_engine_for(target, head, fused=False)
-    assert fused.backend._head_layer is not None and fused.backend._head_layer[0].eagle3 and \
-        own.backend._head_layer is None
+    assert fused.backend.draft._layer is not None and fused.backend.draft._layer[0].eagle3 and \
+        own.backend.draft._layer is None
     prompt = list(range(5, 25))
     cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False, tree=TREE)
     assert fused.generate(prompt, cfg).token_ids == own.generate(prompt, cfg).token_ids == \

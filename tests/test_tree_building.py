@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle_lite.config import TreeConfig
-from eagle_lite.drafters.eagle import grow_tree, grow_tree_steps
+from eagle_lite.drafters.eagle_tree import grow_tree, grow_tree_steps
 from eagle_lite.kernels import RotaryTable
 from eagle_lite.tree import DraftTree, rerank
 

@@ -1,7 +1,7 @@
 """The drafter contract: a `Drafter` proposes a tree of continuations for the target to verify."""
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,12 @@ Proposal = Generator[Any, Any, DraftTree]
 
 @dataclass(frozen=True)
 class FixedShape:
-    """What a drafter hands the fixed-shape step (decoding/static/) to run its steps in its place: the EAGLE head
-    whose tree that step drafts (None: plain decoding), and whether that step is the faster exact one where graphs
-    pay (CUDA; a parallel head's is not)."""
+    """What a drafter hands the fixed-shape step (decoding/static/) to run its steps in its place: `draft(fused)`, which
+    builds the draft in fixed shapes that step runs (an EAGLE head's: drafters/eagle_static.py `StaticDraft`; fused:
+    its layer as one op where a probe agrees), None for plain decoding; and whether that step is the faster exact one
+    where graphs pay (CUDA; a parallel head's is not)."""
 
-    head: Any = None
+    draft: Callable[[bool], Any] | None = None
     preferred: bool = True
 
 

@@ -68,3 +68,20 @@ def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int | torch.Ten
     # expanded one as if its rows shared one row (tests/test_static_step.py)
     mask = (cols < start).repeat(t, 1).index_copy(1, at, visible)
     return mask.view(1, 1, t, cols.numel())
+
+
+def probe_calls(rows: int, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A probe's two calls, (positions, mask, slots) through a 16-slot cache: `rows` rows from slot 0 (causal), then
+    two sibling nodes after them (what the step and the draft check a fused layer or the static cache with)."""
+    zero, at = torch.zeros((), dtype=torch.long, device=device), torch.full((), rows, device=device)
+    ar = torch.arange(rows, device=device)
+    return [(ar, slot_mask(zero, torch.ones(rows, rows, dtype=torch.bool, device=device).tril_(), 16), ar),
+            (at.expand(2), slot_mask(at, torch.eye(2, dtype=torch.bool, device=device), 16),
+             at + torch.arange(2, device=device))]
+
+
+def cache_shape(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, kv_heads, head_dim

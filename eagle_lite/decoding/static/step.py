@@ -2,12 +2,12 @@
 small read-back per step (`StepState.readback`: the accepted length, then the new tokens) and nothing else crossing
 to the host, so that it can be captured in CUDA graphs or compiled with `torch.compile(fullgraph=True)`.
 
-Every host decision of the engine is a tensor op here: slot-indexed caches (static/kv_cache.py), EAGLE-2's tree
-grown by drafters/eagle.py's code (tree.py `Growth`, `rerank`) padded to a bucket (static/tree.py), acceptance by
-`accept_greedy` (argmax, or a draw per tree level: accept.py's rule for deterministic children), the commit one
-fixed-size copy. Unlike the drafter: every level is expanded, min_prob marks nodes invalid instead of dropping them,
-and no prompt-lookup graft. `StaticStep` is a step backend of the engine (`Engine.backend`), which prefills through
-it, stops and counts. docs/gpu.md ("What one step is") has the design, the modes and the GPU commands.
+Every host decision of the engine is a tensor op here: slot-indexed caches (static/kv_cache.py), the draft a
+drafter hands this step (`Drafter.fixed_shape`: an EAGLE head's is drafters/eagle_static.py, the drafter's own tree
+growth with its shapes fixed) placed in a bucket (static/tree.py), acceptance by `accept_greedy` (argmax, or a draw
+per tree level: accept.py's rule for deterministic children), the commit one fixed-size copy. `StaticStep` is a
+step backend of the engine (`Engine.backend`), which prefills through it, stops and counts. docs/gpu.md ("What one
+step is") has the design, the modes and the GPU commands.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -23,11 +23,10 @@ from ...config import STATIC_MODES, GenerationConfig, SamplingConfig, TreeConfig
 from ...kernels.accelerate import stock
 from ...kernels.attention import KEYS, resolve_backend, select_attention
 from ...kv_cache import ContextOverflowError, cache_keyword
-from ...tree import Growth, candidate_parents, log_floor, rerank, top_children
 from ..accept import sample_rows, target_probs
 from ..engine import GenerationStats
-from .kv_cache import DeviceKVCache, slot_mask
-from .stack import RotaryTables, StaticLayer, StaticStack, rms_norm, supported, supported_norm
+from .kv_cache import DeviceKVCache, cache_shape, probe_calls, slot_mask
+from .stack import StaticStack
 from .tree import StaticTree, accept_greedy, bucket_for
 
 log = logging.getLogger("eagle_lite")
@@ -40,44 +39,6 @@ STATIC_BACKENDS = ("sdpa", "gqa")
 
 
 # -- the engine ----------------------------------------------------------------------------------------
-class DraftConstants:
-    """What the draft step reads that depends only on `tree`'s shape (drafted into a bucket of `bucket` nodes) and
-    the draft cache's `slots`, built once per shape: a captured graph reads them where they lie, and a step launches
-    nothing for them. Candidates are numbered from 1 in the order they are drafted (0: the root); W = top_k *
-    (depth - 1) expansion slots, after the draft cache's `main` slots; C candidates, n = total_tokens kept."""
-
-    def __init__(self, tree: TreeConfig, bucket: int, slots: int, device) -> None:
-        k, depth = tree.top_k, tree.depth
-        levels, width, main = depth - 1, max(k * (depth - 1), 1), slots - k * (depth - 1)
-        shape = [(1, k)] + [(k, k)] * levels                       # `Growth.levels`: every frontier holds k nodes
-        cands = sum(nodes * per for nodes, per in shape)
-        kept = min(tree.total_tokens, cands)
-        pad, kk = bucket - 1 - kept, torch.arange(k)
-        own = torch.zeros(max(levels, 1), k, width, dtype=torch.bool)
-        for d in range(levels):
-            own[d, kk, d * k + kk] = True
-        long, flag = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
-        self.read_rows = torch.arange(depth + 1, device=device)                  # [D + 1]
-        self.causal = torch.ones(depth + 1, depth + 1, **flag).tril_()           # [D + 1, D + 1]
-        self.cols, self.main_cols = torch.arange(slots, device=device), torch.arange(main, device=device)
-        self.expansion_levels = torch.arange(max(levels, 1), device=device)     # expansion d's tokens: length + d - 1
-        self.own = own.to(device)                  # [depth - 1, k, W]: expansion d's frontier node i at its slot
-        self.expansion_slots = (main + torch.arange(max(levels, 1))[:, None] * k + kk).to(device)   # [depth - 1, k]
-        self.no_ancestors = torch.zeros(k, width, **flag)                        # [k, W]
-        self.chain_vis = (own[:, 0].long().cumsum(0) > 0).to(device)   # [depth - 1, W]: a parallel head's mask rows
-        self.zero1, self.true1 = torch.zeros(1, **long), torch.ones(1, **flag)
-        self.first = torch.arange(k + 1, device=device)   # the numbers of the root and its children (`tree.Growth`)
-        self.parent_of = torch.tensor(candidate_parents(shape), **long)   # [C] (`Growth.parents`)
-        self.no_slot = torch.zeros(cands + 1, **long)
-        self.tree_nodes = torch.arange(1, kept + 1, device=device)               # [n]: the kept candidates' nodes
-        self.level_of = torch.tensor([d + 1 for d, (nodes, per) in enumerate(shape) for _ in range(nodes * per)],
-                                     **long)                                     # [C] each candidate's depth
-        self.pad_zeros, self.pad_ones = torch.zeros(pad, **long), torch.ones(pad, **long)   # padding: off the root
-        self.valid = torch.arange(bucket, device=device) <= kept                # [B]: the root and the n kept
-        self.eye, self.ones = torch.eye(bucket, **flag), torch.ones(bucket, **flag)
-        self.tree_rows = torch.arange(bucket, device=device)
-
-
 class VerifyConstants:
     """What the verify step reads that depends only on the bucket, the depth and the cache size."""
 
@@ -115,8 +76,9 @@ class StepState:
 
 class StaticStep:
     """The fixed-shape step as the Engine's step backend (`Engine(target, drafter, backend=StaticStep(...))`): plain
-    decoding (head None) or EAGLE with `head`, greedy or sampled. The engine prefills through `prefill`, then asks
-    `step` for each step's tokens; its loop chooses the first token, stops, and counts.
+    decoding (draft None) or the draft a drafter hands it (`FixedShape.draft`: drafters/eagle_static.py `StaticDraft`,
+    its taps, `tree_for`, `prepare`, `prefill`, `draft` and `running`), greedy or sampled. The engine prefills through
+    `prefill`, then asks `step` for each step's tokens; its loop chooses the first token, stops, and counts.
 
     mode: how the steps run. "eager"; "compile" (`torch.compile(fullgraph=True)` with `compile_backend`, inductor
     by default); "cuda-graph" (each step captured once in a `torch.cuda.CUDAGraph` per bucket and replayed); "auto":
@@ -130,7 +92,7 @@ class StaticStep:
     never waits for the host; on a CPU, where nothing runs asynchronously, it would only add a wasted last step).
     """
 
-    def __init__(self, target, head=None, mode: str = "auto", max_len: int | None = None,
+    def __init__(self, target, draft=None, mode: str = "auto", max_len: int | None = None,
                  profile: bool = False, compile_backend: str = "inductor", lookahead: bool | None = None,
                  fused: bool = True) -> None:
         if mode not in MODES:
@@ -140,37 +102,28 @@ class StaticStep:
         if mode == "cuda-graph" and target.device.type != "cuda":
             raise ValueError(f"static step mode {mode!r} captures CUDA graphs; target '{target.name}' is on "
                              f"{target.device} (use 'eager' or 'compile')")
-        self.target, self.head, self.mode, self.profile = target, head, mode, profile
+        self.target, self.draft, self.mode, self.profile = target, draft, mode, profile
         self.compile_backend = compile_backend
         self.lookahead = target.device.type == "cuda" if lookahead is None else lookahead
         self._cache_keyword = cache_keyword(type(target.decoder).forward)   # what the decoder calls its cache
-        self.taps = tuple(getattr(head, "feature_layers", ())) if head is not None else ()
+        self.taps = draft.taps if draft is not None else ()
         if self.taps:
             target.check_taps(self.taps)
-        self._lm_weight = None if head is None else head.output_weight(target.lm_head.weight).detach().contiguous()
         self._fixed_len = max_len
         self._cache: DeviceKVCache | None = None
-        self._draft_cache: DeviceKVCache | None = None
         self._state: StepState | None = None
         self._shape: tuple = ()            # (bucket, depth, top_k, total_tokens, min_prob, sampling) of the state
         self._steps: dict = {}             # (kind, shape) -> the callable that runs that step
         self._pool = None                  # the CUDA graphs' shared memory pool
-        self._draft_consts: DraftConstants | None = None
         self._verify_consts: VerifyConstants | None = None
-        self._warned_lookup = False
         self._sampling, self._generator = SamplingConfig(), None   # the call's (`prefill`)
         self._reads: Iterator[list[int]] | None = None             # each step's read-back (`step`)
         # the target's layers in fewer ops (static/stack.py), where it runs them as the model does; else the model
         self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
-        self._head_layer = None      # (StaticLayer, RotaryTables) of the head's decoder layer, where it is one
-        if fused and head is not None and supported(head.layer):
-            layer = StaticLayer(head.layer, 0)
-            self._head_layer = (layer, RotaryTables(head.rotary, layer))
-        for fused_part, own in (("_stack", "the model's own layers"), ("_head_layer", "the head's own layer")):
-            problem = self._fused_problem(fused_part) if getattr(self, fused_part) is not None else None
-            if problem:
-                log.info("the static step runs %s, not the fused ones: %s", own, problem)
-                setattr(self, fused_part, None)
+        problem = self._fused_problem() if self._stack is not None else None
+        if problem:
+            log.info("the static step runs the model's own layers, not the fused ones: %s", problem)
+            self._stack = None
         self._check_static_forward()
 
     # -- the model calls --------------------------------------------------------------------------
@@ -189,19 +142,9 @@ class StaticStep:
                 stack.callback(model.set_attn_implementation, current)
             if self.mode == "compile":
                 stack.enter_context(stock(model))
-                if self.head is not None:
-                    stack.enter_context(stock(self.head))
+            if self.draft is not None:
+                stack.enter_context(self.draft.running(self.mode == "compile"))
             yield
-
-    def _probe(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """A probe's two calls, (positions, mask, slots) through a 16-slot cache: `rows` rows from slot 0 (causal),
-        then two sibling nodes after them."""
-        dev = self.target.device
-        zero, at, ar = torch.zeros((), dtype=torch.long, device=dev), torch.full((), rows, device=dev), \
-            torch.arange(rows, device=dev)
-        return [(ar, slot_mask(zero, torch.ones(rows, rows, dtype=torch.bool, device=dev).tril_(), 16), ar),
-                (at.expand(2), slot_mask(at, torch.eye(2, dtype=torch.bool, device=dev), 16),
-                 at + torch.arange(2, device=dev))]
 
     def _check_static_forward(self) -> None:
         """Refuse a target that the static step would run wrong: a prompt, then two sibling nodes after it, through
@@ -215,7 +158,7 @@ class StaticStep:
                 want = torch.stack([target.model(input_ids=ids[None]).logits[0, 4],
                                     target.model(input_ids=torch.cat([ids[:4], sibling])[None]).logits[0, -1]])
                 self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
-                prompt, pair = self._probe(4)
+                prompt, pair = probe_calls(4, dev)
                 self._target_forward(ids[:4], *prompt)
                 got = target.logits(self._target_forward(torch.cat([ids[4:5], sibling]), *pair)[0]).float()
             tolerance = 1e-3 if target.dtype == torch.float32 else 3e-2
@@ -228,39 +171,26 @@ class StaticStep:
         if problem:
             raise ValueError(f"target '{target.name}' cannot run the static step: {problem}; use the engine")
 
-    def _fused_problem(self, part: str) -> str | None:
-        """Why the fused layers in `part` ("_stack": the target's, "_head_layer": the head's) cannot stand in for the
-        model's own: None where a prompt (4 tokens; the head: 3 rows) and then two sibling nodes through each way
-        give the same outputs and cache entries (to float rounding, summed over the layers: the products run in
-        other shapes)."""
-        target, dev, fused = self.target, self.target.device, getattr(self, part)
+    def _fused_problem(self) -> str | None:
+        """Why the fused layers (`_stack`) cannot stand in for the model's own: None where a prompt (4 tokens) and
+        then two sibling nodes through each way give the same outputs and cache entries (to float rounding, summed
+        over the layers: the products run in other shapes). The draft probes its own (drafters/eagle_static.py)."""
+        target, dev, fused = self.target, self.target.device, self._stack
         ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
-        if part == "_stack":
-            model, tolerance = target.model, 1e-4
-            tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
-            calls = [(t, *call) for t, call in zip(tokens, self._probe(4))]
-            forward = lambda *call: torch.cat(self._target_forward(*call), dim=-1)   # noqa: E731
-            cache = lambda: DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)   # noqa: E731
-        else:
-            model, tolerance = self.head, 1e-5
-            g = torch.Generator().manual_seed(0)
-            feats = torch.randn(5, (len(self.taps) or 1) * target.hidden_size, generator=g).to(dev, target.dtype)
-            calls = [(feats[rows], ids[rows], *call) for rows, call in zip((slice(0, 3), slice(3, 5)), self._probe(3))]
-            forward = self._head
-            cache = lambda: DeviceKVCache(1, *cache_shape(self.head.config)[1:], 16, self._lm_weight.dtype, dev)  # noqa: E731
-        tolerance = tolerance if target.dtype == torch.float32 else 2e-2
-        saved, outs = (self._cache, self._draft_cache), []
+        tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
+        tolerance = 1e-4 if target.dtype == torch.float32 else 2e-2
+        saved, outs = self._cache, []
         try:
-            with torch.inference_mode(), self.running(), stock(model):   # the model as transformers built it
+            with torch.inference_mode(), self.running(), stock(target.model):   # the model as transformers built it
                 for use in (fused, None):
-                    setattr(self, part, use)
-                    self._cache = self._draft_cache = cache()
-                    outs.append([*(forward(*call) for call in calls), self._cache.kv[..., :6, :]])
+                    self._stack = use
+                    self._cache = DeviceKVCache(*cache_shape(target.config), 16, target.dtype, dev)
+                    outs.append([*(torch.cat(self._target_forward(t, *call), dim=-1)
+                                   for t, call in zip(tokens, probe_calls(4, dev))), self._cache.kv[..., :6, :]])
         except Exception as err:  # noqa: BLE001 (any failure means: run the model's own layers)
             return f"a probe fails ({type(err).__name__}: {err})"
         finally:
-            (self._cache, self._draft_cache) = saved
-            setattr(self, part, fused)
+            self._cache, self._stack = saved, fused
         for mine, own in zip(*outs):
             error = float((mine.float() - own.float()).norm()) / (float(own.float().norm()) + 1e-6)
             log.debug("the fused layers on the probe: relative error %.1e", error)
@@ -295,101 +225,11 @@ class StaticStep:
             return logits.argmax(dim=-1)
         return sample_rows(target_probs(logits, self._sampling), self._state.uniforms[depths])
 
-    def _head(self, feats: torch.Tensor, tokens: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor,
-              slots: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-              embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The draft head over T pairs (feature, next token) at `positions`, written at `slots`: [T, H].
-        rotary: the fused layer's tables at `positions`, where the caller has them already. embeds: the rows'
-        token embeddings in place of `tokens`' (a parallel head's mask rows)."""
-        embeds = self.target.embed_tokens(tokens) if embeds is None else embeds
-        if self._head_layer is not None:       # DraftHead.forward, its layer fused (static/stack.py)
-            layer, tables = self._head_layer
-            x = self.head.layer_input(feats, embeds)
-            return layer(x, rotary if rotary is not None else tables(x, positions), mask, self._draft_cache.kv[0],
-                         slots, embeds)
-        return self.head(feats[None], embeds[None], positions[None], mask, self._draft_cache.writer(slots))[0]
-
-    def _head_top_k(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [R, H] -> (log-probs [R, k], target token ids [R, k]) of the draft's k likeliest next tokens."""
-        norm = getattr(self.head, "norm", None)
-        if self._head_layer is not None and norm is not None and supported_norm(norm):
-            h = rms_norm(norm, h)                                          # logit_features in one op
-        else:
-            h = self.head.logit_features(h)
-        return top_children(h @ self._lm_weight.t(), k, self.head.d2t)
-
     # -- the steps ------------------------------------------------------------------------------------
     def draft_step(self) -> None:
-        """Read the features the last step produced, then grow the tree under the root into `state.tree`.
-
-        The tree grows through `tree.Growth` and is reranked by `tree.rerank`, as drafters/eagle.py grows its own;
-        what differs is only what fixed shapes demand (module docstring). Everything that depends only on the
-        tree's shape is built once in `_prepare` (`DraftConstants`): the expansions write the draft cache at fixed
-        slots past the main region, so their mask is the prefix (one comparison a step) beside their block; the
-        rotary tables of all expansions come from one call.
-
-        A parallel head (`DraftHead.parallel`) runs its depth - 1 mask rows in one more forward instead of the
-        expansions, at the first slot of each expansion level; each level's children are then that row's top-k,
-        whatever their parent (drafters/eagle.py `_parallel_tree`)."""
-        s, c, tree_cfg = self._state, self._draft_consts, self._tree_cfg
-        k, depth = tree_cfg.top_k, tree_cfg.depth
-        parallel = bool(self.head.parallel)
-        # 1. the pairs (f_t, x_{t+1}) of the tokens the last step emitted, at positions length - n ... length - 1
-        start = s.length - s.n
-        at = start + c.read_rows
-        h = self._head(s.feats, s.emitted, at, slot_mask(start, c.causal, c.cols, at), at)   # D+1 H
-        h_root = h.index_select(0, s.n.view(1) - 1)                        # 1 H: predicts the root's feature
-        # 2. the root's children, then depth - 1 expansions of the best-k frontier
-        logp, tokens = self._head_top_k(h_root, k)                         # 1 k
-        growth = Growth(logp[0], logp[0], tokens[0], c.first)
-        front_h = h_root.expand(k, -1)
-        front_anc = c.no_ancestors                                         # k W: ancestors among expansion slots
-        if depth > 1:
-            positions = s.length + c.expansion_levels                      # depth - 1
-            if parallel:    # the mask rows at the next positions, each seeing the committed slots and those before
-                mask = torch.cat([(c.main_cols < s.length).expand(depth - 1, -1), c.chain_vis], dim=1)[None, None]
-                mask_hidden, mask_embeds = self.head.mask_rows(depth - 1, s.feats.dtype)
-                h = self._head(mask_hidden, None, positions, mask, c.expansion_slots[:, 0], embeds=mask_embeds)
-                level_logp, level_tokens = self._head_top_k(h, k)          # depth-1 k
-            else:
-                prefix = (c.main_cols < s.length).expand(k, -1)            # k main: the committed slots
-                rotary = self._head_rotary(s.feats, positions)
-        for d in range(1, depth):
-            if parallel:                                                   # every frontier node: the row's top-k
-                growth.add_top(level_logp[d - 1:d], level_tokens[d - 1:d])
-            else:
-                vis = front_anc | c.own[d - 1]                             # k W: each frontier node and its path
-                mask = torch.cat([prefix, vis], dim=1)[None, None]
-                h = self._head(front_h, growth.front_tokens, positions[d - 1].expand(k), mask,
-                               c.expansion_slots[d - 1],
-                               None if rotary is None else tuple(r[d - 1].expand(k, -1, -1) for r in rotary))   # k H
-                growth.add_top(*self._head_top_k(h, k))                    # k k
-            if d < depth - 1:                                              # the next frontier
-                parent_row = growth.choose(k)
-                if not parallel:
-                    front_h, front_anc = h[parent_row], vis[parent_row]
-        # 3. rerank: the total_tokens best candidates (tree.rerank); min_prob masks the unlikely ones
-        scores = torch.cat(growth.values)
-        kept, parents = rerank(scores, growth.parents(c.parent_of), tree_cfg.total_tokens, c.no_slot, c.tree_nodes)
-        t = s.tree
-        torch.cat([c.zero1, parents, c.pad_zeros], out=t.parents)
-        torch.cat([s.root, torch.cat(growth.tokens)[kept], c.pad_zeros], out=t.tokens)
-        torch.cat([c.zero1, c.level_of[kept], c.pad_ones], out=t.depths)
-        if tree_cfg.min_prob > 0:                                          # unlikely nodes: verified, never accepted
-            torch.cat([c.true1, scores[kept] >= log_floor(tree_cfg.min_prob), c.pad_zeros.bool()], out=t.valid)
-        else:
-            t.valid.copy_(c.valid)
-        t.ancestors.copy_(c.eye)                                           # depth gathers up the parent pointers
-        up = c.tree_rows
-        for _ in range(depth):
-            up = t.parents[up]
-            t.ancestors.index_put_((c.tree_rows, up), c.ones)
-
-    def _head_rotary(self, like: torch.Tensor, positions: torch.Tensor):
-        """The fused head layer's rotary tables at `positions` (None where the head runs its own layer)."""
-        if self._head_layer is None:
-            return None
-        return self._head_layer[1](like, positions)
+        """Grow the draft tree under the root into `state.tree` (the draft's `draft`: drafters/eagle_static.py, the
+        drafter's own growth in fixed shapes)."""
+        self.draft.draft(self._state)
 
     def verify_step(self) -> None:
         """Verify `state.tree` in one target forward, accept its longest path whose every node carries the target's
@@ -464,24 +304,18 @@ class StaticStep:
         return graph.replay
 
     def _prepare(self, need: int, tree: TreeConfig, sampling: SamplingConfig = SamplingConfig()) -> None:
-        """Caches of at least `need` slots and step buffers for `tree` and `sampling`; rebuilt (and graphs
-        recaptured) only when one of them changes."""
+        """Caches of at least `need` slots and step buffers for `tree` and `sampling` (the draft's too); rebuilt (and
+        graphs recaptured) only when one of them changes."""
         target, dev = self.target, self.target.device
-        depth = tree.depth if self.head is not None else 0
-        width = tree.top_k * max(tree.depth - 1, 0) if self.head is not None else 0
+        depth = tree.depth if self.draft is not None else 0
         size = max(self._fixed_len or 0, -(-need // SLOT_BLOCK) * SLOT_BLOCK)
         if self._cache is None or self._cache.slots < size:
             if self._cache is not None:
                 size = max(size, min(2 * self._cache.slots, -(-target.max_context // SLOT_BLOCK) * SLOT_BLOCK))
-            self._cache = self._draft_cache = None   # the old buffers go before the new ones come
+            self._cache = None   # the old buffer goes before the new one comes
             self._cache = DeviceKVCache(*cache_shape(target.config), size, target.dtype, dev)
             self._steps.clear()
-        if self.head is not None and (self._draft_cache is None or self._draft_cache.slots < size + width + depth + 1):
-            _, kv_heads, head_dim = cache_shape(self.head.config)
-            self._draft_cache = DeviceKVCache(1, kv_heads, head_dim, self._cache.slots + width + depth + 1,
-                                              self._lm_weight.dtype, dev)
-            self._steps.clear()
-        bucket = bucket_for(1 + tree.total_tokens) if self.head is not None else 1
+        bucket = bucket_for(1 + tree.total_tokens) if self.draft is not None else 1
         shape = (bucket, depth, tree.top_k, tree.total_tokens, tree.min_prob, sampling)
         self._sampling = sampling
         if shape != self._shape or self._state is None:
@@ -490,15 +324,15 @@ class StaticStep:
                 length=torch.zeros((), dtype=torch.long, device=dev),
                 root=torch.zeros(1, dtype=torch.long, device=dev),
                 readback=torch.zeros(depth + 2, dtype=torch.long, device=dev),
-                feats=None if self.head is None else torch.zeros(depth + 1, features, dtype=target.dtype, device=dev),
+                feats=None if self.draft is None else torch.zeros(depth + 1, features, dtype=target.dtype, device=dev),
                 tree=StaticTree.empty(bucket, dev),
                 uniforms=torch.zeros(depth + 1, dtype=torch.float64, device=dev))
             self._shape = shape
             self._steps.clear()
+        if self.draft is not None and self.draft.prepare(tree, bucket, self._cache.slots, rebuild=not self._steps):
+            self._steps.clear()
         if not self._steps or self._verify_consts is None:                # the graphs read them where they lie
             self._verify_consts = VerifyConstants(bucket, depth, self._cache.slots, dev)
-            if self.head is not None:
-                self._draft_consts = DraftConstants(tree, bucket, self._draft_cache.slots, dev)
 
     def _prefill(self, prompt_ids: list[int], choose: Callable[[torch.Tensor], int] | None = None) -> int:
         """The prompt through the target (and the draft head), eagerly; returns the first new token, `choose` of the
@@ -511,9 +345,8 @@ class StaticStep:
         causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril_()
         hidden, feats = self._target_forward(ids, ar, slot_mask(zero, causal, self._cache.slots), ar)
         first = (choose or self.target.top_token)(hidden[-1])
-        if self.head is not None and p > 1:                                # pairs (f_t, x_{t+1}) for t < p - 1
-            self._head(feats[:-1], ids[1:], ar[:-1], slot_mask(zero, causal[:-1, :-1], self._draft_cache.slots),
-                       ar[:-1])
+        if self.draft is not None:                                         # pairs (f_t, x_{t+1}) for t < p - 1
+            self.draft.prefill(feats[:-1], ids[1:])
         s.length.fill_(p)
         s.root.fill_(first)
         s.readback.zero_()
@@ -538,15 +371,10 @@ class StaticStep:
                 f"this prompt and answer take {len(prompt_ids) + budget} tokens: run without --static (the tree step "
                 f"gives each sliding layer its own window)")
         tree, bucket, depth = cfg.tree, 1, 0
-        if self.head is not None:
-            if tree.lookup and not self._warned_lookup:
-                log.info("the static step drafts without the prompt-lookup graft: tree lookup=%d is ignored",
-                         tree.lookup)
-                self._warned_lookup = True
-            tree = replace(tree, lookup=0)
-            tree = tree.capped(self.head.parallel) if self.head.parallel else tree
+        if self.draft is not None:
+            tree = self.draft.tree_for(tree)
             bucket, depth = bucket_for(1 + tree.total_tokens), tree.depth
-        self._tree_cfg, self._generator = tree, generator
+        self._generator = generator
         # the budget, the last step's tree, and on CUDA one more step queued ahead (`_ahead`)
         self._prepare(len(prompt_ids) + budget + 2 * (bucket + depth + 1), tree, cfg.sampling)
         self._reads = None
@@ -556,7 +384,7 @@ class StaticStep:
         """One draft and verify on the device: the tokens it emits (those of the accepted path, the bonus last).
         `seq.stats` gets the draft and verify times where `profile` is set."""
         if self._reads is None:
-            draft = self._runner("draft") if self.head is not None else None
+            draft = self._runner("draft") if self.draft is not None else None
             verify = self._runner("verify")
             self._reads = self._ahead(draft, verify) if self.lookahead and not self.profile else \
                 self._in_turn(draft, verify, seq.stats)
@@ -618,10 +446,3 @@ def _has_gqa() -> bool:
     except ValueError:
         return False
     return True
-
-
-def cache_shape(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a transformers config."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_hidden_layers, kv_heads, head_dim

@@ -15,6 +15,7 @@ from eagle_lite.config import GenerationConfig, SamplingConfig, TreeConfig
 from eagle_lite.decoding.accept import accept_greedy as walk_greedy
 from eagle_lite.decoding.accept import sample_rows
 from eagle_lite.decoding.engine import Engine
+from eagle_lite.decoding.observer import Observer
 from eagle_lite.decoding.static.kv_cache import slot_mask
 from eagle_lite.decoding.static.step import StaticStep
 from eagle_lite.decoding.static.tree import BUCKETS, StaticTree, accept_greedy, bucket_for, tree_ancestors
@@ -598,3 +599,67 @@ def test_the_step_backend_asks_the_drafter_not_its_method(llama, monkeypatch):
         with pytest.raises(ValueError, match="runs methods eagle and vanilla"):
             step_backend(cuda, drafter, "eager")
     assert step_backend(llama, eagle) is None and len(made) == 3   # a CPU target: the tree step unless forced
+
+
+def test_one_growth_drafts_both_steps(llama, monkeypatch):
+    """The engine's eagle drafter and the fixed-shape step grow their trees by one implementation
+    (drafters/eagle_tree.py `expanded_tree_steps`, the static step's shapes a parameter of it): a spy on the growth
+    it runs sees both, and the fixed-shape draft has no growth or rerank of its own."""
+    from eagle_lite.drafters import eagle_static, eagle_tree
+
+    grown = []
+
+    class Spy(eagle_tree.Growth):
+        def __init__(self, *args):
+            grown.append(caller)
+            super().__init__(*args)
+
+    monkeypatch.setattr(eagle_tree, "Growth", Spy)
+    torch.manual_seed(0)
+    head = DraftHead.for_target(llama)
+    cfg = GenerationConfig(max_new_tokens=6, stop_at_eos=False, tree=TreeConfig(depth=3, top_k=3, total_tokens=8))
+    caller = "engine"
+    engine = eagle_drafter(llama, head, round_head=False)
+    want = Engine(llama, engine).generate([5, 6, 7], cfg).token_ids
+    caller = "static"
+    assert static_engine_for(llama, head).generate([5, 6, 7], cfg).token_ids == want
+    assert "engine" in grown and "static" in grown
+    assert not {"Growth", "rerank", "top_children"} & set(vars(eagle_static))
+
+
+class Watcher(Observer):
+    """Records what an observer is shown."""
+
+    def __init__(self) -> None:
+        self.started, self.steps, self.finished = [], [], 0
+
+    def on_start(self, seq, hidden, features, read_from):
+        self.started.append((hidden.shape[0], features.shape, read_from))
+
+    def on_step(self, seq, step):
+        self.steps.append(step)
+
+    def on_finish(self, seq):
+        self.finished += 1
+
+
+@pytest.mark.parametrize("with_head", [False, True], ids=["vanilla", "eagle"])
+def test_observers_see_the_static_steps(llama, with_head):
+    """Observers fire under the fixed-shape step as under the tree step: the prompt's outputs, each step's tree,
+    accepted path and the target's states at its nodes (the argmax of each path node's state is the token the step
+    emitted after it), and the end, once."""
+    torch.manual_seed(0)
+    engine = static_engine_for(llama, DraftHead.for_target(llama) if with_head else None)
+    watcher = Watcher()
+    engine.observers.append(watcher)
+    prompt = [5, 6, 7, 5, 6]
+    tree = TreeConfig(depth=3, top_k=2, total_tokens=5)
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=12, stop_at_eos=False, tree=tree))
+    assert result.token_ids == reference_greedy(llama, prompt, 12)
+    assert watcher.started == [(len(prompt), (len(prompt), llama.hidden_size), 0)] and watcher.finished == 1
+    assert [t for step in watcher.steps for t in step.tokens] == result.token_ids[1:]
+    for step in watcher.steps:
+        assert step.path[0] == 0 and len(step.path) >= len(step.tokens)
+        assert step.tree.tokens[step.path[1:]].tolist() == step.tokens[:len(step.path) - 1]
+        assert llama.logits(step.hidden[step.path]).argmax(-1).tolist()[:len(step.tokens)] == step.tokens
+        assert len(step.tree) == (1 + tree.total_tokens if with_head else 1) == step.hidden.shape[0]

@@ -188,9 +188,15 @@ class StepBackend(Protocol):
     def running(self) -> contextlib.AbstractContextManager: ...   # around a whole call
 
     def prefill(self, prompt_ids: list[int], cfg: GenerationConfig, budget: int, generator: torch.Generator | None,
-                choose) -> int: ...   # reads the prompt; returns choose(the last prompt token's final hidden state)
+                choose, observed: bool = False) -> int: ...   # reads the prompt; returns choose(the last prompt
+    #                                                         token's final hidden state); observed: keep what follows
 
     def step(self, seq: Sequence) -> list[int]: ...   # one draft + verify: the accepted tokens, the bonus last
+
+    def seen_prompt(self) -> tuple[torch.Tensor, torch.Tensor]: ...   # observed: the prompt's hidden, features
+
+    def seen(self) -> tuple[DraftTree, list[int], torch.Tensor, torch.Tensor]: ...   # the last step's tree, path,
+    #                                                                                 hidden and features
 
 
 class Engine:
@@ -262,7 +268,7 @@ class Engine:
             yield first
             while not seq.done:
                 self._cached_tokens = []  # an interrupted compaction would leave the cache inconsistent
-                out = self.step([seq])[0] if backend is None else seq.advance(backend.step(seq))
+                out = self.step([seq])[0] if backend is None else self._step_on(backend, seq)
                 self._cached_tokens = seq.tokens[:seq.cache.length] if seq.cache is not None else []
                 yield out
 
@@ -275,13 +281,37 @@ class Engine:
         generator = _generator(cfg, self.target.device)
         stats.prompt_tokens, stats.reused_prompt_tokens = len(prompt_ids), 0
         start = time.perf_counter()
+        observers = tuple(self.observers)
         first = backend.prefill(prompt_ids, cfg, budget, generator,
-                                lambda last: first_token(self.target, last, cfg, generator))
+                                lambda last: first_token(self.target, last, cfg, generator), bool(observers))
         stats.target_forwards = 1
         stats.prefill_seconds = time.perf_counter() - start
         eos = self.target.eos_token_ids if cfg.stop_at_eos else set()
-        seq = Sequence(self.drafter, None, cfg, stats, [*prompt_ids, first], None, budget, eos, generator, start)
-        return seq, seq.emit([first])
+        seq = Sequence(self.drafter, None, cfg, stats, [*prompt_ids, first], None, budget, eos, generator, start,
+                       observers)
+        out = seq.emit([first])
+        for observer in observers:
+            observer.on_start(seq, *backend.seen_prompt(), 0)
+            if seq.done:
+                observer.on_finish(seq)
+        return seq, out
+
+    def _step_on(self, backend: StepBackend, seq: Sequence) -> list[int]:
+        """One step of `seq` on a step backend; its observers see it as they see the tree step's (`step`)."""
+        start = time.perf_counter()
+        out = seq.advance(backend.step(seq))
+        if seq.observers:
+            tree, path, hidden, features = backend.seen()
+            self._notify(seq, Step(tree, path, out, hidden, features, 0.0, time.perf_counter() - start))
+        return out
+
+    @staticmethod
+    def _notify(seq: Sequence, step: Step) -> None:
+        """`seq`'s observers see its accepted step (and its end, where it stopped)."""
+        for observer in seq.observers:
+            observer.on_step(seq, step)
+            if seq.done:
+                observer.on_finish(seq)
 
     @torch.inference_mode()
     def begin(self, prompt_ids: list[int], cfg: GenerationConfig = GenerationConfig(),
@@ -402,12 +432,8 @@ class Engine:
             emitted.append(out)
             if seq.observers:
                 draft = stats.draft_seconds - before
-                step = Step(tree, path, out, hidden, features, draft,
-                            draft + (t2 - t1) / len(seqs) + time.perf_counter() - t3)
-                for observer in seq.observers:
-                    observer.on_step(seq, step)
-                    if seq.done:
-                        observer.on_finish(seq)
+                self._notify(seq, Step(tree, path, out, hidden, features, draft,
+                                       draft + (t2 - t1) / len(seqs) + time.perf_counter() - t3))
         return emitted
 
 

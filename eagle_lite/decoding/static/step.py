@@ -23,6 +23,7 @@ from ...config import STATIC_MODES, GenerationConfig, SamplingConfig, TreeConfig
 from ...kernels.accelerate import stock
 from ...kernels.attention import KEYS, resolve_backend, select_attention
 from ...kv_cache import ContextOverflowError, cache_keyword
+from ...tree import DraftTree
 from ..accept import sample_rows, target_probs
 from ..engine import GenerationStats
 from .kv_cache import DeviceKVCache, cache_shape, probe_calls, slot_mask
@@ -59,6 +60,7 @@ class StepState:
     feats: torch.Tensor | None   # [D + 1, F]: target features of the emitted tokens' predecessors (the draft reads)
     tree: StaticTree
     uniforms: torch.Tensor   # [D + 1] float64: sampling's draw at each tree level, drawn before each step
+    seen: Seen | None = None   # what the last verify saw, kept only while observers watch (`StaticStep.seen`)
 
     @property
     def n(self) -> torch.Tensor:
@@ -72,6 +74,16 @@ class StepState:
         """Every buffer but the caches (what a step may change besides the slots past the committed length)."""
         return [self.length, self.root, self.readback, *([self.feats] if self.feats is not None else []),
                 *(getattr(self.tree, f.name) for f in fields(self.tree)), self.uniforms]
+
+
+@dataclass
+class Seen:
+    """The last verify's outputs at the tree's B nodes and its accepted path, kept for observers
+    (decoding/observer.py); a step writes them only while someone watches."""
+
+    hidden: torch.Tensor     # [B, H] the target's last hidden states
+    features: torch.Tensor   # [B, F] the features a draft reads there
+    path: torch.Tensor       # [D + 1] long: the accepted nodes from the root, padded with 0
 
 
 class StaticStep:
@@ -118,6 +130,7 @@ class StaticStep:
         self._verify_consts: VerifyConstants | None = None
         self._sampling, self._generator = SamplingConfig(), None   # the call's (`prefill`)
         self._reads: Iterator[list[int]] | None = None             # each step's read-back (`step`)
+        self._root, self._prompt_read = 0, None                    # what observers are shown (`seen`)
         # the target's layers in fewer ops (static/stack.py), where it runs them as the model does; else the model
         self._stack = StaticStack.build(target.decoder, self.taps) if fused else None
         problem = self._fused_problem() if self._stack is not None else None
@@ -238,8 +251,11 @@ class StaticStep:
         (past them, what it holds is not read)."""
         s, c = self._state, self._verify_consts
         if s.tree.tokens.numel() == 1:                                     # plain decoding: the root alone
-            hidden, _ = self._target_forward(s.root, s.length.view(1), (c.cols <= s.length).view(1, 1, 1, -1),
-                                             s.length.view(1))
+            hidden, feats = self._target_forward(s.root, s.length.view(1), (c.cols <= s.length).view(1, 1, 1, -1),
+                                                 s.length.view(1))
+            if s.seen is not None:
+                s.seen.hidden.copy_(hidden)
+                s.seen.features.copy_(feats)
             s.readback[1:].copy_(self._next(hidden, c.levels))   # levels: [0], the root's
             s.root.copy_(s.readback[1:])
             s.length.add_(1)
@@ -252,6 +268,10 @@ class StaticStep:
         top = self._next(hidden, tree.depths)                             # B: each node's next token
         path, n, bonus = accept_greedy(StaticTree(tokens, tree.parents, tree.depths, tree.ancestors, tree.valid),
                                        top, c.levels.numel() - 1, c.is_root, c.levels)
+        if s.seen is not None:
+            s.seen.hidden.copy_(hidden)
+            s.seen.features.copy_(feats)
+            s.seen.path.copy_(path)
         # commit: the path's entries next to the prefix (slots past length + n are overwritten by the next step)
         self._cache.move(s.length + path, slots[:c.levels.numel()])
         if s.feats is not None:
@@ -303,9 +323,10 @@ class StaticStep:
             fn()
         return graph.replay
 
-    def _prepare(self, need: int, tree: TreeConfig, sampling: SamplingConfig = SamplingConfig()) -> None:
-        """Caches of at least `need` slots and step buffers for `tree` and `sampling` (the draft's too); rebuilt (and
-        graphs recaptured) only when one of them changes."""
+    def _prepare(self, need: int, tree: TreeConfig, sampling: SamplingConfig = SamplingConfig(),
+                 observed: bool = False) -> None:
+        """Caches of at least `need` slots and step buffers for `tree` and `sampling` (the draft's too; `observed`:
+        what each verify saw too, `Seen`); rebuilt (and graphs recaptured) only when one of them changes."""
         target, dev = self.target, self.target.device
         depth = tree.depth if self.draft is not None else 0
         size = max(self._fixed_len or 0, -(-need // SLOT_BLOCK) * SLOT_BLOCK)
@@ -316,7 +337,7 @@ class StaticStep:
             self._cache = DeviceKVCache(*cache_shape(target.config), size, target.dtype, dev)
             self._steps.clear()
         bucket = bucket_for(1 + tree.total_tokens) if self.draft is not None else 1
-        shape = (bucket, depth, tree.top_k, tree.total_tokens, tree.min_prob, sampling)
+        shape = (bucket, depth, tree.top_k, tree.total_tokens, tree.min_prob, sampling, observed)
         self._sampling = sampling
         if shape != self._shape or self._state is None:
             features = len(self.taps) * target.hidden_size if self.taps else target.hidden_size
@@ -326,7 +347,11 @@ class StaticStep:
                 readback=torch.zeros(depth + 2, dtype=torch.long, device=dev),
                 feats=None if self.draft is None else torch.zeros(depth + 1, features, dtype=target.dtype, device=dev),
                 tree=StaticTree.empty(bucket, dev),
-                uniforms=torch.zeros(depth + 1, dtype=torch.float64, device=dev))
+                uniforms=torch.zeros(depth + 1, dtype=torch.float64, device=dev),
+                seen=None if not observed else Seen(
+                    torch.zeros(bucket, target.hidden_size, dtype=target.dtype, device=dev),
+                    torch.zeros(bucket, features, dtype=target.dtype, device=dev),
+                    torch.zeros(depth + 1, dtype=torch.long, device=dev)))
             self._shape = shape
             self._steps.clear()
         if self.draft is not None and self.draft.prepare(tree, bucket, self._cache.slots, rebuild=not self._steps):
@@ -355,15 +380,17 @@ class StaticStep:
         if s.feats is not None:                                            # f_{p-1}: the draft reads it next step
             s.feats.zero_()
             s.feats[0] = feats[-1]
+        self._prompt_read = (hidden, feats) if s.seen is not None else None
         return first
 
     # -- the engine's backend -------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int], cfg: GenerationConfig, budget: int, generator: torch.Generator | None,
-                choose: Callable[[torch.Tensor], int]) -> int:
+                choose: Callable[[torch.Tensor], int], observed: bool = False) -> int:
         """Read the prompt into this step's own caches (sized for `budget` new tokens and `cfg`'s tree) and return
         the first token, `choose` of the last prompt token's final hidden state; the steps after it (`step`) decode
         with `cfg`'s tree (without its prompt-lookup graft; a parallel head's capped to its K) and sampling, drawing
-        from `generator`. Run inside `running()`."""
+        from `generator`. observed: observers watch this call, so the prompt's outputs and each verify's are kept
+        for them (`seen_prompt`, `seen`). Run inside `running()`."""
         window = self.target.window
         if window is not None and len(prompt_ids) + budget > window:   # its masks are one for every layer
             raise ContextOverflowError(
@@ -376,17 +403,35 @@ class StaticStep:
             bucket, depth = bucket_for(1 + tree.total_tokens), tree.depth
         self._generator = generator
         # the budget, the last step's tree, and on CUDA one more step queued ahead (`_ahead`)
-        self._prepare(len(prompt_ids) + budget + 2 * (bucket + depth + 1), tree, cfg.sampling)
+        self._prepare(len(prompt_ids) + budget + 2 * (bucket + depth + 1), tree, cfg.sampling, observed)
         self._reads = None
         return self._prefill(prompt_ids, choose)
+
+    def seen_prompt(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's outputs at the prompt's tokens: (last hidden states [p, H], features [p, F]) (`observed`)."""
+        return self._prompt_read
+
+    def seen(self) -> tuple[DraftTree, list[int], torch.Tensor, torch.Tensor]:
+        """What the last step verified, read back for observers (`observed`): (its tree, without the padding; its
+        accepted path, root first; the target's last hidden states and features at the tree's nodes)."""
+        s = self._state
+        valid = s.tree.valid.tolist()
+        nodes = max(i for i, v in enumerate(valid) if v) + 1            # padding comes after the kept nodes
+        parents = s.tree.parents[:nodes].tolist()
+        tree = DraftTree(torch.cat([s.root.new_tensor([self._root]), s.tree.tokens[1:nodes]]), [-1] + parents[1:])
+        accepted = int(s.readback[0])
+        path = s.seen.path[:accepted].tolist()                          # plain decoding: [0], the root
+        return tree, path, s.seen.hidden[:nodes].clone(), s.seen.features[:nodes].clone()
 
     def step(self, seq) -> list[int]:
         """One draft and verify on the device: the tokens it emits (those of the accepted path, the bonus last).
         `seq.stats` gets the draft and verify times where `profile` is set."""
+        self._root = seq.tokens[-1]
         if self._reads is None:
             draft = self._runner("draft") if self.draft is not None else None
             verify = self._runner("verify")
-            self._reads = self._ahead(draft, verify) if self.lookahead and not self.profile else \
+            ahead = self.lookahead and not self.profile and self._state.seen is None   # observed: each step read
+            self._reads = self._ahead(draft, verify) if ahead else \
                 self._in_turn(draft, verify, seq.stats)
         back = next(self._reads)
         return back[1:1 + back[0]]

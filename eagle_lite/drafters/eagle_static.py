@@ -101,9 +101,8 @@ class StaticDraft:
 
     def prepare(self, tree: TreeConfig, bucket: int, slots: int, rebuild: bool) -> bool:
         """A draft cache beside a target cache of `slots` slots and constants for `tree` placed in a bucket of `bucket`
-        nodes (static/tree.py); rebuilt where `rebuild` (the
-        step's shapes changed) or where they do not fit. Returns whether anything was rebuilt (the step then
-        recaptures its graphs)."""
+        nodes (static/tree.py); rebuilt where `rebuild` (the step's shapes changed) or where they do not fit. Returns
+        whether anything was rebuilt (the step then recaptures its graphs)."""
         dev, width = self.target.device, tree.top_k * max(tree.depth - 1, 0)
         need, changed = slots + width + tree.depth + 1, False
         if self.cache is None or self.cache.slots < need:

@@ -88,8 +88,6 @@ SHAPES = {
     "depth 2, pruned": TreeConfig(depth=2, top_k=2, total_tokens=3),
     "depth 3, pruned, min_prob": TreeConfig(depth=3, top_k=3, total_tokens=5, min_prob=0.02),
     "a chain, min_prob": TreeConfig(depth=3, top_k=1, total_tokens=2, min_prob=0.3),
-    # Q's likeliest token reaches 0.65 after tokens 1, 2, 4 and 5 only: after 0 and 3 the chain drafts nothing
-    "a chain gated by q's likeliest token": TreeConfig(depth=2, top_k=1, total_tokens=2, min_prob=0.65),
 }
 
 
@@ -97,7 +95,7 @@ SHAPES = {
 def test_sampled_trees_keep_the_targets_law(shape):
     counts, per_step = decode_pairs(lambda root, g: q_tree(root, shape, TEMPERATURE, g), TEMPERATURE)
     assert_exact(counts, exact_pairs(TEMPERATURE), N_DRAWS)
-    assert per_step > 1.1                     # drafted tokens were accepted: the rejection branches all ran
+    assert per_step > 1.2                     # drafted tokens were accepted: the rejection branches all ran
 
 
 @pytest.mark.parametrize("chain", [[1, 2], [3, 0, 4]])
@@ -134,28 +132,6 @@ def top_k_with_q_rows(root: int, shape: TreeConfig, sampling: SamplingConfig, g:
     return DraftTree(tree.tokens, tree.parents, rows)
 
 
-def test_a_chain_drafts_nothing_where_q_cannot_reach_min_prob():
-    """The gate is decided before the draw: after token 0 (Q's likeliest 0.60) nothing is drafted at min_prob 0.65;
-    after token 4 (0.80) a node is."""
-    shape = SHAPES["a chain gated by q's likeliest token"]
-    g = torch.Generator().manual_seed(0)
-    assert len(q_tree(0, shape, TEMPERATURE, g)) == 1 and len(q_tree(4, shape, TEMPERATURE, g)) > 1
-
-
-def test_negative_control_a_gate_on_the_drawn_token_fails():
-    """The inexact gate: draw the chain's node, then drop it where its own q is below 0.65 (whether it is drafted
-    then depends on its draw)."""
-    def gated_after(root: int, g: torch.Generator) -> DraftTree:
-        tree = q_tree(root, TreeConfig(depth=1, top_k=1, total_tokens=1), TEMPERATURE, g)
-        if len(tree) > 1 and float(Q[root, int(tree.tokens[1])]) < 0.65:
-            return DraftTree(tree.tokens[:1], [-1])
-        return tree
-
-    counts, _ = decode_pairs(gated_after, TEMPERATURE)
-    with pytest.raises(AssertionError):
-        assert_exact(counts, exact_pairs(TEMPERATURE), N_DRAWS)
-
-
 def test_negative_control_deterministic_children_with_q_rows_fail():
     shape = TreeConfig(depth=2, top_k=2, total_tokens=3)
     counts, _ = decode_pairs(lambda root, g: top_k_with_q_rows(root, shape, TEMPERATURE, g), TEMPERATURE)
@@ -165,7 +141,7 @@ def test_negative_control_deterministic_children_with_q_rows_fail():
 def test_negative_control_ranking_drawn_children_by_their_own_probability_fails(monkeypatch):
     """EAGLE-2's rank (a node's own path probability) over drawn children: the pruning keeps the likelier of the
     draws, which are then no longer distributed as q."""
-    monkeypatch.setattr(eagle_module, "sampled_values", lambda parent_cum, p, *_: (parent_cum[:, None] + p.log(),) * 2)
+    monkeypatch.setattr(eagle_module, "sampled_values", lambda parent_cum, p: (parent_cum[:, None] + p.log(),) * 2)
     shape = TreeConfig(depth=1, top_k=3, total_tokens=1)
     counts, _ = decode_pairs(lambda root, g: q_tree(root, shape, TEMPERATURE, g), TEMPERATURE)
     assert tv(counts, exact_pairs(TEMPERATURE), N_DRAWS) > 2 * TV_BOUND

@@ -27,15 +27,15 @@ from ..tree import (
 )
 
 
-def _draw(logits: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None,
-          q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _draw(logits: torch.Tensor, k: int, sampling: SamplingConfig,
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: [R, V_draft] -> (q [R, V_draft]: the draft's sampling distribution, temperature / top-k / top-p
     applied as to the target's; p [R, k]: the q of each token drawn; ids [R, k]: k tokens drawn from each row
     without replacement, in draw order). One token (k = 1, the CPU tree): the inverse of q's CDF at a uniform draw,
     as accept.sample. Several: Gumbel-top-k, the order of log q - log E (E ~ Exp(1), i.e. log q plus Gumbel noise)
     being that of successive draws, each from q with the earlier ones removed. Where q has fewer than k possible
     tokens, the slots past them hold no draw (p = 0). Uniforms are float64: no token's share is lost to rounding."""
-    q = target_probs(logits, sampling) if q is None else q   # R V_draft (q: where the caller has it)
+    q = target_probs(logits, sampling)                       # R V_draft
     u = torch.rand(q.shape[0], 1 if k == 1 else q.shape[1], generator=generator, dtype=torch.float64,
                    device=q.device)
     if k == 1:
@@ -50,21 +50,15 @@ def _draw(logits: torch.Tensor, k: int, sampling: SamplingConfig, generator: tor
     return q, p, ids
 
 
-def sampled_values(parent_cum: torch.Tensor, p: torch.Tensor, q: torch.Tensor, ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """parent_cum [R] (log path probabilities), p [R, k] (the q of each child drawn, in draw order), q [R, V_draft]
-    (the distributions drawn from), ids [R, k] (the draws) -> (values, cum) [R, k]. Child i's value: its parent's path
-    probability times the largest q among the tokens not drawn before it (the most its own path could be): it
-    depends on the parent and the earlier siblings, never on the child's own token, and it never exceeds the
-    parent's value nor an earlier sibling's (the rerank keeps a connected tree whose siblings are a prefix of the
-    draw order; min_prob drops a child that could not reach it, decided before its draw). A child's cum is its
-    parent's times its own q, capped at its value; -inf for slots that hold no draw."""
-    k = ids.shape[1]
-    top, order = q.topk(min(k + 1, q.shape[-1]), dim=-1)                  # R m: at most i of them drawn before i
-    taken = order[:, None, :] == ids[:, :, None]                          # R k m: draw j is the m-th likeliest
-    gone = (taken.cumsum(1) - taken.long()) > 0                           # R k m: drawn before slot i
-    best = torch.where(gone, 0.0, top[:, None, :]).amax(-1)               # R k: the likeliest left at slot i
-    values = parent_cum[:, None] + best.clamp_min(1e-30).log()
+def sampled_values(parent_cum: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parent_cum [R] (log path probabilities), p [R, k] (the q of each child drawn, in draw order) -> (values,
+    cum) [R, k]. Child i's value: its parent's path probability times the mass not drawn before it, 1 - sum of p
+    over siblings 0..i-1: it depends on the parent and the earlier siblings, never on the child's own token, and
+    it never exceeds the parent's value nor an earlier sibling's (the rerank keeps a connected tree whose siblings
+    are a prefix of the draw order). A child's cum is its parent's times its own q, capped at its value; -inf for
+    slots that hold no draw."""
+    drawn_before = torch.nn.functional.pad(p.cumsum(-1)[:, :-1], (1, 0))   # exclusive: monotone as floats too
+    values = parent_cum[:, None] + (1.0 - drawn_before).clamp_min(1e-30).log()
     values = values.masked_fill(p <= 0, -math.inf)
     cum = torch.minimum(parent_cum[:, None] + p.log(), values)
     return values, cum
@@ -129,7 +123,7 @@ def expanded_tree_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, 
     def drawn(logits: torch.Tensor, parent_cum: torch.Tensor):
         q, p, ids = _draw(logits, k, sampling, generator)
         dists.append(q)
-        values, cum = sampled_values(parent_cum, p, q, ids)
+        values, cum = sampled_values(parent_cum, p)
         return values, cum, ids if vocab is None else vocab[ids]
 
     if sampled:
@@ -219,11 +213,7 @@ def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, 
     """`grow_tree_steps` for a sampled tree of top_k 1 (the CPU's chains), in a few ops a depth: one token drawn from
     q after each node, the same draws and the same tree as the expansion and rerank give. Along a chain a node's
     value is its parent's path probability, so expansion stops after a node whose path falls below min_prob, every
-    node drawn reaches it, and the rerank keeps the first total_tokens of them.
-
-    With min_prob, a node is kept only where its value reaches it: its parent's path probability times q's likeliest
-    token there (known before the draw, so whether the node is drafted never depends on its own draw and acceptance
-    stays exact). A flat q (a head that cannot tell) drafts nothing: the step is a plain one."""
+    node drawn reaches it, and the rerank keeps the first total_tokens of them."""
     dev = root_logits.device
     floor = log_floor(tree.min_prob)
     row = torch.zeros(1, dtype=torch.long, device=dev)   # the one frontier node's row in each expansion's output
@@ -231,11 +221,8 @@ def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, 
     cum, logits = torch.zeros(1, device=dev), root_logits
     while True:
         q, p, ids = _draw(logits, 1, sampling, generator)
-        value = cum + q.max().clamp_min(1e-30).log()            # sampled_values' value of the one child
-        if tree.min_prob > 0 and float(value) < floor:
-            break                                              # its likeliest token could not reach min_prob
         dists.append(q)
-        cum = torch.minimum(cum + p[0].log(), value)           # sampled_values' cum of the one child
+        cum = torch.minimum(cum + p[0].log(), cum)             # sampled_values' cum of the one child
         token = ids[0] if vocab is None else vocab[ids[0]]
         tokens.append(int(token))
         scores.append(float(cum))
@@ -243,8 +230,6 @@ def sampled_chain_steps(root: int, root_logits: torch.Tensor, tree: TreeConfig, 
             break
         logits = yield row, token
     kept = min(len(tokens) - 1, tree.total_tokens)
-    if kept == 0:
-        return DraftTree(torch.tensor([root], device=dev), [-1], scores=[0.0])
     tokens, scores = tokens[:kept + 1], scores[:kept + 1]
     parents = list(range(-1, kept))
     # node j was drawn from dists[j - 1], the q after its parent: its source row is its parent's index

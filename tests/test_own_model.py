@@ -168,6 +168,24 @@ def test_the_estimate_is_printed_and_written_before_the_stages_and_counts_what_i
     assert again["features"]["what"] == "cached" and again["fit"]["seconds"] > 0
 
 
+def test_once_answered_the_estimate_counts_the_answers_own_tokens(tmp_path):
+    """Answers written count as they are, not at their most: the features stage of a fresh feature folder is sized
+    by the tokens the distill folder holds."""
+    from trainers.distill import DistillSummary, summarize
+    from trainers.estimate import Probe, estimate
+    from trainers.targets import TargetConfig, build_target
+    from trainers.train import data_sources, train
+
+    train(tiny_train_config(tmp_path, "stop_after=distill"))
+    cfg = tiny_train_config(tmp_path, f"paths.features={tmp_path / 'fresh'}")
+    target = build_target(TargetConfig(kind="tiny", name="tiny"))
+    sources = data_sources(cfg)
+    held = summarize(Path(sources[0].distill), DistillSummary(Path(sources[0].distill)))
+    stages = {s.stage: s for s in estimate(cfg, target, sources, (), Probe(0.01, 8, 1e-4, 0.01, 1024))}
+    assert stages["distill"].what == "nothing to answer"
+    assert held.records > 0 and stages["features"].what == f"~{held.tokens:,} tokens through the target"
+
+
 # -- the closing summary ----------------------------------------------------------------------------------------------
 def test_the_summary_warns_of_a_small_validation_split_and_names_the_next_commands(tmp_path):
     from trainers.next_steps import closing

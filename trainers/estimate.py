@@ -128,17 +128,15 @@ def probe(cfg, target, taps: tuple[int, ...]) -> Probe:
                      fit_row_s=_fit_row(cfg, target, taps, row), row_tokens=row)
 
 
-def _answered(folder: Path, start_from: str | None) -> int:
-    """The answers a source's distill folder holds, or would take from its committed start_from."""
+def _answered(folder: Path, start_from: str | None):
+    """What a source's distill folder holds, or would take from its committed start_from (`distill.DistillSummary`:
+    records, skipped prompts, their tokens)."""
     from .distill import DistillSummary, start_from_folder, summarize
 
-    def done(where: Path) -> int:   # answered, or skipped (a prompt too long): either way not to answer again
-        summary = summarize(where, DistillSummary(where))
-        return summary.records + summary.skipped
-
-    held = done(folder) if folder.is_dir() else 0
+    held = summarize(folder, DistillSummary(folder)) if folder.is_dir() else DistillSummary(folder)
     if start_from and start_from_folder(start_from).is_dir():
-        held = max(held, done(start_from_folder(start_from)))
+        committed = summarize(start_from_folder(start_from), DistillSummary(start_from_folder(start_from)))
+        held = max(held, committed, key=lambda summary: summary.records + summary.skipped)
     return held
 
 
@@ -196,7 +194,8 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
         available = _available(s)
         limit = limit if available is None else min(limit, available)
         turns = int(s.get("max_turns", 1)) if s.get("multi_turn") else 1
-        answered = _answered(Path(source.distill), s.get("start_from"))
+        held = _answered(Path(source.distill), s.get("start_from"))
+        answered = held.records + held.skipped   # or skipped (a prompt too long): either way not to answer again
         if s["source"] == "recorded":   # answers as they were served: nothing generated, as many as were recorded
             limit = min(limit, answered)
             per_item, generated = min(PROMPT_TOKENS + int(s["max_new_tokens"]), max_len), 0
@@ -218,10 +217,14 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
             redraws = max(redraws, resolved(target, s["source"], dict(s.get("resample") or {}))["tries"])
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s
-        tokens += limit * per_item
-        sequences += limit
+        # the answers already written count as they are, those still to write at their most
+        done = min(held.records, limit - left)
+        done_tokens = held.tokens * done // held.records if held.records else 0
+        done_tokens = min(done_tokens, done * max_len)
+        tokens += done_tokens + left * per_item
+        sequences += done + left
         cached, complete = _cached(Path(source.features))
-        tokens_left += 0 if complete and not left else max(limit * per_item - cached, 0)
+        tokens_left += 0 if complete and not left else max(done_tokens + left * per_item - cached, 0)
     loader = cfg.data.loader
     train_tokens = tokens * (1 - float(loader.val_percent) / 100)
     steps_per_epoch = max(math.ceil(sequences * (1 - float(loader.val_percent) / 100) / int(loader.batch_size)), 1)

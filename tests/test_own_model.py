@@ -168,6 +168,22 @@ def test_the_estimate_is_printed_and_written_before_the_stages_and_counts_what_i
     assert again["features"]["what"] == "cached" and again["fit"]["seconds"] > 0
 
 
+@pytest.mark.parametrize("backend", ["auto", "generate"])
+def test_the_distill_probe_times_the_backend_that_answers(tmp_path, monkeypatch, backend):
+    """On a CPU the distill stage answers through eagle_lite's engine (data.distill.backend auto): the probe times a
+    plain step of the engine's batch, not transformers' forward; backend generate times that forward."""
+    from trainers import estimate as estimate_module
+    from trainers.targets import TargetConfig, build_target
+
+    timed = []
+    for name in ("_engine_step", "_decode_step"):
+        real = getattr(estimate_module, name)
+        monkeypatch.setattr(estimate_module, name, lambda *a, _n=name, _f=real: timed.append(_n) or _f(*a))
+    cfg = tiny_train_config(tmp_path, f"++data.distill.backend={backend}")
+    probe = estimate_module.probe(cfg, build_target(TargetConfig(kind="tiny", name="tiny")), ())
+    assert timed == (["_engine_step"] if backend == "auto" else ["_decode_step"]) and probe.decode_step_s > 0
+
+
 def test_once_answered_the_estimate_counts_the_answers_own_tokens(tmp_path):
     """Answers written count as they are, not at their most: the features stage of a fresh feature folder is sized
     by the tokens the distill folder holds."""

@@ -1,10 +1,11 @@
 """Before any stage runs: about how long each stage of a training run takes on this machine, and how much disk it fills.
 
-A probe of the target measures what the stages repeat (`probe`, a few seconds): one decode step of
-`data.distill.batch_size` answers (distill), one batched forward over whole sequences, as the feature cache runs it
-(features), and one training step of a fresh head on a loader row (fit). `estimate` multiplies them by the run's
-sizes; work a folder already holds (answers, cached features, a finished fit) counts as done. The table is printed
-and written to the run folder (estimate.json), and the run's summary sets the measured seconds beside it.
+A probe of the target measures what the stages repeat (`probe`, a few seconds): one plain decode step of
+`data.distill.batch_size` answers through the backend that answers, and each prompt's read (distill), one batched
+forward over whole sequences, as the feature cache runs it (features), and one training step of a fresh head on a
+loader row (fit). `estimate` multiplies them by the run's sizes; work a folder already holds (answers, cached
+features, a finished fit) counts as done. The table is printed and written to the run folder (estimate.json), and
+the run's summary sets the measured seconds beside it.
 
 Sizes are upper bounds where the data decides them: every answer is counted at data.distill.max_new_tokens (a
 model that ends its answers earlier takes less), a ShareGPT prompt at ~90 tokens (the mean first prompt with a
@@ -59,6 +60,21 @@ def _timed(fn, repeats: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+@torch.inference_mode()
+def _engine_step(target, batch: int, context: int) -> float:
+    """One plain step of `batch` sequences through eagle_lite's engine, as the distill stage's engine backend decodes
+    (its native CPU kernels; an answer's speculative steps emit more than one token, so this is an upper bound)."""
+    from eagle_lite.config import GenerationConfig
+    from eagle_lite.decoding.drafter import NoDrafter
+    from eagle_lite.pipeline import engine_for
+
+    engine = engine_for(target, "vanilla")
+    cfg = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    prompts = torch.randint(0, target.vocab_size, (batch, context)).tolist()
+    seqs = [seq for seq, _ in engine.begin_all([(p, cfg, NoDrafter(), None) for p in prompts])]
+    return _timed(lambda: engine.step(seqs))
 
 
 @torch.inference_mode()
@@ -122,8 +138,12 @@ def probe(cfg, target, taps: tuple[int, ...]) -> Probe:
     batch = int(cfg.data.distill.batch_size)
     length = min(PROMPT_TOKENS + int(cfg.data.distill.max_new_tokens), int(cfg.data.features.max_len))
     row = int(cfg.data.loader.max_len) if cfg.data.loader.pack else length
+    from .answering import resolve_backend
+
+    engine = resolve_backend(str(cfg.data.distill.get("backend", "auto")), target) == "engine"
     with torch.random.fork_rng(devices=[]):   # the run's seeded random state stays as the stages expect it
-        return Probe(decode_step_s=_decode_step(target, batch, PROMPT_TOKENS), batch=batch,
+        step = (_engine_step if engine else _decode_step)(target, batch, PROMPT_TOKENS)
+        return Probe(decode_step_s=step, batch=batch,
                      forward_token_s=_forward(target, int(cfg.data.features.batch_size), length, taps),
                      fit_row_s=_fit_row(cfg, target, taps, row), row_tokens=row)
 
@@ -217,6 +237,8 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
             redraws = max(redraws, resolved(target, s["source"], dict(s.get("resample") or {}))["tries"])
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s
+        if s["source"] not in ("recorded", "sharegpt_text"):    # each prompt read once, as the features stage reads
+            distill_s += left * max(per_item - generated, 0) * measured.forward_token_s
         # the answers already written count as they are, those still to write at their most
         done = min(held.records, limit - left)
         done_tokens = held.tokens * done // held.records if held.records else 0

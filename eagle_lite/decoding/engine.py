@@ -297,7 +297,8 @@ class Engine:
         return seq, out
 
     def _step_on(self, backend: StepBackend, seq: Sequence) -> list[int]:
-        """One step of `seq` on a step backend; its observers see it as they see the tree step's (`step`)."""
+        """One step of `seq` on a step backend; its observers see it as they see the tree step's (`step`), its draft
+        not timed apart (`Step.draft_seconds` 0: the backend runs draft and verify as one)."""
         start = time.perf_counter()
         out = seq.advance(backend.step(seq))
         if seq.observers:

@@ -290,10 +290,8 @@ class Engine:
         seq = Sequence(self.drafter, None, cfg, stats, [*prompt_ids, first], None, budget, eos, generator, start,
                        observers)
         out = seq.emit([first])
-        for observer in observers:
-            observer.on_start(seq, *backend.seen_prompt(), 0)
-            if seq.done:
-                observer.on_finish(seq)
+        if observers:
+            self._notify_start(seq, *backend.seen_prompt(), 0)
         return seq, out
 
     def _step_on(self, backend: StepBackend, seq: Sequence) -> list[int]:
@@ -305,6 +303,14 @@ class Engine:
             tree, path, hidden, features = backend.seen()
             self._notify(seq, Step(tree, path, out, hidden, features, 0.0, time.perf_counter() - start))
         return out
+
+    @staticmethod
+    def _notify_start(seq: Sequence, hidden: torch.Tensor, features: torch.Tensor, read_from: int) -> None:
+        """`seq`'s observers see its prefill (and its end, where its first token stopped it)."""
+        for observer in seq.observers:
+            observer.on_start(seq, hidden, features, read_from)
+            if seq.done:
+                observer.on_finish(seq)
 
     @staticmethod
     def _notify(seq: Sequence, step: Step) -> None:
@@ -379,10 +385,7 @@ class Engine:
             seq = Sequence(s.drafter, cache, s.cfg, stats, list(s.prompt_ids) + [first], features, budget, eos,
                            generator, start, tuple(self.observers))
             begun.append((seq, seq.emit([first])))
-            for observer in seq.observers:
-                observer.on_start(seq, hidden, read, read_from)
-                if seq.done:
-                    observer.on_finish(seq)
+            self._notify_start(seq, hidden, read, read_from)
         return begun
 
     @torch.inference_mode()

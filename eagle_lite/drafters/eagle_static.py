@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from ..config import TreeConfig
-from ..decoding.static.kv_cache import DeviceKVCache, cache_shape, probe_calls, slot_mask
+from ..decoding.static.kv_cache import DeviceKVCache, cache_shape, probe_calls, probe_error, probe_ids, slot_mask
 from ..decoding.static.stack import RotaryTables, StaticLayer, rms_norm, supported, supported_norm
 from ..kernels.accelerate import stock
 from ..tree import FixedGrowth, FixedTree
@@ -35,12 +35,13 @@ class DraftConstants:
     def __init__(self, tree: TreeConfig, bucket: int, slots: int, device) -> None:
         k, depth = tree.top_k, tree.depth
         levels, width, main = depth - 1, max(k * (depth - 1), 1), slots - k * (depth - 1)
-        pad, kk = bucket - 1 - min(tree.total_tokens, k + k * k * levels), torch.arange(k)
+        kk = torch.arange(k)
         own = torch.zeros(max(levels, 1), k, width, dtype=torch.bool)
         for d in range(levels):
             own[d, kk, d * k + kk] = True
         long, flag = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
         self.growth = FixedGrowth.of(tree, device)
+        pad = bucket - 1 - self.growth.tree_nodes.numel()             # the bucket's nodes past the root and those kept
         self.read_rows = torch.arange(depth + 1, device=device)                  # [D + 1]
         self.causal = torch.ones(depth + 1, depth + 1, **flag).tril_()           # [D + 1, D + 1]
         self.cols, self.main_cols = torch.arange(slots, device=device), torch.arange(main, device=device)
@@ -214,7 +215,7 @@ class StaticDraft:
         through each way give the same outputs and cache entries (to float rounding: the products run in other
         shapes)."""
         target, dev, fused = self.target, self.target.device, self._layer
-        ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
+        ids = probe_ids(target.vocab_size, dev)
         g = torch.Generator().manual_seed(0)
         feats = torch.randn(5, (len(self.taps) or 1) * target.hidden_size, generator=g).to(dev, target.dtype)
         calls = [(feats[rows], ids[rows], *call) for rows, call in zip((slice(0, 3), slice(3, 5)),
@@ -231,9 +232,6 @@ class StaticDraft:
             return f"a probe fails ({type(err).__name__}: {err})"
         finally:
             self.cache, self._layer = saved, fused
-        for mine, own in zip(*outs):
-            error = float((mine.float() - own.float()).norm()) / (float(own.float().norm()) + 1e-6)
-            log.debug("the fused head layer on the probe: relative error %.1e", error)
-            if error > tolerance:
-                return f"it computes something else on a probe (relative error {error:.1e})"
-        return None
+        error = probe_error(*outs)
+        log.debug("the fused head layer on the probe: relative error %.1e", error)
+        return f"it computes something else on a probe (relative error {error:.1e})" if error > tolerance else None

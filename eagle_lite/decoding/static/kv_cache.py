@@ -70,6 +70,17 @@ def slot_mask(start: torch.Tensor, visible: torch.Tensor, slots: int | torch.Ten
     return mask.view(1, 1, t, cols.numel())
 
 
+def probe_ids(vocab_size: int, device) -> torch.Tensor:
+    """The 6 token ids a probe of the static step reads, spread over the vocabulary."""
+    return (torch.arange(6, device=device) * 7919 + 3) % vocab_size
+
+
+def probe_error(mine: list[torch.Tensor], own: list[torch.Tensor]) -> float:
+    """The largest relative error of a probe's outputs computed one way (`mine`) against the model's own (`own`),
+    pair by pair."""
+    return max(float((a.float() - b.float()).norm()) / (float(b.float().norm()) + 1e-6) for a, b in zip(mine, own))
+
+
 def probe_calls(rows: int, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A probe's two calls, (positions, mask, slots) through a 16-slot cache: `rows` rows from slot 0 (causal), then
     two sibling nodes after them (what the step and the draft check a fused layer or the static cache with)."""

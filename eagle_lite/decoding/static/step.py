@@ -26,7 +26,7 @@ from ...kv_cache import ContextOverflowError, cache_keyword
 from ...tree import DraftTree
 from ..accept import sample_rows, target_probs
 from ..engine import GenerationStats
-from .kv_cache import DeviceKVCache, cache_shape, probe_calls, slot_mask
+from .kv_cache import DeviceKVCache, cache_shape, probe_calls, probe_error, probe_ids, slot_mask
 from .stack import StaticStack
 from .tree import StaticTree, accept_greedy, bucket_for
 
@@ -84,6 +84,13 @@ class Seen:
     hidden: torch.Tensor     # [B, H] the target's last hidden states
     features: torch.Tensor   # [B, F] the features a draft reads there
     path: torch.Tensor       # [D + 1] long: the accepted nodes from the root, padded with 0
+
+    def keep(self, hidden: torch.Tensor, features: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """Copy a verify's outputs in (path None: plain decoding's, the root alone)."""
+        self.hidden.copy_(hidden)
+        self.features.copy_(features)
+        if path is not None:
+            self.path.copy_(path)
 
 
 class StaticStep:
@@ -163,7 +170,7 @@ class StaticStep:
         """Refuse a target that the static step would run wrong: a prompt, then two sibling nodes after it, through
         the static cache, must give the target's own full forwards' logits (as `Target._check_tree_forward`)."""
         target, dev = self.target, self.target.device
-        ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
+        ids = probe_ids(target.vocab_size, dev)
         sibling = (ids[4:5] + 1) % target.vocab_size
         saved, problem = self._cache, None
         try:
@@ -189,7 +196,7 @@ class StaticStep:
         then two sibling nodes through each way give the same outputs and cache entries (to float rounding, summed
         over the layers: the products run in other shapes). The draft probes its own (drafters/eagle_static.py)."""
         target, dev, fused = self.target, self.target.device, self._stack
-        ids = (torch.arange(6, device=dev) * 7919 + 3) % target.vocab_size
+        ids = probe_ids(target.vocab_size, dev)
         tokens = [ids[:4], torch.cat([ids[4:5], (ids[4:5] + 1) % target.vocab_size])]
         tolerance = 1e-4 if target.dtype == torch.float32 else 2e-2
         saved, outs = self._cache, []
@@ -204,12 +211,9 @@ class StaticStep:
             return f"a probe fails ({type(err).__name__}: {err})"
         finally:
             self._cache, self._stack = saved, fused
-        for mine, own in zip(*outs):
-            error = float((mine.float() - own.float()).norm()) / (float(own.float().norm()) + 1e-6)
-            log.debug("the fused layers on the probe: relative error %.1e", error)
-            if error > tolerance:
-                return f"they compute something else on a probe (relative error {error:.1e})"
-        return None
+        error = probe_error(*outs)
+        log.debug("the fused layers on the probe: relative error %.1e", error)
+        return f"they compute something else on a probe (relative error {error:.1e})" if error > tolerance else None
 
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                         slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,8 +258,7 @@ class StaticStep:
             hidden, feats = self._target_forward(s.root, s.length.view(1), (c.cols <= s.length).view(1, 1, 1, -1),
                                                  s.length.view(1))
             if s.seen is not None:
-                s.seen.hidden.copy_(hidden)
-                s.seen.features.copy_(feats)
+                s.seen.keep(hidden, feats)
             s.readback[1:].copy_(self._next(hidden, c.levels))   # levels: [0], the root's
             s.root.copy_(s.readback[1:])
             s.length.add_(1)
@@ -269,9 +272,7 @@ class StaticStep:
         path, n, bonus = accept_greedy(StaticTree(tokens, tree.parents, tree.depths, tree.ancestors, tree.valid),
                                        top, c.levels.numel() - 1, c.is_root, c.levels)
         if s.seen is not None:
-            s.seen.hidden.copy_(hidden)
-            s.seen.features.copy_(feats)
-            s.seen.path.copy_(path)
+            s.seen.keep(hidden, feats, path)
         # commit: the path's entries next to the prefix (slots past length + n are overwritten by the next step)
         self._cache.move(s.length + path, slots[:c.levels.numel()])
         if s.feats is not None:

@@ -65,7 +65,7 @@ def _timed(fn, repeats: int = 3) -> float:
 @torch.inference_mode()
 def _engine_step(target, batch: int, context: int) -> float:
     """One plain step of `batch` sequences through eagle_lite's engine, as the distill stage's engine backend decodes
-    (its native CPU kernels; an answer's speculative steps emit more than one token, so this is an upper bound)."""
+    (its native CPU kernels; its speculative steps cost more than a plain one and emit more tokens)."""
     from eagle_lite.config import GenerationConfig
     from eagle_lite.decoding.drafter import NoDrafter
     from eagle_lite.pipeline import engine_for
@@ -237,7 +237,7 @@ def estimate(cfg, target, sources, taps: tuple[int, ...], measured: Probe) -> li
             redraws = max(redraws, resolved(target, s["source"], dict(s.get("resample") or {}))["tries"])
         new_tokens += left * generated
         distill_s += math.ceil(left / measured.batch) * generated * measured.decode_step_s
-        if s["source"] not in ("recorded", "sharegpt_text"):    # each prompt read once, as the features stage reads
+        if generated:                                          # each prompt answered is read once, batched
             distill_s += left * max(per_item - generated, 0) * measured.forward_token_s
         # the answers already written count as they are, those still to write at their most
         done = min(held.records, limit - left)
